@@ -1,0 +1,58 @@
+"""``lab``: the command line.
+
+Each subcommand lives in ``lab/commands/<name>.py`` and exposes ``add_arguments(parser)``
+and ``run(args) -> int``. Errors a user can hit are raised as :class:`LabError` and
+printed as one line, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (name, one-line help): the order is the order of `lab --help`.
+COMMANDS: list[tuple[str, str]] = [
+    ("model", "print a preset's layer map (region, ratio, mode, shared source)"),
+    ("kv", "KV cache bytes per token and per-sequence state for a preset"),
+    ("bench", "compile, check and time one tile against its torch reference"),
+    ("check", "check every tile against the reference (or compile-only for any arch)"),
+    ("tune", "autotune tiles for a GPU architecture with Optuna"),
+    ("e2e", "end-to-end decode/prefill latency: tiles vs the torch baseline"),
+    ("report", "regenerate reports and plots from results/"),
+]
+
+
+class LabError(Exception):
+    """An error caused by the user's input or machine, printed as one line naming the fix."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lab", description="csa2-lab: CSA2/CED attention kernels, tuned per GPU architecture.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS:
+        module = importlib.import_module(f"lab.commands.{name}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args._module.run(args) or 0)
+    except LabError as exc:
+        print(f"lab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Partial rotary embedding (the last ``rope_dim`` dims of a head), with YaRN.
+
+Pairs are interleaved (dims 2i, 2i+1 of the rope part rotate together), as in the
+DeepSeek reference code. The inverse rotation (used on the attention output) is the same
+rotation with ``-sin``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Frequencies of one rotary embedding.
+
+    ``yarn_factor`` > 1 turns on YaRN with DeepSeek's ramp between ``beta_fast`` and
+    ``beta_slow`` rotations over ``original_seq_len``.
+    """
+
+    rope_dim: int = 64
+    theta: float = 10000.0
+    yarn_factor: float = 1.0
+    original_seq_len: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def inv_freq(self) -> torch.Tensor:
+        """float32 [rope_dim // 2]: the angle per position of each pair."""
+        dim = self.rope_dim
+        freqs = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        if self.yarn_factor > 1.0:
+            low, high = self._correction_range()
+            ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+            smooth = 1.0 - ramp
+            freqs = freqs / self.yarn_factor * (1.0 - smooth) + freqs * smooth
+        return freqs.float()
+
+    def _correction_range(self) -> tuple[float, float]:
+        def dim_for(rotations: float) -> float:
+            return self.rope_dim * math.log(self.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low = max(math.floor(dim_for(self.beta_fast)), 0)
+        high = min(math.ceil(dim_for(self.beta_slow)), self.rope_dim - 1)
+        return float(low), float(high) + (0.001 if low == high else 0.0)
+
+
+def rope_tables(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 [*positions.shape, rope_dim // 2] for integer positions."""
+    angles = positions.to(torch.float64).unsqueeze(-1) * cfg.inv_freq().to(positions.device, torch.float64)
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last ``2 * cos.shape[-1]`` dims of x.
+
+    Args:
+        x: [..., D] float; the rope part is x[..., D - rope_dim:].
+        cos, sin: float32 broadcastable to [..., rope_dim // 2] (from :func:`rope_tables`;
+            insert a head axis with ``unsqueeze(-2)`` for [B, S, H, D] inputs).
+        inverse: rotate by minus the angle (undoes a forward rotation).
+    Returns:
+        float32 [..., D]; the first D - rope_dim dims are unchanged.
+    """
+    rope_dim = 2 * cos.shape[-1]
+    xf = x.float()
+    nope, rot = xf[..., :-rope_dim], xf[..., -rope_dim:]
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    s = -sin if inverse else sin
+    out_even = even * cos - odd * s
+    out_odd = even * s + odd * cos
+    rotated = torch.stack([out_even, out_odd], dim=-1).flatten(-2)
+    return torch.cat([nope, rotated], dim=-1)
