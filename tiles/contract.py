@@ -1,0 +1,207 @@
+"""The tile contract: what a kernel declares so the tuner, `lab bench` and `lab check` can
+use it without knowing the op.
+
+A tile says: its name; the shapes it serves (from :mod:`tiles.shapes`, tied to the
+``v4.1-flash`` preset); how to build a kernel for (shape, config, arch); its search space
+as data (parameters with their choices, and constraints checked before anything
+compiles); a default config per arch family; an input generator (fresh random data per
+seed); the torch reference from ``model/``; FLOP and byte counts; and the comparison rule.
+
+A tile module reads top-down: ``@tilelang.jit``-style kernel builder -> a thin wrapper that
+checks inputs and picks the config -> a :class:`Tile` subclass that ties them to this
+contract. Tiles are found by :mod:`tiles.registry`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiles.arch import Arch
+
+Config = dict[str, Any]
+Inputs = dict[str, torch.Tensor]
+
+
+class TileError(ValueError):
+    """Bad input to a tile (shape, dtype, device, unknown config key), named so the user can fix it."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tunable parameter: a categorical choice among ``choices``.
+
+    Structural choices (schedule, split strategy, how dequantisation is staged) are
+    strings; sizes are ints. The tuner turns each into an Optuna distribution.
+    """
+
+    name: str
+    choices: tuple
+    help: str = ""
+
+    def to_optuna(self):
+        import optuna
+
+        return optuna.distributions.CategoricalDistribution(list(self.choices))
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A rule a config must satisfy for a shape and arch before it is compiled.
+
+    ``check(config, shape, arch)`` returns None when the config is fine, otherwise the
+    reason (e.g. "shared memory 260 KiB > 227 KiB").
+    """
+
+    name: str
+    check: Callable[[Config, Shape, Arch], str | None]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    params: tuple[Param, ...]
+    constraints: tuple[Constraint, ...] = ()
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    def size(self) -> int:
+        return math.prod(len(p.choices) for p in self.params)
+
+    def violations(self, config: Config, shape: Shape, arch: Arch) -> list[str]:
+        """Reasons the config is invalid for (shape, arch); empty when it may be compiled."""
+        reasons = []
+        unknown = set(config) - set(self.names())
+        if unknown:
+            reasons.append(f"unknown parameters {sorted(unknown)}")
+        for p in self.params:
+            if p.name in config and config[p.name] not in p.choices:
+                reasons.append(f"{p.name}={config[p.name]!r} is not one of {list(p.choices)}")
+        for c in self.constraints:
+            why = c.check(config, shape, arch)
+            if why:
+                reasons.append(f"{c.name}: {why}")
+        return reasons
+
+    def all_configs(self) -> list[Config]:
+        """Every point of the grid (small spaces only: compile-only sweeps and tests)."""
+        configs: list[Config] = [{}]
+        for p in self.params:
+            configs = [{**c, p.name: v} for c in configs for v in p.choices]
+        return configs
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One problem size a tile serves, e.g. ``Shape("decode_b64_s1", "decode", {"B": 64, ...})``.
+
+    ``dims`` holds every size the kernel is specialised on; the name is the key under which
+    tuned winners are stored.
+    """
+
+    name: str
+    phase: str  # "decode" | "prefill" | "any"
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> int:
+        return self.dims[key]
+
+    def distance(self, other: Shape) -> float:
+        """Log-space distance over shared dims; infinite when the dims differ in kind."""
+        if set(self.dims) != set(other.dims):
+            return math.inf
+        return sum(abs(math.log2(max(1, self.dims[k])) - math.log2(max(1, other.dims[k]))) for k in self.dims)
+
+
+@dataclass
+class Comparison:
+    """The outcome of comparing a kernel's outputs with the reference."""
+
+    ok: bool
+    metric: str  # "bit-exact" or "rel_l2<=tol"
+    error: float  # mismatching fraction for bit-exact, relative L2 error otherwise
+    detail: str = ""
+
+    def __str__(self) -> str:
+        state = "ok" if self.ok else "WRONG"
+        return f"{state} ({self.metric}, error {self.error:.3g}{'; ' + self.detail if self.detail else ''})"
+
+
+class Tile:
+    """Base class of every tile; subclasses fill in the class attributes and methods.
+
+    Outputs: :meth:`run` allocates its outputs NaN-filled (or 0xFF-filled for integers)
+    before launching, so an unwritten element never passes a comparison.
+    """
+
+    name: str = ""
+    description: str = ""
+    #: archs the tile cannot compile for, with the reason (e.g. {"sm80": "needs wgmma"})
+    unsupported: Mapping[str, str] = {}
+
+    # --- shapes and configs ---------------------------------------------------------
+    def shapes(self) -> list[Shape]:
+        """The benchmark shapes, from :mod:`tiles.shapes`."""
+        raise NotImplementedError
+
+    def shape(self, name: str) -> Shape:
+        for s in self.shapes():
+            if s.name == name:
+                return s
+        raise TileError(f"tile {self.name} has no shape {name!r}: choose one of {', '.join(s.name for s in self.shapes())}")
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        raise NotImplementedError
+
+    def default_config(self, arch: Arch) -> Config:
+        """What a careful engineer would pick by hand for this arch family."""
+        raise NotImplementedError
+
+    def support_reason(self, arch: Arch) -> str | None:
+        """None when the tile compiles for ``arch``, else why not."""
+        return self.unsupported.get(arch.name)
+
+    # --- kernels --------------------------------------------------------------------
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        """Compile the kernel(s) for (shape, config, arch); returns an opaque compiled object.
+
+        Must work without a GPU (TileLang compiles for any target on the CPU).
+        """
+        raise NotImplementedError
+
+    def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
+        """Fresh random inputs with realistic magnitudes; a different seed gives different data."""
+        raise NotImplementedError
+
+    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """Launch the compiled kernel on inputs; outputs poisoned before the launch."""
+        raise NotImplementedError
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """The torch reference from ``model/`` on the same inputs."""
+        raise NotImplementedError
+
+    def compare(self, outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> Comparison:
+        raise NotImplementedError
+
+    # --- cost model -----------------------------------------------------------------
+    def flops(self, shape: Shape) -> float:
+        """Floating-point operations of one call (0 for pure data movement)."""
+        return 0.0
+
+    def bytes_moved(self, shape: Shape) -> float:
+        """The fewest bytes one call must move through device memory."""
+        raise NotImplementedError
+
+
+def poisoned(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """An output buffer no kernel result can be confused with: NaN for floats, 0xFF.. for ints."""
+    if dtype.is_floating_point:
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+    return torch.full(tuple(shape), -1, dtype=dtype, device=device) if dtype.is_signed else torch.full(
+        tuple(shape), torch.iinfo(dtype).max, dtype=dtype, device=device
+    )

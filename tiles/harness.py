@@ -1,0 +1,142 @@
+"""Compile, check and time one (tile, shape, config) in this process.
+
+Shared by ``lab bench``, ``lab check`` and the tuner's GPU worker, so every number the lab
+prints went through the same correctness gate: fresh random inputs, outputs poisoned
+before the launch, the result compared with the torch reference, the kernel run twice and
+required bitwise equal. No time is reported for a kernel whose check failed.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from tiles.arch import Arch
+from tiles.contract import Config, Shape, Tile
+from tiles.timing import input_sets_for_l2, time_cuda
+
+# Outcome kinds recorded for every trial.
+OK, INVALID, COMPILE_ERROR, RUNTIME_FAULT, TIMEOUT, WRONG_RESULT, NONDETERMINISTIC = (
+    "ok",
+    "invalid",
+    "compile_error",
+    "runtime_fault",
+    "timeout",
+    "wrong_result",
+    "nondeterministic",
+)
+
+
+@dataclass
+class Evaluation:
+    tile: str
+    shape: str
+    config: Config
+    arch: str
+    outcome: str
+    compile_s: float | None = None
+    ms: float | None = None
+    p10_ms: float | None = None
+    p90_ms: float | None = None
+    tflops: float | None = None
+    gbps: float | None = None
+    error: float | None = None  # comparison error (see tiles.contract.Comparison)
+    message: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == OK
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _short(exc: BaseException, limit: int = 600) -> str:
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-limit // 2 :]
+
+
+def compile_tile(tile: Tile, shape: Shape, config: Config, arch: Arch) -> tuple[object | None, Evaluation]:
+    """Check constraints and compile; the Evaluation says ``invalid``/``compile_error`` on failure."""
+    ev = Evaluation(tile.name, shape.name, dict(config), arch.name, OK)
+    reasons = tile.search_space(arch).violations(config, shape, arch)
+    if reasons:
+        ev.outcome, ev.message = INVALID, "; ".join(reasons)
+        return None, ev
+    t0 = time.perf_counter()
+    try:
+        kernel = tile.build(shape, config, arch)
+    except Exception as exc:  # any compiler failure is a recorded outcome, never a crash
+        ev.outcome, ev.message = COMPILE_ERROR, _short(exc)
+        return None, ev
+    ev.compile_s = time.perf_counter() - t0
+    return kernel, ev
+
+
+def check_and_time(
+    tile: Tile,
+    shape: Shape,
+    kernel,
+    ev: Evaluation,
+    arch: Arch,
+    seed: int = 0,
+    time_it: bool = True,
+    runs: int = 50,
+) -> Evaluation:
+    """Check ``kernel`` against the reference on fresh inputs, then time it on rotating input sets."""
+    try:
+        inputs = tile.make_inputs(shape, seed, "cuda")
+        out1 = tile.run(kernel, inputs)
+        out2 = tile.run(kernel, inputs)
+        torch.cuda.synchronize()
+    except Exception as exc:
+        ev.outcome, ev.message = RUNTIME_FAULT, _short(exc)
+        return ev
+    expected = tile.reference(inputs)
+    cmp = tile.compare(out1, expected)
+    ev.error = cmp.error
+    if not cmp.ok:
+        ev.outcome, ev.message = WRONG_RESULT, str(cmp)
+        return ev
+    for key in out1:
+        a, b = out1[key], out2[key]
+        if not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+            ev.outcome, ev.message = NONDETERMINISTIC, f"two runs of the kernel differ in {key!r}"
+            return ev
+    if not time_it:
+        return ev
+    n_bytes = tile.bytes_moved(shape)
+    n_sets = input_sets_for_l2(n_bytes, arch.l2_bytes, max_sets=4)
+    sets = [inputs] + [tile.make_inputs(shape, seed + 1 + i, "cuda") for i in range(n_sets - 1)]
+    try:
+        t = time_cuda(lambda i: tile.run(kernel, sets[i]), n_sets=n_sets, runs=runs)
+    except Exception as exc:
+        ev.outcome, ev.message = RUNTIME_FAULT, _short(exc)
+        return ev
+    ev.ms, ev.p10_ms, ev.p90_ms = t.median_ms, t.p10_ms, t.p90_ms
+    flops = tile.flops(shape)
+    ev.tflops = flops / (t.median_ms * 1e-3) / 1e12 if flops else None
+    ev.gbps = n_bytes / (t.median_ms * 1e-3) / 1e9
+    return ev
+
+
+def evaluate(tile: Tile, shape: Shape, config: Config, arch: Arch, seed: int = 0, time_it: bool = True, runs: int = 50) -> Evaluation:
+    """Compile, check, and (when ``time_it``) time one config. Never raises for a bad config."""
+    kernel, ev = compile_tile(tile, shape, config, arch)
+    if kernel is None:
+        return ev
+    return check_and_time(tile, shape, kernel, ev, arch, seed, time_it, runs)
+
+
+def time_reference(tile: Tile, shape: Shape, seed: int = 0, runs: int = 10) -> float | None:
+    """Median ms of the torch reference on the GPU, or None when it does not fit in memory."""
+    try:
+        inputs = tile.make_inputs(shape, seed, "cuda")
+        return time_cuda(lambda _: tile.reference(inputs), warmup=2, runs=runs, min_time_ms=0).median_ms
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
