@@ -1,0 +1,24 @@
+"""Shared test setup: seeded RNGs and the ``gpu`` marker, skipped with a reason on CPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    random.seed(0)
+    torch.manual_seed(0)
+    yield
