@@ -1,0 +1,173 @@
+"""One CSA2 attention layer (spec section 2) and the per-step state shared between layers.
+
+RoPE: SWA-only layers use ``rope_theta`` for q, the SWA KV and the output's inverse
+rotation. CSA2 layers (ratio 1 or 2) use the compress RoPE (``compress_rope_theta`` with
+YaRN) for q, the compressed latent, the index K/Q, the inverse rotation **and their own SWA
+KV**: the window and top-k keys meet the same query in one softmax, so they must rotate
+with the same frequencies for ``q . k`` to depend on relative position consistently.
+
+Every accelerated op goes through ``step.backend`` (see :mod:`model.backend`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from model.backend import INDEX_GROUP, INDEX_SCALE, Backend
+from model.cache import KVCache
+from model.config import LayerMode, LayerPlan, ModelConfig
+from model.layers import Compressor, Indexer, Linear, RMSNorm
+from model.ops.indexer import visible_entries
+from model.ops.rope import RopeConfig, apply_rope, rope_tables
+
+
+@dataclass
+class Step:
+    """One forward step over tokens at positions ``first .. first + S - 1`` of every sequence.
+
+    Carries what layers publish for later layers of the same step: the latest top-k of
+    each index source and the candidate pool of the pool source.
+    """
+
+    cache: KVCache
+    backend: Backend
+    first: int
+    S: int
+    prebuilt: frozenset[int] = frozenset()  # KV sources whose entries for this step already exist (CED)
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int32 [B, S, K]
+    pool: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int32 [B, S, P]
+    _tables: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 [S]."""
+        return torch.arange(self.first, self.first + self.S, device=self.cache.rings[0].codes.device)
+
+    def rope(self, cfg: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin float32 [S, rope_dim/2] at this step's positions (computed once per RoPE config)."""
+        if cfg not in self._tables:
+            self._tables[cfg] = rope_tables(cfg, self.positions)
+        return self._tables[cfg]
+
+
+class Attention(nn.Module):
+    """CSA2 attention of one layer; what it owns depends on its mode.
+
+    * every layer: query path ``Wq_a -> RMSNorm -> qr -> Wq_b``, SWA KV ``kv_norm(Wkv_swa(x))``,
+      per-head sink, grouped output projection;
+    * Full: a :class:`Compressor` (its group's global KV and index K) and an :class:`Indexer`;
+    * Reindex: an :class:`Indexer` only (searches the pool source's candidate pool);
+    * Reuse and SWA only: neither (Reuse reads its group's KV and the latest top-k).
+    """
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan) -> None:
+        super().__init__()
+        self.cfg, self.plan = cfg, plan
+        H, D = cfg.n_heads, cfg.head_dim
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * D)
+        self.wkv_swa = Linear(cfg.dim, D)
+        self.kv_norm = RMSNorm(D, cfg.norm_eps)
+        self.sink = nn.Parameter(torch.empty(H))  # float32 whatever the model dtype
+        self.wo_a = nn.Parameter(torch.empty(cfg.o_groups, cfg.o_lora_rank, H * D // cfg.o_groups))  # per-group [o_lora, H*D/G]
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim)
+        self.rope = cfg.swa_rope() if plan.mode == LayerMode.SWA_ONLY else cfg.compress_rope()
+        full = plan.mode == LayerMode.FULL
+        self.compressor = Compressor(cfg.dim, D, cfg.index_head_dim, plan.ratio, cfg.norm_eps) if full else None
+        has_indexer = plan.mode in (LayerMode.FULL, LayerMode.REINDEX)
+        self.indexer = Indexer(cfg.dim, cfg.q_lora_rank, cfg.index_heads, cfg.index_head_dim) if has_indexer else None
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [B, S, dim] (the pre-normed hidden state) -> [B, S, dim] in the model dtype."""
+        cfg, plan = self.cfg, self.plan
+        B, S, _ = x.shape
+        H, D = cfg.n_heads, cfg.head_dim
+        cos, sin = step.rope(self.rope)  # [S, r/2]
+        qr = self.q_norm(self.wq_a(x))  # [B, S, q_lora] fp32
+        q = apply_rope(self.wq_b(qr).view(B, S, H, D), cos.unsqueeze(-2), sin.unsqueeze(-2))  # [B, S, H, D]
+        win_codes, win_scales, win_idx = self._swa(x, step, cos, sin)
+        if plan.mode == LayerMode.SWA_ONLY:
+            main_packed = x.new_zeros(B, 0, D // 2, dtype=torch.uint8)
+            main_scales = x.new_zeros(B, 0, D // cfg.main_fp4_group, dtype=torch.uint8)
+            topk = torch.empty(B, S, 0, dtype=torch.int32, device=x.device)
+        else:
+            if self.compressor is not None and plan.index not in step.prebuilt:
+                self.append_global(x, step.cache, step.backend)
+            glob = step.cache.globals[plan.kv_source]
+            topk = self._topk(qr, x, step, cos, sin) if self.indexer is not None else step.topk[plan.index_source]
+            main_packed, main_scales = glob.main()
+        out = step.backend.sparse_attention(q, win_codes, win_scales, win_idx, main_packed, main_scales, topk, self.sink, cfg.softmax_scale)
+        out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)  # [B, S, H, D]
+        o = out.view(B, S, cfg.o_groups, H * D // cfg.o_groups).to(self.wo_a.dtype)  # [B, S, G, H*D/G]
+        o = torch.einsum("bsgi,goi->bsgo", o, self.wo_a).reshape(B, S, cfg.o_groups * cfg.o_lora_rank)
+        return self.wo_b(o)
+
+    def _swa(self, x: torch.Tensor, step: Step, cos: torch.Tensor, sin: torch.Tensor):
+        """Quantise this step's SWA KV into the ring; return the window KV and its int32 [B, S, W] rows."""
+        B, S = x.shape[:2]
+        kv = apply_rope(self.kv_norm(self.wkv_swa(x)), cos, sin)  # [B, S, D]
+        codes, scales = step.backend.fp8_quantize(kv)  # [B, S, D], [B, S, D/32]
+        ring = step.cache.rings[self.plan.index]
+        if S == 1:
+            # One token overwrites only a slot no query of this step needs: attend in place.
+            ring.write(codes, scales, step.first)
+            idx = ring.window_indices(step.first, 1, concatenated=False)
+            win_codes, win_scales = ring.codes, ring.scales  # [B, W, D], [B, W, D/32]
+        else:
+            # A later token of the step would overwrite a slot an earlier query still needs.
+            idx = ring.window_indices(step.first, S, concatenated=True)
+            win_codes, win_scales = torch.cat([ring.codes, codes], 1), torch.cat([ring.scales, scales], 1)  # [B, W+S, ...]
+            ring.write(codes, scales, step.first)
+        return win_codes, win_scales, idx.unsqueeze(0).expand(B, -1, -1).contiguous()
+
+    def append_global(self, x: torch.Tensor, cache: KVCache, backend: Backend) -> None:
+        """Compressor of a Full layer: feed x [B, S, dim] (pre-normed) into the group's tail; append completed groups."""
+        comp = self.compressor
+        assert comp is not None, "only Full layers own a compressor"
+        kv, gate = comp.project(x)  # [B, S, D] fp32 each (gate None for ratio 1)
+        tail = cache.tails.get(self.plan.index)
+        if tail is not None and tail.count:
+            old_kv, old_gate = tail.take()
+            kv, gate = torch.cat([old_kv, kv], 1), torch.cat([old_gate, gate], 1)
+        r = comp.ratio
+        done = kv.shape[1] // r * r
+        if tail is not None:
+            tail.store(kv[:, done:], gate[:, done:])
+        if done:
+            glob = cache.globals[self.plan.index]
+            entries = backend.compressor(
+                kv[:, :done],
+                gate[:, :done] if gate is not None else None,
+                r,
+                glob.n,
+                comp.norm.weight,
+                comp.wk.weight,
+                comp.k_norm.weight,
+                self.rope,
+                self.cfg.norm_eps,
+            )
+            glob.append(*entries)
+
+    def _topk(self, qr: torch.Tensor, x: torch.Tensor, step: Step, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Run this layer's indexer (Full: full scan, plus the pool at the pool source; Reindex: inside the pool); publish top-k."""
+        cfg, plan, backend = self.cfg, self.plan, step.backend
+        B, S = x.shape[:2]
+        q_idx, weights = self.indexer(qr, x)  # [B, S, Hi, Di], [B, S, Hi]
+        q_idx = apply_rope(q_idx, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        q_packed, q_scales = backend.fp4_quantize(q_idx, INDEX_GROUP, INDEX_SCALE)  # [B, S, Hi, Di/2], [B, S, Hi, Di/32]
+        glob = step.cache.globals[plan.kv_source]
+        index_packed, index_scales = glob.index()
+        n_visible = visible_entries(step.positions.expand(B, S), plan.ratio, glob.n)  # [B, S]
+        args = (q_packed, q_scales, weights, index_packed, index_scales, n_visible)
+        if plan.mode == LayerMode.FULL:
+            topk = backend.indexer_topk(*args, cfg.index_topk)
+            if plan.index == cfg.pool_source_layer:
+                step.pool[plan.index] = backend.candidate_pool(*args, cfg.pool_block, cfg.pool_max_blocks)
+        else:
+            topk = backend.reindex_topk(*args, step.pool[plan.pool_source], cfg.pool_block, cfg.index_topk)
+        step.topk[plan.index] = topk
+        return topk

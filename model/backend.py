@@ -1,0 +1,320 @@
+"""The backend seam: every op the kernels accelerate, called by the model through one object.
+
+The model never calls an accelerated op directly; it calls the methods of its backend.
+:class:`TorchBackend` is the plain torch reference (the ops in :mod:`model.ops` and the formats
+in :mod:`model.formats`). ``tiles.backend.TilesBackend`` (TileLang kernels) exposes the same
+methods with the same signatures and is loaded lazily by :func:`load_backend`; it may subclass
+:class:`TorchBackend` to inherit the ops it does not accelerate.
+
+Every method speaks the stored formats, so a kernel can implement it directly:
+
+* main KV: FP4 E2M1 packed two per byte (even element in the low nibble), uint8 [..., D/2],
+  one E4M3 scale byte per 16 values, uint8 [..., D/16];
+* index K and indexer Q: FP4 packed uint8 [..., Di/2], one E8M0 scale byte per 32, uint8 [..., Di/32];
+* SWA window KV: FP8 E4M3 codes uint8 [..., D], one E8M0 scale byte per 32, uint8 [..., D/32];
+* index lists: int32, ascending positions, -1 = unused slot.
+
+Cache tensors handed to a backend may be views of larger buffers (``buf[:, :n]``): the last
+dim is contiguous, the batch stride may be larger than the row count times the row size.
+Outputs are freshly allocated. Computation is float32 whatever the input float dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from model import formats
+from model.ops.compressor import compressor_entries, index_keys
+from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_positions
+from model.ops.rope import RopeConfig
+from model.ops.sparse_attn import sparse_attention_quantized
+
+MAIN_GROUP, MAIN_SCALE = 16, "e4m3"
+INDEX_GROUP, INDEX_SCALE = 32, "e8m0"
+
+
+class BackendError(RuntimeError):
+    """A backend that cannot be loaded or does not implement the seam."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the model calls. See :class:`TorchBackend` for shapes, dtypes and semantics."""
+
+    name: str
+
+    def fp4_quantize(self, x: torch.Tensor, group_size: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def fp8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def compressor(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor | None,
+        ratio: int,
+        first_group: int,
+        norm_weight: torch.Tensor,
+        wk: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+        rope: RopeConfig,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def indexer_topk(
+        self,
+        q_packed: torch.Tensor,
+        q_scales: torch.Tensor,
+        weights: torch.Tensor,
+        index_packed: torch.Tensor,
+        index_scales: torch.Tensor,
+        n_visible: torch.Tensor,
+        k: int,
+    ) -> torch.Tensor: ...
+
+    def candidate_pool(
+        self,
+        q_packed: torch.Tensor,
+        q_scales: torch.Tensor,
+        weights: torch.Tensor,
+        index_packed: torch.Tensor,
+        index_scales: torch.Tensor,
+        n_visible: torch.Tensor,
+        block: int,
+        max_blocks: int,
+    ) -> torch.Tensor: ...
+
+    def reindex_topk(
+        self,
+        q_packed: torch.Tensor,
+        q_scales: torch.Tensor,
+        weights: torch.Tensor,
+        index_packed: torch.Tensor,
+        index_scales: torch.Tensor,
+        n_visible: torch.Tensor,
+        pool_blocks: torch.Tensor,
+        block: int,
+        k: int,
+    ) -> torch.Tensor: ...
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        window_codes: torch.Tensor,
+        window_scales: torch.Tensor,
+        window_idx: torch.Tensor,
+        main_packed: torch.Tensor,
+        main_scales: torch.Tensor,
+        topk_idx: torch.Tensor,
+        sink: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchBackend:
+    """Plain torch reference of every accelerated op (the baseline and the correctness oracle)."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+
+    # -- formats ---------------------------------------------------------------------------
+
+    def fp4_quantize(self, x: torch.Tensor, group_size: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP4 E2M1 with one scale per group (:func:`model.formats.fp4_quantize`).
+
+        Args:
+            x: float [..., N]; group_size 16 with ``"e4m3"`` (main KV) or 32 with ``"e8m0"`` (index K/Q).
+        Returns:
+            packed uint8 [..., N/2], scales uint8 [..., N/group_size].
+        """
+        return formats.fp4_quantize(x, group_size, scale_format)
+
+    def fp8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 E4M3 with one E8M0 scale per 32 (SWA window KV).
+
+        Args:
+            x: float [..., N], N a multiple of 32.
+        Returns:
+            codes uint8 [..., N], scales uint8 [..., N/32].
+        """
+        return formats.fp8_quantize(x)
+
+    # -- compressor --------------------------------------------------------------------------
+
+    def compressor(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor | None,
+        ratio: int,
+        first_group: int,
+        norm_weight: torch.Tensor,
+        wk: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+        rope: RopeConfig,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Complete groups -> cache entries: pool, RMSNorm, RoPE, FP4 main KV; index K projection, FP4.
+
+        Entry ``g`` (0-based in this call) is compressed entry ``first_group + g`` of the group's
+        cache; its RoPE position is ``(first_group + g) * ratio``.
+
+        Args:
+            kv: float32 [B, G * ratio, D] ``Wkv(x)`` of the groups' tokens, in order.
+            gate: float32 [B, G * ratio, D] ``Wgate(x)`` (ratio 2), None for ratio 1.
+            ratio: 1 or 2.
+            first_group: index of the first entry produced.
+            norm_weight: [D] the compressor's RMSNorm weight.
+            wk: [Di, D] index-K projection; k_norm_weight: [Di].
+            rope: the compress RoPE (YaRN) of the layer.
+        Returns:
+            main_packed uint8 [B, G, D/2], main_scales uint8 [B, G, D/16] (E4M3),
+            index_packed uint8 [B, G, Di/2], index_scales uint8 [B, G, Di/32] (E8M0).
+        """
+        latent = compressor_entries(kv, gate, ratio, norm_weight, first_group, rope, eps)  # [B, G, D]
+        k = index_keys(latent, wk, k_norm_weight, first_group, ratio, rope, eps)  # [B, G, Di]
+        main_packed, main_scales = self.fp4_quantize(latent, MAIN_GROUP, MAIN_SCALE)
+        index_packed, index_scales = self.fp4_quantize(k, INDEX_GROUP, INDEX_SCALE)
+        return main_packed, main_scales, index_packed, index_scales
+
+    # -- indexer -----------------------------------------------------------------------------
+
+    def _scores(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible) -> torch.Tensor:
+        q = formats.fp4_dequantize(q_packed, q_scales, INDEX_GROUP, INDEX_SCALE)  # [B, S, Hi, Di]
+        k = formats.fp4_dequantize(index_packed, index_scales, INDEX_GROUP, INDEX_SCALE)  # [B, Nc, Di]
+        return indexer_scores(q, weights, k, n_visible)  # [B, S, Nc]
+
+    def indexer_topk(
+        self,
+        q_packed: torch.Tensor,
+        q_scales: torch.Tensor,
+        weights: torch.Tensor,
+        index_packed: torch.Tensor,
+        index_scales: torch.Tensor,
+        n_visible: torch.Tensor,
+        k: int,
+    ) -> torch.Tensor:
+        """Full indexer scan: ``score[t] = sum_h relu(q[h] . k[t]) * w[h]`` over visible entries, top-k.
+
+        Args:
+            q_packed: uint8 [B, S, Hi, Di/2] FP4 indexer queries; q_scales: uint8 [B, S, Hi, Di/32] E8M0.
+            weights: float32 [B, S, Hi], already scaled by Di^-0.5 * Hi^-0.5.
+            index_packed: uint8 [B, Nc, Di/2]; index_scales: uint8 [B, Nc, Di/32] E8M0.
+            n_visible: int64 [B, S]; entry j is visible to query s iff j < n_visible[b, s].
+            k: top-k width.
+        Returns:
+            int32 [B, S, k]: the best ``min(k, n_visible)`` entries (ties: lower position wins),
+            sorted ascending by position, then -1.
+        """
+        return topk_positions(self._scores(q_packed, q_scales, weights, index_packed, index_scales, n_visible), k)
+
+    def candidate_pool(
+        self,
+        q_packed: torch.Tensor,
+        q_scales: torch.Tensor,
+        weights: torch.Tensor,
+        index_packed: torch.Tensor,
+        index_scales: torch.Tensor,
+        n_visible: torch.Tensor,
+        block: int,
+        max_blocks: int,
+    ) -> torch.Tensor:
+        """Candidate pool of the pool source layer: blocks of ``block`` entries ranked by their max score.
+
+        Inputs as in :meth:`indexer_topk`.
+
+        Returns:
+            int32 [B, S, P], P = min(max_blocks, ceil(Nc / block)): ascending block ids, -1 fill.
+            The newest (possibly partial) visible block is always kept.
+        """
+        scores = self._scores(q_packed, q_scales, weights, index_packed, index_scales, n_visible)
+        return candidate_blocks(scores, n_visible, block, max_blocks)
+
+    def reindex_topk(
+        self,
+        q_packed: torch.Tensor,
+        q_scales: torch.Tensor,
+        weights: torch.Tensor,
+        index_packed: torch.Tensor,
+        index_scales: torch.Tensor,
+        n_visible: torch.Tensor,
+        pool_blocks: torch.Tensor,
+        block: int,
+        k: int,
+    ) -> torch.Tensor:
+        """Reindex: top-k among the visible entries inside the candidate pool only.
+
+        The reference scores every entry and masks (as the public reference does); a kernel
+        should gather the pool's blocks first and score only those.
+
+        Args:
+            pool_blocks: int32 [B, S, P] from :meth:`candidate_pool` (-1 fill).
+            Others as in :meth:`indexer_topk`.
+        Returns:
+            int32 [B, S, k], as :meth:`indexer_topk`.
+        """
+        scores = self._scores(q_packed, q_scales, weights, index_packed, index_scales, n_visible)
+        inside = pool_mask(pool_blocks, scores.shape[-1], block)  # [B, S, Nc]
+        return topk_positions(scores.masked_fill(~inside, float("-inf")), k)
+
+    # -- attention ---------------------------------------------------------------------------
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        window_codes: torch.Tensor,
+        window_scales: torch.Tensor,
+        window_idx: torch.Tensor,
+        main_packed: torch.Tensor,
+        main_scales: torch.Tensor,
+        topk_idx: torch.Tensor,
+        sink: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """One softmax over the SWA window and the top-k compressed entries, plus a per-head sink.
+
+        Args:
+            q: [B, S, H, D] queries (RoPE applied), any float dtype.
+            window_codes: uint8 [B, Nw, D] FP8 E4M3; window_scales: uint8 [B, Nw, D/32] E8M0.
+                In decode (S = 1) this is the layer's ring (Nw = window); for S > 1 steps it is
+                the ring followed by the step's own tokens (Nw = window + S).
+            window_idx: int32 [B, S, W] rows of window_codes, -1 = unused.
+            main_packed: uint8 [B, Nc, D/2] FP4; main_scales: uint8 [B, Nc, D/16] E4M3
+                (Nc = 0 for SWA-only layers).
+            topk_idx: int32 [B, S, K] rows of main_packed, -1 = unused (K = 0 for SWA-only layers).
+            sink: float32 [H] or None.
+            scale: softmax scale (head_dim^-0.5).
+        Returns:
+            float32 [B, S, H, D]; a row with no valid index is zeros.
+        """
+        return sparse_attention_quantized(q, window_codes, window_scales, window_idx, main_packed, main_scales, topk_idx, sink, scale)
+
+
+_METHODS = ("fp4_quantize", "fp8_quantize", "compressor", "indexer_topk", "candidate_pool", "reindex_topk", "sparse_attention")
+
+
+def load_backend(backend: str | object, device: torch.device | str | None = None) -> Backend:
+    """The backend named ``"torch"`` or ``"tiles"``, or a ready backend object passed through.
+
+    ``"tiles"`` imports ``tiles.backend.TilesBackend`` only when asked, constructed as
+    ``TilesBackend(device=device)``.
+    """
+    if isinstance(backend, str):
+        if backend == "torch":
+            return TorchBackend(device)
+        if backend == "tiles":
+            try:
+                from tiles.backend import TilesBackend
+            except ImportError as exc:
+                raise BackendError(f"backend 'tiles' is unavailable ({exc}); install tilelang and tiles/, or use backend='torch'") from None
+            obj = TilesBackend(device=device)
+        else:
+            raise BackendError(f"unknown backend {backend!r}: use 'torch' or 'tiles'")
+    else:
+        obj = backend
+    missing = [m for m in _METHODS if not callable(getattr(obj, m, None))]
+    if missing:
+        raise BackendError(f"backend {type(obj).__name__} lacks {', '.join(missing)}; subclass model.backend.TorchBackend to inherit them")
+    return obj

@@ -1,0 +1,246 @@
+"""The CSA2/CED reference model: embedding, pre-norm residual blocks, final norm, LM head.
+
+Three entry points, all without autograd:
+
+* :meth:`Model.forward` tokens [B, N] -> logits [B, N, vocab]: every layer over every token
+  (the non-CED architectural baseline).
+* :meth:`Model.prefill` tokens [B, N] -> (logits [B, vocab] of the last position, cache):
+  CED prefill (spec section 4). All N tokens pass through the encoder layers; the decoder
+  KV source (the first decoder layer) compresses all N encoder outputs into the decoder
+  global KV; only the last ``window`` encoder outputs pass through the decoder layers,
+  seeding their SWA rings. Exact (equal to ``forward``) when N <= window; for longer
+  prompts the replayed tail misses earlier decoder SWA states (bounded replay).
+* :meth:`Model.decode` tokens [B] -> logits [B, vocab]: one step through every layer
+  (tokens [B, S] -> [B, S, vocab] steps S tokens at once).
+
+A batch holds sequences of equal length (equal-length prompts): one position counter
+serves every sequence. Logits are float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.attention import Attention, Step
+from model.backend import Backend, load_backend
+from model.cache import KVCache
+from model.config import ConfigError, LayerMode, LayerPlan, ModelConfig
+from model.inputs import InputError, check_length, check_tokens
+from model.layers import MoE, RMSNorm, SwiGLU
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``h += attn(norm(h)); h += ffn(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, plan)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.n_routed_experts > 0:
+            self.ffn: nn.Module = MoE(cfg.dim, cfg.n_routed_experts, cfg.n_active_experts, cfg.moe_inter)
+        else:
+            self.ffn = SwiGLU(cfg.dim, cfg.ffn_inter)
+
+    def forward(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        """h [B, S, dim] -> [B, S, dim]."""
+        dtype = h.dtype
+        h = h + self.attn(self.attn_norm(h).to(dtype), step).to(dtype)
+        return h + self.ffn(self.ffn_norm(h).to(dtype)).to(dtype)
+
+
+class Model(nn.Module):
+    """CSA2/CED language model. Build it with :func:`build_model`."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backend = backend
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, plan) for plan in cfg.layer_plan())
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, batch: int, capacity_tokens: int = 256) -> KVCache:
+        """An empty cache for ``batch`` sequences; global buffers start at ``capacity_tokens`` and grow."""
+        return KVCache(self.cfg, batch, self.device, capacity_tokens)
+
+    # -- entry points -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, return_cache: bool = False) -> torch.Tensor | tuple[torch.Tensor, KVCache]:
+        """Every layer over every token (no CED).
+
+        Args:
+            tokens: int [B, N] ids, N <= max_seq_len.
+            return_cache: also return the cache this pass filled (decode can continue from it).
+        Returns:
+            float32 logits [B, N, vocab] (and the :class:`KVCache`).
+        """
+        tokens = check_tokens(tokens, self.cfg, (2,), "forward")
+        B, N = tokens.shape
+        check_length(N, self.cfg, "forward")
+        cache = self.new_cache(B, N)
+        h = self._run(self.embed(tokens), cache, range(self.cfg.n_layers), 0)  # [B, N, dim]
+        cache.n_tokens = N
+        logits = self._logits(h)
+        return (logits, cache) if return_cache else logits
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, capacity_tokens: int | None = None) -> tuple[torch.Tensor, KVCache]:
+        """CED prefill of equal-length prompts.
+
+        Args:
+            tokens: int [B, N] ids, N <= max_seq_len.
+            capacity_tokens: initial global-buffer capacity (default N + 256; it grows on demand).
+        Returns:
+            float32 logits [B, vocab] for position N - 1, and the :class:`KVCache` to decode from.
+        """
+        cfg = self.cfg
+        tokens = check_tokens(tokens, cfg, (2,), "prefill")
+        B, N = tokens.shape
+        check_length(N, cfg, "prefill")
+        E, L = cfg.n_encoder_layers, cfg.n_layers
+        src = self._decoder_kv_source()
+        cache = self.new_cache(B, capacity_tokens or N + 256)
+        h = self._run(self.embed(tokens), cache, range(E), 0)  # H_E [B, N, dim]
+        block = self.layers[src]
+        block.attn.append_global(block.attn_norm(h).to(h.dtype), cache, self.backend)
+        T = min(cfg.window, N)
+        for i in range(E, L):
+            cache.rings[i].reset(N - T)
+        h = self._run(h[:, N - T :], cache, range(E, L), N - T, prebuilt=frozenset({src}))  # [B, T, dim]
+        cache.n_tokens = N
+        return self._logits(h[:, -1]), cache
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decode step through every layer.
+
+        Args:
+            tokens: int [B] (one token per sequence) or [B, S] (S tokens per sequence).
+            cache: from :meth:`prefill`, :meth:`forward` (``return_cache=True``) or :meth:`new_cache`; updated in place.
+        Returns:
+            float32 logits [B, vocab] (or [B, S, vocab] for [B, S] tokens).
+        """
+        tokens = check_tokens(tokens, self.cfg, (1, 2), "decode")
+        one = tokens.dim() == 1
+        if one:
+            tokens = tokens.unsqueeze(1)
+        if not isinstance(cache, KVCache) or cache.cfg != self.cfg:
+            raise InputError(f"decode: cache must be a KVCache of preset {self.cfg.name!r} from this model's prefill() or new_cache()")
+        B, S = tokens.shape
+        if B != cache.batch:
+            raise InputError(f"decode: tokens hold {B} sequences but the cache holds {cache.batch}; pass one token per cached sequence")
+        check_length(cache.n_tokens + S, self.cfg, "decode")
+        h = self._run(self.embed(tokens), cache, range(self.cfg.n_layers), cache.n_tokens)
+        cache.n_tokens += S
+        logits = self._logits(h)
+        return logits[:, 0] if one else logits
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _run(self, h: torch.Tensor, cache: KVCache, layers: range, first: int, prebuilt: frozenset[int] = frozenset()) -> torch.Tensor:
+        """Pass h [B, S, dim] (tokens at positions first..first+S-1) through ``layers``."""
+        step = Step(cache, self.backend, first, h.shape[1], prebuilt)
+        for i in layers:
+            h = self.layers[i](h, step)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., dim] -> float32 [..., vocab]."""
+        return self.head(self.norm(h).to(self.dtype)).float()
+
+    def _decoder_kv_source(self) -> int:
+        cfg = self.cfg
+        dec = [s for s in cfg.kv_source_layers if s >= cfg.n_encoder_layers]
+        if dec != [cfg.n_encoder_layers]:
+            raise ConfigError(
+                f"{cfg.name}: CED prefill needs exactly one decoder KV source at layer {cfg.n_encoder_layers} (the first decoder layer),"
+                f" got {dec}; use forward() for this config"
+            )
+        return dec[0]
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of :class:`Model` for ``cfg``, from the config alone (no allocation)."""
+    dim, H, D = cfg.dim, cfg.n_heads, cfg.head_dim
+    total = 2 * cfg.vocab_size * dim + dim  # embedding, LM head, final norm
+    if cfg.n_routed_experts > 0:
+        ffn = dim * cfg.n_routed_experts + (cfg.n_routed_experts + 1) * 3 * dim * cfg.moe_inter
+    else:
+        ffn = 3 * dim * cfg.ffn_inter
+    attn = dim * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * H * D  # query path
+    attn += dim * D + D + H  # SWA KV, its norm, sinks
+    attn += cfg.o_lora_rank * H * D + cfg.o_groups * cfg.o_lora_rank * dim  # grouped output projection
+    indexer = cfg.q_lora_rank * cfg.index_heads * cfg.index_head_dim + dim * cfg.index_heads
+    for plan in cfg.layer_plan():
+        total += 2 * dim + attn + ffn
+        if plan.mode == LayerMode.FULL:
+            total += dim * D * (2 if plan.ratio > 1 else 1) + D + D * cfg.index_head_dim + cfg.index_head_dim
+        if plan.mode in (LayerMode.FULL, LayerMode.REINDEX):
+            total += indexer
+    return total
+
+
+def init_weights(model: Model, seed: int) -> None:
+    """Deterministic random init from ``seed`` (per device type): weights ~ N(0, 1/fan_in), norms 1, sinks ~ N(0, 0.1^2).
+
+    The embedding is N(0, 1) (its rows are normalised before use).
+    """
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            std = None
+        elif name == "embed.weight":
+            std = 1.0
+        elif name.endswith("sink"):
+            std = 0.1
+        else:
+            std = p.shape[-1] ** -0.5  # fan_in: weights are stored [..., out, in]
+        with torch.no_grad():
+            if std is None:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
+
+
+def build_model(
+    cfg: ModelConfig,
+    backend: str | Backend = "torch",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Model:
+    """A randomly initialised :class:`Model` in eval mode.
+
+    Args:
+        cfg: a :class:`ModelConfig` (e.g. ``preset("tiny")``).
+        backend: ``"torch"`` (reference ops), ``"tiles"`` (TileLang kernels, imported lazily
+            from ``tiles.backend.TilesBackend``) or a backend object with the same methods.
+        device, dtype: where the weights live and their dtype (sinks stay float32).
+        seed: weights are a deterministic function of (cfg, seed, device type).
+    """
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"build_model: cfg must be a ModelConfig (use model.preset(name)), got {type(cfg).__name__}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"build_model: dtype must be a float dtype (torch.float32 or torch.bfloat16), got {dtype}")
+    device = torch.device(device)
+    impl = load_backend(backend, device)
+    with torch.device("meta"):
+        model = Model(cfg, impl)
+    model.to(dtype)
+    for layer in model.layers:
+        layer.attn.sink.data = layer.attn.sink.data.float()
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model.eval()
