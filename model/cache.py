@@ -220,7 +220,9 @@ class KVCache:
         rows = []
         for src in sorted(cfg.kv_source_layers):
             readers = tuple(p.index for p in plans if p.kv_source == src and p.mode != LayerMode.SWA_ONLY)
-            rows.append(GroupBytes(src, plans[src].region, cfg.compress_ratios[src], readers, main_entry_bytes(cfg), index_entry_bytes(cfg)))
+            rows.append(
+                GroupBytes(src, plans[src].region, cfg.compress_ratios[src], readers, main_entry_bytes(cfg), index_entry_bytes(cfg))
+            )
         return rows
 
     @staticmethod

@@ -151,6 +151,30 @@ def validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"{cfg.name}: head dims must be multiples of the FP4/FP8 group sizes")
     if cfg.rope_dim % 2 or cfg.rope_dim > min(cfg.head_dim, cfg.index_head_dim):
         raise ConfigError(f"{cfg.name}: rope_dim={cfg.rope_dim} must be even and fit in the head dims")
+    if (cfg.main_fp4_group, cfg.index_fp4_group) != (16, 32):
+        raise ConfigError(f"{cfg.name}: the storage formats fix main_fp4_group=16 (E4M3 scales) and index_fp4_group=32 (E8M0 scales)")
+    if cfg.pool_source_layer is not None and cfg.pool_source_layer not in kv:
+        raise ConfigError(f"{cfg.name}: pool_source_layer={cfg.pool_source_layer} must be a KV source layer")
+    plans = layer_plan(cfg)
+    for p in plans:
+        if p.mode == LayerMode.SWA_ONLY:
+            continue
+        if p.index_source is None or plans[p.index_source].kv_source != p.kv_source:
+            raise ConfigError(
+                f"{cfg.name}: layer {p.index} reads KV source {p.kv_source} but its index source {p.index_source} ranks another group;"
+                " put an index source at or after its KV source"
+            )
+        if p.mode == LayerMode.REINDEX and p.kv_source != cfg.pool_source_layer:
+            raise ConfigError(f"{cfg.name}: Reindex layer {p.index} must read the pool source's KV (layer {cfg.pool_source_layer})")
+    for name, value in (
+        ("window", cfg.window),
+        ("index_topk", cfg.index_topk),
+        ("pool_block", cfg.pool_block),
+        ("pool_max_blocks", cfg.pool_max_blocks),
+        ("max_seq_len", cfg.max_seq_len),
+    ):
+        if value < 1:
+            raise ConfigError(f"{cfg.name}: {name}={value} must be at least 1")
 
 
 def _kv_source(cfg: ModelConfig, layer: int) -> int | None:
