@@ -1,0 +1,621 @@
+"""FP4 E2M1 quantise / dequantise tiles for the main KV latent and the indexer K/Q.
+
+Bit-exact with :func:`model.formats.fp4_quantize` / :func:`model.formats.fp4_dequantize`
+on every input, NaN and +-Inf included (spec section 3):
+
+==================  =========  ======================================  ==============
+tile                row        output per row                           bytes per row
+==================  =========  ======================================  ==============
+fp4_quant_main      512 vals   256 packed + 32 E4M3 scales (group 16)   288
+fp4_quant_index     128 vals   64 packed + 4 E8M0 scales (group 32)     68
+fp4_dequant_main    288 B      512 values (bf16 for the tile; fp32 too)
+fp4_dequant_index   68 B       128 values (bf16 for the tile; fp32 too)
+==================  =========  ======================================  ==============
+
+Exactness: the kernels are compiled with fast math off (``tl.enable_fast_math`` False), so
+``amax / 6`` and ``x / s`` are IEEE ``div.rn.f32`` and denormals are kept, as in torch. For
+E8M0 ``x / s`` is computed as ``x * 2^-e``: the same single rounding of the same real
+number. The E4M3 scale is rounded with integer bit arithmetic (RNE, saturation is
+impossible after the clamp to 448), E8M0 is ``exponent + (mantissa != 0)``. NaN never wins
+the ``amax`` (a comparison-based max keeps the running value) and encodes as code 0; the
+E2M1 code is a count of midpoint comparisons, so NaN compares false everywhere.
+
+Kernel structure: one *unit* is ``groups_per_thread`` consecutive groups of one row; each
+thread owns one unit at a time. ``staging`` picks how bytes reach the thread: straight from
+global memory in 16-byte vectors (``registers``) or through a shared-memory row tile moved
+with ``T.copy`` in both directions (``shared``). ``grid`` picks one block per tile of units
+or a persistent grid that strides over the tiles. Rows are a dynamic dimension: one
+compiled kernel serves every row count.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+
+import torch
+
+from model import formats
+from tiles.arch import Arch, detect
+from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.shapes import fp4_rows
+
+MAIN_DIM, INDEX_DIM = 512, 128
+SCALE_GROUP = dict(formats.SCALE_FORMATS)  # "e4m3" -> 16, "e8m0" -> 32
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_PASS_CONFIGS = {"tl.enable_fast_math": False}
+
+# E2M1 midpoints in order; on an even index a tie stays on the lower (even) code, so the
+# comparison is strict there and inclusive on odd indices (model.formats.e2m1_encode).
+_MIDPOINTS = formats._E2M1_MIDPOINTS
+
+
+# --------------------------------------------------------------------------------------
+# Kernel builders
+# --------------------------------------------------------------------------------------
+def _e2m1_code(v):
+    """fp32 value already divided by its scale -> uint8 E2M1 code (0..15), NaN -> 0."""
+    import tilelang.language as T
+
+    mag = T.abs(v)
+    code = T.cast(mag > T.float32(_MIDPOINTS[0]), "uint8")
+    for k, mid in enumerate(_MIDPOINTS[1:], start=1):
+        hit = mag > T.float32(mid) if k % 2 == 0 else mag >= T.float32(mid)
+        code = code + T.cast(hit, "uint8")
+    return code | (T.cast(v < T.float32(0.0), "uint8") << T.uint8(3))
+
+
+def _n_blocks(n_tiles, grid: str, arch: Arch, threads: int):
+    """Blocks launched: one per tile, or as many as fit on the GPU at once (persistent, 2048 threads per SM)."""
+    if grid == "persistent":
+        return arch.sm_count * max(1, 2048 // threads)
+    return n_tiles
+
+
+@functools.cache
+def build_quant(dim: int, scale_format: str, in_dtype: str, staging: str, groups_per_thread: int, threads: int, grid: str, nvcc_arch: str):
+    """Compile the quantiser for rows of ``dim`` values; rows are dynamic.
+
+    Kernel arguments: X [rows, dim] ``in_dtype``, P [rows, dim // 2] uint8, S [rows, dim // group] uint8.
+    """
+    import tilelang
+    import tilelang.language as T
+    import tvm
+
+    group = SCALE_GROUP[scale_format]
+    n_groups = dim // group
+    gpt, E = groups_per_thread, groups_per_thread * group  # elements per unit
+    units_per_row = n_groups // gpt
+    rows = T.dynamic("rows")
+    units_per_tile = threads
+    rows_per_tile = max(1, threads * E // dim)  # only used by the shared staging (threads * E % dim == 0 there)
+    n_tiles = T.ceildiv(rows * units_per_row, units_per_tile)
+    arch = _arch_by_nvcc(nvcc_arch)
+    n_blocks = _n_blocks(n_tiles, grid, arch, threads)
+    steps = T.ceildiv(n_tiles, n_blocks) if grid == "persistent" else 1
+    min_scale = T.float32(formats.FP4_MAX * (2.0**-9 if scale_format == "e4m3" else 2.0**-126))
+
+    @T.prim_func
+    def quant(X: T.Tensor((rows, dim), in_dtype), P: T.Tensor((rows, dim // 2), "uint8"), S: T.Tensor((rows, n_groups), "uint8")):
+        with T.Kernel(n_blocks, threads=threads) as bx:
+            tx = T.get_thread_binding()
+            xin = T.alloc_local((E,), in_dtype)
+            pk = T.alloc_local((E // 2,), "uint8")
+            sc = T.alloc_local((gpt,), "uint8")
+            amax = T.alloc_var("float32")
+            raw = T.alloc_var("float32")
+            inv = T.alloc_var("float32")  # E8M0: the exact reciprocal 2^-e of the scale
+            s = T.alloc_var("float32")
+            bits = T.alloc_var("uint32")
+            v_lo = T.alloc_var("float32")  # the quotients, bound once: each feeds eight comparisons
+            v_hi = T.alloc_var("float32")
+            if staging == "shared":
+                Xs = T.alloc_shared((rows_per_tile, dim), in_dtype)
+                Ps = T.alloc_shared((rows_per_tile, dim // 2), "uint8")
+                Ss = T.alloc_shared((rows_per_tile, n_groups), "uint8")
+            for step in T.serial(steps):
+                tile = bx + step * n_blocks if grid == "persistent" else bx
+                u = tile * units_per_tile + tx
+                row = u // units_per_row
+                col = (u % units_per_row) * E
+                if staging == "shared":
+                    r0 = tile * rows_per_tile
+                    T.copy(X[r0, 0], Xs)
+                    for i in T.vectorized(E):
+                        xin[i] = Xs[row - r0, col + i]
+                elif row < rows:
+                    for i in T.vectorized(E):
+                        xin[i] = X[row, col + i]
+                for g in T.serial(gpt):
+                    amax = T.float32(0.0)
+                    for i in T.serial(group):
+                        a = T.abs(T.cast(xin[g * group + i], "float32"))
+                        # a comparison max: NaN compares false and never replaces amax
+                        amax = T.if_then_else(a > amax, a, amax)
+                    raw = T.if_then_else(amax > min_scale, amax, min_scale) / T.float32(formats.FP4_MAX)
+                    if scale_format == "e4m3":
+                        raw = T.if_then_else(raw < T.float32(formats.E4M3_MAX), raw, T.float32(formats.E4M3_MAX))
+                        if raw < T.float32(2.0**-6):
+                            # E4M3 subnormals are multiples of 2^-9: round raw * 512 to even
+                            s = T.nearbyint(raw * T.float32(512.0))
+                            sc[g] = T.cast(s, "uint8")
+                            s = s * T.float32(2.0**-9)
+                        else:
+                            # RNE to 3 mantissa bits on the fp32 pattern; E4M3 exponent = fp32 exponent - 120
+                            bits = T.reinterpret(raw, "uint32")
+                            bits = (bits + T.uint32(0x7FFFF) + ((bits >> T.uint32(20)) & T.uint32(1))) & T.uint32(0xFFF00000)
+                            sc[g] = T.cast(
+                                (((bits >> T.uint32(23)) - T.uint32(120)) << T.uint32(3)) | ((bits >> T.uint32(20)) & T.uint32(7)), "uint8"
+                            )
+                            s = T.reinterpret(bits, "float32")
+                        for j in T.serial(group // 2):
+                            v_lo = T.cast(xin[g * group + 2 * j], "float32") / s
+                            v_hi = T.cast(xin[g * group + 2 * j + 1], "float32") / s
+                            pk[g * group // 2 + j] = _e2m1_code(v_lo) | (_e2m1_code(v_hi) << T.uint8(4))
+                    else:
+                        bits = T.reinterpret(raw, "uint32")
+                        bits = ((bits >> T.uint32(23)) & T.uint32(0xFF)) + T.cast((bits & T.uint32(0x7FFFFF)) != T.uint32(0), "uint32")
+                        bits = T.if_then_else(bits > T.uint32(254), T.uint32(254), bits)
+                        sc[g] = T.cast(bits, "uint8")
+                        # 2^(127 - byte) for byte in [1, 254]; byte 254 gives the subnormal 2^-127 (fast math off keeps it)
+                        inv = T.if_then_else(
+                            bits == T.uint32(254), T.float32(2.0**-127), T.reinterpret((T.uint32(254) - bits) << T.uint32(23), "float32")
+                        )
+                        for j in T.serial(group // 2):
+                            v_lo = T.cast(xin[g * group + 2 * j], "float32") * inv
+                            v_hi = T.cast(xin[g * group + 2 * j + 1], "float32") * inv
+                            pk[g * group // 2 + j] = _e2m1_code(v_lo) | (_e2m1_code(v_hi) << T.uint8(4))
+                if staging == "shared":
+                    for i in T.vectorized(E // 2):
+                        Ps[row - r0, col // 2 + i] = pk[i]
+                    for g in T.vectorized(gpt):
+                        Ss[row - r0, col // group + g] = sc[g]
+                    T.copy(Ps, P[r0, 0])
+                    T.copy(Ss, S[r0, 0])
+                elif row < rows:
+                    for i in T.vectorized(E // 2):
+                        P[row, col // 2 + i] = pk[i]
+                    for g in T.vectorized(gpt):
+                        S[row, col // group + g] = sc[g]
+
+    target = tvm.target.Target({"kind": "cuda", "arch": nvcc_arch})
+    return tilelang.compile(quant, target=target, pass_configs=_PASS_CONFIGS)
+
+
+@functools.cache
+def build_dequant(
+    dim: int, scale_format: str, out_dtype: str, staging: str, groups_per_thread: int, threads: int, grid: str, nvcc_arch: str
+):
+    """Compile the dequantiser for rows of ``dim`` values; rows are dynamic.
+
+    Kernel arguments: P [rows, dim // 2] uint8, S [rows, dim // group] uint8, Y [rows, dim] ``out_dtype``.
+    """
+    import tilelang
+    import tilelang.language as T
+    import tvm
+
+    group = SCALE_GROUP[scale_format]
+    n_groups = dim // group
+    gpt, E = groups_per_thread, groups_per_thread * group
+    units_per_row = n_groups // gpt
+    rows = T.dynamic("rows")
+    rows_per_tile = max(1, threads * E // dim)
+    n_tiles = T.ceildiv(rows * units_per_row, threads)
+    arch = _arch_by_nvcc(nvcc_arch)
+    n_blocks = _n_blocks(n_tiles, grid, arch, threads)
+    steps = T.ceildiv(n_tiles, n_blocks) if grid == "persistent" else 1
+
+    def e2m1_value(c):
+        """uint32 code 0..15 -> fp32 value built from its bits (code 8 -> -0.0)."""
+        m = c & T.uint32(7)
+        mag = T.if_then_else(
+            m < T.uint32(2),
+            m * T.uint32(0x3F000000),  # 0 -> 0.0, 1 -> 0.5
+            ((((m >> T.uint32(1)) + T.uint32(126)) << T.uint32(23)) | ((m & T.uint32(1)) << T.uint32(22))),
+        )
+        return T.reinterpret(mag | ((c & T.uint32(8)) << T.uint32(28)), "float32")
+
+    @T.prim_func
+    def dequant(P: T.Tensor((rows, dim // 2), "uint8"), S: T.Tensor((rows, n_groups), "uint8"), Y: T.Tensor((rows, dim), out_dtype)):
+        with T.Kernel(n_blocks, threads=threads) as bx:
+            tx = T.get_thread_binding()
+            pk = T.alloc_local((E // 2,), "uint8")
+            sc = T.alloc_local((gpt,), "uint8")
+            yo = T.alloc_local((E,), out_dtype)
+            s = T.alloc_var("float32")
+            b = T.alloc_var("uint32")
+            if staging == "shared":
+                Ps = T.alloc_shared((rows_per_tile, dim // 2), "uint8")
+                Ss = T.alloc_shared((rows_per_tile, n_groups), "uint8")
+                Ys = T.alloc_shared((rows_per_tile, dim), out_dtype)
+            for step in T.serial(steps):
+                tile = bx + step * n_blocks if grid == "persistent" else bx
+                u = tile * threads + tx
+                row = u // units_per_row
+                col = (u % units_per_row) * E
+                if staging == "shared":
+                    r0 = tile * rows_per_tile
+                    T.copy(P[r0, 0], Ps)
+                    T.copy(S[r0, 0], Ss)
+                    for i in T.vectorized(E // 2):
+                        pk[i] = Ps[row - r0, col // 2 + i]
+                    for g in T.vectorized(gpt):
+                        sc[g] = Ss[row - r0, col // group + g]
+                elif row < rows:
+                    for i in T.vectorized(E // 2):
+                        pk[i] = P[row, col // 2 + i]
+                    for g in T.vectorized(gpt):
+                        sc[g] = S[row, col // group + g]
+                for g in T.serial(gpt):
+                    b = T.cast(sc[g], "uint32")
+                    if scale_format == "e4m3":
+                        # E4M3 byte s eeee mmm: 0x7F/0xFF are NaN, exponent 0 is subnormal (m * 2^-9)
+                        s = T.if_then_else(
+                            (b & T.uint32(0x78)) == T.uint32(0),
+                            T.cast(b & T.uint32(7), "float32") * T.float32(2.0**-9),
+                            T.reinterpret(
+                                (((b >> T.uint32(3)) & T.uint32(15)) + T.uint32(120)) << T.uint32(23) | ((b & T.uint32(7)) << T.uint32(20)),
+                                "float32",
+                            ),
+                        )
+                        s = T.if_then_else((b & T.uint32(0x7F)) == T.uint32(0x7F), T.reinterpret(T.uint32(0x7FC00000), "float32"), s)
+                        s = T.if_then_else((b & T.uint32(0x80)) != T.uint32(0), -s, s)
+                    else:
+                        # E8M0 byte e: 2^(e - 127); 0 is the subnormal 2^-127, 255 is NaN
+                        s = T.if_then_else(b == T.uint32(0), T.float32(2.0**-127), T.reinterpret(b << T.uint32(23), "float32"))
+                        s = T.if_then_else(b == T.uint32(255), T.reinterpret(T.uint32(0x7FC00000), "float32"), s)
+                    for j in T.serial(group // 2):
+                        c = T.cast(pk[g * group // 2 + j], "uint32")
+                        yo[g * group + 2 * j] = T.cast(e2m1_value(c & T.uint32(15)) * s, out_dtype)
+                        yo[g * group + 2 * j + 1] = T.cast(e2m1_value(c >> T.uint32(4)) * s, out_dtype)
+                if staging == "shared":
+                    for i in T.vectorized(E):
+                        Ys[row - r0, col + i] = yo[i]
+                    T.copy(Ys, Y[r0, 0])
+                elif row < rows:
+                    for i in T.vectorized(E):
+                        Y[row, col + i] = yo[i]
+
+    target = tvm.target.Target({"kind": "cuda", "arch": nvcc_arch})
+    return tilelang.compile(dequant, target=target, pass_configs=_PASS_CONFIGS)
+
+
+def _arch_by_nvcc(nvcc_arch: str) -> Arch:
+    from tiles.arch import ARCHS
+
+    return next(a for a in ARCHS.values() if a.nvcc_arch == nvcc_arch)
+
+
+# --------------------------------------------------------------------------------------
+# Search space, defaults, inputs
+# --------------------------------------------------------------------------------------
+def _staging_fits(config: Config, shape: Shape, arch: Arch, value_bytes: int, scale_format: str) -> str | None:
+    """The shared staging needs whole rows per block tile and the tile inside the shared-memory budget."""
+    if config.get("staging") != "shared":
+        return None
+    group = SCALE_GROUP[scale_format]
+    elems = config["threads"] * config["groups_per_thread"] * group
+    if elems % shape["dim"]:
+        return f"{config['threads']} threads x {elems // config['threads']} values do not cover whole rows of {shape['dim']}"
+    rows = elems // shape["dim"]
+    smem = rows * (shape["dim"] * value_bytes + shape["dim"] // 2 + shape["dim"] // group)
+    if smem > arch.smem_per_block:
+        return f"shared memory {smem / 1024:.0f} KiB > {arch.smem_per_block / 1024:.0f} KiB"
+    return None
+
+
+def _units_divide(config: Config, shape: Shape, arch: Arch, scale_format: str) -> str | None:
+    n_groups = shape["dim"] // SCALE_GROUP[scale_format]
+    if n_groups % config["groups_per_thread"]:
+        return f"groups_per_thread={config['groups_per_thread']} does not divide the {n_groups} groups of a row"
+    return None
+
+
+def fp4_search_space(scale_format: str, value_bytes: int = 2) -> SearchSpace:
+    """Structural choices of the FP4 kernels; ``value_bytes`` is the width of the unquantised side (2 for bf16)."""
+    return SearchSpace(
+        params=(
+            Param("staging", ("registers", "shared"), "16-byte vectors straight to registers, or a row tile through shared memory"),
+            Param("groups_per_thread", (1, 2, 4, 8), "scale groups per thread: sets the vector width of the packed loads/stores"),
+            Param("threads", (64, 128, 256, 512), "threads per block"),
+            Param("grid", ("tiles", "persistent"), "one block per tile of units, or a persistent grid striding over tiles"),
+        ),
+        constraints=(
+            Constraint("whole groups", lambda c, s, a: _units_divide(c, s, a, scale_format)),
+            Constraint("shared tile", lambda c, s, a: _staging_fits(c, s, a, value_bytes, scale_format)),
+        ),
+    )
+
+
+def fp4_default_config(scale_format: str) -> Config:
+    """16-byte packed stores/loads per thread (2 groups of 16 or 1 group of 32), 256 threads, one block per tile."""
+    return {"staging": "registers", "groups_per_thread": 2 if scale_format == "e4m3" else 1, "threads": 256, "grid": "tiles"}
+
+
+def _edge_rows(dim: int, scale_format: str, generator: torch.Generator) -> torch.Tensor:
+    """Rows that hit every special case of the format, float32 [8, dim].
+
+    Row 0: exact E2M1 midpoints (ties) and grid points, at a scale the group's amax pins
+    exactly. Row 1: zeros and -0. Row 2: tiny values incl. denormals. Row 3: huge values.
+    Row 4: NaN, +-Inf mixed with normal values. Row 5: an all-NaN group next to a one-Inf group.
+    Rows 6-7: random signs at magnitudes spread over 2^-140..2^120.
+    """
+    group = SCALE_GROUP[scale_format]
+    n_groups = dim // group
+    rows = torch.empty(8, dim)  # [8, dim]
+    mids = torch.tensor(formats._E2M1_MIDPOINTS + formats.E2M1_VALUES)
+    for g in range(n_groups):
+        scale = 2.0 ** (g % 24 - 12) * (1.0 + (g % 8) / 8 if scale_format == "e4m3" else 1.0)  # an exact E4M3/E8M0 value
+        vals = mids[torch.arange(group) % len(mids)] * scale
+        vals[0] = 6.0 * scale  # amax = 6 s pins the stored scale to s exactly
+        sign = torch.where(torch.rand(group, generator=generator) < 0.5, -1.0, 1.0)
+        rows[0, g * group : (g + 1) * group] = vals * sign
+    rows[1] = 0.0
+    rows[1, 1::2] = -0.0
+    rows[1, : dim // 2] = torch.where(torch.arange(dim // 2) % 3 == 0, torch.tensor(1e-3), torch.tensor(0.0))
+    rows[2] = torch.randn(dim, generator=generator) * 1e-39  # denormal in fp32 and bf16
+    rows[2, ::4] = -1e-45
+    rows[3] = torch.randn(dim, generator=generator) * 1e37
+    rows[3, ::5] = 3.0e38
+    rows[4] = torch.randn(dim, generator=generator)
+    rows[4, ::7] = float("nan")
+    rows[4, 3::11] = float("inf")
+    rows[4, 5::13] = float("-inf")
+    rows[5] = torch.randn(dim, generator=generator)
+    rows[5, :group] = float("nan")
+    rows[5, group + 1] = float("-inf")
+    exps = torch.randint(-140, 120, (2, dim), generator=generator).float()
+    rows[6:8] = torch.randn(2, dim, generator=generator).sign() * torch.exp2(exps)
+    return rows
+
+
+def quant_inputs(rows: int, dim: int, scale_format: str, seed: int, device, dtype: torch.dtype = torch.bfloat16) -> Inputs:
+    """x [rows, dim] ``dtype``: N(0, 1) per element times a log-uniform per-row magnitude, special rows first."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=gen) * torch.exp2(torch.empty(rows, 1).uniform_(-8, 8, generator=gen))  # [rows, dim]
+    n_edge = min(rows, 8)
+    x[:n_edge] = _edge_rows(dim, scale_format, gen)[:n_edge]
+    return {"x": x.to(dtype).to(device)}
+
+
+def dequant_inputs(rows: int, dim: int, scale_format: str, seed: int, device) -> Inputs:
+    """packed uint8 [rows, dim // 2] (every byte value), scales uint8 [rows, dim // group] (every byte value, NaN codes too)."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (rows, dim // 2), generator=gen, dtype=torch.uint8)  # [rows, dim // 2]
+    scales = torch.randint(0, 256, (rows, dim // SCALE_GROUP[scale_format]), generator=gen, dtype=torch.uint8)  # [rows, dim // group]
+    return {"packed": packed.to(device), "scales": scales.to(device)}
+
+
+def bit_exact_nan_canonical(outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> Comparison:
+    """Byte-for-byte equality where every NaN counts as one NaN (GPU converts emit a canonical payload, torch keeps another)."""
+    from tiles.compare import bit_exact
+
+    def canon(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t) if t.is_floating_point() else t
+
+    return bit_exact({k: canon(v) for k, v in outputs.items()}, {k: canon(v.to(outputs[k].device)) for k, v in expected.items()})
+
+
+# --------------------------------------------------------------------------------------
+# Tiles
+# --------------------------------------------------------------------------------------
+class FP4QuantTile(Tile):
+    """bf16 [rows, dim] -> packed FP4 uint8 [rows, dim // 2] + scale bytes uint8 [rows, dim // group]."""
+
+    def __init__(self, name: str, dim: int, scale_format: str):
+        self.name, self.dim, self.scale_format = name, dim, scale_format
+        self.group = SCALE_GROUP[scale_format]
+        self.description = f"FP4 quantise [rows, {dim}] bf16, group {self.group}, {scale_format.upper()} scales"
+
+    def shapes(self) -> list[Shape]:
+        return fp4_rows(self.dim)
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        return fp4_search_space(self.scale_format, value_bytes=2)
+
+    def default_config(self, arch: Arch) -> Config:
+        return fp4_default_config(self.scale_format)
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        c = {**self.default_config(arch), **config}
+        return build_quant(
+            shape["dim"], self.scale_format, "bfloat16", c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch
+        )
+
+    def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
+        return quant_inputs(shape["rows"], shape["dim"], self.scale_format, seed, device)
+
+    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        x = inputs["x"]
+        packed = poisoned((x.shape[0], x.shape[1] // 2), torch.uint8, x.device)  # [rows, dim // 2]
+        scales = poisoned((x.shape[0], x.shape[1] // self.group), torch.uint8, x.device)  # [rows, dim // group]
+        kernel(x, packed, scales)
+        return {"packed": packed, "scales": scales}
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        packed, scales = formats.fp4_quantize(inputs["x"], self.group, self.scale_format)
+        return {"packed": packed, "scales": scales}
+
+    def compare(self, outputs, expected) -> Comparison:
+        return bit_exact_nan_canonical(outputs, expected)
+
+    def bytes_moved(self, shape: Shape) -> float:
+        rows, dim = shape["rows"], shape["dim"]
+        return rows * (dim * 2 + dim // 2 + dim // self.group)
+
+
+class FP4DequantTile(FP4QuantTile):
+    """packed FP4 uint8 [rows, dim // 2] + scale bytes uint8 [rows, dim // group] -> bf16 [rows, dim] (fp32 through the public function)."""
+
+    def __init__(self, name: str, dim: int, scale_format: str):
+        super().__init__(name, dim, scale_format)
+        self.description = f"FP4 dequantise to [rows, {dim}] bf16, group {self.group}, {scale_format.upper()} scales"
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        c = {**self.default_config(arch), **config}
+        return build_dequant(
+            shape["dim"], self.scale_format, "bfloat16", c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch
+        )
+
+    def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
+        return dequant_inputs(shape["rows"], shape["dim"], self.scale_format, seed, device)
+
+    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        packed = inputs["packed"]
+        out = poisoned((packed.shape[0], packed.shape[1] * 2), torch.bfloat16, packed.device)  # [rows, dim]
+        kernel(packed, inputs["scales"], out)
+        return {"out": out}
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        out = formats.fp4_dequantize(inputs["packed"], inputs["scales"], self.group, self.scale_format)
+        return {"out": out.to(torch.bfloat16)}
+
+
+TILES = [
+    FP4QuantTile("fp4_quant_main", MAIN_DIM, "e4m3"),
+    FP4QuantTile("fp4_quant_index", INDEX_DIM, "e8m0"),
+    FP4DequantTile("fp4_dequant_main", MAIN_DIM, "e4m3"),
+    FP4DequantTile("fp4_dequant_index", INDEX_DIM, "e8m0"),
+]
+
+
+# --------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------
+def _check_format(group_size: int, scale_format: str) -> None:
+    if scale_format not in SCALE_GROUP:
+        raise TileError(f"unknown scale_format {scale_format!r}: use 'e4m3' (group 16) or 'e8m0' (group 32)")
+    if group_size != SCALE_GROUP[scale_format]:
+        raise TileError(f"scale_format {scale_format!r} goes with group_size={SCALE_GROUP[scale_format]}, got {group_size}")
+
+
+def _check_cuda(t: torch.Tensor, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TileError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise TileError(f"{what} is on {t.device}: the FP4 kernels run on a CUDA device (model.formats has the CPU reference)")
+    if not t.is_contiguous():
+        raise TileError(f"{what} must be contiguous (call .contiguous() first)")
+
+
+def pick_config(tile: Tile, shape: Shape, arch: Arch, config: Config | None) -> Config:
+    """The config to run: the caller's (validated), else a stored tuned winner when the results store has one, else the default."""
+    if config is None:
+        config = _tuned_config(tile, shape, arch)
+    full = {**tile.default_config(arch), **(config or {})}
+    if config is None and tile.search_space(arch).violations(full, shape, arch):
+        full["groups_per_thread"] = 1  # a row width the default vector does not divide
+    reasons = tile.search_space(arch).violations(full, shape, arch)
+    if reasons:
+        raise TileError(f"config {full} is invalid for {tile.name} at {dict(shape.dims)} on {arch.name}: {'; '.join(reasons)}")
+    return full
+
+
+def _tuned_config(tile: Tile, shape: Shape, arch: Arch) -> Config | None:
+    """The stored winner for (arch, shape) from :func:`tiles.results.config_for`, None when only the default exists."""
+    found = _stored_winner(tile.name, tuple(sorted(shape.dims.items())), arch.name)
+    return dict(found) if found is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_winner(tile_name: str, dims: tuple, arch_name: str) -> tuple | None:
+    # cached: the public functions sit on the decode path and must not read a YAML file per call
+    try:
+        from tiles.results import config_for
+    except ImportError:  # the results store is optional: without it every call runs the default
+        return None
+    from tiles.arch import get_arch
+    from tiles.registry import get_tile
+
+    config, source = config_for(get_tile(tile_name), Shape("call", "any", dict(dims)), get_arch(arch_name))
+    return None if source == "default" else tuple(config.items())
+
+
+def _tile_for(quantise: bool, scale_format: str) -> Tile:
+    return TILES[(0 if quantise else 2) + (0 if scale_format == "e4m3" else 1)]
+
+
+def fp4_quantize(
+    x: torch.Tensor, group_size: int = 16, scale_format: str = "e4m3", config: Config | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise to packed FP4 E2M1 with one scale per group, bit-exact with :func:`model.formats.fp4_quantize`.
+
+    Args:
+        x: bfloat16 or float32 [..., N] on a CUDA device, contiguous; N a multiple of ``group_size``.
+        group_size: 16 with ``"e4m3"`` (main KV, N = 512) or 32 with ``"e8m0"`` (index K/Q, N = 128).
+        config: tile parameters (see :func:`fp4_search_space`); None picks the tuned or default config.
+    Returns:
+        packed uint8 [..., N // 2] (even element in the low nibble) and scales uint8 [..., N // group_size]
+        (raw E4M3 or E8M0 bytes).
+    """
+    _check_format(group_size, scale_format)
+    _check_cuda(x, "x")
+    if x.dtype not in _TL_DTYPE:
+        raise TileError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] % group_size:
+        raise TileError(f"x has shape {tuple(x.shape)}: the last dim must be a multiple of group_size={group_size}")
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)  # [rows, N]
+    rows = x2.shape[0]
+    packed = torch.empty(*x.shape[:-1], n // 2, dtype=torch.uint8, device=x.device)  # [..., N // 2]
+    scales = torch.empty(*x.shape[:-1], n // group_size, dtype=torch.uint8, device=x.device)  # [..., N // group]
+    if rows == 0:
+        return packed, scales
+    arch = detect()
+    tile = _tile_for(True, scale_format)
+    shape = Shape("call", "any", {"rows": rows, "dim": n})
+    c = pick_config(tile, shape, arch, config)
+    if x.dtype == torch.float32 and (why := _staging_fits(c, shape, arch, 4, scale_format)):
+        raise TileError(f"config {c} does not fit float32 input: {why}")
+    kernel = build_quant(n, scale_format, _TL_DTYPE[x.dtype], c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch)
+    kernel(x2, packed.view(rows, n // 2), scales.view(rows, n // group_size))
+    return packed, scales
+
+
+def fp4_dequantize(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int = 16,
+    scale_format: str = "e4m3",
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`fp4_quantize`, value for value :func:`model.formats.fp4_dequantize` (cast to ``out_dtype``).
+
+    Args:
+        packed: uint8 [..., N // 2] on a CUDA device, contiguous.
+        scales: uint8 [..., N // group_size], same leading dims and device, contiguous.
+        out_dtype: torch.bfloat16 (exact: every FP4 value times an E4M3/E8M0 scale fits in 8 bits) or torch.float32.
+    Returns:
+        out_dtype [..., N].
+    """
+    _check_format(group_size, scale_format)
+    _check_cuda(packed, "packed")
+    _check_cuda(scales, "scales")
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise TileError(f"packed and scales must be uint8, got {packed.dtype} and {scales.dtype}")
+    if out_dtype not in _TL_DTYPE:
+        raise TileError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if packed.dim() == 0 or packed.shape[:-1] != scales.shape[:-1] or scales.shape[-1] * group_size != packed.shape[-1] * 2:
+        raise TileError(
+            f"packed {tuple(packed.shape)} and scales {tuple(scales.shape)} do not match: want [..., N // 2] and [..., N // {group_size}]"
+        )
+    if packed.device != scales.device:
+        raise TileError(f"packed is on {packed.device} but scales on {scales.device}")
+    n = packed.shape[-1] * 2
+    rows = math.prod(packed.shape[:-1])
+    out = torch.empty(*packed.shape[:-1], n, dtype=out_dtype, device=packed.device)  # [..., N]
+    if rows == 0:
+        return out
+    arch = detect()
+    tile = _tile_for(False, scale_format)
+    shape = Shape("call", "any", {"rows": rows, "dim": n})
+    c = pick_config(tile, shape, arch, config)
+    if out_dtype == torch.float32 and (why := _staging_fits(c, shape, arch, 4, scale_format)):
+        raise TileError(f"config {c} does not fit float32 output: {why}")
+    kernel = build_dequant(
+        n, scale_format, _TL_DTYPE[out_dtype], c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch
+    )
+    kernel(packed.view(rows, n // 2), scales.view(rows, n // group_size), out.view(rows, n))
+    return out
