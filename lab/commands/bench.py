@@ -1,15 +1,163 @@
-"""`lab bench`: not available yet."""
+"""`lab bench`: compile, check and time one tile at its shapes against its torch reference.
+
+Measures the device copy bandwidth once, then per shape: compile, check against the
+reference (fresh inputs, outputs poisoned, run twice bitwise equal), time with CUDA events
+on rotating input sets, and time the torch reference in the same run. A shape whose check
+failed gets no speed. ``--json`` prints the rows with the environment and the command line.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+from lab.cli import LabError
+from tiles.arch import ArchError, require_present, resolve
+from tiles.contract import Config, Tile, TileError
+from tiles.registry import get_tile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("--tile", required=True, help="tile name (see `lab check --compile-only --arch sm90`)")
+    parser.add_argument("--shape", default="all", help="a shape name of the tile, or 'all'")
+    parser.add_argument("--config", default=None, help="config overrides: JSON ('{\"threads\": 128}') or k=v,k=v")
+    parser.add_argument("--arch", default="auto", help="'auto' (the GPU present) or its name, e.g. sm90")
+    parser.add_argument("--runs", type=int, default=50, help="timed runs per shape (median reported)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the check and timing inputs")
+    parser.add_argument("--json", action="store_true", help="print a JSON document instead of a table")
+
+
+def parse_config(text: str | None) -> Config:
+    """``'{"threads": 128}'`` or ``threads=128,staging=shared`` -> dict; numbers become ints/floats."""
+    if not text:
+        return {}
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise LabError(f"--config is not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(value, dict):
+            raise LabError("--config JSON must be an object such as '{\"threads\": 128}'")
+        return value
+    config: Config = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = part.partition("=")
+        if not sep or not key.strip():
+            raise LabError(f"--config item {part!r} is not key=value")
+        config[key.strip()] = _scalar(raw.strip())
+    return config
+
+
+def _scalar(raw: str):
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def _shapes(tile: Tile, name: str):
+    if name == "all":
+        return tile.shapes()
+    try:
+        return [tile.shape(n.strip()) for n in name.split(",") if n.strip()]
+    except TileError as exc:
+        raise LabError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    print("lab bench: not available yet (it lands with its issue)", file=sys.stderr)
-    return 2
+    try:
+        tile = get_tile(args.tile)
+    except TileError as exc:
+        raise LabError(str(exc)) from None
+    shapes = _shapes(tile, args.shape)
+    overrides = parse_config(args.config)
+    if args.runs < 1:
+        raise LabError(f"--runs must be at least 1, got {args.runs}")
+    try:
+        arch = resolve(args.arch)
+        require_present(arch)
+    except ArchError as exc:
+        raise LabError(f"{exc}; `lab bench` times on a GPU (use `lab check --compile-only` to only compile)") from None
+    config = {**tile.default_config(arch), **overrides}
+    for shape in shapes:
+        bad = tile.search_space(arch).violations(config, shape, arch)
+        if bad:
+            raise LabError(f"config {config} is invalid for {tile.name} at shape {shape.name}: {'; '.join(bad)}")
+
+    from tiles.harness import evaluate, time_reference
+    from tiles.timing import describe_environment, device_copy_bandwidth
+
+    copy_bw = device_copy_bandwidth()
+    rows = []
+    for shape in shapes:
+        ev = evaluate(tile, shape, config, arch, seed=args.seed, runs=args.runs)
+        row = {
+            "shape": shape.name,
+            "dims": dict(shape.dims),
+            "outcome": ev.outcome,
+            "check": ev.message or "ok",
+            "compile_s": ev.compile_s,
+            "flops": tile.flops(shape),
+            "bytes": tile.bytes_moved(shape),
+        }
+        if ev.ok:
+            ref_ms = time_reference(tile, shape, seed=args.seed)
+            row.update(
+                ms=ev.ms,
+                p10_ms=ev.p10_ms,
+                p90_ms=ev.p90_ms,
+                gbps=ev.gbps,
+                tflops=ev.tflops,
+                copy_fraction=ev.gbps * 1e9 / copy_bw,
+                ref_ms=ref_ms,
+                speedup=ref_ms / ev.ms if ref_ms else None,
+            )
+        rows.append(row)
+        if not args.json:
+            print(f"  {shape.name}: {ev.outcome}", file=sys.stderr)
+
+    doc = {
+        "tile": tile.name,
+        "arch": arch.name,
+        "config": config,
+        "command": " ".join(["lab"] + sys.argv[1:]),
+        "environment": describe_environment(),
+        "copy_gbps": copy_bw / 1e9,
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _print_table(doc)
+    return 0 if all(r["outcome"] == "ok" for r in rows) else 1
+
+
+def _print_table(doc: dict) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    any_flops = any(r["flops"] for r in doc["rows"])
+    table = Table(title=f"lab bench {doc['tile']} on {doc['environment'].get('gpu', doc['arch'])} (copy {doc['copy_gbps']:.0f} GB/s)")
+    for col in ["shape", "ms", "GB/s"] + (["TFLOPS"] if any_flops else []) + ["of copy", "torch ms", "speedup", "check"]:
+        table.add_column(col, justify="left" if col in ("shape", "check") else "right")
+    for r in doc["rows"]:
+        if r["outcome"] != "ok":
+            cells = (
+                [r["shape"], "-", "-"] + (["-"] if any_flops else []) + ["-", "-", "-", f"[red]{r['outcome']}: {escape(r['check'])}[/red]"]
+            )
+        else:
+            tf = [f"{r['tflops']:.1f}" if r["tflops"] else "-"] if any_flops else []
+            ref = f"{r['ref_ms']:.4f}" if r["ref_ms"] else "n/a"
+            sp = f"{r['speedup']:.1f}x" if r["speedup"] else "n/a"
+            cells = (
+                [r["shape"], f"{r['ms']:.4f}", f"{r['gbps']:.0f}"] + tf + [f"{100 * r['copy_fraction']:.0f}%", ref, sp, "[green]ok[/green]"]
+            )
+        table.add_row(*cells)
+    console = Console()
+    console.print(table)
+    console.print(f"config {doc['config']}", highlight=False)

@@ -1,15 +1,123 @@
-"""`lab check`: not available yet."""
+"""`lab check`: every tile against the reference on the GPU present, or compile-only for any arch.
+
+``lab check --compile-only --arch sm80,sm89,sm90,sm100`` compiles each registered tile's
+default config (first shape, or ``--all-shapes``) for every arch in a process pool and
+prints a tile x arch table of compile seconds. Without ``--compile-only`` the GPU's own arch
+is checked for real (each shape, fresh inputs, bit-exact or tolerance compare, run twice)
+and the other listed archs are compiled. Exit status 1 when any cell fails. The cells are
+:mod:`lab.matrix` functions, so other config sources add rows without touching this command.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+from lab.cli import LabError
+from lab.matrix import UNSUPPORTED, Cell, check_cell, plan, run_compile
+from tiles.arch import ArchError, detect, get_arch
+from tiles.contract import TileError
+from tiles.registry import select
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("--tile", default="all", help="'all' or comma-separated tile names")
+    parser.add_argument("--arch", default="auto", help="comma-separated archs (sm80,sm89,sm90,sm100); 'auto' is the GPU present")
+    parser.add_argument("--compile-only", action="store_true", help="only compile (works without a GPU)")
+    parser.add_argument("--all-shapes", action="store_true", help="every shape of each tile, not just its first")
+    parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the check inputs")
+    parser.add_argument("--json", action="store_true", help="print the cells as JSON instead of a table")
+
+
+def _archs(text: str, compile_only: bool):
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise LabError("--arch is empty: name archs such as sm80,sm90 or use 'auto'")
+    archs = []
+    try:
+        for name in names:
+            archs.append(detect() if name == "auto" else get_arch(name))
+    except ArchError as exc:
+        raise LabError(str(exc)) from None
+    return list(dict.fromkeys(archs))
 
 
 def run(args: argparse.Namespace) -> int:
-    print("lab check: not available yet (it lands with its issue)", file=sys.stderr)
-    return 2
+    try:
+        tiles = select(args.tile)
+    except TileError as exc:
+        raise LabError(str(exc)) from None
+    if not tiles:
+        raise LabError(f"--tile {args.tile!r} names no tile")
+    archs = _archs(args.arch, args.compile_only)
+    if args.jobs is not None and args.jobs < 1:
+        raise LabError(f"--jobs must be at least 1, got {args.jobs}")
+
+    present = None
+    if not args.compile_only:
+        try:
+            present = detect()
+        except ArchError as exc:
+            raise LabError(f"{exc} (add --compile-only to compile without a GPU)") from None
+
+    gpu_cells: list[Cell] = []
+    compile_cells: list[Cell] = []
+    for cell in plan(tiles, archs, args.all_shapes):
+        (gpu_cells if present is not None and cell.arch == present.name else compile_cells).append(cell)
+    if present is not None:
+        # every shape on the GPU present: that is the point of checking for real
+        gpu_cells = plan(tiles, [present], all_shapes=True)
+
+    progress = None if args.json else _progress
+    done = run_compile(compile_cells, args.jobs, on_done=progress)
+    for cell in gpu_cells:
+        done.append(check_cell(cell, seed=args.seed))
+        if progress:
+            progress(done[-1])
+
+    if args.json:
+        print(json.dumps({"command": " ".join(["lab"] + sys.argv[1:]), "cells": [c.to_dict() for c in done]}, indent=1))
+    else:
+        _print_table(done, [t.name for t in tiles], [a.name for a in archs])
+    return 0 if all(c.ok for c in done) else 1
+
+
+def _progress(cell: Cell) -> None:
+    print(f"  {cell.tile} {cell.arch} {cell.shape}: {cell.outcome}", file=sys.stderr)
+
+
+def _cell_text(cells: list[Cell]) -> str:
+    from rich.markup import escape
+
+    if not cells:
+        return "-"
+    if all(c.outcome == UNSUPPORTED for c in cells):
+        return f"[dim]n/a: {escape(cells[0].message)}[/dim]"
+    bad = [c for c in cells if not c.ok]
+    mode = "checked" if cells[0].mode == "check" else "compiled"
+    secs = sum(c.compile_s or 0.0 for c in cells)
+    if bad:
+        return f"[red]{len(bad)}/{len(cells)} {bad[0].outcome}[/red]"
+    return f"[green]{mode}[/green] {secs:.1f}s" + (f" ({len(cells)} shapes)" if len(cells) > 1 else "")
+
+
+def _print_table(cells: list[Cell], tile_names: list[str], arch_names: list[str]) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="lab check: tile x arch (compile seconds)")
+    table.add_column("tile", no_wrap=True)
+    for a in arch_names:
+        table.add_column(a)
+    for t in tile_names:
+        table.add_row(t, *[_cell_text([c for c in cells if c.tile == t and c.arch == a]) for a in arch_names])
+    console = Console()
+    console.print(table)
+    for c in cells:
+        if not c.ok:
+            console.print(f"[red]{c.tile} {c.arch} {c.shape} ({c.label}): {c.outcome}[/red] {escape(c.message)}", highlight=False)
+    n_bad = sum(not c.ok for c in cells)
+    console.print(f"{len(cells) - n_bad} of {len(cells)} cells ok" + (f", {n_bad} failed" if n_bad else ""))

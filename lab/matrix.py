@@ -1,0 +1,116 @@
+"""The tile x arch x shape x config matrix behind ``lab check``: one function per cell, run in a process pool.
+
+A *cell* is one (tile, arch, shape, config label). :func:`compile_cell` compiles it on any
+machine (nvcc needs no GPU); :func:`check_cell` also runs it against the torch reference
+on the GPU that is present. Cells carry a ``label`` ("default" today) so another source of
+configs (stored tuned winners, say) adds rows to the same matrix without changing it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from tiles.arch import Arch, get_arch
+from tiles.contract import Config, Tile
+from tiles.harness import COMPILE_ERROR, OK, compile_tile, evaluate
+from tiles.registry import get_tile
+
+UNSUPPORTED = "unsupported"
+
+
+@dataclass
+class Cell:
+    """What one cell asks for and what came out; ``outcome`` is a tiles.harness outcome kind or ``unsupported``."""
+
+    tile: str
+    arch: str
+    shape: str
+    label: str = "default"
+    config: Config | None = None  # None: the tile's default config for the arch
+    mode: str = "compile"  # "compile" or "check"
+    outcome: str = ""
+    compile_s: float | None = None
+    error: float | None = None
+    message: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in (OK, UNSUPPORTED)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _resolve(cell: Cell) -> tuple[Tile, Arch, Config, object]:
+    tile, arch = get_tile(cell.tile), get_arch(cell.arch)
+    shape = tile.shape(cell.shape)
+    return tile, arch, {**tile.default_config(arch), **(cell.config or {})}, shape
+
+
+def compile_cell(cell: Cell) -> Cell:
+    """Compile one cell for its arch (no GPU needed); never raises for a tile's failure."""
+    try:
+        tile, arch, config, shape = _resolve(cell)
+        cell.config = config
+        why = tile.support_reason(arch)
+        if why:
+            cell.outcome, cell.message = UNSUPPORTED, why
+            return cell
+        _, ev = compile_tile(tile, shape, config, arch)
+    except Exception as exc:  # noqa: BLE001 -- a tile that cannot even describe itself is that cell's error, not the matrix's
+        cell.outcome, cell.message = COMPILE_ERROR, f"{type(exc).__name__}: {exc}"
+        return cell
+    cell.outcome, cell.compile_s, cell.message = ev.outcome, ev.compile_s, ev.message
+    return cell
+
+
+def check_cell(cell: Cell, seed: int = 0) -> Cell:
+    """Compile one cell and run it against the reference on the present GPU (fresh inputs, run twice, no timing)."""
+    try:
+        tile, arch, config, shape = _resolve(cell)
+        cell.config, cell.mode = config, "check"
+        why = tile.support_reason(arch)
+        if why:
+            cell.outcome, cell.message = UNSUPPORTED, why
+            return cell
+        ev = evaluate(tile, shape, config, arch, seed=seed, time_it=False)
+    except Exception as exc:  # noqa: BLE001 -- e.g. out of memory while making inputs: that cell fails, the rest still run
+        cell.outcome, cell.message = "runtime_fault", f"{type(exc).__name__}: {exc}"
+        return cell
+    cell.outcome, cell.compile_s, cell.error, cell.message = ev.outcome, ev.compile_s, ev.error, ev.message
+    return cell
+
+
+def plan(tiles: Iterable[Tile], archs: Iterable[Arch], all_shapes: bool = False, label: str = "default") -> list[Cell]:
+    """Every (tile, arch, shape) cell: each tile's first shape, or all of them."""
+    archs = list(archs)
+    cells = []
+    for tile in tiles:
+        shapes = tile.shapes() if all_shapes else tile.shapes()[:1]
+        cells += [Cell(tile.name, arch.name, s.name, label) for arch in archs for s in shapes]
+    return cells
+
+
+def run_compile(cells: list[Cell], jobs: int | None = None, on_done: Callable[[Cell], None] | None = None) -> list[Cell]:
+    """Compile cells in parallel (spawned processes: TileLang and CUDA state never cross a fork); keeps the input order."""
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells) or 1))
+    if jobs == 1:
+        done = []
+        for c in cells:
+            done.append(compile_cell(c))
+            if on_done:
+                on_done(done[-1])
+        return done
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(compile_cell, c) for c in cells]
+        results = []
+        for f in futures:
+            results.append(f.result())
+            if on_done:
+                on_done(results[-1])
+        return results
