@@ -1,0 +1,113 @@
+"""tiles.results: nearest-bucket lookup, default fallback, clear errors for corrupt or foreign files; tuning.export writes atomically."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from test_tuning_toys import ScaleToy
+from tiles.arch import get_arch
+from tiles.contract import Shape
+from tiles.results import SCHEMA, ResultsError, config_for, load_winner, results_path
+from tuning.export import export_results
+
+SM90 = get_arch("sm90")
+ENV = {"date": "2026-01-01T00:00:00Z", "gpu": "test", "torch": "x"}
+
+
+def _summary(shape: str, config: dict, ms: float, default_ms: float):
+    best = SimpleNamespace(params=config, user_attrs={"ms": ms, "tflops": None, "gbps": 100.0})
+    return SimpleNamespace(shape=shape, best=best, best_ms=ms, default_ms=default_ms, speedup=default_ms / ms, trials=9, outcomes={"ok": 9}, study="s")
+
+
+@pytest.fixture
+def written(tmp_path):
+    toy = ScaleToy()
+    cfg = {"block": 256, "schedule": "ws", "stages": 3}
+    path = export_results(toy, SM90, [_summary("decode_n4k", cfg, 1.0, 1.5)], "lab tune --arch sm90", tmp_path, environment=ENV)
+    return toy, tmp_path, path, cfg
+
+
+def test_export_round_trip_and_nearest_bucket(written):
+    toy, root, path, cfg = written
+    assert path == results_path("toy_scale", "sm90", root)
+    data = yaml.safe_load(path.read_text())
+    assert data["schema"] == SCHEMA and data["environment"]["command"] == "lab tune --arch sm90"
+    assert data["shapes"]["decode_n4k"]["speedup"] == 1.5
+    # N=8192 is nearest to the stored N=4096 bucket
+    config, source = load_winner("toy_scale", SM90, Shape("other", "decode", {"N": 8192}), default=toy.default_config(SM90), root=root)
+    assert config == cfg and source == f"tuned:{path}#decode_n4k"
+
+
+def test_default_when_no_file_or_no_comparable_bucket(written, tmp_path):
+    toy, root, _, _ = written
+    default = toy.default_config(SM90)
+    assert load_winner("toy_scale", "sm100", Shape("x", "decode", {"N": 1}), default=default, root=root) == (default, "default")
+    assert load_winner("toy_scale", SM90, Shape("x", "decode", {"M": 1}), default=default, root=root) == (default, "default")
+
+
+def test_config_for_reads_CSA2_RESULTS_DIR(written, monkeypatch):
+    toy, root, path, cfg = written
+    monkeypatch.setenv("CSA2_RESULTS_DIR", str(root))
+    assert config_for(toy, toy.shapes()[1], SM90) == (cfg, f"tuned:{path}#decode_n4k")
+
+
+def test_export_merges_buckets(written):
+    toy, root, path, cfg = written
+    other = {"block": 128, "schedule": "serial", "stages": 1}
+    export_results(toy, SM90, [_summary("prefill_n1m", other, 2.0, 2.0)], "lab tune", root, environment=ENV)
+    shapes = yaml.safe_load(path.read_text())["shapes"]
+    assert shapes["decode_n4k"]["config"] == cfg and shapes["prefill_n1m"]["config"] == other
+
+
+def test_export_is_atomic(written, monkeypatch):
+    toy, root, path, _ = written
+    before = path.read_text()
+
+    def crash(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        export_results(toy, SM90, [_summary("decode_n4k", {"block": 64, "schedule": "ws", "stages": 1}, 0.5, 1.5)], "x", root, environment=ENV)
+    assert path.read_text() == before
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        pytest.param("shapes: [unclosed", "corrupt", id="not-yaml"),
+        pytest.param("- a list", "corrupt", id="not-a-mapping"),
+        pytest.param("schema: other/v9\ntile: toy_scale\narch: sm90\nshapes: {}", "schema", id="foreign-schema"),
+        pytest.param(f"schema: {SCHEMA}\ntile: another_tile\narch: sm90\nshapes: {{}}", "another_tile", id="foreign-tile"),
+        pytest.param(f"schema: {SCHEMA}\ntile: toy_scale\narch: sm80\nshapes: {{}}", "sm80", id="foreign-arch"),
+        pytest.param(f"schema: {SCHEMA}\ntile: toy_scale\narch: sm90\nshapes: {{a: {{ms: 1}}}}", "config", id="entry-without-config"),
+    ],
+)
+def test_bad_file_errors_name_the_file(tmp_path, text, match):
+    path = results_path("toy_scale", "sm90", tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(ResultsError, match=match) as info:
+        load_winner("toy_scale", "sm90", Shape("x", "decode", {"N": 1}), default={}, root=tmp_path)
+    assert str(path) in str(info.value)
+
+
+def test_stale_config_is_refused(written, monkeypatch):
+    toy, root, path, _ = written
+    data = yaml.safe_load(path.read_text())
+    data["shapes"]["decode_n4k"]["config"]["block"] = 1024  # no longer a choice
+    path.write_text(yaml.safe_dump(data))
+    os.utime(path, ns=(1, 1))  # a different mtime, so the cached parse is not reused
+    monkeypatch.setenv("CSA2_RESULTS_DIR", str(root))
+    with pytest.raises(ResultsError, match="no longer accepts"):
+        config_for(toy, toy.shapes()[0], SM90)
+
+
+def test_unknown_arch_lists_known_ones():
+    with pytest.raises(ValueError, match="sm80, sm86, sm89, sm90, sm100, sm120"):
+        load_winner("toy_scale", "sm99", Shape("x", "decode", {}), default={})

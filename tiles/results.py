@@ -1,0 +1,123 @@
+"""Tuned configs as data: ``results/<arch>/<tile>.yaml``, read at run time.
+
+A results file holds, per shape bucket, the winning config of a tuning run with its
+latency, the default's latency, the speedup, the trials run, and the environment that
+produced it (written by :mod:`tuning.export`). :func:`load_winner` picks the bucket
+nearest to the shape asked for (:meth:`tiles.contract.Shape.distance`) and falls back to
+the tile's default config when there is no file or no comparable bucket, and says which
+one it used. A file that does not parse, or that belongs to another tile, arch or schema,
+raises :class:`ResultsError` naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import yaml
+
+from tiles.arch import Arch, get_arch
+from tiles.contract import Config, Shape, TileError
+
+SCHEMA = "csa2-lab/tuned-configs/v1"
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+
+
+class ResultsError(TileError):
+    """A results file that cannot be used: corrupt, foreign, or not matching the tile's search space."""
+
+
+def results_dir() -> Path:
+    """``$CSA2_RESULTS_DIR`` when set (tests, other checkouts), else ``results/`` in the repo."""
+    return Path(os.environ.get("CSA2_RESULTS_DIR", RESULTS_DIR))
+
+
+def results_path(tile_name: str, arch: Arch | str, root: Path | None = None) -> Path:
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    return (root or results_dir()) / arch.name / f"{tile_name}.yaml"
+
+
+_CACHE: dict[Path, tuple[float, dict]] = {}
+
+
+def read_results(path: Path, tile_name: str, arch: Arch | str) -> dict | None:
+    """The parsed, validated file, or None when it does not exist. Cached by modification time."""
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+    hit = _CACHE.get(path)
+    if hit and hit[0] == mtime:
+        return hit[1]
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"results file {path} is corrupt ({type(exc).__name__}): delete it or re-run `lab tune`") from None
+    if not isinstance(data, dict):
+        raise ResultsError(f"results file {path} is corrupt (expected a mapping, got {type(data).__name__}): delete it or re-run `lab tune`")
+    if data.get("schema") != SCHEMA:
+        raise ResultsError(f"results file {path} has schema {data.get('schema')!r}, expected {SCHEMA!r}: re-run `lab tune`")
+    if data.get("tile") != tile_name or data.get("arch") != arch.name:
+        raise ResultsError(
+            f"results file {path} is for tile {data.get('tile')!r} on {data.get('arch')!r}, not {tile_name!r} on {arch.name!r}: "
+            "it is misplaced or foreign"
+        )
+    shapes = data.get("shapes")
+    if not isinstance(shapes, dict) or not all(isinstance(e, dict) and isinstance(e.get("config"), dict) for e in shapes.values()):
+        raise ResultsError(f"results file {path} is corrupt (every entry under 'shapes' needs a 'config' mapping): re-run `lab tune`")
+    _CACHE[path] = (mtime, data)
+    return data
+
+
+def nearest_entry(data: dict, shape: Shape) -> tuple[str, dict] | None:
+    """The stored bucket nearest to ``shape`` (same dims, smallest log distance), or None."""
+    best, best_d = None, math.inf
+    for name, entry in sorted(data["shapes"].items()):
+        dims = entry.get("dims") or {}
+        d = 0.0 if name == shape.name else shape.distance(Shape(name, entry.get("phase", "any"), dims))
+        if d < best_d:
+            best, best_d = (name, entry), d
+    return best
+
+
+def load_winner(
+    tile_name: str, arch: Arch | str, shape: Shape, default: Config | None = None, root: Path | None = None
+) -> tuple[Config, str]:
+    """The config to run ``tile_name`` with on (arch, shape), and where it came from.
+
+    Returns ``(config, "tuned:<file>#<bucket>")`` for the nearest stored bucket, else
+    ``(default, "default")``. ``default`` is the tile's default config for ``arch``; when not
+    given it is looked up through :mod:`tiles.registry`. A stored config that the tile's
+    current search space rejects raises :class:`ResultsError` (the file is stale).
+    """
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    tile = None
+    if default is None:
+        from tiles.registry import get_tile
+
+        tile = get_tile(tile_name)
+        default = tile.default_config(arch)
+    path = results_path(tile_name, arch, root)
+    data = read_results(path, tile_name, arch)
+    hit = nearest_entry(data, shape) if data else None
+    if hit is None:
+        return dict(default), "default"
+    bucket, entry = hit
+    config = dict(entry["config"])
+    if tile is not None:
+        bad = tile.search_space(arch).violations(config, shape, arch)
+        if bad:
+            raise ResultsError(f"results file {path} bucket {bucket!r} holds a config the tile no longer accepts ({'; '.join(bad)}): re-run `lab tune`")
+    return config, f"tuned:{path}#{bucket}"
+
+
+def config_for(tile, shape: Shape, arch: Arch) -> tuple[Config, str]:
+    """What a tile calls at run time: its tuned config for (arch, shape) or its default, with the source."""
+    config, source = load_winner(tile.name, arch, shape, default=tile.default_config(arch))
+    if source != "default":
+        bad = tile.search_space(arch).violations(config, shape, arch)
+        if bad:
+            raise ResultsError(f"results file {source[6:]} holds a config tile {tile.name} no longer accepts ({'; '.join(bad)}): re-run `lab tune`")
+    return config, source

@@ -1,0 +1,72 @@
+"""Writes a tuning run's winners to ``results/<arch>/<tile>.yaml`` (the file :mod:`tiles.results` reads).
+
+Buckets of shapes not tuned in this run are kept; a bucket tuned again is replaced. The
+file is written to a temporary file in the same directory and moved over the old one with
+``os.replace``, so a reader sees the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from tiles.arch import Arch
+from tiles.contract import Tile
+from tiles.results import SCHEMA, ResultsError, read_results, results_path
+from tiles.timing import describe_environment
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _round(x: float | None, digits: int = 5) -> float | None:
+    return None if x is None else float(f"{x:.{digits}g}")
+
+
+def export_results(tile: Tile, arch: Arch, summaries: list, command: str, root: Path | None = None, environment: dict | None = None) -> Path:
+    """Merge this run's winners (``tuning.study.StudySummary`` list) into the tile's results file; returns its path."""
+    path = results_path(tile.name, arch, root)
+    try:
+        old = read_results(path, tile.name, arch)
+    except ResultsError:
+        old = None  # a corrupt file is replaced by this run's results rather than blocking them
+    shapes = dict(old["shapes"]) if old else {}
+    for s in summaries:
+        if s.best is None:
+            continue
+        shape = tile.shape(s.shape)
+        shapes[s.shape] = {
+            "phase": shape.phase,
+            "dims": dict(shape.dims),
+            "config": {k: s.best.params[k] for k in sorted(s.best.params)},
+            "ms": _round(s.best_ms),
+            "tflops": _round(s.best.user_attrs.get("tflops"), 4),
+            "gbps": _round(s.best.user_attrs.get("gbps"), 4),
+            "default_ms": _round(s.default_ms),
+            "speedup": _round(s.speedup, 4),
+            "trials": s.trials,
+            "outcomes": dict(sorted(s.outcomes.items())),
+            "study": s.study,
+        }
+    env = environment if environment is not None else describe_environment()
+    # Plain scalars only: version objects (torch's TorchVersion) are str subclasses yaml.safe_dump refuses.
+    env = {k: v if v is None or type(v) in (int, float, bool) else str(v) for k, v in env.items()}
+    env["arch"] = arch.name
+    env["command"] = command
+    data = {"schema": SCHEMA, "tile": tile.name, "arch": arch.name, "environment": env, "shapes": dict(sorted(shapes.items()))}
+    write_atomic(path, yaml.safe_dump(data, sort_keys=False, width=140))
+    return path

@@ -1,0 +1,108 @@
+"""Live progress with rich: trials done, best so far, speedup over the default, failures by kind; a final table."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tiles import harness
+
+
+def _fmt_ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms * 1e3:.1f} us" if ms < 1 else f"{ms:.3f} ms"
+
+
+class TuneProgress:
+    """Receives events from :class:`tuning.study.StudyRunner` (thread-safe) and renders them."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("best {task.fields[best]}  x{task.fields[speedup]}  {task.fields[fails]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self._lock = threading.Lock()
+        self._state: dict[int, dict] = {}
+        self.summaries: list = []
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def note(self, text: str) -> None:
+        self.progress.console.print(text)
+
+    def start_study(self, runner) -> None:
+        total = runner.space.size() if runner.opts.compile_only else runner.opts.trials
+        with self._lock:
+            task = self.progress.add_task(f"{runner.tile.name} {runner.shape.name}", total=total, best="-", speedup="-", fails="")
+            self._state[id(runner)] = {"task": task, "best": None, "default": None, "fails": Counter(), "done": 0}
+
+    def on_trial(self, runner, number: int, attrs: dict) -> None:
+        outcome = attrs.get("outcome")
+        with self._lock:
+            st = self._state.get(id(runner))
+            if st is None or outcome == "duplicate":
+                return
+            st["done"] += 1
+            if outcome == harness.OK and not runner.opts.compile_only and attrs.get("ms") is not None:
+                if st["best"] is None or attrs["ms"] < st["best"]:
+                    st["best"] = attrs["ms"]
+            elif outcome != harness.OK:
+                st["fails"][outcome] += 1
+            if st["default"] is None and not runner.opts.compile_only:
+                st["default"] = _default_ms(runner)
+            speedup = f"{st['default'] / st['best']:.2f}" if st["best"] and st["default"] else "-"
+            fails = " ".join(f"{k}:{v}" for k, v in sorted(st["fails"].items()))
+            self.progress.update(st["task"], completed=st["done"], best=_fmt_ms(st["best"]), speedup=speedup, fails=fails)
+
+    def end_study(self, runner, summary) -> None:
+        self.summaries.append(summary)
+        with self._lock:
+            st = self._state.get(id(runner))
+            if st is not None:
+                self.progress.update(st["task"], completed=summary.trials, total=max(summary.trials, 1))
+
+    def final_table(self, summaries: list | None = None) -> Table:
+        summaries = self.summaries if summaries is None else summaries
+        compile_only = any(s.compile_only for s in summaries)
+        table = Table(title="lab tune --compile-only" if compile_only else "lab tune")
+        for col in ("tile", "shape", "trials"):
+            table.add_column(col)
+        if not compile_only:
+            for col in ("best", "default", "speedup"):
+                table.add_column(col, justify="right")
+        table.add_column("outcomes")
+        if not compile_only:
+            table.add_column("winner")
+        for s in summaries:
+            outcomes = " ".join(f"{k}:{v}" for k, v in sorted(s.outcomes.items()))
+            row = [s.tile, s.shape, str(s.trials)]
+            if not compile_only:
+                winner = " ".join(f"{k}={v}" for k, v in sorted(s.best.params.items())) if s.best else "-"
+                row += [_fmt_ms(s.best_ms), _fmt_ms(s.default_ms), f"{s.speedup:.2f}x" if s.speedup else "-", outcomes, winner]
+            else:
+                row += [outcomes]
+            table.add_row(*row)
+        return table
+
+
+def _default_ms(runner) -> float | None:
+    from tuning.space import config_key
+
+    key = config_key(runner.default)
+    for t in runner.study.get_trials(deepcopy=False):
+        if t.user_attrs.get("config_key") == key and t.user_attrs.get("outcome") == harness.OK:
+            return t.user_attrs.get("ms")
+    return None

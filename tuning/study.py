@@ -1,0 +1,377 @@
+"""One Optuna study per (tile, arch, shape): ask, prune by constraints, compile, check, time, tell.
+
+Trials move through three stages, each in its own place so no config can end the study:
+constraints are checked here (an invalid config is pruned with its reason and never
+compiled); the kernel is compiled in the compile pool; it is run, checked against the
+reference on fresh inputs and timed in a GPU worker. Every trial records its outcome
+(``tiles.harness`` outcome kinds) and metrics as user attributes. Only ``ok`` trials are
+COMPLETE with a value, so a wrong or nondeterministic result can never be the best trial.
+
+Several lanes (threads) run trials concurrently so compilation overlaps timing; several
+processes or hosts may share one study through any Optuna storage. A run that is killed
+resumes: finished trials count toward ``--trials``, and trials left RUNNING by a dead
+process on this host are failed as ``interrupted`` and their configs enqueued again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from tiles import harness
+from tiles.arch import Arch, require_present
+from tiles.contract import Config, Shape, Tile
+from tiles.results import results_dir
+from tuning.space import config_key, distributions, seed_configs
+from tuning.workers import WorkerDied, WorkerPool, WorkerTimeout, tile_ref
+
+INTERRUPTED, DUPLICATE = "interrupted", "duplicate"
+# Metrics copied from an Evaluation into the trial's user attributes.
+METRICS = ("ms", "p10_ms", "p90_ms", "tflops", "gbps", "compile_s", "error", "message")
+
+
+class TuneError(ValueError):
+    """Bad tuning input (storage URL, worker count, study name), said in one line."""
+
+
+@dataclass
+class TuneOptions:
+    arch: Arch
+    trials: int = 40
+    timeout_s: float | None = None  # wall-clock budget per study
+    trial_timeout_s: float = 120.0  # one GPU evaluation (load + check + time); a hang past it is killed
+    compile_timeout_s: float = 300.0
+    storage: str | None = None
+    workers: int = 1  # GPU workers, one per local GPU
+    compile_jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
+    compile_only: bool = False
+    seed: int = 0
+    runs: int = 50
+    results_root: Path | None = None
+    evaluator: str = "tuning.workers:evaluate_on_gpu"
+    compiler: str = "tuning.workers:compile_task"
+    require_gpu: bool = True  # refuse to time for an arch that is not the GPU present
+    export: bool = True
+    command: str = field(default_factory=lambda: shlex.join(["lab", *sys.argv[1:]]) if sys.argv else "")
+
+
+@dataclass
+class StudySummary:
+    tile: str
+    shape: str
+    study: str
+    trials: int  # finished trials that count toward --trials
+    outcomes: dict[str, int]
+    best: FrozenTrial | None
+    default_ms: float | None
+    compile_only: bool = False
+
+    @property
+    def best_ms(self) -> float | None:
+        return self.best.user_attrs.get("ms") if self.best else None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.default_ms / self.best_ms if self.default_ms and self.best_ms else None
+
+
+# --- storage ---------------------------------------------------------------------------------
+
+
+def open_storage(url: str | None, root: Path | None = None):
+    """An Optuna storage for ``url``: RDB URLs (sqlite/postgresql/mysql), ``journal:PATH`` or a ``*.log`` path; default SQLite under results/."""
+    if url is None:
+        root = root or results_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{(root / 'tuning.db').resolve()}"
+    if url.startswith("journal:") or url.endswith((".log", ".jsonl", ".journal")):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        path = url.removeprefix("journal:")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(path))
+    if "://" not in url:
+        raise TuneError(f"storage {url!r} is not an Optuna storage URL: use sqlite:///PATH, postgresql://..., mysql://... or journal:PATH")
+    # SQLite serialises writers; a generous busy timeout lets several lanes and processes share the file.
+    kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    except Exception as exc:
+        raise TuneError(f"cannot open storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+
+
+def study_name(tile: Tile, arch: Arch, shape: Shape, compile_only: bool = False) -> str:
+    return f"{tile.name}:{arch.name}:{shape.name}" + (":compile" if compile_only else "")
+
+
+def _sampler(seed: int):
+    # constant_liar keeps concurrent lanes from all sampling the same point while results are pending.
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True, n_startup_trials=8)
+
+
+# --- trial bookkeeping -----------------------------------------------------------------------
+
+
+def trial_config(t: FrozenTrial) -> Config:
+    """A trial's config: its params, or for a trial still waiting in the queue, its enqueued params."""
+    return dict(t.params) if t.params else dict(t.system_attrs.get("fixed_params", {}))
+
+
+def counts_toward_budget(t: FrozenTrial) -> bool:
+    return t.state.is_finished() and t.user_attrs.get("outcome") not in (None, INTERRUPTED, DUPLICATE)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_interrupted(study: optuna.Study) -> int:
+    """Fail trials left RUNNING by a dead process on this host and enqueue their configs again; returns how many."""
+    host = socket.gethostname()
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner_host, _, pid = str(t.user_attrs.get("owner", "")).rpartition(":")
+        if owner_host != host or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        study._storage.set_trial_user_attr(t._trial_id, "outcome", INTERRUPTED)
+        study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        study.enqueue_trial(trial_config(t), user_attrs={"source": f"retry of trial {t.number}"})
+        n += 1
+    return n
+
+
+def summarize(study: optuna.Study, tile: Tile, shape: Shape, default: Config, compile_only: bool) -> StudySummary:
+    trials = study.get_trials(deepcopy=False)
+    done = [t for t in trials if counts_toward_budget(t)]
+    outcomes = Counter(t.user_attrs["outcome"] for t in done)
+    ok = [t for t in done if t.state == TrialState.COMPLETE and t.user_attrs.get("outcome") == harness.OK and "repeat_of" not in t.user_attrs]
+    best = None if compile_only or not ok else min(ok, key=lambda t: t.value)
+    dkey = config_key(default)
+    default_ms = next((t.user_attrs.get("ms") for t in ok if t.user_attrs.get("config_key") == dkey), None)
+    return StudySummary(tile.name, shape.name, study.study_name, len(done), dict(outcomes), best, default_ms, compile_only)
+
+
+# --- running one study ----------------------------------------------------------------------
+
+
+class StudyRunner:
+    """Runs trials of one study across lanes that share the compile pool and the GPU workers."""
+
+    def __init__(self, tile: Tile, shape: Shape, opts: TuneOptions, storage, compile_pool: WorkerPool, gpu_pool: WorkerPool | None, progress=None):
+        self.tile, self.shape, self.opts = tile, shape, opts
+        self.arch = opts.arch
+        self.space = tile.search_space(self.arch)
+        self.dists = distributions(self.space)
+        self.default = dict(tile.default_config(self.arch))
+        self.compile_pool, self.gpu_pool, self.progress = compile_pool, gpu_pool, progress
+        self.name = study_name(tile, self.arch, shape, opts.compile_only)
+        self.study = optuna.create_study(
+            storage=storage, study_name=self.name, direction="minimize", sampler=_sampler(opts.seed), load_if_exists=True
+        )
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._consecutive_repeats = 0
+
+    # -- setup --
+    def prepare(self) -> None:
+        """Recover interrupted trials; on a new study, enqueue the seeds (default first) or, compile-only, the whole grid."""
+        self.study.set_user_attr("tile", self.tile.name)
+        self.study.set_user_attr("arch", self.arch.name)
+        self.study.set_user_attr("shape", self.shape.name)
+        self.study.set_user_attr("default_key", config_key(self.default))
+        recover_interrupted(self.study)
+        if self.opts.compile_only:
+            configs = [(c, "grid") for c in self.space.all_configs()]
+            configs.sort(key=lambda cs: config_key(cs[0]) != config_key(self.default))
+        else:
+            configs = seed_configs(self.tile, self.shape, self.arch, self.opts.results_root)
+            if self.space.size() <= self.opts.trials:
+                # The budget covers the whole grid: measuring every config beats sampling it.
+                configs += [(c, "grid") for c in self.space.all_configs()]
+        existing = {config_key(trial_config(t)) for t in self.study.get_trials(deepcopy=False)}
+        for config, source in configs:
+            if config_key(config) not in existing:
+                existing.add(config_key(config))
+                self.study.enqueue_trial(config, user_attrs={"source": source})
+
+    # -- the loop --
+    def _next_trial(self, deadline: float | None):
+        with self._lock:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            trials = self.study.get_trials(deepcopy=False)
+            if self.opts.compile_only:
+                if not any(t.state == TrialState.WAITING for t in trials):
+                    return None
+            elif sum(counts_toward_budget(t) for t in trials) + self._in_flight >= self.opts.trials:
+                return None
+            if self._consecutive_repeats >= max(20, 2 * len(self.space.all_configs()) if self.space.size() <= 4096 else 20):
+                return None  # the sampler keeps returning configs already measured: the space is exhausted
+            trial = self.study.ask(self.dists)
+            self._in_flight += 1
+            return trial
+
+    def lane(self, deadline: float | None) -> None:
+        while (trial := self._next_trial(deadline)) is not None:
+            try:
+                self.run_trial(trial)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+
+    def run(self) -> StudySummary:
+        self.prepare()
+        deadline = None if self.opts.timeout_s is None else time.monotonic() + self.opts.timeout_s
+        n_lanes = len(self.compile_pool.workers) + (len(self.gpu_pool.workers) if self.gpu_pool else 0)
+        lanes = [threading.Thread(target=self.lane, args=(deadline,), daemon=True) for _ in range(max(1, n_lanes))]
+        for t in lanes:
+            t.start()
+        for t in lanes:
+            t.join()
+        return summarize(self.study, self.tile, self.shape, self.default, self.opts.compile_only)
+
+    # -- one trial --
+    def _finish(self, trial: optuna.Trial, attrs: dict, state: TrialState, value: float | None = None) -> None:
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        with self._lock:
+            self.study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
+        if self.progress is not None:
+            self.progress.on_trial(self, trial.number, attrs)
+
+    def run_trial(self, trial: optuna.Trial) -> None:
+        config = {name: trial.params[name] for name in self.space.names()}
+        key = config_key(config)
+        trial.set_user_attr("owner", self.owner)
+        trial.set_user_attr("config_key", key)
+        earlier = [
+            t
+            for t in self.study.get_trials(deepcopy=False)
+            if t.number < trial.number and config_key(trial_config(t)) == key and t.user_attrs.get("outcome") not in (INTERRUPTED, DUPLICATE)
+        ]
+        finished = [t for t in earlier if counts_toward_budget(t)]
+        if finished:
+            # A config measured before: its recorded result informs the sampler without a second compile.
+            with self._lock:
+                self._consecutive_repeats += 1
+            src = finished[0]
+            attrs = {k: src.user_attrs.get(k) for k in ("outcome", *METRICS)} | {"repeat_of": src.number}
+            self._finish(trial, attrs, src.state, src.value)
+            return
+        if earlier:
+            # The same config is queued or running elsewhere (another lane, process or host): it is done there, once.
+            self._finish(trial, {"outcome": DUPLICATE, "message": f"same config as trial {earlier[0].number}"}, TrialState.PRUNED)
+            return
+        with self._lock:
+            self._consecutive_repeats = 0
+
+        reasons = self.space.violations(config, self.shape, self.arch)
+        if reasons:
+            self._finish(trial, {"outcome": harness.INVALID, "message": "; ".join(reasons)}, TrialState.PRUNED)
+            return
+
+        ref = tile_ref(self.tile)
+        try:
+            ev = self.compile_pool.call(self.opts.compiler, (ref, self.shape.name, config, self.arch.name), self.opts.compile_timeout_s)
+        except WorkerTimeout as exc:
+            ev = {"outcome": harness.TIMEOUT, "message": f"compile: {exc}"}
+        except (WorkerDied, RuntimeError) as exc:
+            ev = {"outcome": harness.COMPILE_ERROR, "message": f"compile worker: {exc}"}
+        compile_s = ev.get("compile_s")
+        if ev["outcome"] != harness.OK or self.opts.compile_only:
+            attrs = {k: ev.get(k) for k in ("outcome", *METRICS)} | (ev.get("extra") or {})
+            ok = ev["outcome"] == harness.OK
+            self._finish(trial, attrs, TrialState.COMPLETE if ok else TrialState.FAIL, compile_s if ok else None)
+            return
+
+        try:
+            res = self.gpu_pool.call(
+                self.opts.evaluator,
+                (ref, self.shape.name, config, self.arch.name, trial.number, self.opts.runs),
+                self.opts.trial_timeout_s,
+                restart_if=lambda r: r.get("outcome") == harness.RUNTIME_FAULT,
+            )
+        except WorkerTimeout as exc:
+            res = {"outcome": harness.TIMEOUT, "message": str(exc)}
+        except WorkerDied as exc:
+            res = {"outcome": harness.RUNTIME_FAULT, "message": str(exc)}
+        except RuntimeError as exc:
+            res = {"outcome": harness.RUNTIME_FAULT, "message": f"GPU worker: {exc}"}
+        attrs = {k: res.get(k) for k in ("outcome", *METRICS)} | (res.get("extra") or {})
+        attrs["compile_s"] = compile_s  # the pool's real compile time; the GPU worker's cache load is load_s
+        ok = res["outcome"] == harness.OK and res.get("ms") is not None and math.isfinite(res["ms"])
+        self._finish(trial, attrs, TrialState.COMPLETE if ok else TrialState.FAIL, res.get("ms") if ok else None)
+
+
+# --- the whole run --------------------------------------------------------------------------
+
+
+def select_shapes(tile: Tile, which: str) -> list[Shape]:
+    """``decode``, ``prefill`` or ``all`` (shapes whose phase is ``any`` belong to both)."""
+    if which not in ("decode", "prefill", "all"):
+        raise TuneError(f"--shapes {which!r}: choose decode, prefill or all")
+    return [s for s in tile.shapes() if which == "all" or s.phase in (which, "any")]
+
+
+def tune(tiles: list[Tile], opts: TuneOptions, shapes: str = "all", progress=None) -> list[StudySummary]:
+    """Tune (or, compile-only, validate) every tile on every selected shape; exports winners unless compile-only."""
+    from tuning.export import export_results
+
+    if opts.trials < 1:
+        raise TuneError(f"--trials {opts.trials}: need at least 1")
+    if opts.workers < 1 or opts.compile_jobs < 1:
+        raise TuneError("--workers and --compile-jobs need at least 1")
+    if not opts.compile_only and opts.require_gpu:
+        require_present(opts.arch)
+        import torch
+
+        if torch.cuda.device_count() < opts.workers:
+            raise TuneError(f"--workers {opts.workers} but only {torch.cuda.device_count()} GPU(s) are present: one worker per GPU")
+    storage = open_storage(opts.storage, opts.results_root)
+    compile_pool = WorkerPool.compile_pool(opts.compile_jobs)
+    gpu_pool = None if opts.compile_only else WorkerPool.gpu_pool(opts.workers)
+    summaries: list[StudySummary] = []
+    try:
+        for tile in tiles:
+            why = tile.support_reason(opts.arch)
+            if why:
+                if progress is not None:
+                    progress.note(f"{tile.name}: skipped on {opts.arch.name} ({why})")
+                continue
+            by_tile = []
+            for shape in select_shapes(tile, shapes):
+                runner = StudyRunner(tile, shape, opts, storage, compile_pool, gpu_pool, progress)
+                if progress is not None:
+                    progress.start_study(runner)
+                summary = runner.run()
+                if progress is not None:
+                    progress.end_study(runner, summary)
+                by_tile.append(summary)
+            summaries += by_tile
+            if opts.export and not opts.compile_only and any(s.best for s in by_tile):
+                path = export_results(tile, opts.arch, by_tile, opts.command, opts.results_root)
+                if progress is not None:
+                    progress.note(f"{tile.name}: winners written to {path}")
+    finally:
+        compile_pool.close()
+        if gpu_pool is not None:
+            gpu_pool.close()
+    return summaries

@@ -1,0 +1,225 @@
+"""Isolated worker processes: the compile pool and the GPU workers.
+
+A trial's kernel is compiled in a pool of spawned processes (one per core) and then run,
+checked and timed in a spawned GPU worker (one per GPU, pinned with ``CUDA_VISIBLE_DEVICES``).
+Every worker is a separate process so a config that hangs, segfaults or poisons the CUDA
+context (an illegal memory access is sticky: nothing on that context works afterwards) is
+killed and replaced while the study goes on.
+
+Compiled TileLang kernels cannot be pickled across processes, so the pool and the GPU worker
+share work through TileLang's on-disk kernel cache (``TILELANG_CACHE_DIR``, keyed by the
+lowered program, the target and the TileLang build): the pool's ``tile.build()`` fills the
+cache and the GPU worker's ``tile.build()`` of the same (shape, config, arch) loads the
+cached binary instead of running nvcc again. Both sides record their build time
+(``compile_s`` in the pool, ``load_s`` in the GPU worker) so the saving is measured per trial.
+
+Tiles are named across processes by a reference ``"module:tile_name"`` (the module defines
+``TILES = [...]``), so tiles outside ``tiles/`` (the tests' toy tiles) work the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import re
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiles.contract import Tile
+
+_CTX = mp.get_context("spawn")
+
+
+class WorkerTimeout(Exception):
+    """The task ran past its time limit; the worker was killed."""
+
+
+class WorkerDied(Exception):
+    """The worker process exited during the task (segfault, CUDA abort, os._exit)."""
+
+
+def tile_ref(tile: Tile) -> str:
+    """How a worker process finds ``tile`` again: ``"module:tile_name"``."""
+    return f"{type(tile).__module__}:{tile.name}"
+
+
+def load_tile(ref: str) -> Tile:
+    module_name, _, name = ref.partition(":")
+    module = importlib.import_module(module_name)
+    for tile in getattr(module, "TILES", []):
+        if tile.name == name:
+            return tile
+    raise LookupError(f"module {module_name} has no tile named {name!r} in TILES")
+
+
+def resolve_function(ref: str) -> Callable:
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+# --- tasks (run inside the workers) -----------------------------------------------------------
+
+
+def compile_task(tile_ref_: str, shape_name: str, config: dict, arch_name: str) -> dict:
+    """Constraints + ``tile.build`` in a pool worker: the Evaluation as a dict, plus resource use when known."""
+    from tiles.arch import get_arch
+    from tiles.harness import compile_tile
+
+    tile = load_tile(tile_ref_)
+    kernel, ev = compile_tile(tile, tile.shape(shape_name), config, get_arch(arch_name))
+    if kernel is not None:
+        ev.extra.update(kernel_resources(kernel))
+    return ev.to_dict()
+
+
+def evaluate_on_gpu(tile_ref_: str, shape_name: str, config: dict, arch_name: str, seed: int, runs: int) -> dict:
+    """Build (a kernel-cache hit after the pool compiled it), check on fresh inputs, time: the Evaluation as a dict."""
+    from tiles.arch import get_arch
+    from tiles.harness import check_and_time, compile_tile
+
+    tile = load_tile(tile_ref_)
+    shape, arch = tile.shape(shape_name), get_arch(arch_name)
+    t0 = time.perf_counter()
+    kernel, ev = compile_tile(tile, shape, config, arch)
+    ev.extra["load_s"] = time.perf_counter() - t0
+    if kernel is None:
+        return ev.to_dict()
+    return check_and_time(tile, shape, kernel, ev, arch, seed=seed, runs=runs).to_dict()
+
+
+def kernel_resources(kernel) -> dict:
+    """Dynamic shared memory a TileLang kernel requests, read from its host source (empty when unknown)."""
+    kernels = kernel if isinstance(kernel, list | tuple) else getattr(kernel, "kernels", [kernel])
+    smem = []
+    for k in kernels if isinstance(kernels, list | tuple) else [kernel]:
+        try:
+            host = k.get_host_source()
+        except Exception:  # pure-python or non-TileLang kernels have no host source
+            continue
+        smem += [int(v) for v in re.findall(r"MaxDynamicSharedMemorySize,\s*(\d+)", host or "")]
+    return {"smem_bytes": max(smem)} if smem else {}
+
+
+def _worker_main(conn, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    while True:
+        try:
+            fn_ref, args = conn.recv()
+        except (EOFError, OSError):  # the parent went away: nothing left to do
+            return
+        try:
+            result = ("ok", resolve_function(fn_ref)(*args))
+        except BaseException as exc:  # reported to the parent, which decides what it means
+            result = ("error", "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:])
+        try:
+            conn.send(result)
+        except (BrokenPipeError, OSError):
+            return
+
+
+# --- the parent's handle on one worker ----------------------------------------------------------
+
+
+class IsolatedWorker:
+    """One spawned process running tasks one at a time; killed and respawned on timeout or death."""
+
+    def __init__(self, name: str, env: dict[str, str] | None = None):
+        self.name = name
+        self.env = dict(env or {})
+        self.restarts = 0
+        self._proc = None
+        self._conn = None
+
+    def _start(self) -> None:
+        parent, child = _CTX.Pipe()
+        # The child applies env before anything touches CUDA (torch reads CUDA_VISIBLE_DEVICES at CUDA init, not import).
+        self._proc = _CTX.Process(target=_worker_main, args=(child, self.env), name=self.name, daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc = self._conn = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.restarts += 1
+
+    def call(self, fn_ref: str, args: tuple, timeout_s: float | None):
+        """Run ``fn_ref(*args)`` in the worker; raises WorkerTimeout / WorkerDied (and respawns next call)."""
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        self._conn.send((fn_ref, args))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            if self._conn.poll(wait):
+                try:
+                    status, value = self._conn.recv()
+                except (EOFError, OSError):
+                    self._proc.join(2)  # reap it so the exit code (e.g. -11, 134) can be reported
+                    code = self._proc.exitcode
+                    self.restart()
+                    raise WorkerDied(f"worker {self.name} died (exit code {code})") from None
+                if status == "error":
+                    raise RuntimeError(value)
+                return value
+            if not self._proc.is_alive():
+                code = self._proc.exitcode
+                self.restart()
+                raise WorkerDied(f"worker {self.name} died (exit code {code})")
+            if deadline is not None and time.monotonic() >= deadline:
+                self.restart()
+                raise WorkerTimeout(f"worker {self.name} exceeded {timeout_s:g} s and was killed")
+
+
+@dataclass
+class WorkerPool:
+    """A fixed set of isolated workers handed out one task at a time (threads wait for a free one)."""
+
+    workers: list[IsolatedWorker]
+
+    def __post_init__(self):
+        self._free: queue.Queue[IsolatedWorker] = queue.Queue()
+        for w in self.workers:
+            self._free.put(w)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def compile_pool(cls, jobs: int) -> WorkerPool:
+        # Compilation needs no GPU; hiding it keeps pool workers from creating CUDA contexts.
+        return cls([IsolatedWorker(f"compile-{i}", {"CUDA_VISIBLE_DEVICES": ""}) for i in range(max(1, jobs))])
+
+    @classmethod
+    def gpu_pool(cls, n_gpus: int) -> WorkerPool:
+        return cls([IsolatedWorker(f"gpu-{i}", {"CUDA_VISIBLE_DEVICES": str(i)}) for i in range(max(1, n_gpus))])
+
+    def call(self, fn_ref: str, args: tuple, timeout_s: float | None, restart_if: Callable[[object], bool] | None = None):
+        """Run a task on the next free worker; ``restart_if(result)`` replaces the worker after a result that poisons it."""
+        worker = self._free.get()
+        try:
+            result = worker.call(fn_ref, args, timeout_s)
+            if restart_if is not None and restart_if(result):
+                worker.restart()  # e.g. a CUDA fault: the context is unusable for every later trial
+            return result
+        finally:
+            self._free.put(worker)
+
+    @property
+    def restarts(self) -> int:
+        return sum(w.restarts for w in self.workers)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
