@@ -1,0 +1,288 @@
+"""GPU check and timing of the sparse attention tiles, one call on the H200.
+
+Compiles every kernel the run needs in a spawn process pool first (TileLang's disk cache then
+serves the main process), checks each config against the fp32 torch reference on fresh random
+inputs (outputs NaN-poisoned, run twice and required bitwise equal), runs the edge cases
+(all -1 rows give exact zeros, repeated indices, W < 128, odd S, H = 128), then times the
+target shapes: the torch reference, the default config and the alternative schedules in the
+same run, kernel-only (CUDA events, rotating input sets, output buffers allocated once).
+
+    python gpu/sparse_attn_check.py --out $OUT [--quick]
+
+Prints a compact table and writes ``sparse_attn_run.json`` (rows + environment) under --out.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WS = {"schedule": "ws", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64}
+STAGED = {"dequant": "staged"}
+
+# (tile, shape name or custom dims, config override, label). Custom dims: (name, phase, dims).
+CHECKS = [
+    ("sparse_attn_decode", "decode_b64_s1", {}, "default"),
+    ("sparse_attn_decode", "decode_b128_s2", {}, "default"),
+    ("sparse_attn_decode", "decode_b64_s1", WS, "ws"),
+    ("sparse_attn_decode", "decode_b128_s2", WS, "ws"),
+    ("sparse_attn_decode", "decode_b64_s1", STAGED, "staged"),
+    ("sparse_attn_prefill", "prefill_s4k", {}, "default"),
+    ("sparse_attn_prefill", "prefill_s4k", WS, "ws"),
+    ("sparse_attn_prefill", "prefill_s4k", STAGED, "staged"),
+    ("sparse_attn_bf16", "decode_b64_s1", {}, "default"),
+    ("sparse_attn_bf16", "decode_b128_s2", {}, "default"),
+    ("sparse_attn_bf16", "prefill_s4k", {}, "default"),
+    ("sparse_attn_bf16", "prefill_s4k", WS, "ws"),
+    (
+        "sparse_attn_decode",
+        ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512}),
+        {},
+        "default",
+    ),
+    ("sparse_attn_decode", ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512}), {}, "default"),
+    ("sparse_attn_prefill", ("odd_s777", "prefill", {"B": 1, "S": 777, "Nc": 777, "Nw": 777, "H": 64, "W": 128, "K": 512}), {}, "default"),
+    ("sparse_attn_prefill", ("odd_s777", "prefill", {"B": 1, "S": 777, "Nc": 777, "Nw": 777, "H": 64, "W": 128, "K": 512}), WS, "ws"),
+]
+TIMINGS = [
+    ("sparse_attn_prefill", "prefill_s4k", ["default", "ws", "staged"]),
+    ("sparse_attn_decode", "decode_b128_s2", ["default", "ws"]),
+    ("sparse_attn_decode", "decode_b64_s1", ["default", "ws", "staged"]),
+    ("sparse_attn_bf16", "prefill_s4k", ["default", "ws"]),
+    ("sparse_attn_bf16", "decode_b128_s2", ["default"]),
+    ("sparse_attn_bf16", "decode_b64_s1", ["default"]),
+]
+LABELS = {"default": {}, "ws": WS, "staged": STAGED}
+
+
+def _shape(tile, spec):
+    from tiles.contract import Shape
+
+    if isinstance(spec, str):
+        return tile.shape(spec)
+    name, phase, dims = spec
+    return Shape(name, phase, {"D": 512, **dims})
+
+
+def _compile_job(job):
+    """Worker: build one (tile, shape, config) so the disk cache holds it. Returns (job index, seconds, error)."""
+    i, tile_name, spec, override = job
+    from tiles.arch import get_arch
+    from tiles.registry import get_tile
+
+    t0 = time.time()
+    try:
+        tile = get_tile(tile_name)
+        arch = get_arch("sm90")
+        tile.build(_shape(tile, spec), {**tile.default_config(arch), **override}, arch)
+        return i, time.time() - t0, None
+    except Exception as exc:  # noqa: BLE001 - reported in the table, never fatal
+        return i, time.time() - t0, "".join(traceback.format_exception_only(type(exc), exc)).strip()[-400:]
+
+
+def _dump(out_dir: Path, labels: str, rows: list[dict], env: dict | None = None) -> dict | None:
+    """Rewrite the results file after every row, so a run cut short still leaves what it measured."""
+    name = "sparse_attn_run_" + labels.replace(",", "_") + ".json"
+    cmd = f"python gpu/sparse_attn_check.py --out $OUT --labels {labels}"
+    (out_dir / name).write_text(json.dumps({"environment": env, "command": cmd, "rows": rows}, indent=1, default=str))
+    return env
+
+
+def _reference_launcher(tile, sets):
+    return lambda j: tile.reference(sets[j % 2])
+
+
+def _launcher(tile, k, sets):
+    """Kernel-only launch on input set j (outputs allocated once, not poisoned: timing only)."""
+    import torch
+
+    outs = [torch.empty_like(s["q"]) for s in sets]  # [B, S, H, D] each
+    dummy = torch.empty(1, dtype=torch.uint8, device="cuda")  # [1], the bf16 kernel has no scale tensors
+
+    def launch(j):
+        s = sets[j % 2]
+        if tile.kv_format == "fp4":
+            f8 = torch.float8_e4m3fn
+            k(
+                s["q"],
+                s["window_codes"].view(f8),
+                s["window_scales"],
+                s["window_idx"],
+                s["main_packed"],
+                s["main_scales"].view(f8),
+                s["topk_idx"],
+                s["sink"],
+                out=outs[j % 2],
+            )
+        else:
+            k(s["q"], s["window_kv"], dummy, s["window_idx"], s["main_kv"], dummy, s["topk_idx"], s["sink"], out=outs[j % 2])
+
+    return launch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--labels", default="default,staged,ws", help="which configs to check and time (all are compiled)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the pool compile phase (an earlier invocation filled the cache)")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    jobs = [(i, t, s, o) for i, (t, s, o, _) in enumerate(CHECKS)]
+    t0 = time.time()
+    compile_err: dict[int, str] = {}
+    labels = set(args.labels.split(","))
+    with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
+        for i, secs, err in pool.map(_compile_job, [] if args.no_compile else jobs):
+            if err:
+                compile_err[i] = err
+            print(f"compiled {i:2d} {CHECKS[i][0]:20s} {CHECKS[i][3]:8s} {secs:6.1f}s {'ERR ' + err if err else ''}", flush=True)
+    print(f"compile phase {time.time() - t0:.1f}s", flush=True)
+
+    import torch
+
+    from tiles.arch import detect
+    from tiles.registry import get_tile
+    from tiles.timing import describe_environment, time_cuda
+
+    arch = detect()
+    rows: list[dict] = []
+    kernels: dict[tuple, object] = {}
+
+    def kernel_for(tile, shape, override):
+        key = (tile.name, shape.name, tuple(sorted(override.items())))
+        if key not in kernels:
+            kernels[key] = tile.build(shape, {**tile.default_config(arch), **override}, arch)
+        return kernels[key]
+
+    # --- correctness ------------------------------------------------------------------------
+    for i, (tile_name, spec, override, label) in enumerate(CHECKS):
+        if label not in labels:
+            continue
+        tile = get_tile(tile_name)
+        shape = _shape(tile, spec)
+        row = {"kind": "check", "tile": tile_name, "shape": shape.name, "label": label, "config": {**tile.default_config(arch), **override}}
+        if i in compile_err:
+            rows.append({**row, "outcome": "compile_error", "message": compile_err[i]})
+            continue
+        try:
+            k = kernel_for(tile, shape, override)
+            row["n_split"] = k.n_split
+            inputs = tile.make_inputs(shape, seed=100 + i, device="cuda")
+            o1 = tile.run(k, inputs)["out"]
+            o2 = tile.run(k, inputs)["out"]
+            torch.cuda.synchronize()
+            ref = tile.reference(inputs)
+            cmp = tile.compare({"out": o1}, ref)
+            row.update(
+                outcome="ok" if cmp.ok else "wrong_result",
+                rel_l2=cmp.error,
+                finite=bool(torch.isfinite(o1).all()),
+                bitwise_repeat=bool(torch.equal(o1.view(torch.int16), o2.view(torch.int16))),
+                message=str(cmp),
+            )
+            if not (row["finite"] and row["bitwise_repeat"]):
+                row["outcome"] = "wrong_result"
+            # Edge cases on the same kernel: all -1 rows are exact zeros, repeated indices match the reference.
+            if label == "default" or label == "ws":
+                e = dict(inputs)
+                wi, ti = e["window_idx"].clone(), e["topk_idx"].clone()
+                wi[0, 0] = -1
+                ti[0, 0] = -1
+                ti[-1, -1] = ti[-1, -1, :1].clamp(min=0).expand_as(ti[-1, -1]).clone()  # one index repeated K times
+                e["window_idx"], e["topk_idx"] = wi, ti
+                oe = tile.run(k, e)["out"]
+                re = tile.reference(e)
+                ce = tile.compare({"out": oe}, re)
+                row["edge_all_minus1_zero"] = bool((oe[0, 0] == 0).all())
+                row["edge_rel_l2"] = ce.error
+                if not (row["edge_all_minus1_zero"] and ce.ok):
+                    row["outcome"] = "wrong_result"
+                    row["message"] += f"; edge: zero={row['edge_all_minus1_zero']} {ce}"
+        except Exception as exc:  # noqa: BLE001 - a faulting config is a row, not the end of the run
+            row.update(outcome="runtime_fault", message="".join(traceback.format_exception_only(type(exc), exc)).strip()[-400:])
+        rows.append(row)
+        _dump(out_dir, args.labels, rows)
+        print(
+            f"check {tile_name:20s} {shape.name:16s} {label:8s} {row['outcome']:14s} rel_l2={row.get('rel_l2', float('nan')):.2e}",
+            flush=True,
+        )
+
+    ok_checks = {(r["tile"], r["shape"], r["label"]) for r in rows if r.get("outcome") == "ok"}
+
+    # --- timing -----------------------------------------------------------------------------
+    for tile_name, shape_name, timed in TIMINGS:
+        if not labels.intersection(timed):
+            continue
+        tile = get_tile(tile_name)
+        shape = tile.shape(shape_name)
+        flops, nbytes = tile.flops(shape), tile.bytes_moved(shape)
+        sets = [tile.make_inputs(shape, seed=200 + j, device="cuda") for j in range(2)]
+        try:
+            tr = time_cuda(_reference_launcher(tile, sets), n_sets=2, warmup=1, runs=3, min_time_ms=0).median_ms
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            tr = None
+        rows.append({"kind": "time", "tile": tile_name, "shape": shape_name, "label": "torch_reference", "ms": tr})
+        for label in [x for x in timed if x in labels]:
+            row = {"kind": "time", "tile": tile_name, "shape": shape_name, "label": label}
+            if (tile_name, shape_name, label) not in ok_checks:
+                rows.append({**row, "ms": None, "message": "not timed: its check did not pass"})
+                continue
+            k = kernel_for(tile, shape, LABELS[label])
+            launch = _launcher(tile, k, sets)
+            t = time_cuda(launch, n_sets=2, warmup=5, runs=30, min_time_ms=20)
+            row.update(
+                ms=t.median_ms,
+                p10_ms=t.p10_ms,
+                p90_ms=t.p90_ms,
+                n_split=k.n_split,
+                tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                gbps=nbytes / (t.median_ms * 1e-3) / 1e9,
+                speedup_vs_torch=(tr / t.median_ms) if tr else None,
+            )
+            rows.append(row)
+            _dump(out_dir, args.labels, rows)
+        del sets
+        torch.cuda.empty_cache()
+
+    env = _dump(out_dir, args.labels, rows, describe_environment())
+
+    print("\n== checks")
+    for r in rows:
+        if r["kind"] == "check":
+            extra = (
+                f" edge_zero={r.get('edge_all_minus1_zero')} edge_l2={r.get('edge_rel_l2', float('nan')):.2e}" if "edge_rel_l2" in r else ""
+            )
+            print(
+                f"{r['tile']:20s} {r['shape']:16s} {r['label']:8s} {r['outcome']:14s} split={r.get('n_split', '-')} "
+                f"rel_l2={r.get('rel_l2', float('nan')):.2e} rep={r.get('bitwise_repeat')}{extra} {'' if r['outcome'] == 'ok' else r.get('message', '')[:300]}"
+            )
+    print("\n== timings (kernel only; TFLOPS = 4*B*S*H*(W+K)*D / t; GB/s from q + gathered KV + indices + out)")
+    for r in rows:
+        if r["kind"] == "time":
+            if r.get("ms") is None:
+                print(f"{r['tile']:20s} {r['shape']:16s} {r['label']:16s} {'-':>9s} {r.get('message', '')}")
+            elif r["label"] == "torch_reference":
+                print(f"{r['tile']:20s} {r['shape']:16s} {r['label']:16s} {r['ms']:9.4f} ms")
+            else:
+                print(
+                    f"{r['tile']:20s} {r['shape']:16s} {r['label']:16s} {r['ms']:9.4f} ms {r['tflops']:7.1f} TFLOPS {r['gbps']:8.1f} GB/s "
+                    f"split={r['n_split']} x{r['speedup_vs_torch'] or 0:.1f} vs torch"
+                )
+    print(f"\n{env}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

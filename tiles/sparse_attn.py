@@ -1,0 +1,1003 @@
+"""Sparse gather attention with an attention sink: FP4 main KV + FP8 window KV (and a bf16-KV variant).
+
+Every query token attends, in one online softmax, to its SWA window entries (FP8 E4M3 codes
+with one E8M0 scale per 32, indices into the window KV) and its top-k compressed entries
+(packed FP4 E2M1 with one E4M3 scale per 16, indices into the group's global KV); the sink
+adds ``exp(sink_h)`` to the denominator. K = V = the 512-dim latent (shared-KV MQA), so one
+block serves ``heads_per_block`` heads of one token and gathers each KV row once for all of
+them. Hopper has no FP4 MMA: the gathered rows are dequantised to bf16 in shared memory
+(exactly: e2m1 x e4m3 and e4m3 x 2^k fit in bf16's 8-bit significand) and fed to wgmma.
+
+Schedules (a tile parameter):
+
+* ``pipelined``: all threads gather + dequantise, then both GEMMs; ``T.Pipelined`` overlaps
+  the next block's loads with this block's math (sm80+: the GEMMs fall back to mma.sync).
+* ``ws``: warp specialisation after FlashMLA / TileLang's ``sparse_mla_fwd_pipelined``: one
+  producer warpgroup gathers and dequantises into two KV buffers while two consumer
+  warpgroups each own half of the 512 output columns (Hopper only: mbarriers + setmaxnreg).
+
+``dequant`` picks how the quantised bytes reach shared memory: ``direct`` (each thread reads
+the global bytes into registers, dequantises, stores bf16) or ``staged`` (raw bytes are first
+copied into shared memory, vectorised, then dequantised shared -> shared).
+
+Split-KV (``n_split`` > 1, decode): the index list (window blocks then top-k blocks) is cut
+into ``n_split`` ranges, each block writes a partial output and its log-sum-exp, and a small
+combine kernel merges them together with the sink.
+
+Index policy: -1 is skipped (masked, its KV row is zeroed so garbage rows never reach the
+GEMM); a repeated index counts each time; an index past the cache length is rejected by the
+wrapper only when ``check_indices=True`` (one host sync, off by default: in the model the
+indexer produces indices in range by construction). Without the check such an index reads
+out of bounds.
+"""
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from model.formats import fp4_dequantize, fp8_dequantize
+from model.ops.sparse_attn import sparse_attention as _ref_sparse_attention
+from tiles.arch import Arch, get_arch
+from tiles.compare import relative_l2
+from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.shapes import attention_shapes
+
+LOG2E = 1.4426950408889634
+# Relative L2 vs the fp32 reference on the same dequantised inputs: P is rounded to bf16 before
+# the PV GEMM and the output is bf16, each ~2^-9 relative; measured errors sit near 4e-3.
+TOLERANCE = 1e-2
+_PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel builders
+# ----------------------------------------------------------------------------------------------
+def _e2m1(nib):
+    """E2M1 code (int, 0..15) -> float32 value: 0, 0.5, 1, 1.5, 2, 3, 4, 6 with bit 3 the sign."""
+    m = nib & 7
+    e = m >> 1
+    mant = T.cast(m & 1, "float32")
+    mag = T.if_then_else(e == 0, mant * 0.5, (mant + 2.0) * T.cast(T.shift_left(1, e), "float32") * 0.25)
+    return T.if_then_else(nib >= 8, -mag, mag)
+
+
+def _e8m0(byte):
+    """E8M0 byte -> float32 2^(byte - 127), built from the exponent bits (exact, no exp2 rounding)."""
+    return T.reinterpret(T.shift_left(T.cast(byte, "int32"), 23), "float32")
+
+
+def sparse_attn_kernel(
+    heads: int,
+    dim: int,
+    window: int,
+    topk: int,
+    sm_scale: float,
+    kv_format: str = "fp4",
+    n_split: int = 1,
+    block_I: int = 64,
+    num_stages: int = 2,
+    threads: int = 256,
+    heads_per_block: int = 64,
+    dequant: str = "direct",
+    schedule: str = "pipelined",
+):
+    """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
+
+    Inputs (``kv_format="fp4"``): Q bf16 [B, S, H, D]; WinCodes float8_e4m3fn [B, Nw, D];
+    WinScales uint8 [B, Nw, D/32] (E8M0); WinIdx int32 [B, S, W]; MainPacked uint8 [B, Nc, D/2];
+    MainScales float8_e4m3fn [B, Nc, D/16]; TopkIdx int32 [B, S, K]; Sink fp32 [H].
+    ``kv_format="bf16"``: WinKV bf16 [B, Nw, D] and MainKV bf16 [B, Nc, D] instead of codes/scales.
+    Outputs: ``n_split == 1``: Out bf16 [B, S, H, D]; else OPart fp32 [B, S, n_split, H, D] (each
+    split normalised by its own sum) and LsePart fp32 [B, S, n_split, H] (log2 domain, -inf = empty).
+    """
+    if schedule == "ws":
+        return _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, dequant)
+    B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
+    H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
+    REP = H // HB
+    NBW, NBK = -(-W // BI), -(-K // BI)
+    NB = NBW + NBK
+    scale2 = sm_scale * LOG2E
+    bf16, f32 = "bfloat16", "float32"
+    fp4 = kv_format == "fp4"
+    staged = dequant == "staged" and fp4
+    out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
+    # Staged: the index load and the raw-byte copies (cp.async) are stage 0, dequant + math stage 1;
+    # the inferred schedule cannot reorder the raw buffer's write/read pair, so it is spelled out.
+    # 15 = 3 loads + 1 dequant + the 11 statements of _attend.
+    k_order = list(range(15)) if staged else None
+    k_stage = [0, 0, 0] + [min(1, num_stages - 1)] * 12 if staged else None
+
+    win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
+    main_args = ([B, Nc, D // 2], "uint8", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([B, S, H, D], bf16),
+        WinA: T.Tensor(win_args[0], win_args[1]),
+        WinB: T.Tensor(win_args[2], win_args[3]),
+        WinIdx: T.Tensor([B, S, W], "int32"),
+        MainA: T.Tensor(main_args[0], main_args[1]),
+        MainB: T.Tensor(main_args[2], main_args[3]),
+        TopkIdx: T.Tensor([B, S, K], "int32"),
+        Sink: T.Tensor([H], f32),
+        Out: T.Tensor(out_shape, bf16 if NS == 1 else f32),
+        LsePart: T.Tensor([B, S, NS, H], f32),
+    ):
+        with T.Kernel(S * REP, B, NS, threads=threads) as (bx, by, bz):
+            Q_shared = T.alloc_shared([HB, D], bf16)
+            KV_shared = T.alloc_shared([BI, D], bf16)
+            S_shared = T.alloc_shared([HB, BI], bf16)
+            idx_shared = T.alloc_shared([BI], "int32")
+            if staged:
+                raw_shared = T.alloc_shared([BI, D // 2], "uint8")
+                rawsc_shared = T.alloc_shared([BI, D // 16], "float8_e4m3fn")
+            acc_o = T.alloc_fragment([HB, D], f32)
+            acc_s = T.alloc_fragment([HB, BI], f32)
+            sumexp = T.alloc_fragment([HB], f32)
+            sumexp_i = T.alloc_fragment([HB], f32)
+            alpha = T.alloc_fragment([HB], f32)
+            m_i = T.alloc_fragment([HB], f32)
+            m_i_prev = T.alloc_fragment([HB], f32)
+
+            b_i, s_i = by, bx // REP
+            h0 = (bx % REP) * HB
+            # This split's range of index blocks: window blocks [0, NBW) then top-k blocks [NBW, NB).
+            lo = bz * NB // NS
+            hi = (bz + 1) * NB // NS
+            w_lo, w_hi = T.min(lo, NBW), T.min(hi, NBW)
+            k_lo, k_hi = T.max(lo, NBW) - NBW, T.max(hi, NBW) - NBW
+
+            T.fill(acc_o, 0)
+            T.fill(sumexp, 0)
+            T.fill(m_i, -(2**30))  # finite so that an all-masked block gives exp2(-inf) = 0, not NaN
+            T.copy(Q[b_i, s_i, h0 : h0 + HB, :], Q_shared)
+
+            for i in T.Pipelined(w_hi - w_lo, num_stages=num_stages):
+                blk = w_lo + i
+                for bi in T.Parallel(BI):
+                    pos = blk * BI + bi
+                    idx_shared[bi] = T.if_then_else(pos < W, WinIdx[b_i, s_i, T.min(pos, W - 1)], -1)
+                if fp4:
+                    for bi, d in T.Parallel(BI, D):
+                        row = T.max(idx_shared[bi], 0)
+                        val = T.cast(WinA[b_i, row, d], f32) * _e8m0(WinB[b_i, row, d // 32])
+                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
+                else:
+                    for bi, d in T.Parallel(BI, D):
+                        row = T.max(idx_shared[bi], 0)
+                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, WinA[b_i, row, d], T.cast(0, bf16))
+                _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
+
+            for i in T.Pipelined(k_hi - k_lo, num_stages=0 if staged else num_stages, order=k_order, stage=k_stage):
+                blk = k_lo + i
+                for bi in T.Parallel(BI):
+                    pos = blk * BI + bi
+                    idx_shared[bi] = T.if_then_else(pos < K, TopkIdx[b_i, s_i, T.min(pos, K - 1)], -1)
+                if staged:
+                    for bi, j in T.Parallel(BI, D // 2):
+                        raw_shared[bi, j] = MainA[b_i, T.max(idx_shared[bi], 0), j]
+                    for bi, j in T.Parallel(BI, D // 16):
+                        rawsc_shared[bi, j] = MainB[b_i, T.max(idx_shared[bi], 0), j]
+                    for bi, d in T.Parallel(BI, D):
+                        nib = T.shift_right(T.cast(raw_shared[bi, d // 2], "int32"), (d % 2) * 4) & 15
+                        val = _e2m1(nib) * T.cast(rawsc_shared[bi, d // 16], f32)
+                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
+                elif fp4:
+                    for bi, d in T.Parallel(BI, D):
+                        row = T.max(idx_shared[bi], 0)
+                        nib = T.shift_right(T.cast(MainA[b_i, row, d // 2], "int32"), (d % 2) * 4) & 15
+                        val = _e2m1(nib) * T.cast(MainB[b_i, row, d // 16], f32)
+                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
+                else:
+                    for bi, d in T.Parallel(BI, D):
+                        row = T.max(idx_shared[bi], 0)
+                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, MainA[b_i, row, d], T.cast(0, bf16))
+                _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
+
+            if NS == 1:
+                # Final normalisation with the sink: max over (scores, sink) keeps exp2 in range.
+                for h in T.Parallel(HB):
+                    alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
+                    sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
+                    sumexp_i[h] = T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h]
+                for h, d in T.Parallel(HB, D):
+                    acc_o[h, d] = acc_o[h, d] * sumexp_i[h]
+                T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, :])
+            else:
+                for h in T.Parallel(HB):
+                    alpha[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
+                    LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
+                        sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity(f32)
+                    )
+                for h, d in T.Parallel(HB, D):
+                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, :])
+
+    return main
+
+
+@T.macro
+def _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2):
+    """One block of BI gathered rows: scores, online-softmax update, PV accumulate."""
+    for h, bi in T.Parallel(HB, BI):
+        acc_s[h, bi] = T.if_then_else(idx_shared[bi] >= 0, 0, -T.infinity("float32"))
+    T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+    T.copy(m_i, m_i_prev)
+    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+    for h in T.Parallel(HB):
+        alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
+    for h, bi in T.Parallel(HB, BI):
+        acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
+    T.reduce_sum(acc_s, sumexp_i, dim=1)
+    for h in T.Parallel(HB):
+        sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
+    for h, d in T.Parallel(HB, D):
+        acc_o[h, d] = acc_o[h, d] * alpha[h]
+    T.copy(acc_s, S_shared)
+    T.gemm(S_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+
+def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
+    """Merge split partials with the sink: OPart fp32 [B, S, NS, H, D], LsePart fp32 [B, S, NS, H],
+    Sink fp32 [H] -> Out bf16 [B, S, H, D]. One block per (token, head)."""
+    B, S = T.dynamic("B"), T.dynamic("S")
+    H, D, NS = heads, dim, n_split
+    f32 = "float32"
+
+    @T.prim_func
+    def main(
+        OPart: T.Tensor([B, S, NS, H, D], f32),
+        LsePart: T.Tensor([B, S, NS, H], f32),
+        Sink: T.Tensor([H], f32),
+        Out: T.Tensor([B, S, H, D], "bfloat16"),
+    ):
+        with T.Kernel(H, S, B, threads=threads) as (h, s, b):
+            w = T.alloc_local([NS], f32)
+            m = T.alloc_local([1], f32)
+            den = T.alloc_local([1], f32)
+            acc = T.alloc_fragment([D], f32)
+            m[0] = Sink[h] * LOG2E
+            for k in T.serial(NS):
+                m[0] = T.max(m[0], LsePart[b, s, k, h])
+            den[0] = T.exp2(Sink[h] * LOG2E - m[0])
+            for k in T.serial(NS):
+                w[k] = T.exp2(LsePart[b, s, k, h] - m[0])
+                den[0] = den[0] + w[k]
+            T.fill(acc, 0)
+            for k in T.serial(NS):
+                for d in T.Parallel(D):
+                    acc[d] = acc[d] + OPart[b, s, k, h, d] * w[k]
+            for d in T.Parallel(D):
+                Out[b, s, h, d] = T.cast(acc[d] / den[0], "bfloat16")
+
+    return main
+
+
+def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, dequant):
+    """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
+    the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
+    dequantises the next block into the other of two KV buffers. Same tensors as sparse_attn_kernel."""
+    B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
+    H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
+    REP = H // HB
+    NBW, NBK = -(-W // BI), -(-K // BI)
+    NB = NBW + NBK
+    D2 = D // 2
+    ROWS = 16  # producer rows per pass: 128 threads, 8 per row, each 32 columns of each half
+    scale2 = sm_scale * LOG2E
+    bf16, f32 = "bfloat16", "float32"
+    fp4 = kv_format == "fp4"
+    out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
+    win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
+    main_args = ([B, Nc, D // 2], "uint8", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([B, S, H, D], bf16),
+        WinA: T.Tensor(win_args[0], win_args[1]),
+        WinB: T.Tensor(win_args[2], win_args[3]),
+        WinIdx: T.Tensor([B, S, W], "int32"),
+        MainA: T.Tensor(main_args[0], main_args[1]),
+        MainB: T.Tensor(main_args[2], main_args[3]),
+        TopkIdx: T.Tensor([B, S, K], "int32"),
+        Sink: T.Tensor([H], f32),
+        Out: T.Tensor(out_shape, bf16 if NS == 1 else f32),
+        LsePart: T.Tensor([B, S, NS, H], f32),
+    ):
+        with T.Kernel(S * REP, B, NS, threads=384) as (bx, by, bz):
+            Q_l = T.alloc_shared([HB, D2], bf16)
+            Q_r = T.alloc_shared([HB, D2], bf16)
+            KV0_l = T.alloc_shared([BI, D2], bf16)
+            KV0_r = T.alloc_shared([BI, D2], bf16)
+            KV1_l = T.alloc_shared([BI, D2], bf16)
+            KV1_r = T.alloc_shared([BI, D2], bf16)
+            valid0 = T.alloc_shared([BI], "bool", scope="shared")
+            valid1 = T.alloc_shared([BI], "bool", scope="shared")
+            S_shared = T.alloc_shared([HB, BI], bf16)
+            alpha_shared = T.alloc_shared([HB], f32, scope="shared")
+            final_shared = T.alloc_shared([HB], f32, scope="shared")
+            acc_o = T.alloc_fragment([HB, D2], f32)
+            acc_s = T.alloc_fragment([HB, BI], f32)
+            sumexp = T.alloc_fragment([HB], f32)
+            sumexp_i = T.alloc_fragment([HB], f32)
+            alpha = T.alloc_fragment([HB], f32)
+            m_i = T.alloc_fragment([HB], f32)
+            m_i_prev = T.alloc_fragment([HB], f32)
+            row_local = T.alloc_local([1], "int32")
+
+            bar_q = T.alloc_barrier(arrive_count=384)
+            bar_k0_ready = T.alloc_barrier(arrive_count=128)
+            bar_k1_ready = T.alloc_barrier(arrive_count=128)
+            bar_k0_free = T.alloc_barrier(arrive_count=256)
+            bar_k1_free = T.alloc_barrier(arrive_count=256)
+            bar_s_ready = T.alloc_barrier(arrive_count=256)
+            bar_s_free = T.alloc_barrier(arrive_count=256)
+            bar_final = T.alloc_barrier(arrive_count=256)
+
+            b_i, s_i = by, bx // REP
+            h0 = (bx % REP) * HB
+            lo = bz * NB // NS
+            n_blk = (bz + 1) * NB // NS - lo
+            tx = T.get_thread_binding()
+
+            T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
+            T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
+            T.barrier_arrive(bar_q)
+
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(sumexp, 0)
+                T.fill(m_i, -(2**30))
+                T.fill(acc_o, 0)
+                T.barrier_wait(bar_q, 0)
+                for it in T.serial(n_blk):
+                    if it % 2 == 0:
+                        _ws_softmax_step(
+                            Q_l,
+                            Q_r,
+                            KV0_l,
+                            KV0_r,
+                            valid0,
+                            bar_k0_ready,
+                            bar_k0_free,
+                            bar_s_ready,
+                            bar_s_free,
+                            S_shared,
+                            alpha_shared,
+                            acc_s,
+                            acc_o,
+                            sumexp,
+                            sumexp_i,
+                            alpha,
+                            m_i,
+                            m_i_prev,
+                            it,
+                            HB,
+                            BI,
+                            D2,
+                            scale2,
+                        )
+                    else:
+                        _ws_softmax_step(
+                            Q_l,
+                            Q_r,
+                            KV1_l,
+                            KV1_r,
+                            valid1,
+                            bar_k1_ready,
+                            bar_k1_free,
+                            bar_s_ready,
+                            bar_s_free,
+                            S_shared,
+                            alpha_shared,
+                            acc_s,
+                            acc_o,
+                            sumexp,
+                            sumexp_i,
+                            alpha,
+                            m_i,
+                            m_i_prev,
+                            it,
+                            HB,
+                            BI,
+                            D2,
+                            scale2,
+                        )
+                if NS == 1:
+                    for h in T.Parallel(HB):
+                        alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
+                        sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
+                        final_shared[h] = T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h]
+                else:
+                    for h in T.Parallel(HB):
+                        final_shared[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
+                        LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
+                            sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity(f32)
+                        )
+                T.barrier_arrive(bar_final)
+                for h, d in T.Parallel(HB, D2):
+                    acc_o[h, d] = acc_o[h, d] * final_shared[h]
+                if NS == 1:
+                    T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+                else:
+                    T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
+            elif tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_o, 0)
+                for it in T.serial(n_blk):
+                    T.barrier_arrive(bar_s_ready)
+                    T.barrier_wait(bar_s_ready, it & 1)
+                    for h, d in T.Parallel(HB, D2):
+                        acc_o[h, d] = acc_o[h, d] * alpha_shared[h]
+                    if it % 2 == 0:
+                        T.gemm(S_shared, KV0_r, acc_o)
+                        T.barrier_arrive(bar_k0_free)
+                    else:
+                        T.gemm(S_shared, KV1_r, acc_o)
+                        T.barrier_arrive(bar_k1_free)
+                    T.barrier_arrive(bar_s_free)
+                T.barrier_arrive(bar_final)
+                T.barrier_wait(bar_final, 0)
+                for h, d in T.Parallel(HB, D2):
+                    acc_o[h, d] = acc_o[h, d] * final_shared[h]
+                if NS == 1:
+                    T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, D2:D])
+                else:
+                    T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, D2:D])
+            else:
+                T.set_max_nreg(80, 0)
+                p = tx - 256
+                c = p % 8
+                for it in T.serial(n_blk):
+                    blk = lo + it
+                    if it % 2 == 0:
+                        T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
+                    else:
+                        T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
+                    for rr in T.serial(BI // ROWS):
+                        r = rr * ROWS + p // 8
+                        if blk < NBW:
+                            pos = blk * BI + r
+                            row_local[0] = T.if_then_else(pos < W, WinIdx[b_i, s_i, T.min(pos, W - 1)], -1)
+                        else:
+                            pos = (blk - NBW) * BI + r
+                            row_local[0] = T.if_then_else(pos < K, TopkIdx[b_i, s_i, T.min(pos, K - 1)], -1)
+                        if it % 2 == 0:
+                            _ws_produce_row(WinA, WinB, MainA, MainB, KV0_l, KV0_r, valid0, row_local, b_i, r, c, blk < NBW, fp4, D2)
+                        else:
+                            _ws_produce_row(WinA, WinB, MainA, MainB, KV1_l, KV1_r, valid1, row_local, b_i, r, c, blk < NBW, fp4, D2)
+                    # generic-proxy stores must be visible to wgmma's async-proxy reads
+                    T.fence_proxy_async()
+                    if it % 2 == 0:
+                        T.barrier_arrive(bar_k0_ready)
+                    else:
+                        T.barrier_arrive(bar_k1_ready)
+
+    return main
+
+
+@T.macro
+def _ws_softmax_step(
+    Q_l,
+    Q_r,
+    KV_l,
+    KV_r,
+    valid,
+    bar_ready,
+    bar_free,
+    bar_s_ready,
+    bar_s_free,
+    S_shared,
+    alpha_shared,
+    acc_s,
+    acc_o,
+    sumexp,
+    sumexp_i,
+    alpha,
+    m_i,
+    m_i_prev,
+    it,
+    HB,
+    BI,
+    D2,
+    scale2,
+):
+    """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V."""
+    T.barrier_wait(bar_ready, (it // 2) & 1)
+    for h, bi in T.Parallel(HB, BI):
+        acc_s[h, bi] = T.if_then_else(valid[bi], 0, -T.infinity("float32"))
+    T.wgmma_gemm(Q_l, KV_l, acc_s, transpose_B=True)
+    T.wgmma_gemm(Q_r, KV_r, acc_s, transpose_B=True)
+    T.wait_wgmma(0)
+    if it != 0:
+        # S_shared and alpha_shared are reused: warpgroup 1 must be done with the previous step.
+        T.barrier_arrive(bar_s_free)
+        T.barrier_wait(bar_s_free, (it & 1) ^ 1)
+    T.copy(m_i, m_i_prev)
+    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+    for h in T.Parallel(HB):
+        alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
+    for h, bi in T.Parallel(HB, BI):
+        acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
+    T.reduce_sum(acc_s, sumexp_i, dim=1)
+    for h in T.Parallel(HB):
+        sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
+    for h, d in T.Parallel(HB, D2):
+        acc_o[h, d] = acc_o[h, d] * alpha[h]
+    T.copy(alpha, alpha_shared)
+    T.copy(acc_s, S_shared)
+    T.gemm(S_shared, KV_l, acc_o)
+    T.barrier_arrive(bar_s_ready)
+    T.barrier_arrive(bar_free)
+
+
+@T.macro
+def _ws_produce_row(WinA, WinB, MainA, MainB, KV_l, KV_r, valid, row_local, b_i, r, c, is_window, fp4, D2):
+    """Producer thread c (0..7) of row r: 32 columns of each half of the gathered row, dequantised to bf16."""
+    ok = row_local[0] >= 0
+    row = T.max(row_local[0], 0)
+    valid[r] = ok
+    zero = T.cast(0, "bfloat16")
+    for half, buf in ((0, KV_l), (1, KV_r)):
+        d0 = half * D2 + c * 32
+        if is_window:
+            for v in T.vectorized(32):
+                if fp4:
+                    val = T.cast(WinA[b_i, row, d0 + v], "float32") * _e8m0(WinB[b_i, row, (d0 + v) // 32])
+                    buf[r, c * 32 + v] = T.if_then_else(ok, T.cast(val, "bfloat16"), zero)
+                else:
+                    buf[r, c * 32 + v] = T.if_then_else(ok, WinA[b_i, row, d0 + v], zero)
+        else:
+            for v in T.vectorized(32):
+                if fp4:
+                    nib = T.shift_right(T.cast(MainA[b_i, row, (d0 + v) // 2], "int32"), ((d0 + v) % 2) * 4) & 15
+                    val = _e2m1(nib) * T.cast(MainB[b_i, row, (d0 + v) // 16], "float32")
+                    buf[r, c * 32 + v] = T.if_then_else(ok, T.cast(val, "bfloat16"), zero)
+                else:
+                    buf[r, c * 32 + v] = T.if_then_else(ok, MainA[b_i, row, d0 + v], zero)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled-kernel cache and launch
+# ----------------------------------------------------------------------------------------------
+_KERNELS: dict[tuple, Any] = {}
+_DEFAULT_SCALE = 512**-0.5
+
+
+class CompiledAttention:
+    """The attention kernel (and the combine kernel when split) for one (H, D, W, K, scale, format, config, arch)."""
+
+    def __init__(self, heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch):
+        self.heads, self.dim, self.window, self.topk, self.kv_format = heads, dim, window, topk, kv_format
+        self.n_split = int(config.get("n_split", 1))
+        target = tilelang.tvm.target.Target(arch.tilelang_target())
+        params = {k: config[k] for k in ("block_I", "num_stages", "threads", "heads_per_block", "dequant", "schedule") if k in config}
+        prim = sparse_attn_kernel(heads, dim, window, topk, scale, kv_format=kv_format, n_split=self.n_split, **params)
+        self.main = tilelang.compile(prim, target=target, pass_configs=_PASS_CONFIGS)
+        self.combine = None
+        if self.n_split > 1:
+            self.combine = tilelang.compile(combine_kernel(heads, dim, self.n_split), target=target, pass_configs=_PASS_CONFIGS)
+
+    def __call__(self, q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out: torch.Tensor | None = None) -> torch.Tensor:
+        B, S, H, D = q.shape
+        if out is None:
+            out = torch.empty(B, S, H, D, dtype=torch.bfloat16, device=q.device)  # [B, S, H, D]
+        if self.n_split == 1:
+            lse = torch.empty(B, S, 1, H, dtype=torch.float32, device=q.device)  # [B, S, 1, H], unused
+            self.main(q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out, lse)
+            return out
+        opart = torch.empty(B, S, self.n_split, H, D, dtype=torch.float32, device=q.device)  # [B, S, NS, H, D]
+        lse = torch.empty(B, S, self.n_split, H, dtype=torch.float32, device=q.device)  # [B, S, NS, H]
+        self.main(q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, opart, lse)
+        self.combine(opart, lse, sink, out)
+        return out
+
+
+def compiled(heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch) -> CompiledAttention:
+    """The cached kernel for (shape key, config, arch); compiles on first use."""
+    key = (heads, dim, window, topk, float(scale), kv_format, tuple(sorted(config.items())), arch.name)
+    if key not in _KERNELS:
+        _KERNELS[key] = CompiledAttention(heads, dim, window, topk, scale, kv_format, config, arch)
+    return _KERNELS[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+DECODE_MAX_TOKENS = 256  # B * S at or below this runs the decode tile (split-KV), above it the prefill tile
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise TileError(msg)
+
+
+def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
+    _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _require(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+    _require(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    _require(t.device == device, f"{name} is on {t.device} but q is on {device}: put every input on one GPU")
+    _require(t.is_contiguous(), f"{name} must be contiguous (call .contiguous())")
+
+
+def _check_common(q, window_idx, topk_idx, sink, nw: int, nc: int, check_indices: bool) -> tuple[int, int, int, int, int, int]:
+    _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
+    B, S, H, D = q.shape
+    _require(q.dtype == torch.bfloat16, f"q must be torch.bfloat16, got {q.dtype}")
+    _require(q.is_cuda, "q must be on a CUDA device: the kernels run on the GPU (use model.ops.sparse_attention on the CPU)")
+    _require(q.is_contiguous(), "q must be contiguous (call .contiguous())")
+    _require(D == 512, f"head dim must be 512 (the CSA2 latent), got {D}")
+    _require(H % 64 == 0, f"heads must be a multiple of 64 (64 or 128 in the model), got {H}")
+    _require(window_idx.dim() == 3 and topk_idx.dim() == 3, "window_idx and topk_idx must be [B, S, W] and [B, S, K]")
+    W, K = window_idx.shape[-1], topk_idx.shape[-1]
+    _require(1 <= W <= 128, f"window_idx holds {W} slots per token; the SWA window is 1..128")
+    _require(1 <= K <= 2048, f"topk_idx holds {K} slots per token; 1..2048 are supported")
+    _check_tensor(window_idx, "window_idx", torch.int32, (B, S, W), q.device)
+    _check_tensor(topk_idx, "topk_idx", torch.int32, (B, S, K), q.device)
+    _check_tensor(sink, "sink", torch.float32, (H,), q.device)
+    if check_indices:
+        for idx, n, name in ((window_idx, nw, "window_idx"), (topk_idx, nc, "topk_idx")):
+            lo_hi = torch.stack([idx.min(), idx.max()]).tolist() if idx.numel() else [-1, -1]
+            _require(lo_hi[0] >= -1 and lo_hi[1] < n, f"{name} holds values outside [-1, {n}): the cache has {n} entries")
+    return B, S, H, D, W, K
+
+
+_PICKED: dict[tuple, Config] = {}
+
+
+def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], config: Config | None) -> Config:
+    """An explicit config over the default, else the tuned winner nearest this shape (tiles.results), else the default.
+
+    The winner lookup reads files, so its answer is kept per (tile, arch, dims)."""
+    shape = Shape("call", tile.phase, dims)
+    if config is not None:
+        cfg = {**tile.default_config(arch), **config}
+    else:
+        key = (tile.name, arch.name, tuple(sorted(dims.items())))
+        if key not in _PICKED:
+            try:
+                from tiles.results import load_winner
+            except ImportError:  # the results module is optional: without it the default runs
+                _PICKED[key] = tile.default_config(arch)
+            else:
+                _PICKED[key] = dict(load_winner(tile.name, arch, shape, default=tile.default_config(arch))[0])
+        cfg = dict(_PICKED[key])
+    reasons = tile.search_space(arch).violations(cfg, shape, arch)
+    _require(not reasons, f"config {cfg} is not valid for {tile.name} at {dims}: {'; '.join(reasons)}")
+    if tile.splits:
+        cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch)
+    return cfg
+
+
+def _arch_of(device: torch.device) -> Arch:
+    major, minor = torch.cuda.get_device_capability(device)
+    return get_arch(f"sm{major}{minor}")
+
+
+def _dispatch(B: int, S: int, bf16: bool) -> "SparseAttnTile":
+    if bf16:
+        return BF16_TILE
+    return DECODE_TILE if B * S <= DECODE_MAX_TOKENS else PREFILL_TILE
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    window_codes: torch.Tensor,
+    window_scales: torch.Tensor,
+    window_idx: torch.Tensor,
+    main_packed: torch.Tensor,
+    main_scales: torch.Tensor,
+    topk_idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float = _DEFAULT_SCALE,
+    config: Config | None = None,
+    check_indices: bool = False,
+) -> torch.Tensor:
+    """Sparse gather attention over the FP8 window KV and the FP4 main KV, with a per-head sink.
+
+    Args:
+        q: bf16 [B, S, H, D] queries (H a multiple of 64, D = 512).
+        window_codes: uint8 (or float8_e4m3fn) [B, Nw, D] FP8 E4M3 window KV codes.
+        window_scales: uint8 [B, Nw, D/32] E8M0 scale bytes.
+        window_idx: int32 [B, S, W] indices into the window KV (W <= 128), -1 = unused.
+        main_packed: uint8 [B, Nc, D/2] packed FP4 E2M1 main KV (even element in the low nibble).
+        main_scales: uint8 (or float8_e4m3fn) [B, Nc, D/16] E4M3 scale bytes.
+        topk_idx: int32 [B, S, K] indices into the main KV, -1 = unused.
+        sink: float32 [H] per-head sink logits.
+        scale: softmax scale (512^-0.5 in the model).
+        config: tile config overriding the tuned winner / default (keys of the tile's search space).
+        check_indices: reject indices outside [-1, N) with a TileError (costs one host sync).
+    Returns:
+        bf16 [B, S, H, D]. A row whose indices are all -1 is zero.
+    """
+    _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
+    B, S, _, D = q.shape
+    _require(window_codes.dim() == 3 and main_packed.dim() == 3, "window_codes and main_packed must be [B, Nw, D] and [B, Nc, D/2]")
+    nw, nc = window_codes.shape[1], main_packed.shape[1]
+    B, S, H, D, W, K = _check_common(q, window_idx, topk_idx, sink, nw, nc, check_indices)
+    codes = window_codes.view(torch.uint8) if window_codes.dtype == torch.float8_e4m3fn else window_codes
+    mscales = main_scales.view(torch.uint8) if main_scales.dtype == torch.float8_e4m3fn else main_scales
+    _check_tensor(codes, "window_codes", torch.uint8, (B, nw, D), q.device)
+    _check_tensor(window_scales, "window_scales", torch.uint8, (B, nw, D // 32), q.device)
+    _check_tensor(main_packed, "main_packed", torch.uint8, (B, nc, D // 2), q.device)
+    _check_tensor(mscales, "main_scales", torch.uint8, (B, nc, D // 16), q.device)
+    tile = _dispatch(B, S, bf16=False)
+    arch = _arch_of(q.device)
+    dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
+    cfg = _pick_config(tile, arch, dims, config)
+    kernel = compiled(H, D, W, K, scale, "fp4", cfg, arch)
+    return kernel(
+        q, codes.view(torch.float8_e4m3fn), window_scales, window_idx, main_packed, mscales.view(torch.float8_e4m3fn), topk_idx, sink
+    )
+
+
+def sparse_attention_bf16(
+    q: torch.Tensor,
+    window_kv: torch.Tensor,
+    window_idx: torch.Tensor,
+    main_kv: torch.Tensor,
+    topk_idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float = _DEFAULT_SCALE,
+    config: Config | None = None,
+    check_indices: bool = False,
+) -> torch.Tensor:
+    """:func:`sparse_attention` with bf16 KV.
+
+    Args:
+        window_kv: bf16 [B, Nw, D]; main_kv: bf16 [B, Nc, D]. Others as in :func:`sparse_attention`.
+    Returns:
+        bf16 [B, S, H, D].
+    """
+    _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
+    _require(window_kv.dim() == 3 and main_kv.dim() == 3, "window_kv and main_kv must be [B, Nw, D] and [B, Nc, D]")
+    nw, nc = window_kv.shape[1], main_kv.shape[1]
+    B, S, H, D, W, K = _check_common(q, window_idx, topk_idx, sink, nw, nc, check_indices)
+    _check_tensor(window_kv, "window_kv", torch.bfloat16, (B, nw, D), q.device)
+    _check_tensor(main_kv, "main_kv", torch.bfloat16, (B, nc, D), q.device)
+    tile = _dispatch(B, S, bf16=True)
+    arch = _arch_of(q.device)
+    dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
+    cfg = _pick_config(tile, arch, dims, config)
+    dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1], the bf16 kernel has no scale tensors
+    return compiled(H, D, W, K, scale, "bf16", cfg, arch)(q, window_kv, dummy, window_idx, main_kv, dummy, topk_idx, sink)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiles
+# ----------------------------------------------------------------------------------------------
+SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
+_BLACKWELL = "not built for Blackwell: it wants native FP4 MMA (tcgen05 block-scaled) instead of dequantising to bf16 for wgmma"
+
+
+def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arch: Arch) -> int:
+    """``auto``: the fewest splits (a power of two, at most 8) that give at least two blocks per SM."""
+    if n_split != "auto":
+        return int(n_split)
+    blocks = B * S * (heads // heads_per_block)
+    split = 1
+    while split < 8 and blocks * split < 2 * arch.sm_count:
+        split *= 2
+    return split
+
+
+def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
+    """Shared memory one block asks for (the compiler's own figure is within a few KiB)."""
+    hb, bi, d = config["heads_per_block"], config["block_I"], shape["D"]
+    q = hb * d * 2
+    s = hb * bi * 2
+    if config["schedule"] == "ws":
+        return q + 2 * bi * d * 2 + s + 2 * bi + 8 * hb
+    stages = max(1, config["num_stages"])
+    kv = bi * d * 2 * stages
+    raw = bi * (d // 2 + d // 16) * stages if (config.get("dequant") == "staged" and kv_format == "fp4") else 0
+    return q + kv + s + raw + 4 * bi * stages
+
+
+def _constraints(kv_format: str) -> tuple[Constraint, ...]:
+    def heads(c, s, a):
+        return None if s["H"] % c["heads_per_block"] == 0 else f"{s['H']} heads do not split into blocks of {c['heads_per_block']}"
+
+    def registers(c, s, a):
+        threads = 256 if c["schedule"] == "ws" else c["threads"]
+        per_thread = c["heads_per_block"] * s["D"] // threads
+        return None if per_thread <= 128 else f"the [heads, D] fp32 accumulator needs {per_thread} registers per thread (> 128)"
+
+    def warpgroups(c, s, a):
+        if c["heads_per_block"] == 32 and c["threads"] != 128:
+            return "32 heads per block feed one warpgroup only: use threads=128"
+        return None
+
+    def ws_shape(c, s, a):
+        if c["schedule"] != "ws":
+            return None
+        if not a.wgmma:
+            return f"warp specialisation uses wgmma, mbarriers and setmaxnreg: {a.name} lacks them"
+        if c["heads_per_block"] != 64 or c["threads"] != 256 or c["num_stages"] != 2:
+            return "ws is two 128-thread consumer warpgroups over 64 heads plus a producer, double-buffered: heads_per_block=64, threads=256, num_stages=2"
+        if c.get("dequant", "direct") != "direct":
+            return "ws dequantises in the producer warpgroup: dequant=direct"
+        return None
+
+    def shared(c, s, a):
+        n = smem_bytes(c, s, kv_format)
+        return None if n <= a.smem_per_block else f"shared memory {n // 1024} KiB > {a.smem_per_block // 1024} KiB"
+
+    def split(c, s, a):
+        if c.get("n_split", 1) == "auto":
+            return None
+        blocks = -(-s["W"] // c["block_I"]) + -(-s["K"] // c["block_I"])
+        return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
+
+    return tuple(Constraint(f.__name__, f) for f in (heads, registers, warpgroups, ws_shape, shared, split))
+
+
+class SparseAttnTile(Tile):
+    """Shared machinery of the three sparse attention tiles (they differ in shapes, KV format and split)."""
+
+    kv_format = "fp4"
+    phase = "decode"
+    splits = True
+    unsupported: ClassVar[dict[str, str]] = {"sm100": _BLACKWELL, "sm120": _BLACKWELL}
+
+    def shapes(self) -> list[Shape]:
+        return [s for s in attention_shapes() if self.phase == "any" or s.phase == self.phase]
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        params = [
+            Param(
+                "schedule", ("pipelined", "ws"), "all threads gather+dequant then compute, or a producer warpgroup feeding two consumers"
+            ),
+            Param("block_I", (32, 64), "gathered KV rows per step"),
+            Param("num_stages", (1, 2), "software pipeline depth over index blocks"),
+            Param("threads", (128, 256), "consumer threads (ws adds a 128-thread producer)"),
+            Param("heads_per_block", (32, 64), "heads sharing one gathered block (H=128 runs as two blocks of 64)"),
+        ]
+        if self.kv_format == "fp4":
+            params.append(
+                Param(
+                    "dequant", ("direct", "staged"), "global bytes -> registers -> bf16 smem, or raw bytes -> smem (cp.async) -> bf16 smem"
+                )
+            )
+        if self.splits:
+            params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
+        return SearchSpace(tuple(params), _constraints(self.kv_format))
+
+    def default_config(self, arch: Arch) -> Config:
+        if arch.family == "hopper":
+            cfg: Config = {"schedule": "pipelined", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64}
+        elif arch.smem_per_block >= 160 * 1024:  # A100: the Hopper tiles, single-buffered to fit 163 KiB
+            cfg = {"schedule": "pipelined", "block_I": 64, "num_stages": 1, "threads": 256, "heads_per_block": 64}
+        else:  # sm86/sm89: 99 KiB per block
+            cfg = {"schedule": "pipelined", "block_I": 32, "num_stages": 1, "threads": 128, "heads_per_block": 32}
+        if self.kv_format == "fp4":
+            cfg["dequant"] = "direct"
+        if self.splits:
+            cfg["n_split"] = "auto" if self.phase != "prefill" else 1
+        return cfg
+
+    def build(self, shape: Shape, config: Config, arch: Arch) -> CompiledAttention:
+        reason = self.support_reason(arch)
+        if reason:
+            raise TileError(f"{self.name} does not support {arch.name}: {reason}")
+        cfg = {**self.default_config(arch), **config}
+        if self.splits:
+            cfg["n_split"] = resolve_split(cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch)
+        return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
+
+    def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
+        return make_attention_inputs(shape, seed, device, self.kv_format)
+
+    def run(self, kernel: CompiledAttention, inputs: Inputs) -> dict[str, torch.Tensor]:
+        q = inputs["q"]
+        out = poisoned(q.shape, torch.bfloat16, q.device)  # [B, S, H, D]
+        if self.kv_format == "fp4":
+            kernel(
+                q,
+                inputs["window_codes"].view(torch.float8_e4m3fn),
+                inputs["window_scales"],
+                inputs["window_idx"],
+                inputs["main_packed"],
+                inputs["main_scales"].view(torch.float8_e4m3fn),
+                inputs["topk_idx"],
+                inputs["sink"],
+                out=out,
+            )
+        else:
+            dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1]
+            kernel(
+                q, inputs["window_kv"], dummy, inputs["window_idx"], inputs["main_kv"], dummy, inputs["topk_idx"], inputs["sink"], out=out
+            )
+        return {"out": out}
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        if self.kv_format == "fp4":
+            window_kv = fp8_dequantize(inputs["window_codes"], inputs["window_scales"])
+            main_kv = fp4_dequantize(inputs["main_packed"], inputs["main_scales"], 16, "e4m3")
+        else:
+            window_kv, main_kv = inputs["window_kv"], inputs["main_kv"]
+        out = _ref_sparse_attention(
+            inputs["q"], window_kv, inputs["window_idx"], main_kv, inputs["topk_idx"], inputs["sink"], _DEFAULT_SCALE
+        )
+        return {"out": out}
+
+    def compare(self, outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> Comparison:
+        return relative_l2(outputs, expected, TOLERANCE)
+
+    def flops(self, shape: Shape) -> float:
+        return 4.0 * shape["B"] * shape["S"] * shape["H"] * (shape["W"] + shape["K"]) * shape["D"]
+
+    def bytes_moved(self, shape: Shape) -> float:
+        B, S, H, D, W, K = (shape[k] for k in ("B", "S", "H", "D", "W", "K"))
+        if self.kv_format == "fp4":
+            kv = W * (D + D // 32) + K * (D // 2 + D // 16)
+        else:
+            kv = (W + K) * D * 2
+        return B * S * (2 * H * D * 2 + kv + (W + K) * 4)
+
+
+class SparseAttnDecode(SparseAttnTile):
+    name = "sparse_attn_decode"
+    description = "sparse gather attention, FP4 main + FP8 window KV + sink, decode (B <= 128, S = 1 or 2), split-KV"
+    phase = "decode"
+
+
+class SparseAttnPrefill(SparseAttnTile):
+    name = "sparse_attn_prefill"
+    description = "sparse gather attention, FP4 main + FP8 window KV + sink, prefill (B = 1, S up to 64K)"
+    phase = "prefill"
+    splits = False
+
+
+class SparseAttnBf16(SparseAttnTile):
+    name = "sparse_attn_bf16"
+    description = "sparse gather attention with bf16 KV (window + main) and sink, decode and prefill"
+    kv_format = "bf16"
+    phase = "any"
+
+
+DECODE_TILE, PREFILL_TILE, BF16_TILE = SparseAttnDecode(), SparseAttnPrefill(), SparseAttnBf16()
+TILES = [DECODE_TILE, PREFILL_TILE, BF16_TILE]
+
+
+def make_attention_inputs(shape: Shape, seed: int, device: str | torch.device, kv_format: str = "fp4") -> Inputs:
+    """Random inputs shaped like the model's: unit-scale latents, decode windows over the latest ring
+    entries and distinct top-k over the context, prefill windows/top-k causal (-1 early on, top-k
+    drawn with repeats among the visible entries)."""
+    B, S, H, D, W, K, Nw, Nc = (shape[k] for k in ("B", "S", "H", "D", "W", "K", "Nw", "Nc"))
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=g, device=device).to(torch.bfloat16)  # [B, S, H, D]
+    window_kv = torch.randn(B, Nw, D, generator=g, device=device)  # [B, Nw, D]
+    main_kv = torch.randn(B, Nc, D, generator=g, device=device)  # [B, Nc, D]
+    sink = torch.randn(H, generator=g, device=device)  # [H]
+    if shape.phase == "decode":
+        # token s sees ring slots s+1 .. s+W in a random order; top-k distinct over the whole context
+        order = torch.rand(B, S, W, generator=g, device=device).argsort(dim=-1)
+        window_idx = (order + torch.arange(S, device=device).view(1, S, 1) + Nw - W - S + 1).int()  # [B, S, W]
+        topk_idx = torch.rand(B * S, Nc, generator=g, device=device).topk(K, dim=-1).indices.sort(dim=-1).values
+        topk_idx = topk_idx.view(B, S, K).int()  # [B, S, K]
+    else:
+        t = torch.arange(S, device=device).view(1, S, 1)
+        j = torch.arange(W, device=device).view(1, 1, W)
+        window_idx = torch.where(j <= t, t - j, -1).expand(B, S, W).contiguous().int()  # [B, S, W]
+        draw = (torch.rand(B, S, K, generator=g, device=device) * (t + 1)).long().clamp(max=Nc - 1)
+        draw = torch.where(torch.arange(K, device=device).view(1, 1, K) <= t, draw, -1)
+        topk_idx = torch.where(draw >= 0, draw, Nc).sort(dim=-1).values  # -1 slots last, rows sorted
+        topk_idx = torch.where(topk_idx >= Nc, -1, topk_idx).int().contiguous()  # [B, S, K]
+    inputs: Inputs = {"q": q, "window_idx": window_idx.contiguous(), "topk_idx": topk_idx, "sink": sink}
+    if kv_format == "fp4":
+        from model.formats import fp4_quantize, fp8_quantize
+
+        inputs["window_codes"], inputs["window_scales"] = fp8_quantize(window_kv)  # [B, Nw, D], [B, Nw, D/32]
+        inputs["main_packed"], inputs["main_scales"] = fp4_quantize(main_kv, 16, "e4m3")  # [B, Nc, D/2], [B, Nc, D/16]
+    else:
+        inputs["window_kv"] = window_kv.to(torch.bfloat16)
+        inputs["main_kv"] = main_kv.to(torch.bfloat16)
+    return inputs
