@@ -1,0 +1,465 @@
+"""The compressor of Full layers on the GPU (spec section 2): one pass from the kv/gate
+projections to both FP4 caches.
+
+Per CTA, ``block_g`` groups: per-channel softmax pooling over the 2 tokens of a group
+(ratio 1: the token itself), RMSNorm, RoPE on the last 64 dims at the group's first
+position, FP4 (E4M3 per 16) into the main cache; then the index-K projection 512 -> 128 of
+the same rotated latent, its RMSNorm and RoPE, FP4 (E8M0 per 32) into the index cache. The
+latent never leaves the chip: memory traffic is the kv/gate read plus 356 B written per
+entry. The Wkv/Wgate matmuls stay in cuBLAS (the inputs here are their fp32 outputs).
+
+The index-K projection is fp32 in the reference. ``proj`` chooses how the kernel computes it:
+``tf32x3`` splits both operands into a TF32 high part and an fp32 remainder and sums three
+tensor-core products (hi*hi + hi*lo + lo*hi, error about 2^-20 relative), ``simt`` is plain
+fp32 FMA from shared memory.
+
+Comparison rule (honest about what is achieved): the fp32 latent and index key are computed
+in a different summation order than torch (RMSNorm sum of squares, the 512-term projection),
+so they equal the reference only to a few ulps; FP4 codes therefore match
+:func:`model.formats.fp4_quantize` of the reference latent except where a value sits within
+rounding of a code boundary. The check: dequantised caches within relative L2 1e-3 of the
+reference caches, at most 1e-3 of the packed bytes and scale bytes different, and every
+differing code / scale byte off by one step only.
+
+Decode tail state (ratio 2): when a step brings the second token of a group, pass the stored
+first token's projections as ``tail_kv`` / ``tail_gate`` [B, 512]; they are placed in front of
+``kv``/``gate``. Complete groups are written; when the token count (tail included) is odd the
+last token is not consumed and the caller stores ``kv[:, -1]``, ``gate[:, -1]`` as the next tail.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+import torch
+import tvm
+
+from model import formats
+from model.ops.compressor import compressor_entries, index_keys
+from model.ops.rope import RopeConfig, rope_tables
+from tiles.arch import Arch
+from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.indexer import _device_arch, _pick_config
+from tiles.shapes import compressor_shapes, flash
+
+D, DI, ROPE = 512, 128, 64  # latent dim, index-K dim, rope dims (the last 64 of each)
+MAIN_GROUP, INDEX_GROUP = 16, 32
+MAX_CODE_DIFF_FRACTION = 1e-3  # packed bytes / scale bytes that may differ (one code step each)
+DEQ_RTOL = 1e-3
+
+
+def _e2m1_code(v):
+    """fp32 (already divided by the stored scale and clamped to [-6, 6]) -> E2M1 code 0..15, ties to even."""
+    mag = T.abs(v)
+    code = (
+        T.Cast("int32", mag > 0.25)
+        + T.Cast("int32", mag >= 0.75)
+        + T.Cast("int32", mag > 1.25)
+        + T.Cast("int32", mag >= 1.75)
+        + T.Cast("int32", mag > 2.5)
+        + T.Cast("int32", mag >= 3.5)
+        + T.Cast("int32", mag > 5.0)
+    )
+    return code | T.if_then_else(v < 0, 8, 0)
+
+
+@functools.cache
+def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: str, k_chunk: int = 64):
+    """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic."""
+    B, G = T.dynamic("B, G")
+    S = G * ratio
+    R = ROPE // 2
+
+    @T.prim_func
+    def compress(
+        kv: T.Tensor((B, S, D), "float32"),
+        gate: T.Tensor((B, S, D), "float32"),
+        norm_w: T.Tensor((D,), "float32"),
+        cos: T.Tensor((G, R), "float32"),
+        sin: T.Tensor((G, R), "float32"),
+        wk_hi: T.Tensor((DI, D), "float32"),
+        wk_lo: T.Tensor((DI, D), "float32"),
+        k_norm_w: T.Tensor((DI,), "float32"),
+        eps: T.Tensor((1,), "float32"),
+        main_packed: T.Tensor((B, G, D // 2), "uint8"),
+        main_scales: T.Tensor((B, G, D // MAIN_GROUP), "uint8"),
+        idx_packed: T.Tensor((B, G, DI // 2), "uint8"),
+        idx_scales: T.Tensor((B, G, DI // INDEX_GROUP), "uint8"),
+    ):
+        with T.Kernel(T.ceildiv(G, block_g), B, threads=threads) as (bx, b):
+            g0 = bx * block_g
+            lat = T.alloc_fragment((block_g, D), "float32")
+            sq = T.alloc_fragment((block_g, D), "float32")
+            ss = T.alloc_fragment((block_g,), "float32")
+            rot_s = T.alloc_shared((block_g, D), "float32")
+            w_s = T.alloc_shared((D,), "float32")
+            amax_m = T.alloc_fragment((block_g, D // MAIN_GROUP), "float32")
+            scale_m = T.alloc_shared((block_g, D // MAIN_GROUP), "float32")
+            sbyte_m = T.alloc_shared((block_g, D // MAIN_GROUP), "uint8")
+            bytes_m = T.alloc_shared((block_g, D // 2), "uint8")
+            kacc = T.alloc_fragment((block_g, DI), "float32")
+            ksq = T.alloc_fragment((block_g, DI), "float32")
+            kss = T.alloc_fragment((block_g,), "float32")
+            k_s = T.alloc_shared((block_g, DI), "float32")
+            kw_s = T.alloc_shared((DI,), "float32")
+            amax_i = T.alloc_fragment((block_g, DI // INDEX_GROUP), "float32")
+            scale_i = T.alloc_shared((block_g, DI // INDEX_GROUP), "float32")
+            sbyte_i = T.alloc_shared((block_g, DI // INDEX_GROUP), "uint8")
+            bytes_i = T.alloc_shared((block_g, DI // 2), "uint8")
+            a_hi = T.alloc_shared((block_g, k_chunk), "float32")
+            a_lo = T.alloc_shared((block_g, k_chunk), "float32")
+            b_hi = T.alloc_shared((DI, k_chunk), "float32")
+            b_lo = T.alloc_shared((DI, k_chunk), "float32")
+            T.copy(norm_w, w_s)
+            T.copy(k_norm_w, kw_s)
+
+            # 1. pooling (softmax over the group's tokens, per channel) in registers.
+            for i, d in T.Parallel(block_g, D):
+                g = T.min(g0 + i, G - 1)
+                if ratio == 1:
+                    lat[i, d] = kv[b, g, d]
+                else:
+                    x0, x1 = gate[b, 2 * g, d], gate[b, 2 * g + 1, d]
+                    m = T.max(x0, x1)
+                    e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
+                    tot = e0 + e1
+                    lat[i, d] = (e0 / tot) * kv[b, 2 * g, d] + (e1 / tot) * kv[b, 2 * g + 1, d]
+            # 2. RMSNorm.
+            for i, d in T.Parallel(block_g, D):
+                sq[i, d] = lat[i, d] * lat[i, d]
+            T.reduce_sum(sq, ss, dim=1)
+            for i, d in T.Parallel(block_g, D):
+                rot_s[i, d] = lat[i, d] * T.rsqrt(ss[i] / D + eps[0]) * w_s[d]
+            # 3. RoPE on the last 64 dims, interleaved pairs; each pair is read and written by one thread.
+            for i, p in T.Parallel(block_g, R):
+                g = T.min(g0 + i, G - 1)
+                ev, od = rot_s[i, D - ROPE + 2 * p], rot_s[i, D - ROPE + 2 * p + 1]
+                c, s = cos[g, p], sin[g, p]
+                rot_s[i, D - ROPE + 2 * p] = ev * c - od * s
+                rot_s[i, D - ROPE + 2 * p + 1] = ev * s + od * c
+            # 4. FP4 into the main cache: E4M3 scale per 16 (the stored scale divides).
+            for i, q in T.Parallel(block_g, D // MAIN_GROUP):
+                amax_m[i, q] = 0.0
+                for e in T.serial(MAIN_GROUP):
+                    amax_m[i, q] = T.max(amax_m[i, q], T.abs(rot_s[i, q * MAIN_GROUP + e]))
+            for i, q in T.Parallel(block_g, D // MAIN_GROUP):
+                raw = T.min(T.max(amax_m[i, q], 6.0 * 2.0**-9) / 6.0, 448.0)
+                code8 = T.Cast("float8_e4m3fn", raw)
+                scale_m[i, q] = T.Cast("float32", code8)
+                sbyte_m[i, q] = T.reinterpret(code8, "uint8")
+            for i, j in T.Parallel(block_g, D // 2):
+                sc = scale_m[i, j // (MAIN_GROUP // 2)]
+                lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
+                hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
+                bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
+            # 5. Index-K projection of the rotated latent (fp32 accuracy, see module docstring).
+            T.clear(kacc)
+            for kc in T.serial(D // k_chunk):
+                if proj == "tf32x3":
+                    for n, kk in T.Parallel(DI, k_chunk):
+                        b_hi[n, kk] = wk_hi[n, kc * k_chunk + kk]
+                        b_lo[n, kk] = wk_lo[n, kc * k_chunk + kk]
+                    for i, kk in T.Parallel(block_g, k_chunk):
+                        x = rot_s[i, kc * k_chunk + kk]
+                        xh = T.reinterpret(T.reinterpret(x, "uint32") & T.uint32(0xFFFFE000), "float32")
+                        a_hi[i, kk] = xh
+                        a_lo[i, kk] = x - xh
+                    T.gemm(a_lo, b_hi, kacc, transpose_B=True)
+                    T.gemm(a_hi, b_lo, kacc, transpose_B=True)
+                    T.gemm(a_hi, b_hi, kacc, transpose_B=True)
+                else:
+                    for n, kk in T.Parallel(DI, k_chunk):
+                        b_hi[n, kk] = wk_hi[n, kc * k_chunk + kk] + wk_lo[n, kc * k_chunk + kk]
+                    for kk in T.serial(k_chunk):
+                        for i, n in T.Parallel(block_g, DI):
+                            kacc[i, n] += rot_s[i, kc * k_chunk + kk] * b_hi[n, kk]
+            # 6. k_norm, RoPE, FP4 into the index cache: E8M0 (power of two) scale per 32.
+            for i, n in T.Parallel(block_g, DI):
+                ksq[i, n] = kacc[i, n] * kacc[i, n]
+            T.reduce_sum(ksq, kss, dim=1)
+            for i, n in T.Parallel(block_g, DI):
+                k_s[i, n] = kacc[i, n] * T.rsqrt(kss[i] / DI + eps[0]) * kw_s[n]
+            for i, p in T.Parallel(block_g, R):
+                g = T.min(g0 + i, G - 1)
+                ev, od = k_s[i, DI - ROPE + 2 * p], k_s[i, DI - ROPE + 2 * p + 1]
+                c, s = cos[g, p], sin[g, p]
+                k_s[i, DI - ROPE + 2 * p] = ev * c - od * s
+                k_s[i, DI - ROPE + 2 * p + 1] = ev * s + od * c
+            for i, q in T.Parallel(block_g, DI // INDEX_GROUP):
+                amax_i[i, q] = 0.0
+                for e in T.serial(INDEX_GROUP):
+                    amax_i[i, q] = T.max(amax_i[i, q], T.abs(k_s[i, q * INDEX_GROUP + e]))
+            for i, q in T.Parallel(block_g, DI // INDEX_GROUP):
+                v = T.max(amax_i[i, q], 6.0 * 2.0**-126) / 6.0
+                bits = T.reinterpret(v, "uint32")
+                byte = T.Cast("int32", (bits >> 23) & 0xFF) + T.Cast("int32", (bits & 0x7FFFFF) != 0)  # ceil(log2 v) + 127
+                byte = T.min(T.max(byte, 1), 254)
+                sbyte_i[i, q] = T.Cast("uint8", byte)
+                scale_i[i, q] = T.reinterpret(T.Cast("uint32", byte) << 23, "float32")
+            for i, j in T.Parallel(block_g, DI // 2):
+                sc = scale_i[i, j // (INDEX_GROUP // 2)]
+                lo = _e2m1_code(T.clamp(k_s[i, 2 * j] / sc, -6.0, 6.0))
+                hi = _e2m1_code(T.clamp(k_s[i, 2 * j + 1] / sc, -6.0, 6.0))
+                bytes_i[i, j] = T.Cast("uint8", lo | (hi << 4))
+            # 7. Stores (rows past G are masked by the copy's bounds).
+            T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
+            T.copy(sbyte_m, main_scales[b, g0 : g0 + block_g, :])
+            T.copy(bytes_i, idx_packed[b, g0 : g0 + block_g, :])
+            T.copy(sbyte_i, idx_scales[b, g0 : g0 + block_g, :])
+
+    return tilelang.compile(compress, target=tvm.target.Target({"kind": "cuda", "arch": target}))
+
+
+# --------------------------------------------------------------------------------------
+# public function
+# --------------------------------------------------------------------------------------
+
+
+def split_tf32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [..] -> (high part with the low 13 mantissa bits cleared = exact TF32, fp32 remainder)."""
+    wf = w.float().contiguous()
+    hi = (wf.view(torch.int32) & -8192).view(torch.float32)  # 0xFFFFE000
+    return hi, wf - hi
+
+
+def _check_f32(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
+    if t.dtype != torch.float32:
+        raise TileError(f"{name} must be float32, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise TileError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def compress(
+    kv: torch.Tensor,
+    gate: torch.Tensor | None,
+    ratio: int,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    wk: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    config: Config | None = None,
+    tail_kv: torch.Tensor | None = None,
+    tail_gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compress complete groups of tokens into the main and index FP4 caches (one kernel).
+
+    Args:
+        kv: fp32 [B, S, 512] the Wkv projections of the new tokens.
+        gate: fp32 [B, S, 512] the Wgate projections (ratio 2), None for ratio 1.
+        ratio: 1 or 2.
+        norm_weight: fp32 [512] the compressor's RMSNorm weight.
+        cos, sin: fp32 [G, 32] RoPE tables at each group's first position (interleaved pairs,
+            as :func:`model.ops.rope.apply_rope`), G = complete groups (see below).
+        wk: fp32 [128, 512] the index-K projection; k_norm_weight: fp32 [128].
+        eps: RMSNorm epsilon (both norms).
+        config: tile parameters (see :class:`CompressorTile`); None = tuned winner or default.
+        tail_kv, tail_gate: fp32 [B, 512] the stored first token of an unfinished group
+            (ratio 2 decode), placed before ``kv``/``gate``; both or neither.
+    Returns:
+        main_packed uint8 [B, G, 256], main_scales uint8 [B, G, 32] (E4M3),
+        idx_packed uint8 [B, G, 64], idx_scales uint8 [B, G, 4] (E8M0), with
+        G = (S + tail) // ratio. With an odd token count (ratio 2) the last token is left
+        over: the caller keeps ``kv[:, -1]``, ``gate[:, -1]`` as the next tail.
+    """
+    if ratio not in (1, 2):
+        raise TileError(f"ratio must be 1 or 2, got {ratio}")
+    if kv.dim() != 3 or kv.shape[-1] != D:
+        raise TileError(f"kv must be float32 [B, S, {D}], got {tuple(kv.shape)}")
+    B, S, _ = kv.shape
+    _check_f32(kv, "kv", (B, S, D))
+    if ratio == 2:
+        if gate is None:
+            raise TileError("ratio 2 needs a gate [B, S, 512]")
+        _check_f32(gate, "gate", (B, S, D))
+    if (tail_kv is None) != (tail_gate is None):
+        raise TileError("pass tail_kv and tail_gate together (or neither)")
+    if tail_kv is not None:
+        if ratio != 2:
+            raise TileError("a tail state only exists for ratio 2")
+        _check_f32(tail_kv, "tail_kv", (B, D))
+        _check_f32(tail_gate, "tail_gate", (B, D))
+        kv = torch.cat([tail_kv.unsqueeze(1), kv], dim=1)  # [B, S+1, D]: a decode step's few rows
+        gate = torch.cat([tail_gate.unsqueeze(1), gate], dim=1)
+    G = kv.shape[1] // ratio
+    _check_f32(norm_weight, "norm_weight", (D,))
+    _check_f32(cos, "cos", (G, ROPE // 2))
+    _check_f32(sin, "sin", (G, ROPE // 2))
+    _check_f32(wk, "wk", (DI, D))
+    _check_f32(k_norm_weight, "k_norm_weight", (DI,))
+    for name, t in (("norm_weight", norm_weight), ("cos", cos), ("sin", sin), ("wk", wk), ("k_norm_weight", k_norm_weight)):
+        if t.device != kv.device:
+            raise TileError(f"{name} is on {t.device} but kv is on {kv.device}")
+    dev = kv.device
+    outs = (
+        torch.empty(B, G, D // 2, dtype=torch.uint8, device=dev),  # [B, G, 256]
+        torch.empty(B, G, D // MAIN_GROUP, dtype=torch.uint8, device=dev),  # [B, G, 32]
+        torch.empty(B, G, DI // 2, dtype=torch.uint8, device=dev),  # [B, G, 64]
+        torch.empty(B, G, DI // INDEX_GROUP, dtype=torch.uint8, device=dev),  # [B, G, 4]
+    )
+    if G == 0:
+        return outs
+    arch = _device_arch(kv)
+    shape = Shape("call", "any", {"B": B, "S": G * ratio, "ratio": ratio, "dim": flash().dim, "D": D, "Di": DI})
+    cfg = _pick_config(COMPRESSOR, shape, arch, config)
+    kv = kv[:, : G * ratio].contiguous()
+    gate = kv if ratio == 1 else gate[:, : G * ratio].contiguous()  # ratio 1 reads no gate
+    wk_hi, wk_lo = split_tf32(wk)
+    eps_t = torch.tensor([eps], dtype=torch.float32, device=dev)
+    kernel = _compress_kernel(arch.nvcc_arch, ratio, cfg["block_g"], cfg["threads"], cfg["proj"], cfg["k_chunk"])
+    kernel(kv, gate, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(), wk_hi, wk_lo, k_norm_weight.contiguous(), eps_t, *outs)
+    return outs
+
+
+# --------------------------------------------------------------------------------------
+# tile
+# --------------------------------------------------------------------------------------
+
+
+def compare_fp4_caches(outputs, expected) -> Comparison:
+    """The compressor's comparison rule (module docstring): near bit-exact, differences one code step."""
+    worst, notes, ok = 0.0, [], True
+    for name, group, fmt in (("main", MAIN_GROUP, "e4m3"), ("idx", INDEX_GROUP, "e8m0")):
+        p, s = outputs[f"{name}_packed"], outputs[f"{name}_scales"]
+        rp, rs = expected[f"{name}_packed"].to(p.device), expected[f"{name}_scales"].to(p.device)
+        if p.shape != rp.shape or s.shape != rs.shape:
+            return Comparison(
+                False, "fp4-near-exact", 1.0, f"{name}: shapes {tuple(p.shape)}/{tuple(s.shape)} != {tuple(rp.shape)}/{tuple(rs.shape)}"
+            )
+        codes, rcodes = formats.unpack_nibbles(p), formats.unpack_nibbles(rp)
+        # One code step: neighbouring magnitudes of the same sign, or +0/-0/+-0.5 around zero.
+        mag, rmag = (codes & 7).int(), (rcodes & 7).int()
+        same_sign = (codes & 8) == (rcodes & 8)
+        step_ok = (codes == rcodes) | (same_sign & ((mag - rmag).abs() <= 1)) | ((mag <= 1) & (rmag <= 1))
+        s_ok = (s.int() - rs.int()).abs() <= 1
+        frac_p = float((p != rp).float().mean())
+        frac_s = float((s != rs).float().mean())
+        deq = formats.fp4_dequantize(p, s, group, fmt)
+        rdeq = formats.fp4_dequantize(rp, rs, group, fmt)
+        rel = float((deq - rdeq).norm() / rdeq.norm().clamp(min=1e-30))
+        good = (
+            bool(step_ok.all())
+            and bool(s_ok.all())
+            and frac_p <= MAX_CODE_DIFF_FRACTION
+            and frac_s <= MAX_CODE_DIFF_FRACTION
+            and rel <= DEQ_RTOL
+        )
+        ok &= good
+        worst = max(worst, frac_p, frac_s)
+        notes.append(f"{name}: {frac_p:.2e} bytes, {frac_s:.2e} scales differ, rel_l2 {rel:.2e}{'' if good else ' (FAIL)'}")
+    return Comparison(ok, "fp4-near-exact", worst, "; ".join(notes))
+
+
+class CompressorTile(Tile):
+    """Pooling + RMSNorm + RoPE + FP4 main cache + index-K projection/norm/RoPE + FP4 index cache, one pass."""
+
+    name = "compressor"
+    description = "gated pooling, RMSNorm, RoPE, FP4 E4M3/16 main cache and fused 512->128 index-K (tf32x3 MMA) into FP4 E8M0/32"
+
+    def shapes(self) -> list[Shape]:
+        return compressor_shapes()
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        params = (
+            Param("block_g", (16, 32, 64), "groups (cache entries) per CTA"),
+            Param("threads", (128, 256, 512), "threads per CTA"),
+            Param("proj", ("tf32x3", "simt"), "index-K projection: three TF32 tensor-core products, or fp32 FMA"),
+            Param("k_chunk", (32, 64), "K chunk of the projection staged through shared memory"),
+        )
+        return SearchSpace(params, (Constraint("smem", _smem_compress),))
+
+    def default_config(self, arch: Arch) -> Config:
+        return {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64}
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        cfg = {**self.default_config(arch), **config}
+        return _compress_kernel(arch.nvcc_arch, shape["ratio"], cfg["block_g"], cfg["threads"], cfg["proj"], cfg["k_chunk"])
+
+    def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
+        B, S, ratio = shape["B"], shape["S"], shape["ratio"]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        G = S // ratio
+        kv = torch.randn(B, S, D, generator=gen, device=device)  # [B, S, D]
+        gate = torch.randn(B, S, D, generator=gen, device=device) * 2  # [B, S, D]
+        first = int(torch.randint(0, 4096, (1,), generator=gen, device=device))  # groups already in the cache
+        rope = _rope()
+        cos, sin = rope_tables(rope, (torch.arange(G, device=device) + first) * ratio)  # [G, 32]
+        return {
+            "kv": kv,
+            "gate": gate,
+            "norm_weight": 1 + 0.1 * torch.randn(D, generator=gen, device=device),
+            "wk": torch.randn(DI, D, generator=gen, device=device) * D**-0.5,
+            "k_norm_weight": 1 + 0.1 * torch.randn(DI, generator=gen, device=device),
+            "cos": cos,
+            "sin": sin,
+            "first_group": torch.tensor([first]),
+            "ratio": torch.tensor([ratio]),
+        }
+
+    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        kv, ratio = inputs["kv"], int(inputs["ratio"])
+        B, S, _ = kv.shape
+        G = S // ratio
+        dev = kv.device
+        outs = {
+            "main_packed": poisoned((B, G, D // 2), torch.uint8, dev),
+            "main_scales": poisoned((B, G, D // MAIN_GROUP), torch.uint8, dev),
+            "idx_packed": poisoned((B, G, DI // 2), torch.uint8, dev),
+            "idx_scales": poisoned((B, G, DI // INDEX_GROUP), torch.uint8, dev),
+        }
+        wk_hi, wk_lo = split_tf32(inputs["wk"])
+        eps_t = torch.tensor([flash().norm_eps], dtype=torch.float32, device=dev)
+        gate = kv if ratio == 1 else inputs["gate"]
+        kernel(kv, gate, inputs["norm_weight"], inputs["cos"], inputs["sin"], wk_hi, wk_lo, inputs["k_norm_weight"], eps_t, *outs.values())
+        return outs
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        ratio, first = int(inputs["ratio"]), int(inputs["first_group"])
+        gate = inputs["gate"] if ratio == 2 else None
+        eps = flash().norm_eps
+        latent = compressor_entries(inputs["kv"], gate, ratio, inputs["norm_weight"], first, _rope(), eps)  # [B, G, D]
+        k = index_keys(latent, inputs["wk"], inputs["k_norm_weight"], first, ratio, _rope(), eps)  # [B, G, Di]
+        mp, ms = formats.fp4_quantize(latent, MAIN_GROUP, "e4m3")
+        ip, is_ = formats.fp4_quantize(k, INDEX_GROUP, "e8m0")
+        return {"main_packed": mp, "main_scales": ms, "idx_packed": ip, "idx_scales": is_}
+
+    def compare(self, outputs, expected) -> Comparison:
+        return compare_fp4_caches(outputs, expected)
+
+    def flops(self, shape: Shape) -> float:
+        G = shape["B"] * shape["S"] // shape["ratio"]
+        return 2.0 * G * D * DI
+
+    def bytes_moved(self, shape: Shape) -> float:
+        # kv (and gate for ratio 2) read once, both caches written once; weights are noise.
+        B, S, ratio = shape["B"], shape["S"], shape["ratio"]
+        G = S // ratio
+        return B * S * D * 4 * (2 if ratio == 2 else 1) + B * G * (D // 2 + D // MAIN_GROUP + DI // 2 + DI // INDEX_GROUP)
+
+
+def _rope() -> RopeConfig:
+    cfg = flash()
+    return RopeConfig(
+        cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn_factor, cfg.yarn_original_seq_len, cfg.yarn_beta_fast, cfg.yarn_beta_slow
+    )
+
+
+def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
+    bg, kc = config["block_g"], config["k_chunk"]
+    need = (
+        bg * D * 4
+        + D * 4
+        + bg * (D // MAIN_GROUP) * 5
+        + bg * D // 2
+        + bg * DI * 4
+        + DI * 4
+        + bg * DI // 2
+        + 2 * bg * kc * 4
+        + 2 * DI * kc * 4
+    )
+    return None if need <= arch.smem_per_block else f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
+
+
+COMPRESSOR = CompressorTile()
+TILES = [COMPRESSOR]

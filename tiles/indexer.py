@@ -1,0 +1,877 @@
+"""The lightning indexer on the GPU (spec section 2): scores over the packed FP4 index K,
+top-k, the candidate pool of layer 20 and the Reindex search inside the pool.
+
+Three tiles share two kernels:
+
+* a **score kernel**: per (batch, token, run of ``block_n`` entries) it loads the packed FP4
+  index K (``uint8 [B, N, 64]`` read as 16 int32 words per entry, plus the 4 E8M0 scale
+  bytes read as one int32), dequantises it to bf16 in shared memory (or straight into the
+  MMA's register fragment), multiplies it with the 32 x 128 query on the tensor cores
+  (``acc[entries, heads] = K @ q^T``, so the entry tile is the M side of wgmma), applies ReLU
+  and the per-head weight and sums over heads. FP4 values times a power-of-two scale are
+  exact in bf16 and their products exact in fp32, so the only difference from the fp32
+  reference is the order of the sums. With ``gather`` it reads the entries of a candidate
+  pool instead of a contiguous run (Reindex: the pool is gathered first, nothing else is
+  scored).
+* a **select kernel**: one CTA per score row finds the exact k-th largest score by radix
+  select on the order-preserving 32-bit key of each fp32 score (``radix_bits`` per pass, the
+  row re-read from L2 each pass), then writes the chosen positions in position order (a
+  block-wide prefix count over contiguous per-thread segments), -1 fill. Ties at the k-th
+  key go to the lower positions, the reference's rule, so the selection is deterministic.
+
+Comparison rules (also in each tile's ``compare``): scores by relative L2 <= 1e-5 with -inf
+exactly where the reference has it; top-k as index SETS: positions missing from either side
+must have reference scores equal to the k-th largest reference score within 1e-5 relative
+(their order cannot differ: both are sorted by position). Candidate pools must equal the
+reference exactly when both are computed from the same scores. NaN scores are not part of the
+contract (the reference lets a NaN take a slot; the kernel skips it).
+"""
+
+import functools
+import math
+
+import tilelang
+import tilelang.language as T
+import torch
+import tvm
+
+from model import formats
+from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_positions
+from tiles.arch import Arch, get_arch
+from tiles.compare import relative_l2
+from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.shapes import flash, indexer_shapes, reindex_shapes
+
+HEADS, HEAD_DIM, GROUP = 32, 128, 32  # indexer heads, dims, FP4 group (E8M0 scales)
+SCORE_RTOL = 1e-5  # relative L2 of scores: fp32 sums in another order
+TIE_RTOL = 1e-5  # a top-k set difference is a tie when its scores equal the k-th within this
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------------------
+# kernel builders
+# --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _score_kernel(
+    target: str, block_n: int, threads: int, stages: int, tiles_per_cta: int, dequant: str, gather: bool, pool_block: int = 8
+):
+    """Build the score kernel (see module docstring); ``gather`` selects the Reindex variant.
+
+    Dims B, S, N (and the pool width P) are dynamic, so one compiled kernel serves every
+    decode step as the cache grows.
+    """
+    H, D = HEADS, HEAD_DIM
+    W = D // 8  # int32 words per packed entry (8 nibbles each)
+    B, S, N, P = T.dynamic("B, S, N, P")
+    C = P * pool_block  # candidate slots of one pool row (gather variant)
+    n_out = C if gather else N
+    span = block_n * tiles_per_cta
+
+    def dequant_value(word, scale_word, d):
+        """FP4 nibble ``d`` of an entry (in ``word``) times its E8M0 scale, as fp32 (exact)."""
+        code = (word >> ((d % 8) * 4)) & 0xF
+        mag = code & 7
+        e, m = mag >> 1, mag & 1
+        half_units = T.if_then_else(e == 0, m, (2 + m) << T.max(e - 1, 0))  # |value| in units of 0.5
+        sbyte = (scale_word >> ((d // GROUP) * 8)) & 0xFF
+        scale = T.reinterpret(T.Cast("uint32", sbyte) << 23, "float32")  # 2^(byte - 127), byte >= 1
+        val = T.Cast("float32", half_units) * 0.5 * scale
+        return T.if_then_else((code & 8) != 0, -val, val)
+
+    @T.prim_func
+    def score(
+        q: T.Tensor((B, S, H, D), "bfloat16"),
+        weights: T.Tensor((B, S, H), "float32"),
+        k_words: T.Tensor((B, N, W), "int32"),
+        k_scales: T.Tensor((B, N), "int32"),
+        n_visible: T.Tensor((B, S), "int32"),
+        pool: T.Tensor((B, S, P), "int32"),
+        out: T.Tensor((B, S, n_out), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(n_out, span), S, B, threads=threads) as (bx, s, b):
+            q_s = T.alloc_shared((H, D), "bfloat16")
+            w_s = T.alloc_shared((H,), "float32")
+            kw_s = T.alloc_shared((block_n, W), "int32")
+            ks_s = T.alloc_shared((block_n,), "int32")
+            pos_s = T.alloc_shared((block_n,), "int32")
+            acc = T.alloc_fragment((block_n, H), "float32")
+            row = T.alloc_fragment((block_n,), "float32")
+            if dequant == "shared":
+                k_deq = T.alloc_shared((block_n, D), "bfloat16")
+            else:
+                k_deq = T.alloc_fragment((block_n, D), "bfloat16")
+            nvis = n_visible[b, s]
+            T.copy(q[b, s, :, :], q_s)
+            T.copy(weights[b, s, :], w_s)
+            for t in T.Pipelined(tiles_per_cta, num_stages=stages):
+                n0 = (bx * tiles_per_cta + t) * block_n
+                if gather:
+                    # The pool's block ids give each slot its cache position; an unused (-1)
+                    # block or an entry past n_visible reads nothing and scores -inf.
+                    for i in T.Parallel(block_n):
+                        slot = n0 + i
+                        blk = T.if_then_else(slot < C, pool[b, s, T.min(slot, C - 1) // pool_block], -1)
+                        pos = blk * pool_block + slot % pool_block
+                        pos_s[i] = T.if_then_else((blk >= 0) & (pos < nvis) & (pos < N), pos, -1)
+                    for i, c in T.Parallel(block_n, W):
+                        kw_s[i, c] = T.if_then_else(pos_s[i] >= 0, k_words[b, T.max(pos_s[i], 0), c], 0)
+                    for i in T.Parallel(block_n):
+                        ks_s[i] = T.if_then_else(pos_s[i] >= 0, k_scales[b, T.max(pos_s[i], 0)], 0x7F7F7F7F)
+                else:
+                    T.copy(k_words[b, n0 : n0 + block_n, :], kw_s)
+                    T.copy(k_scales[b, n0 : n0 + block_n], ks_s)
+                for i, d in T.Parallel(block_n, D):
+                    k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
+                T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, h in T.Parallel(block_n, H):
+                    acc[i, h] = T.max(acc[i, h], 0.0) * w_s[h]
+                T.reduce_sum(acc, row, dim=1)
+                for i in T.Parallel(block_n):
+                    j = n0 + i
+                    if j < n_out:
+                        if gather:
+                            out[b, s, j] = T.if_then_else(pos_s[i] >= 0, row[i], -T.infinity("float32"))
+                        else:
+                            out[b, s, j] = T.if_then_else(j < nvis, row[i], -T.infinity("float32"))
+
+    return tilelang.compile(score, target=tvm.target.Target(_target_dict(target)))
+
+
+@functools.cache
+def _select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_block: int):
+    """Build the select kernel: exact top-k of each row by radix select, sorted by position.
+
+    ``values [R, L]`` fp32, ``n_valid [R]`` int32 (columns >= n_valid are not candidates),
+    ``blocks [R, Pb]`` int32 used only when ``remap_block`` > 0: column ``i`` is then reported
+    as ``blocks[r, i // remap_block] * remap_block + i % remap_block`` (Reindex's compact
+    candidate slots back to cache positions; ascending blocks keep the order).
+    Output ``out [R, k]`` int32. -inf and NaN values are never chosen.
+    """
+    R, L, Pb = T.dynamic("R, L, Pb")
+    radix = 1 << radix_bits
+    per_thread = max(1, radix // threads)  # bins each thread sums in the threshold scan
+    scan_threads = radix // per_thread
+    widths = []
+    left = 32
+    while left > 0:
+        widths.append(min(radix_bits, left))
+        left -= widths[-1]
+    log_threads = int(math.log2(threads))
+
+    def ordered_key(x):
+        bits = T.reinterpret(x, "uint32")
+        return T.if_then_else(x < 0, ~bits, bits | T.uint32(0x80000000))
+
+    @T.prim_func
+    def select(
+        values: T.Tensor((R, L), "float32"),
+        n_valid: T.Tensor((R,), "int32"),
+        blocks: T.Tensor((R, Pb), "int32"),
+        out: T.Tensor((R, k), "int32"),
+    ):
+        with T.Kernel(R, threads=threads) as r:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((radix,), "int32")
+            part = T.alloc_shared((threads + 1,), "int32")
+            part2 = T.alloc_shared((threads + 1,), "int32")
+            found = T.alloc_shared((2,), "int32")
+            prefix = T.alloc_var("uint32")
+            mask = T.alloc_var("uint32")
+            remaining = T.alloc_var("int32")
+            take_all = T.alloc_var("int32")
+            run = T.alloc_var("int32")
+            v = T.alloc_var("int32")
+            cnt = T.alloc_var("int32")
+            n_gt = T.alloc_var("int32")
+            n_eq = T.alloc_var("int32")
+            gt_before = T.alloc_var("int32")
+            eq_before = T.alloc_var("int32")
+            o = T.alloc_var("int32")
+            eq_rank = T.alloc_var("int32")
+            cnt = T.min(n_valid[r], L)
+            prefix = T.uint32(0)
+            mask = T.uint32(0)
+            remaining = k
+            take_all = 0
+            shift = 32
+            for width in widths:
+                shift -= width
+                if take_all == 0:
+                    for i in T.serial(per_thread):
+                        if tx * per_thread + i < radix:
+                            hist[tx * per_thread + i] = 0
+                    T.sync_threads()
+                    for it in T.serial(T.ceildiv(cnt, threads)):
+                        j = it * threads + tx
+                        if j < cnt:
+                            x = values[r, j]
+                            key = ordered_key(x)
+                            if (x > -T.infinity("float32")) & ((key & mask) == prefix):
+                                T.atomic_add(hist[T.Cast("int32", (key >> shift) & ((1 << width) - 1))], 1)
+                    T.sync_threads()
+                    # Suffix sums per thread chunk of bins, then across threads (Hillis-Steele).
+                    run = 0
+                    if tx < scan_threads:
+                        for i in T.serial(per_thread):
+                            run = run + hist[tx * per_thread + i]
+                        part[tx] = run
+                    else:
+                        part[tx] = 0
+                    if tx == 0:
+                        part[threads] = 0
+                        found[0] = -1
+                    T.sync_threads()
+                    for lvl in T.serial(log_threads):
+                        off = 1 << lvl
+                        v = part[tx] + T.if_then_else(tx + off < threads, part[T.min(tx + off, threads - 1)], 0)
+                        T.sync_threads()
+                        part[tx] = v
+                        T.sync_threads()
+                    if part[0] <= remaining:
+                        # Fewer candidates than slots left: everything matching the prefix is chosen.
+                        take_all = 1
+                    else:
+                        if tx < scan_threads:
+                            run = T.if_then_else(tx + 1 < threads, part[T.min(tx + 1, threads - 1)], 0)
+                            for i in T.serial(per_thread):
+                                bin_ = tx * per_thread + per_thread - 1 - i
+                                if (run < remaining) & (run + hist[bin_] >= remaining):
+                                    found[0] = bin_
+                                    found[1] = run
+                                run = run + hist[bin_]
+                        T.sync_threads()
+                        prefix = prefix | (T.Cast("uint32", found[0]) << shift)
+                        mask = mask | (T.uint32((1 << width) - 1) << shift)
+                        remaining = remaining - found[1]
+                        T.sync_threads()
+            T.sync_threads()  # every thread has read part[0] before the counts below overwrite it
+            if take_all == 1:
+                # Everything valid above the current prefix level is chosen: compare with key > 0
+                # only inside the prefix, i.e. keep the prefix and take all equal-prefix keys.
+                remaining = cnt + 1
+            # Position-ordered output: contiguous segments per thread, exclusive prefix counts.
+            seg = T.ceildiv(cnt, threads)
+            n_gt = 0
+            n_eq = 0
+            for i in T.serial(seg):
+                j = tx * seg + i
+                if j < cnt:
+                    x = values[r, j]
+                    key = ordered_key(x)
+                    if x > -T.infinity("float32"):
+                        if (key & mask) > prefix:
+                            n_gt = n_gt + 1
+                        elif (key & mask) == prefix:
+                            n_eq = n_eq + 1
+            part[tx] = n_gt
+            part2[tx] = n_eq
+            T.sync_threads()
+            for lvl in T.serial(log_threads):
+                off = 1 << lvl
+                gt_before = T.if_then_else(tx >= off, part[T.max(tx - off, 0)], 0)
+                eq_before = T.if_then_else(tx >= off, part2[T.max(tx - off, 0)], 0)
+                T.sync_threads()
+                part[tx] = part[tx] + gt_before
+                part2[tx] = part2[tx] + eq_before
+                T.sync_threads()
+            gt_before = part[tx] - n_gt
+            eq_before = part2[tx] - n_eq
+            o = gt_before + T.min(eq_before, remaining)
+            eq_rank = eq_before
+            for i in T.serial(seg):
+                j = tx * seg + i
+                if j < cnt:
+                    x = values[r, j]
+                    key = ordered_key(x)
+                    if x > -T.infinity("float32"):
+                        if ((key & mask) > prefix) | (((key & mask) == prefix) & (eq_rank < remaining)):
+                            if remap_block > 0:
+                                out[r, o] = blocks[r, j // max(remap_block, 1)] * remap_block + j % max(remap_block, 1)
+                            else:
+                                out[r, o] = j
+                            o = o + 1
+                        if (key & mask) == prefix:
+                            eq_rank = eq_rank + 1
+            total = part[threads - 1] + T.min(part2[threads - 1], remaining)
+            for it in T.serial(T.ceildiv(k, threads)):
+                j = it * threads + tx
+                if (j < k) & (j >= total):
+                    out[r, j] = -1
+
+    return tilelang.compile(select, target=tvm.target.Target(_target_dict(target)))
+
+
+@functools.cache
+def _block_max_kernel(target: str, block: int, threads: int):
+    """Block scores of the candidate pool: max over ``block`` positions, the newest visible block forced to +inf.
+
+    ``scores [R, N]`` fp32, ``n_visible [R]`` int32 -> ``out [R, ceil(N / block)]`` fp32.
+    """
+    R, N, NB = T.dynamic("R, N, NB")
+
+    @T.prim_func
+    def block_max(scores: T.Tensor((R, N), "float32"), n_visible: T.Tensor((R,), "int32"), out: T.Tensor((R, NB), "float32")):
+        with T.Kernel(T.ceildiv(NB, threads), R, threads=threads) as (bx, r):
+            best = T.alloc_var("float32")
+            nb = bx * threads + T.get_thread_binding()
+            if nb < NB:
+                best = -T.infinity("float32")
+                for i in T.serial(block):
+                    j = nb * block + i
+                    if j < N:
+                        best = T.max(best, scores[r, j])
+                newest = (n_visible[r] - 1) // block
+                out[r, nb] = T.if_then_else((n_visible[r] > 0) & (nb == newest), T.infinity("float32"), best)
+
+    return tilelang.compile(block_max, target=tvm.target.Target(_target_dict(target)))
+
+
+def _target_dict(target: str) -> dict:
+    return {"kind": "cuda", "arch": target}
+
+
+# --------------------------------------------------------------------------------------
+# config lookup and input checks
+# --------------------------------------------------------------------------------------
+
+
+def _device_arch(t: torch.Tensor) -> Arch:
+    if t.device.type != "cuda":
+        raise TileError(f"the indexer kernels run on a CUDA GPU, got tensors on {t.device}: move them with .cuda()")
+    major, minor = torch.cuda.get_device_capability(t.device)
+    for name in (f"sm{major}{minor}", f"sm{major}0"):
+        try:
+            return get_arch(name)
+        except ValueError:
+            continue
+    raise TileError(f"GPU with compute capability {major}.{minor} is not in tiles.arch: add it there first")
+
+
+def _pick_config(tile: Tile, shape: Shape, arch: Arch, config: Config | None) -> Config:
+    """An explicit config (checked), else the tuned winner from results/, else the tile's default."""
+    if config is None:
+        try:
+            from tiles.results import load_winner
+        except ImportError:
+            config = tile.default_config(arch)
+        else:
+            config, _ = load_winner(tile.name, arch, shape, default=tile.default_config(arch))
+    full = {**tile.default_config(arch), **config}
+    reasons = tile.search_space(arch).violations(full, shape, arch)
+    if reasons:
+        raise TileError(f"{tile.name}: config {config} is not usable here: {'; '.join(reasons)}")
+    return full
+
+
+def _check(t: torch.Tensor, name: str, shape: tuple, dtypes: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in dtypes:
+        raise TileError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = tuple("*" if w is None else w for w in shape)
+        raise TileError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def _index_k_words(k_packed: torch.Tensor, k_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [B, N, 64] + [B, N, 4] -> int32 [B, N, 16] + int32 [B, N] (same bytes, 4 per word)."""
+    B, N = k_packed.shape[:2]
+    words = k_packed.contiguous().view(torch.int32)  # [B, N, 16]
+    scales = k_scales.contiguous().view(torch.int32).view(B, N)  # [B, N]
+    return words, scales
+
+
+def _check_indexer_inputs(q, weights, k_packed, k_scales, n_visible) -> tuple[int, int, int]:
+    if q.dim() != 4:
+        raise TileError(f"q must be [B, S, {HEADS}, {HEAD_DIM}], got {tuple(q.shape)}")
+    B, S = q.shape[:2]
+    _check(q, "q", (B, S, HEADS, HEAD_DIM), (torch.bfloat16, torch.float32))
+    _check(weights, "weights", (B, S, HEADS), (torch.float32,))
+    if k_packed.dim() != 3:
+        raise TileError(f"k_packed must be uint8 [B, N, {HEAD_DIM // 2}], got {tuple(k_packed.shape)}")
+    N = k_packed.shape[1]
+    _check(k_packed, "k_packed", (B, N, HEAD_DIM // 2), (torch.uint8,))
+    _check(k_scales, "k_scales", (B, N, HEAD_DIM // GROUP), (torch.uint8,))
+    _check(n_visible, "n_visible", (B, S), (torch.int32, torch.int64))
+    for name, t in (("weights", weights), ("k_packed", k_packed), ("k_scales", k_scales), ("n_visible", n_visible)):
+        if t.device != q.device:
+            raise TileError(f"{name} is on {t.device} but q is on {q.device}")
+    if N == 0:
+        raise TileError("the index cache is empty (N = 0): nothing to score")
+    return B, S, N
+
+
+# --------------------------------------------------------------------------------------
+# public functions
+# --------------------------------------------------------------------------------------
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_scales: torch.Tensor,
+    n_visible: torch.Tensor,
+    topk: int,
+    return_scores: bool = False,
+    config: Config | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Indexer scores over the packed FP4 index K, then the top-k positions.
+
+    Args:
+        q: bf16 or fp32 [B, S, 32, 128] indexer queries, FP4 fake-quantised (E8M0 group 32):
+            such values are exact in bf16, so fp32 queries are converted to bf16 losslessly.
+        weights: fp32 [B, S, 32] per-head weights (already scaled by 128^-0.5 * 32^-0.5).
+        k_packed: uint8 [B, N, 64] packed FP4 index K (even element in the low nibble).
+        k_scales: uint8 [B, N, 4] E8M0 scale bytes, one per 32 dims.
+        n_visible: int32/int64 [B, S]; entries j >= n_visible[b, s] are not visible.
+        topk: how many positions to keep (512 in v4.1-flash).
+        return_scores: also return the scores.
+        config: tile parameters (see :class:`IndexerTopkTile`); None = tuned winner or default.
+    Returns:
+        int32 [B, S, topk]: ascending positions, -1 fill (ties: lower position wins);
+        with ``return_scores`` also fp32 [B, S, N] scores, -inf where not visible.
+    """
+    B, S, N = _check_indexer_inputs(q, weights, k_packed, k_scales, n_visible)
+    if topk <= 0:
+        raise TileError(f"topk must be positive, got {topk}")
+    arch = _device_arch(q)
+    shape = Shape("call", "any", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk})
+    cfg = _pick_config(INDEXER_TOPK, shape, arch, config)
+    words, scales = _index_k_words(k_packed, k_scales)
+    nvis = n_visible.to(torch.int32).contiguous()
+    scores = torch.empty(B, S, N, dtype=torch.float32, device=q.device)  # [B, S, N]
+    out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)  # [B, S, K]
+    _launch_topk(cfg, arch, q, weights, words, scales, nvis, scores, out)
+    return (out, scores) if return_scores else out
+
+
+def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
+    B, S, N = scores.shape
+    score = _score_kernel(arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"], cfg["dequant"], False)
+    dummy_pool = torch.empty(B, S, 1, dtype=torch.int32, device=q.device)  # the contiguous variant reads no pool
+    score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, dummy_pool, scores)
+    select = _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)
+    dummy_blocks = torch.empty(B * S, 1, dtype=torch.int32, device=q.device)
+    select(scores.view(B * S, N), nvis.view(B * S), dummy_blocks, out.view(B * S, -1))
+
+
+def candidate_pool(
+    scores: torch.Tensor, n_visible: torch.Tensor, block: int = 8, max_blocks: int = 2048, config: Config | None = None
+) -> torch.Tensor:
+    """The candidate pool of layer 20: the best blocks of ``block`` positions by their max score.
+
+    The newest (possibly partial) visible block is always kept; ties: lower block id wins.
+    Equal to :func:`model.ops.indexer.candidate_blocks` on the same scores, exactly.
+
+    Args:
+        scores: fp32 [B, S, N] indexer scores, -inf where not visible.
+        n_visible: int32/int64 [B, S].
+        block: positions per block (8); max_blocks: pool size cap (2048).
+    Returns:
+        int32 [B, S, min(max_blocks, ceil(N / block))]: ascending block ids, -1 fill.
+    """
+    if scores.dim() != 3 or scores.dtype != torch.float32:
+        raise TileError(f"scores must be float32 [B, S, N], got {scores.dtype} {tuple(scores.shape)}")
+    B, S, N = scores.shape
+    _check(n_visible, "n_visible", (B, S), (torch.int32, torch.int64))
+    if block <= 0 or max_blocks <= 0:
+        raise TileError(f"block and max_blocks must be positive, got {block} and {max_blocks}")
+    if N == 0:
+        raise TileError("scores have no entries (N = 0)")
+    arch = _device_arch(scores)
+    nb = -(-N // block)
+    P = min(max_blocks, nb)
+    shape = Shape("call", "decode", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": 512, "P": max_blocks, "block": block})
+    cfg = _pick_config(CANDIDATE_POOL, shape, arch, config)
+    nvis = n_visible.to(torch.int32).contiguous().view(B * S)
+    block_scores = torch.empty(B * S, nb, dtype=torch.float32, device=scores.device)  # [B*S, nb]
+    out = torch.empty(B, S, P, dtype=torch.int32, device=scores.device)  # [B, S, P]
+    _launch_pool(cfg, arch, scores.contiguous().view(B * S, N), nvis, block, block_scores, out)
+    return out
+
+
+def _launch_pool(cfg: Config, arch: Arch, scores2d, nvis, block: int, block_scores, out) -> None:
+    R, nb = block_scores.shape
+    _block_max_kernel(arch.nvcc_arch, block, cfg["block_threads"])(scores2d, nvis, block_scores)
+    nvis_blocks = torch.full_like(nvis, nb)  # every block id is a candidate; -inf blocks are skipped
+    dummy = torch.empty(R, 1, dtype=torch.int32, device=out.device)
+    _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)(
+        block_scores, nvis_blocks, dummy, out.view(R, -1)
+    )
+
+
+def reindex_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_scales: torch.Tensor,
+    n_visible: torch.Tensor,
+    pool_blocks: torch.Tensor,
+    block: int,
+    topk: int,
+    config: Config | None = None,
+    return_scores: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reindex: indexer scores and top-k only inside the candidate pool.
+
+    The pool's ``block``-entry runs are gathered first (P * block candidates are scored,
+    never the whole cache), then the top-k of those candidates is mapped back to cache
+    positions. Equal in selection to scoring everything, masking with
+    :func:`model.ops.indexer.pool_mask` and :func:`model.ops.indexer.topk_positions`.
+
+    Args:
+        q, weights, k_packed, k_scales, n_visible: as :func:`indexer_topk`.
+        pool_blocks: int32 [B, S, P] ascending block ids, -1 fill (from :func:`candidate_pool`).
+        block: positions per block (8).
+        topk: positions to keep (512).
+        return_scores: also return the candidates' scores.
+    Returns:
+        int32 [B, S, topk]: ascending cache positions, -1 fill; with ``return_scores`` also
+        fp32 [B, S, P * block] scores of the pool's slots (-inf for unused or invisible slots).
+    """
+    B, S, N = _check_indexer_inputs(q, weights, k_packed, k_scales, n_visible)
+    if pool_blocks.dim() != 3:
+        raise TileError(f"pool_blocks must be int32 [B, S, P], got {tuple(pool_blocks.shape)}")
+    _check(pool_blocks, "pool_blocks", (B, S, None), (torch.int32,))
+    if block <= 0 or topk <= 0:
+        raise TileError(f"block and topk must be positive, got {block} and {topk}")
+    arch = _device_arch(q)
+    P = pool_blocks.shape[-1]
+    shape = Shape("call", "decode", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk, "P": P, "block": block})
+    cfg = _pick_config(REINDEX_TOPK, shape, arch, config)
+    words, scales = _index_k_words(k_packed, k_scales)
+    nvis = n_visible.to(torch.int32).contiguous()
+    pool = pool_blocks.contiguous()
+    scores = torch.empty(B, S, P * block, dtype=torch.float32, device=q.device)  # [B, S, P*block]
+    out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)  # [B, S, K]
+    _launch_reindex(cfg, arch, q, weights, words, scales, nvis, pool, block, scores, out)
+    return (out, scores) if return_scores else out
+
+
+def _launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, pool, block: int, scores, out) -> None:
+    B, S, C = scores.shape
+    score = _score_kernel(arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"], cfg["dequant"], True, block)
+    score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, scores)
+    select = _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], block)
+    n_cand = torch.full((B * S,), C, dtype=torch.int32, device=q.device)
+    select(scores.view(B * S, C), n_cand, pool.view(B * S, -1), out.view(B * S, -1))
+
+
+# --------------------------------------------------------------------------------------
+# tiles
+# --------------------------------------------------------------------------------------
+
+
+def _random_fp4(shape: tuple[int, ...], gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed FP4 rows with E8M0 scales: uint8 [..., 64] and uint8 [..., 4].
+
+    Every code appears; scale bytes 121..127 (2^-6..1) give the magnitudes of a normalised key.
+    Drawn directly in packed form so a 1M-entry cache costs no fp32 staging.
+    """
+    packed = torch.randint(0, 256, (*shape, HEAD_DIM // 2), generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(121, 128, (*shape, HEAD_DIM // GROUP), generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
+    return packed, scales
+
+
+def _indexer_inputs(B: int, S: int, N: int, seed: int, device, causal: bool) -> Inputs:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    k_packed, k_scales = _random_fp4((B, N), gen, device)  # [B, N, 64], [B, N, 4]
+    q_packed, q_scales = _random_fp4((B, S, HEADS), gen, device)
+    q = formats.fp4_dequantize(q_packed, q_scales, GROUP, "e8m0").to(torch.bfloat16)  # [B, S, Hi, Di], exact
+    weights = torch.randn(B, S, HEADS, generator=gen, device=device) * (HEAD_DIM**-0.5 * HEADS**-0.5)  # [B, S, Hi]
+    if causal:
+        n_visible = (torch.arange(S, device=device) + 1).clamp(max=N).expand(B, S).contiguous()  # ratio-1 prefill
+    else:
+        # Most rows see (nearly) the whole cache; a few see less than top-k, one sees nothing.
+        n_visible = N - torch.randint(0, max(1, N // 16), (B, S), generator=gen, device=device)
+        n_visible[0, 0] = min(N, 300)
+        if B * S > 2:
+            n_visible.view(-1)[-1] = 0
+    return {"q": q, "weights": weights, "k_packed": k_packed, "k_scales": k_scales, "n_visible": n_visible.to(torch.int32)}
+
+
+def _reference_scores(inputs: Inputs) -> torch.Tensor:
+    index_k = formats.fp4_dequantize(inputs["k_packed"], inputs["k_scales"], GROUP, "e8m0")  # [B, N, Di]
+    return indexer_scores(inputs["q"], inputs["weights"], index_k, inputs["n_visible"])  # [B, S, N]
+
+
+def compare_topk_sets(out: torch.Tensor, ref: torch.Tensor, ref_scores: torch.Tensor, rtol: float = TIE_RTOL) -> Comparison:
+    """Top-k lists as index sets, with ties allowed to differ.
+
+    ``out``/``ref`` int32 [B, S, K] (ascending, -1 fill), ``ref_scores`` fp32 [B, S, N] the
+    reference scores the lists were chosen from. Both lists must be ascending with the same
+    number of entries; a position in one set but not the other must have a reference score
+    equal to the k-th largest chosen reference score within ``rtol`` (relative).
+    """
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return Comparison(False, "topk-set", 1.0, f"got {tuple(out.shape)} {out.dtype}, want {tuple(ref.shape)} {ref.dtype}")
+    R, K = out.shape[0] * out.shape[1], out.shape[-1]
+    N = ref_scores.shape[-1]
+    o, r, sc = out.reshape(R, K).long(), ref.reshape(R, K).long(), ref_scores.reshape(R, N)
+    n_o, n_r = (o >= 0).sum(-1), (r >= 0).sum(-1)
+    if not torch.equal(n_o, n_r):
+        bad = int((n_o != n_r).sum())
+        return Comparison(False, "topk-set", bad / R, f"{bad} rows choose a different number of entries")
+    valid = o >= 0
+    if bool(((o < -1) | (o >= N)).any()):
+        return Comparison(False, "topk-set", 1.0, "positions out of range")
+    srt = torch.where(valid, o, torch.full_like(o, N))
+    if bool((srt[:, 1:] <= srt[:, :-1])[valid[:, 1:]].any()) or bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        return Comparison(False, "topk-set", 1.0, "positions are not strictly ascending followed by -1 fill")
+    mask_o = torch.zeros(R, N + 1, dtype=torch.bool, device=out.device).scatter_(1, srt, True)[:, :N]
+    mask_r = torch.zeros(R, N + 1, dtype=torch.bool, device=out.device).scatter_(1, torch.where(r >= 0, r, N), True)[:, :N]
+    diff = mask_o ^ mask_r
+    kth = torch.where(mask_r, sc, torch.full_like(sc, float("inf"))).amin(-1, keepdim=True)  # [R, 1]
+    close = (sc - kth).abs() <= rtol * kth.abs().clamp(min=1e-30)
+    bad = diff & ~close
+    n_diff, n_bad = int(diff.sum()), int(bad.sum())
+    total = max(1, int(n_r.sum()))
+    ok = n_bad == 0
+    return Comparison(ok, "topk-set", n_diff / total, f"{n_diff} tie swaps, {n_bad} non-tie differences")
+
+
+def _merge(*comparisons: Comparison) -> Comparison:
+    ok = all(c.ok for c in comparisons)
+    return Comparison(
+        ok, " + ".join(c.metric for c in comparisons), max(c.error for c in comparisons), "; ".join(str(c) for c in comparisons)
+    )
+
+
+def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
+    bn = config["block_n"]
+    need = HEADS * HEAD_DIM * 2 + max(1, config["stages"]) * bn * (HEAD_DIM // 2 + 4 + 4)
+    need += bn * HEAD_DIM * 2 if config["dequant"] == "shared" else 0
+    return None if need <= arch.smem_per_block else f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
+
+
+def _warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
+    # FullRow splits the entry tile across warpgroups: each needs at least 64 rows for wgmma.
+    rows = config["block_n"] // (config["threads"] // 128)
+    return None if rows >= 64 else f"block_n={config['block_n']} gives {rows} rows per warpgroup (< 64)"
+
+
+def _score_params() -> tuple[Param, ...]:
+    return (
+        Param("block_n", (64, 128, 256), "entries per MMA tile (the wgmma M side)"),
+        Param("threads", (128, 256), "consumer threads (one or two warpgroups; the TMA producer is added by TileLang)"),
+        Param("stages", (1, 2, 3), "software-pipeline depth of the packed-K loads"),
+        Param("tiles_per_cta", (1, 4, 16), "entry tiles per CTA: how finely N is split across CTAs"),
+        Param("dequant", ("shared", "registers"), "dequantise FP4 into a bf16 shared tile (wgmma SS) or into the A fragment (wgmma RS)"),
+    )
+
+
+def _select_params() -> tuple[Param, ...]:
+    return (
+        Param("select_threads", (512, 1024), "threads of the one-CTA-per-row radix select"),
+        Param("radix_bits", (8, 11), "bits per radix pass: 4 passes of 8 or 3 of 11 (2048 bins)"),
+    )
+
+
+_SCORE_DEFAULT = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 4, "dequant": "shared"}
+_SELECT_DEFAULT = {"select_threads": 1024, "radix_bits": 8}
+
+
+class IndexerTopkTile(Tile):
+    """Scores over the packed FP4 index K + top-k (two kernels: score rows, then radix select)."""
+
+    name = "indexer_topk"
+    description = "indexer scores over packed FP4 index K (bf16 wgmma after in-kernel dequant) + radix top-k sorted by position"
+
+    def shapes(self) -> list[Shape]:
+        return indexer_shapes()
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        return SearchSpace(_score_params() + _select_params(), (Constraint("smem", _smem_score), Constraint("warpgroups", _warps_fit)))
+
+    def default_config(self, arch: Arch) -> Config:
+        return {**_SCORE_DEFAULT, **_SELECT_DEFAULT}
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        cfg = {**self.default_config(arch), **config}
+        _score_kernel(arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"], cfg["dequant"], False)
+        _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], 0)
+        return (cfg, arch, shape["K"])
+
+    def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
+        return _indexer_inputs(shape["B"], shape["S"], shape["N"], seed, device, causal=shape.phase == "prefill")
+
+    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        cfg, arch, k = kernel
+        q = inputs["q"]
+        B, S = q.shape[:2]
+        N = inputs["k_packed"].shape[1]
+        scores = poisoned((B, S, N), torch.float32, q.device)  # [B, S, N]
+        out = poisoned((B, S, k), torch.int32, q.device)  # [B, S, K]
+        words, scales = _index_k_words(inputs["k_packed"], inputs["k_scales"])
+        _launch_topk(cfg, arch, q, inputs["weights"], words, scales, inputs["n_visible"], scores, out)
+        return {"topk": out, "scores": scores}
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        scores = _reference_scores(inputs)
+        return {"topk": topk_positions(scores, flash().index_topk), "scores": scores}
+
+    def compare(self, outputs, expected) -> Comparison:
+        sc = relative_l2({"scores": outputs["scores"]}, {"scores": expected["scores"]}, SCORE_RTOL)
+        return _merge(sc, compare_topk_sets(outputs["topk"], expected["topk"], expected["scores"]))
+
+    def flops(self, shape: Shape) -> float:
+        B, S, N = shape["B"], shape["S"], shape["N"]
+        return 2.0 * B * S * N * HEADS * HEAD_DIM
+
+    def bytes_moved(self, shape: Shape) -> float:
+        # The floor: the packed index K read once per batch row (68 B per entry), plus queries,
+        # weights and the top-k written. Score rows the select kernel re-reads are not counted.
+        B, S, N, K = shape["B"], shape["S"], shape["N"], shape["K"]
+        return B * N * (HEAD_DIM // 2 + HEAD_DIM // GROUP) + B * S * (HEADS * HEAD_DIM * 2 + HEADS * 4 + K * 4)
+
+
+class CandidatePoolTile(Tile):
+    """Candidate pool of layer 20: block max over 8 positions + radix select of the best 2048 blocks."""
+
+    name = "candidate_pool"
+    description = "block max over 8 positions (newest block forced) + radix select of the best min(2048, n_blocks) blocks"
+
+    def shapes(self) -> list[Shape]:
+        return reindex_shapes()
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        return SearchSpace((Param("block_threads", (128, 256, 512), "threads of the block-max pass"),) + _select_params())
+
+    def default_config(self, arch: Arch) -> Config:
+        return {"block_threads": 256, **_SELECT_DEFAULT}
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        cfg = {**self.default_config(arch), **config}
+        nb = -(-shape["N"] // shape["block"])
+        _block_max_kernel(arch.nvcc_arch, shape["block"], cfg["block_threads"])
+        _select_kernel(arch.nvcc_arch, min(shape["P"], nb), cfg["select_threads"], cfg["radix_bits"], 0)
+        return (cfg, arch, shape["block"], shape["P"])
+
+    def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
+        B, S, N = shape["B"], shape["S"], shape["N"]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        # Scores on a coarse grid so many blocks tie: the tie rule is exercised on every row.
+        scores = torch.randint(-400, 400, (B, S, N), generator=gen, device=device).float() / 64  # [B, S, N]
+        n_visible = N - torch.randint(0, max(1, N // 4), (B, S), generator=gen, device=device)
+        n_visible.view(-1)[0] = min(N, 13)
+        scores.masked_fill_(torch.arange(N, device=device) >= n_visible.unsqueeze(-1), NEG_INF)
+        return {"scores": scores, "n_visible": n_visible.to(torch.int32)}
+
+    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        cfg, arch, block, max_blocks = kernel
+        scores = inputs["scores"]
+        B, S, N = scores.shape
+        nb = -(-N // block)
+        block_scores = poisoned((B * S, nb), torch.float32, scores.device)  # [B*S, nb]
+        out = poisoned((B, S, min(max_blocks, nb)), torch.int32, scores.device)  # [B, S, P]
+        _launch_pool(cfg, arch, scores.view(B * S, N), inputs["n_visible"].view(B * S), block, block_scores, out)
+        return {"pool": out}
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        return {"pool": candidate_blocks(inputs["scores"], inputs["n_visible"], flash().pool_block, flash().pool_max_blocks)}
+
+    def compare(self, outputs, expected) -> Comparison:
+        from tiles.compare import bit_exact
+
+        return bit_exact(outputs, expected)
+
+    def bytes_moved(self, shape: Shape) -> float:
+        B, S, N = shape["B"], shape["S"], shape["N"]
+        return B * S * (N * 4 + min(shape["P"], -(-N // shape["block"])) * 4)
+
+
+def _random_pool(n_visible: torch.Tensor, N: int, P: int, block: int, gen: torch.Generator) -> torch.Tensor:
+    """Random candidate pools: the newest visible block plus random others, ascending, -1 fill."""
+    B, S = n_visible.shape
+    nb = -(-N // block)
+    keys = torch.rand(B, S, nb, generator=gen, device=n_visible.device)  # [B, S, nb]
+    ids = torch.arange(nb, device=n_visible.device)
+    vis_blocks = (n_visible.long() + block - 1) // block
+    keys = torch.where(ids < vis_blocks.unsqueeze(-1), keys, torch.full_like(keys, -1.0))
+    keys = torch.where(ids == (vis_blocks - 1).unsqueeze(-1), torch.full_like(keys, 2.0), keys)
+    take = min(P, nb)
+    top = keys.topk(take, dim=-1)
+    chosen = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, nb))
+    chosen = chosen.sort(-1).values
+    chosen = torch.where(chosen == nb, torch.full_like(chosen, -1), chosen).to(torch.int32)
+    if take < P:
+        chosen = torch.cat([chosen, chosen.new_full((B, S, P - take), -1)], dim=-1)
+    return chosen
+
+
+class ReindexTopkTile(Tile):
+    """Reindex: gather the pool's 8-entry blocks, score them, top-k, map back to positions."""
+
+    name = "reindex_topk"
+    description = "scores of the candidate pool only (gathered FP4 index K, bf16 wgmma) + radix top-k mapped back to positions"
+
+    def shapes(self) -> list[Shape]:
+        return reindex_shapes()
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        return SearchSpace(_score_params() + _select_params(), (Constraint("smem", _smem_score), Constraint("warpgroups", _warps_fit)))
+
+    def default_config(self, arch: Arch) -> Config:
+        return {**_SCORE_DEFAULT, **_SELECT_DEFAULT}
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        cfg = {**self.default_config(arch), **config}
+        blk = shape["block"]
+        _score_kernel(arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"], cfg["dequant"], True, blk)
+        _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], blk)
+        return (cfg, arch, shape["K"], blk)
+
+    def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
+        B, S, N, P, blk = shape["B"], shape["S"], shape["N"], shape["P"], shape["block"]
+        inputs = _indexer_inputs(B, S, N, seed, device, causal=False)
+        gen = torch.Generator(device=device).manual_seed(seed + 7919)
+        inputs["pool_blocks"] = _random_pool(inputs["n_visible"], N, P, blk, gen)  # [B, S, P]
+        return inputs
+
+    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        cfg, arch, k, blk = kernel
+        q, pool = inputs["q"], inputs["pool_blocks"]
+        B, S, P = pool.shape
+        scores = poisoned((B, S, P * blk), torch.float32, q.device)  # [B, S, P*block]
+        out = poisoned((B, S, k), torch.int32, q.device)  # [B, S, K]
+        words, scales = _index_k_words(inputs["k_packed"], inputs["k_scales"])
+        _launch_reindex(cfg, arch, q, inputs["weights"], words, scales, inputs["n_visible"], pool, blk, scores, out)
+        return {"topk": out, "pool_scores": scores}
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        scores = _reference_scores(inputs)  # [B, S, N]: the reference scores everything
+        pool = inputs["pool_blocks"]
+        B, S, P = pool.shape
+        N = scores.shape[-1]
+        blk = flash().pool_block
+        if B * S * P * N <= 1 << 31:
+            inside = pool_mask(pool, N, blk)
+        else:  # the same mask by scatter: pool_mask's [B, S, P, N] intermediate would not fit
+            slots = (pool.long().unsqueeze(-1) * blk + torch.arange(blk, device=pool.device)).flatten(-2)  # [B, S, P*blk]
+            slots = torch.where((pool.long() >= 0).repeat_interleave(blk, -1) & (slots < N), slots, torch.full_like(slots, N))
+            inside = torch.zeros(B, S, N + 1, dtype=torch.bool, device=pool.device).scatter_(-1, slots, True)[..., :N]
+        masked = scores.masked_fill(~inside, NEG_INF)
+        slots = (pool.long().clamp(min=0).unsqueeze(-1) * blk + torch.arange(blk, device=pool.device)).flatten(-2)  # [B, S, P*blk]
+        pool_scores = masked.gather(-1, slots.clamp(max=N - 1))
+        pool_scores = torch.where(
+            (pool.long() >= 0).repeat_interleave(blk, -1) & (slots < N), pool_scores, torch.full_like(pool_scores, NEG_INF)
+        )
+        return {"topk": topk_positions(masked, flash().index_topk), "scores": masked, "pool_scores": pool_scores}
+
+    def compare(self, outputs, expected) -> Comparison:
+        sc = relative_l2({"pool_scores": outputs["pool_scores"]}, {"pool_scores": expected["pool_scores"]}, SCORE_RTOL)
+        return _merge(sc, compare_topk_sets(outputs["topk"], expected["topk"], expected["scores"]))
+
+    def flops(self, shape: Shape) -> float:
+        return 2.0 * shape["B"] * shape["S"] * shape["P"] * shape["block"] * HEADS * HEAD_DIM
+
+    def bytes_moved(self, shape: Shape) -> float:
+        B, S, C, K = shape["B"], shape["S"], shape["P"] * shape["block"], shape["K"]
+        return B * S * (C * (HEAD_DIM // 2 + HEAD_DIM // GROUP) + shape["P"] * 4 + HEADS * HEAD_DIM * 2 + K * 4)
+
+
+INDEXER_TOPK = IndexerTopkTile()
+CANDIDATE_POOL = CandidatePoolTile()
+REINDEX_TOPK = ReindexTopkTile()
+TILES = [INDEXER_TOPK, CANDIDATE_POOL, REINDEX_TOPK]
