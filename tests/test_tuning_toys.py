@@ -45,6 +45,7 @@ class ScaleToy(Tile):
         return {"block": 128, "schedule": "pipelined", "stages": 2}
 
     def build(self, shape: Shape, config: Config, arch: Arch):
+        time.sleep(float(os.environ.get("TOY_BUILD_SLEEP", "0")))  # lets concurrent workers interleave in the distributed test
         return dict(config)
 
 
@@ -63,7 +64,9 @@ def fake_evaluate(tile_ref: str, shape_name: str, config: dict, arch_name: str, 
     from tuning.workers import load_tile
 
     tile = load_tile(tile_ref)
+    t0 = time.perf_counter()
     kernel, ev = compile_tile(tile, tile.shape(shape_name), config, get_arch(arch_name))
+    ev.extra["load_s"] = time.perf_counter() - t0
     if kernel is None:
         return ev.to_dict()
     mode = config.get("mode", "good")
@@ -78,6 +81,17 @@ def fake_evaluate(tile_ref: str, shape_name: str, config: dict, arch_name: str, 
     ev.ms = synthetic_ms(config) if "schedule" in config else {"good_fast": 1.0, "good_slow": 2.0}.get(mode, 3.0)
     ev.outcome = OK
     return ev.to_dict()
+
+
+def recording_compile(tile_ref: str, shape_name: str, config: dict, arch_name: str) -> dict:
+    """The pool's compile task, logging every config it is handed to ``$TOY_COMPILE_LOG``."""
+    import json
+
+    from tuning.workers import compile_task
+
+    with open(os.environ["TOY_COMPILE_LOG"], "a") as f:
+        f.write(json.dumps(config, sort_keys=True) + "\n")
+    return compile_task(tile_ref, shape_name, config, arch_name)
 
 
 class FaultToy(Tile):
@@ -166,7 +180,7 @@ def test_fault_toy_compiles_for_sm90a_and_rejects_unknown_modes():
     sm90 = get_arch("sm90")
     kernel, ev = compile_tile(toy, toy.shapes()[0], {"mode": "good_fast"}, sm90)
     assert ev.outcome == OK and kernel is not None
-    assert "sm_90a" in str(kernel[1].target) or kernel[1] is not None
+    assert "out[" in kernel[1].get_kernel_source()
     _, ev = compile_tile(toy, toy.shapes()[0], {"mode": "nope"}, sm90)
     assert ev.outcome == "invalid" and "nope" in ev.message
     try:
