@@ -627,11 +627,15 @@ def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple, 
     _require(t.is_contiguous(), f"{name} must be contiguous (call .contiguous())")
 
 
+def _require_cuda(q: torch.Tensor) -> None:
+    # Checked after shapes and dtypes so that those errors read the same on any device.
+    _require(q.is_cuda, "q must be on a CUDA device: the kernels run on the GPU (use model.ops.sparse_attention on the CPU)")
+
+
 def _check_common(q, window_idx, topk_idx, sink, nw: int, nc: int, check_indices: bool) -> tuple[int, int, int, int, int, int]:
     _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
     B, S, H, D = q.shape
     _require(q.dtype == torch.bfloat16, f"q must be torch.bfloat16, got {q.dtype}")
-    _require(q.is_cuda, "q must be on a CUDA device: the kernels run on the GPU (use model.ops.sparse_attention on the CPU)")
     _require(q.is_contiguous(), "q must be contiguous (call .contiguous())")
     _require(D == 512, f"head dim must be 512 (the CSA2 latent), got {D}")
     _require(H % 64 == 0, f"heads must be a multiple of 64 (64 or 128 in the model), got {H}")
@@ -728,6 +732,7 @@ def sparse_attention(
     _check_tensor(window_scales, "window_scales", torch.uint8, (B, nw, D // 32), q.device)
     _check_tensor(main_packed, "main_packed", torch.uint8, (B, nc, D // 2), q.device)
     _check_tensor(mscales, "main_scales", torch.uint8, (B, nc, D // 16), q.device)
+    _require_cuda(q)
     tile = _dispatch(B, S, bf16=False)
     arch = _arch_of(q.device)
     dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
@@ -762,6 +767,7 @@ def sparse_attention_bf16(
     B, S, H, D, W, K = _check_common(q, window_idx, topk_idx, sink, nw, nc, check_indices)
     _check_tensor(window_kv, "window_kv", torch.bfloat16, (B, nw, D), q.device)
     _check_tensor(main_kv, "main_kv", torch.bfloat16, (B, nc, D), q.device)
+    _require_cuda(q)
     tile = _dispatch(B, S, bf16=True)
     arch = _arch_of(q.device)
     dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}

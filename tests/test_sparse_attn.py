@@ -1,0 +1,242 @@
+"""Sparse gather attention tiles: compile matrix and constraints on the CPU, the kernels against the torch
+reference on the GPU (v4.1-flash shapes and odd ones; NaN-poisoned outputs, never inf/NaN, two runs bitwise
+equal, all -1 rows exactly zero, repeated indices, out-of-range indices rejected on request).
+
+Error bound: relative L2 <= 1e-2 against the fp32 reference on the same dequantised inputs (P and the
+output are rounded to bf16 in the kernel)."""
+
+import pytest
+import torch
+
+import tiles.sparse_attn as sa
+from model.formats import fp4_dequantize, fp4_quantize, fp8_dequantize, fp8_quantize
+from model.ops import sparse_attention as ref_attention
+from tiles.arch import get_arch
+from tiles.compare import relative_l2
+from tiles.contract import Shape, TileError
+from tiles.registry import all_tiles
+
+SM90 = get_arch("sm90")
+SCALE = 512**-0.5
+
+
+def _shape(name: str, phase: str, **dims) -> Shape:
+    return Shape(name, phase, {"H": 64, "D": 512, "W": 128, "K": 512, **dims})
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: registry, search spaces, constraints, compile, wrapper validation
+# --------------------------------------------------------------------------------------------
+def test_tiles_registered():
+    names = set(all_tiles())
+    assert {"sparse_attn_decode", "sparse_attn_prefill", "sparse_attn_bf16"} <= names
+
+
+@pytest.mark.parametrize("tile", sa.TILES, ids=lambda t: t.name)
+@pytest.mark.parametrize("arch_name", ["sm80", "sm86", "sm89", "sm90"])
+def test_default_config_valid_everywhere(tile, arch_name):
+    arch = get_arch(arch_name)
+    for shape in tile.shapes():
+        assert tile.search_space(arch).violations(tile.default_config(arch), shape, arch) == []
+
+
+@pytest.mark.parametrize("tile", sa.TILES, ids=lambda t: t.name)
+def test_search_space_has_structural_choices(tile):
+    space = tile.search_space(SM90)
+    assert {"schedule", "block_I", "num_stages", "threads", "heads_per_block"} <= set(space.names())
+    assert ("dequant" in space.names()) == (tile.kv_format == "fp4")
+    valid = [c for c in space.all_configs() if not space.violations(c, tile.shapes()[0], SM90)]
+    assert any(c["schedule"] == "ws" for c in valid) and any(c["schedule"] == "pipelined" for c in valid)
+
+
+def test_constraints_prune():
+    tile = sa.DECODE_TILE
+    shape = tile.shape("decode_b64_s1")
+    base = tile.default_config(SM90)
+    space = tile.search_space(SM90)
+    ws = {**base, "schedule": "ws"}
+    assert space.violations(ws, shape, SM90) == []
+    assert any("wgmma" in r for r in tile.search_space(get_arch("sm80")).violations(ws, shape, get_arch("sm80")))
+    assert any("dequant=direct" in r for r in space.violations({**ws, "dequant": "staged"}, shape, SM90))
+    assert any("threads=128" in r for r in space.violations({**base, "heads_per_block": 32, "threads": 256}, shape, SM90))
+    assert any("registers" in r for r in space.violations({**base, "threads": 128}, shape, SM90))
+    sm89 = get_arch("sm89")
+    assert any("shared memory" in r for r in space.violations(base, shape, sm89))
+    odd = _shape("short", "decode", B=1, S=1, Nc=64, Nw=8, W=8, K=64)
+    assert any("splits" in r for r in space.violations({**base, "n_split": 8, "block_I": 64}, odd, SM90))
+    assert tile.support_reason(get_arch("sm100"))
+
+
+def test_resolve_split_fills_the_gpu():
+    assert sa.resolve_split("auto", 64, 1, 64, 64, SM90) == 8
+    assert sa.resolve_split("auto", 128, 2, 64, 64, SM90) == 2
+    assert sa.resolve_split("auto", 1, 4096, 64, 64, SM90) == 1
+    assert sa.resolve_split(4, 1, 1, 64, 64, SM90) == 4
+
+
+def test_cost_model():
+    shape = sa.PREFILL_TILE.shape("prefill_s4k")
+    assert sa.PREFILL_TILE.flops(shape) == 4 * 4096 * 64 * 640 * 512
+    fp4_kv = 128 * (512 + 16) + 512 * (256 + 32)
+    assert sa.PREFILL_TILE.bytes_moved(shape) == 4096 * (2 * 64 * 512 * 2 + fp4_kv + 640 * 4)
+    assert sa.BF16_TILE.bytes_moved(shape) == 4096 * (2 * 64 * 512 * 2 + 640 * 512 * 2 + 640 * 4)
+
+
+@pytest.mark.parametrize(
+    "tile,shape_name",
+    [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k"), (sa.BF16_TILE, "decode_b128_s2")],
+    ids=["decode_b64_s1", "prefill_s4k", "bf16_decode_b128_s2"],
+)
+def test_default_compiles_for_sm90(tile, shape_name):
+    shape = tile.shape(shape_name)
+    kernel = tile.build(shape, tile.default_config(SM90), SM90)
+    assert "wgmma" in kernel.main.get_kernel_source()
+    assert (kernel.combine is not None) == (kernel.n_split > 1)
+
+
+def _cpu_inputs(B=2, S=3, H=64, W=16, K=32, Nw=20, Nc=40):
+    q = torch.randn(B, S, H, 512).bfloat16()  # [B, S, H, D]
+    wc, ws = fp8_quantize(torch.randn(B, Nw, 512))  # [B, Nw, D], [B, Nw, D/32]
+    mp, ms = fp4_quantize(torch.randn(B, Nc, 512))  # [B, Nc, D/2], [B, Nc, D/16]
+    wi = torch.randint(0, Nw, (B, S, W), dtype=torch.int32)  # [B, S, W]
+    ti = torch.randint(0, Nc, (B, S, K), dtype=torch.int32)  # [B, S, K]
+    return [q, wc, ws, wi, mp, ms, ti, torch.randn(H)]
+
+
+@pytest.mark.parametrize(
+    "position,bad,message",
+    [
+        (0, lambda t: t.float(), "q must be torch.bfloat16"),
+        (0, lambda t: t[..., :256].contiguous(), "head dim must be 512"),
+        (0, lambda t: t[:, :, :32].contiguous(), "multiple of 64"),
+        (0, lambda t: t.transpose(1, 2), "must be contiguous"),
+        (1, lambda t: t[:, :, :256].contiguous(), "window_codes must have shape"),
+        (2, lambda t: t.float(), "window_scales must be torch.uint8"),
+        (3, lambda t: t.long(), "window_idx must be torch.int32"),
+        (3, lambda t: torch.zeros(2, 3, 129, dtype=torch.int32), "1..128"),
+        (4, lambda t: t[:, :, :128].contiguous(), "main_packed must have shape"),
+        (6, lambda t: t[:1].contiguous(), "topk_idx must have shape"),
+        (7, lambda t: t.double(), "sink must be torch.float32"),
+        (7, lambda t: t[:10].contiguous(), "sink must have shape"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_sparse_attention_rejects_bad_input(position, bad, message):
+    args = _cpu_inputs()
+    args[position] = bad(args[position])
+    with pytest.raises(TileError, match=message):
+        sa.sparse_attention(*args, scale=SCALE)
+
+
+def test_sparse_attention_rejects_out_of_range_indices_on_request():
+    args = _cpu_inputs()
+    args[6][0, 0, 0] = 40  # the main cache has 40 entries
+    with pytest.raises(TileError, match="topk_idx holds values outside"):
+        sa.sparse_attention(*args, scale=SCALE, check_indices=True)
+    with pytest.raises(TileError, match="CUDA device"):  # unchecked: only the device stops it here
+        sa.sparse_attention(*args, scale=SCALE)
+
+
+def test_sparse_attention_bf16_rejects_bad_input():
+    q, *_ = _cpu_inputs()
+    wi = torch.zeros(2, 3, 16, dtype=torch.int32)
+    ti = torch.zeros(2, 3, 32, dtype=torch.int32)
+    with pytest.raises(TileError, match="main_kv must be torch.bfloat16"):
+        sa.sparse_attention_bf16(q, torch.randn(2, 20, 512).bfloat16(), wi, torch.randn(2, 40, 512), ti, torch.randn(64), SCALE)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: against the reference
+# --------------------------------------------------------------------------------------------
+def _check(tile, shape, config=None, seed=0):
+    config = {**tile.default_config(SM90), **(config or {})}
+    kernel = tile.build(shape, config, SM90)
+    inputs = tile.make_inputs(shape, seed, "cuda")
+    out1 = tile.run(kernel, inputs)["out"]  # poisoned with NaN before the launch
+    out2 = tile.run(kernel, inputs)["out"]
+    ref = tile.reference(inputs)
+    cmp = tile.compare({"out": out1}, ref)
+    assert cmp.ok, str(cmp)
+    assert torch.isfinite(out1).all()
+    assert torch.equal(out1.view(torch.int16), out2.view(torch.int16)), "two runs differ"
+    return kernel, inputs
+
+
+GPU_CASES = [
+    (sa.DECODE_TILE, "decode_b64_s1", None),
+    (sa.DECODE_TILE, "decode_b128_s2", None),
+    (sa.DECODE_TILE, "decode_b1_s1", None),
+    (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "ws"}),
+    (sa.DECODE_TILE, "decode_b16_s2", {"dequant": "staged", "n_split": 1}),
+    (sa.PREFILL_TILE, "prefill_s4k", None),
+    (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "ws"}),
+    (sa.BF16_TILE, "decode_b64_s1", None),
+    (sa.BF16_TILE, "prefill_s4k", None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile,shape_name,config", GPU_CASES, ids=lambda x: x.name if hasattr(x, "name") else str(x))
+def test_tile_matches_reference(tile, shape_name, config):
+    _check(tile, tile.shape(shape_name), config)
+
+
+ODD_SHAPES = [
+    _shape("h128", "decode", B=3, S=2, Nc=5000, Nw=130, H=128),
+    _shape("w37", "decode", B=5, S=1, Nc=700, Nw=38, W=37),
+    _shape("k100", "decode", B=2, S=1, Nc=300, Nw=129, K=100),
+    _shape("s777", "prefill", B=1, S=777, Nc=777, Nw=777),
+    _shape("s63", "prefill", B=1, S=63, Nc=63, Nw=63),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
+def test_tile_odd_shapes(tile, shape):
+    _check(tile, shape)
+
+
+def _public_inputs(B, S, H=64, W=128, K=512, Nw=200, Nc=3000, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, S, H, 512, generator=g, device="cuda").bfloat16()  # [B, S, H, D]
+    wc, ws = fp8_quantize(torch.randn(B, Nw, 512, generator=g, device="cuda"))  # [B, Nw, D], [B, Nw, D/32]
+    mp, ms = fp4_quantize(torch.randn(B, Nc, 512, generator=g, device="cuda"))  # [B, Nc, D/2], [B, Nc, D/16]
+    wi = torch.randint(-1, Nw, (B, S, W), generator=g, device="cuda", dtype=torch.int32)  # [B, S, W], some -1
+    ti = torch.randint(-1, Nc, (B, S, K), generator=g, device="cuda", dtype=torch.int32)  # [B, S, K], some -1, repeats
+    return q, wc, ws, wi, mp, ms, ti, torch.randn(H, generator=g, device="cuda")
+
+
+def _public_reference(q, wc, ws, wi, mp, ms, ti, sink):
+    return ref_attention(q, fp8_dequantize(wc, ws), wi, fp4_dequantize(mp, ms), ti, sink, SCALE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S", [(4, 1), (1, 300)], ids=["decode", "prefill"])
+def test_sparse_attention_edge_rows(B, S):
+    q, wc, ws, wi, mp, ms, ti, sink = _public_inputs(B, S)
+    wi[0, 0], ti[0, 0] = -1, -1  # no valid index: exact zeros
+    ti[-1, -1] = 7  # one entry repeated K times counts K times
+    wi[-1, -1] = -1
+    out = sa.sparse_attention(q, wc, ws, wi, mp, ms, ti, sink, SCALE, check_indices=True)
+    ref = _public_reference(q, wc, ws, wi, mp, ms, ti, sink)
+    assert (out[0, 0] == 0).all()
+    assert torch.isfinite(out).all()
+    assert relative_l2({"out": out}, {"out": ref}, sa.TOLERANCE).ok
+
+
+@pytest.mark.gpu
+def test_sparse_attention_bf16_matches_reference():
+    q, wc, ws, wi, mp, ms, ti, sink = _public_inputs(2, 2)
+    wkv, mkv = fp8_dequantize(wc, ws).bfloat16(), fp4_dequantize(mp, ms).bfloat16()
+    out = sa.sparse_attention_bf16(q, wkv, wi, mkv, ti, sink, SCALE)
+    ref = ref_attention(q, wkv, wi, mkv, ti, sink, SCALE)
+    assert relative_l2({"out": out}, {"out": ref}, sa.TOLERANCE).ok
+
+
+@pytest.mark.gpu
+def test_sparse_attention_rejects_out_of_range_on_gpu():
+    q, wc, ws, wi, mp, ms, ti, sink = _public_inputs(2, 1)
+    wi[1, 0, 3] = wc.shape[1]
+    with pytest.raises(TileError, match="window_idx holds values outside"):
+        sa.sparse_attention(q, wc, ws, wi, mp, ms, ti, sink, SCALE, check_indices=True)
