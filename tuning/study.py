@@ -103,12 +103,23 @@ def open_storage(url: str | None, root: Path | None = None):
         return JournalStorage(JournalFileBackend(path))
     if "://" not in url:
         raise TuneError(f"storage {url!r} is not an Optuna storage URL: use sqlite:///PATH, postgresql://..., mysql://... or journal:PATH")
+    url = _with_available_driver(url)
     # SQLite serialises writers; a generous busy timeout lets several lanes and processes share the file.
     kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     except Exception as exc:
         raise TuneError(f"cannot open storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+
+
+def _with_available_driver(url: str) -> str:
+    """``postgresql://`` means psycopg 3 to SQLAlchemy 2.1; use psycopg2 when only it is installed."""
+    import importlib.util
+
+    if url.startswith(("postgresql://", "postgres://")) and importlib.util.find_spec("psycopg") is None:
+        if importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + url.split("://", 1)[1]
+    return url
 
 
 def study_name(tile: Tile, arch: Arch, shape: Shape, compile_only: bool = False) -> str:
