@@ -251,7 +251,7 @@ def test_bad_storage_trials_and_replay_errors(tmp_path):
 def test_gpu_fault_injection_real_kernels(tmp_path):
     """A real illegal memory access, a hang, a wrong kernel and a failed build: each recorded, the study picks a correct winner."""
     present = arch_mod.detect()
-    opts = _opts(tmp_path, arch=present, trials=7, evaluator="tuning.workers:evaluate_on_gpu", require_gpu=True, trial_timeout_s=60, compile_jobs=4)
+    opts = _opts(tmp_path, arch=present, trials=7, evaluator="tuning.workers:evaluate_on_gpu", require_gpu=True, trial_timeout_s=25, compile_jobs=4)
     [summary] = tune([toys.FaultToy()], opts)
     modes = _by_mode(_study(opts, summary.study))
     outcomes = {m: t.user_attrs["outcome"] for m, t in modes.items()}

@@ -107,9 +107,26 @@ def open_storage(url: str | None, root: Path | None = None):
     # SQLite serialises writers; a generous busy timeout lets several lanes and processes share the file.
     kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     except Exception as exc:
         raise TuneError(f"cannot open storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    if url.startswith("sqlite"):
+        _sqlite_wal(storage.engine)
+    return storage
+
+
+def _sqlite_wal(engine) -> None:
+    """WAL lets readers and one writer proceed together; synchronous=NORMAL skips an fsync per commit yet survives a killed process."""
+    import sqlalchemy
+
+    def on_connect(dbapi_conn, _record):
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    sqlalchemy.event.listen(engine, "connect", on_connect)
+    engine.dispose()  # connections made before the listener existed are dropped
 
 
 def _with_available_driver(url: str) -> str:

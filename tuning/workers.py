@@ -107,6 +107,10 @@ def kernel_resources(kernel) -> dict:
 
 def _worker_main(conn, env: dict[str, str]) -> None:
     os.environ.update(env)
+    try:
+        import tilelang  # noqa: F401  (imported up front so compile_s / load_s time the build, not the import)
+    except ImportError:
+        pass
     while True:
         try:
             fn_ref, args = conn.recv()
