@@ -89,7 +89,7 @@ def test_every_trial_records_outcome_and_metrics(tuned):
 def test_constraint_pruning_before_compile(tmp_path, monkeypatch):
     log = tmp_path / "compiled.jsonl"
     monkeypatch.setenv("TOY_COMPILE_LOG", str(log))
-    opts = _opts(tmp_path, arch=get_arch("sm89"), trials=36, compiler="test_tuning_toys:recording_compile")
+    opts = _opts(tmp_path, arch=get_arch("sm89"), trials=12, compiler="test_tuning_toys:recording_compile")
     [summary] = tune([toys.ScaleToy()], opts, shapes="decode")
     study = _study(opts, summary.study)
     invalid = [t for t in study.get_trials() if t.user_attrs.get("outcome") == "invalid"]

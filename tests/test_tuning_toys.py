@@ -95,7 +95,7 @@ def recording_compile(tile_ref: str, shape_name: str, config: dict, arch_name: s
 
 
 class FaultToy(Tile):
-    """A real TileLang kernel (``out[i] = 2 * x[idx[i]]``) plus configs that fail in every way a trial can.
+    """A real TileLang kernel (``out[i] = 2 * x[idx[i]]``, int64 indices) plus configs that fail in every way a trial can.
 
     ``good_fast``/``good_slow``: correct (different block sizes); ``compile_error``: the build
     raises; ``fault``: indices far out of bounds, an illegal memory access; ``hang``: the launch
@@ -126,14 +126,15 @@ class FaultToy(Tile):
     def make_inputs(self, shape: Shape, seed: int, device="cuda"):
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(shape["N"], generator=g).to(device)  # [N] float32
-        idx = torch.randperm(shape["N"], generator=g).to(torch.int32).to(device)  # [N] int32
+        idx = torch.randperm(shape["N"], generator=g).to(device)  # [N] int64
         return {"x": x, "idx": idx}
 
     def run(self, kernel, inputs):
         mode, k = kernel
         idx = inputs["idx"]
         if mode == "fault":
-            idx = idx + (1 << 30)  # ~4 GiB past the end of x: an illegal address, not a wrong answer
+            # 4 TiB past x: unmapped, so an illegal address. 64-bit indices matter: a 32-bit byte offset would wrap back into x.
+            idx = idx + (1 << 40)
         if mode == "hang":
             time.sleep(3600)
         out = poisoned(idx.shape, torch.float32, idx.device)  # [N] float32
@@ -155,12 +156,14 @@ def _gather_kernel(n: int, block: int, bias: float, arch: Arch):
     import tilelang.language as T
 
     @T.prim_func
-    def gather(x: T.Tensor((n,), "float32"), idx: T.Tensor((n,), "int32"), out: T.Tensor((n,), "float32")):
+    def gather(x: T.Tensor((n,), "float32"), idx: T.Tensor((n,), "int64"), out: T.Tensor((n,), "float32")):
         with T.Kernel(T.ceildiv(n, block), threads=block) as bx:
             for i in T.Parallel(block):
                 out[bx * block + i] = x[idx[bx * block + i]] * 2.0 + bias
 
-    return tilelang.compile(gather, target=arch.tilelang_target())
+    # TileLang guards data-dependent loads with a bounds check by default (an out-of-range index reads 0);
+    # turning that off lets the ``fault`` config make a genuine illegal memory access.
+    return tilelang.compile(gather, target=arch.tilelang_target(), pass_configs={"tl.disable_safe_memory_legalize": True})
 
 
 TILES = [ScaleToy(), FaultToy()]
