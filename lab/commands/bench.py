@@ -33,7 +33,7 @@ def parse_config(text: str | None) -> Config:
     if not text:
         return {}
     text = text.strip()
-    if text.startswith("{"):
+    if text.startswith(("{", "[")):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:

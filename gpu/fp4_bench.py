@@ -1,0 +1,110 @@
+"""`lab bench --json` of each FP4 tile at all its shapes, a structural sweep at bulk_1m, and a summary table.
+
+Writes ``<out>/fp4_<tile>.json`` (the bench documents), ``<out>/fp4_sweep.json`` and ``<out>/summary.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+SWEEP = [
+    {"staging": "registers", "groups_per_thread": 1, "threads": 256, "grid": "tiles"},
+    {"staging": "registers", "groups_per_thread": 2, "threads": 128, "grid": "tiles"},
+    {"staging": "registers", "groups_per_thread": 2, "threads": 512, "grid": "tiles"},
+    {"staging": "registers", "groups_per_thread": 2, "threads": 256, "grid": "persistent"},
+    {"staging": "registers", "groups_per_thread": 4, "threads": 128, "grid": "tiles"},
+    {"staging": "shared", "groups_per_thread": 2, "threads": 256, "grid": "tiles"},
+]
+TILES = ["fp4_quant_main", "fp4_quant_index", "fp4_dequant_main", "fp4_dequant_index"]
+
+
+def bench(out: Path) -> list[dict]:
+    from lab.cli import main
+
+    docs = []
+    for tile in TILES:
+        argv = ["bench", "--tile", tile, "--json"]
+        sys.argv = ["lab", *argv]  # the command recorded in the document is the one this call is equivalent to
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = main(argv)
+        text = buf.getvalue()
+        (out / f"fp4_{tile}.json").write_text(text)
+        print(f"{tile}: rc={rc}", file=sys.stderr)
+        try:
+            docs.append(json.loads(text))
+        except json.JSONDecodeError:
+            print(text[-2000:], file=sys.stderr)
+    return docs
+
+
+def sweep(out: Path) -> list[dict]:
+    import torch
+
+    from tiles.arch import detect
+    from tiles.harness import evaluate
+    from tiles.registry import get_tile
+
+    arch, rows = detect(), []
+    for name in ("fp4_quant_main", "fp4_dequant_main", "fp4_quant_index", "fp4_dequant_index"):
+        tile = get_tile(name)
+        shape = tile.shape("bulk_1m")
+        for config in [tile.default_config(arch)] + SWEEP:
+            if tile.search_space(arch).violations(config, shape, arch):
+                continue
+            ev = evaluate(tile, shape, config, arch, seed=11, runs=30)
+            rows.append(
+                {
+                    "tile": name,
+                    "shape": shape.name,
+                    "config": config,
+                    "outcome": ev.outcome,
+                    "ms": ev.ms,
+                    "gbps": ev.gbps,
+                    "message": ev.message,
+                }
+            )
+            torch.cuda.empty_cache()
+    (out / "fp4_sweep.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def summary(docs: list[dict], rows: list[dict]) -> str:
+    lines = []
+    if docs:
+        env = docs[0]["environment"]
+        head = f"GPU {env.get('gpu')} (cc {env.get('capability')}), driver {env.get('driver')}, CUDA {env.get('cuda')}, "
+        lines += [head + f"torch {env.get('torch')}, tilelang {env.get('tilelang')}, {env.get('date')}", ""]
+        lines += ["| tile | shape | ms | GB/s | of copy | torch ms | speedup | check |", "|---|---|---|---|---|---|---|---|"]
+        for d in docs:
+            for r in d["rows"]:
+                if r["outcome"] == "ok":
+                    ref = f"{r['ref_ms']:.4f}" if r.get("ref_ms") else "n/a"
+                    sp = f"{r['speedup']:.1f}x" if r.get("speedup") else "n/a"
+                    lines.append(
+                        f"| {d['tile']} | {r['shape']} | {r['ms']:.4f} | {r['gbps']:.0f} | {100 * r['copy_fraction']:.0f}% | {ref} | {sp} | ok |"
+                    )
+                else:
+                    lines.append(f"| {d['tile']} | {r['shape']} | - | - | - | - | - | {r['outcome']}: {r['check'][:80]} |")
+            lines.append(f"\n{d['tile']}: copy {d['copy_gbps']:.0f} GB/s, config {d['config']}, command `{d['command']}`\n")
+    if rows:
+        lines += ["", "| sweep tile (bulk_1m) | config | ms | GB/s | outcome |", "|---|---|---|---|---|"]
+        for r in rows:
+            c = r["config"]
+            cfg = f"{c['staging']}/g{c['groups_per_thread']}/t{c['threads']}/{c['grid']}"
+            ms = f"{r['ms']:.4f}" if r["ms"] else "-"
+            gb = f"{r['gbps']:.0f}" if r["gbps"] else "-"
+            lines.append(f"| {r['tile']} | {cfg} | {ms} | {gb} | {r['outcome']} {r['message'][:60]} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    docs = bench(out)
+    (out / "summary.md").write_text(summary(docs, []))
+    rows = sweep(out)
+    (out / "summary.md").write_text(summary(docs, rows))

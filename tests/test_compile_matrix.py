@@ -1,0 +1,77 @@
+"""Every registered tile compiles (default config, first shape) for sm80, sm89, sm90 and sm100 on this machine.
+
+The matrix comes from the registry, so a tile added by anyone is covered here without
+editing this file. Cells compile in a spawned process pool, as ``lab check`` runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from lab.cli import main
+from lab.matrix import UNSUPPORTED, Cell, compile_cell, plan, run_compile
+from tiles.arch import parse_arch_list
+from tiles.registry import all_tiles
+
+ARCHS = parse_arch_list("sm80,sm89,sm90,sm100")
+
+
+@pytest.fixture(scope="module")
+def matrix() -> list[Cell]:
+    cells = plan(all_tiles().values(), ARCHS)
+    return run_compile(cells, jobs=os.cpu_count())
+
+
+def test_matrix_covers_every_tile_and_arch(matrix):
+    assert {(c.tile, c.arch) for c in matrix} == {(t, a.name) for t in all_tiles() for a in ARCHS}
+
+
+def test_every_cell_compiles_or_says_why_not(matrix):
+    failed = [f"{c.tile}@{c.arch}: {c.outcome}: {c.message}" for c in matrix if not c.ok]
+    assert not failed, "\n".join(failed)
+    for c in matrix:
+        if c.outcome == UNSUPPORTED:
+            assert c.message, f"{c.tile}@{c.arch} is unsupported without a reason"
+        else:
+            assert c.compile_s is not None and c.config is not None
+
+
+def test_bad_cells_are_reported_not_raised():
+    tile = next(iter(all_tiles().values()))
+    cell = compile_cell(Cell(tile.name, "sm90", tile.shapes()[0].name, config={"no_such_param": 1}))
+    assert cell.outcome == "invalid" and "no_such_param" in cell.message and not cell.ok
+    cell = compile_cell(Cell(tile.name, "sm90", "no_such_shape"))
+    assert cell.outcome == "compile_error" and "no_such_shape" in cell.message
+
+
+def test_lab_check_compile_only_json(capsys):
+    rc = main(["check", "--compile-only", "--arch", "sm90", "--tile", "fp4_quant_index", "--jobs", "1", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [(c["tile"], c["arch"], c["outcome"]) for c in doc["cells"]] == [("fp4_quant_index", "sm90", "ok")]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["check", "--compile-only", "--arch", "sm90", "--tile", "nope"], "unknown tile 'nope'"),
+        (["check", "--compile-only", "--arch", "sm42"], "unknown arch 'sm42'"),
+    ],
+    ids=["unknown-tile", "unknown-arch"],
+)
+def test_lab_check_bad_names(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_lab_check_without_gpu_asks_for_compile_only(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: `lab check` runs for real")
+    assert main(["check", "--tile", "fp4_quant_main"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "--compile-only" in err
