@@ -8,6 +8,7 @@ OUT=${OUT:-/tmp/fp4-out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 T0=$(date +%s)
+export FP4_DEADLINE=$((T0 + ${FP4_BUDGET_S:-115}))
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 $PY -m gpu.fp4_prewarm > "$OUT/prewarm.log" 2>&1

@@ -25,42 +25,45 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WS = {"schedule": "ws", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64}
-STAGED = {"dequant": "staged"}
+LABELS = {
+    "default": {},
+    "ws": {"schedule": "ws", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64},
+    "staged": {"dequant": "staged"},
+    "staged1": {"dequant": "staged", "num_stages": 1},
+    "bi32": {"block_I": 32},
+    "split1": {"n_split": 1},
+    "split4": {"n_split": 4},
+}
+H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
+W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
+S777 = ("odd_s777", "prefill", {"B": 1, "S": 777, "Nc": 777, "Nw": 777, "H": 64, "W": 128, "K": 512})
 
-# (tile, shape name or custom dims, config override, label). Custom dims: (name, phase, dims).
+# (tile, shape name or custom (name, phase, dims), label). Every passing row at a registry shape is also timed.
 CHECKS = [
-    ("sparse_attn_decode", "decode_b64_s1", {}, "default"),
-    ("sparse_attn_decode", "decode_b128_s2", {}, "default"),
-    ("sparse_attn_decode", "decode_b64_s1", WS, "ws"),
-    ("sparse_attn_decode", "decode_b128_s2", WS, "ws"),
-    ("sparse_attn_decode", "decode_b64_s1", STAGED, "staged"),
-    ("sparse_attn_prefill", "prefill_s4k", {}, "default"),
-    ("sparse_attn_prefill", "prefill_s4k", WS, "ws"),
-    ("sparse_attn_prefill", "prefill_s4k", STAGED, "staged"),
-    ("sparse_attn_bf16", "decode_b64_s1", {}, "default"),
-    ("sparse_attn_bf16", "decode_b128_s2", {}, "default"),
-    ("sparse_attn_bf16", "prefill_s4k", {}, "default"),
-    ("sparse_attn_bf16", "prefill_s4k", WS, "ws"),
-    (
-        "sparse_attn_decode",
-        ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512}),
-        {},
-        "default",
-    ),
-    ("sparse_attn_decode", ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512}), {}, "default"),
-    ("sparse_attn_prefill", ("odd_s777", "prefill", {"B": 1, "S": 777, "Nc": 777, "Nw": 777, "H": 64, "W": 128, "K": 512}), {}, "default"),
-    ("sparse_attn_prefill", ("odd_s777", "prefill", {"B": 1, "S": 777, "Nc": 777, "Nw": 777, "H": 64, "W": 128, "K": 512}), WS, "ws"),
+    ("sparse_attn_prefill", "prefill_s4k", "default"),
+    ("sparse_attn_prefill", "prefill_s4k", "staged"),
+    ("sparse_attn_prefill", "prefill_s4k", "staged1"),
+    ("sparse_attn_prefill", "prefill_s4k", "bi32"),
+    ("sparse_attn_prefill", "prefill_s4k", "ws"),
+    ("sparse_attn_decode", "decode_b128_s2", "default"),
+    ("sparse_attn_decode", "decode_b128_s2", "split1"),
+    ("sparse_attn_decode", "decode_b128_s2", "staged"),
+    ("sparse_attn_decode", "decode_b128_s2", "ws"),
+    ("sparse_attn_decode", "decode_b64_s1", "default"),
+    ("sparse_attn_decode", "decode_b64_s1", "split4"),
+    ("sparse_attn_decode", "decode_b64_s1", "staged"),
+    ("sparse_attn_decode", "decode_b64_s1", "ws"),
+    ("sparse_attn_bf16", "prefill_s4k", "default"),
+    ("sparse_attn_bf16", "prefill_s4k", "ws"),
+    ("sparse_attn_bf16", "decode_b128_s2", "default"),
+    ("sparse_attn_bf16", "decode_b64_s1", "default"),
+    ("sparse_attn_decode", H128, "default"),
+    ("sparse_attn_decode", W37, "default"),
+    ("sparse_attn_decode", W37, "ws"),
+    ("sparse_attn_prefill", S777, "default"),
+    ("sparse_attn_prefill", S777, "staged"),
+    ("sparse_attn_prefill", S777, "ws"),
 ]
-TIMINGS = [
-    ("sparse_attn_prefill", "prefill_s4k", ["default", "ws", "staged"]),
-    ("sparse_attn_decode", "decode_b128_s2", ["default", "ws"]),
-    ("sparse_attn_decode", "decode_b64_s1", ["default", "ws", "staged"]),
-    ("sparse_attn_bf16", "prefill_s4k", ["default", "ws"]),
-    ("sparse_attn_bf16", "decode_b128_s2", ["default"]),
-    ("sparse_attn_bf16", "decode_b64_s1", ["default"]),
-]
-LABELS = {"default": {}, "ws": WS, "staged": STAGED}
 
 
 def _shape(tile, spec):
@@ -74,7 +77,8 @@ def _shape(tile, spec):
 
 def _compile_job(job):
     """Worker: build one (tile, shape, config) so the disk cache holds it. Returns (job index, seconds, error)."""
-    i, tile_name, spec, override = job
+    i, tile_name, spec, label = job
+    override = LABELS[label]
     from tiles.arch import get_arch
     from tiles.registry import get_tile
 
@@ -116,7 +120,7 @@ def _launcher(tile, k, sets):
                 s["window_codes"].view(f8),
                 s["window_scales"],
                 s["window_idx"],
-                s["main_packed"],
+                s["main_packed"].view(torch.int32),
                 s["main_scales"].view(f8),
                 s["topk_idx"],
                 s["sink"],
@@ -132,13 +136,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--workers", type=int, default=14)
-    parser.add_argument("--labels", default="default,staged,ws", help="which configs to check and time (all are compiled)")
+    parser.add_argument("--labels", default=",".join(LABELS), help="which configs to check and time (all are compiled)")
     parser.add_argument("--no-compile", action="store_true", help="skip the pool compile phase (an earlier invocation filled the cache)")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    jobs = [(i, t, s, o) for i, (t, s, o, _) in enumerate(CHECKS)]
+    jobs = [(i, t, s, lab) for i, (t, s, lab) in enumerate(CHECKS)]
     t0 = time.time()
     compile_err: dict[int, str] = {}
     labels = set(args.labels.split(","))
@@ -146,7 +150,7 @@ def main() -> int:
         for i, secs, err in pool.map(_compile_job, [] if args.no_compile else jobs):
             if err:
                 compile_err[i] = err
-            print(f"compiled {i:2d} {CHECKS[i][0]:20s} {CHECKS[i][3]:8s} {secs:6.1f}s {'ERR ' + err if err else ''}", flush=True)
+            print(f"compiled {i:2d} {CHECKS[i][0]:20s} {CHECKS[i][2]:8s} {secs:6.1f}s {'ERR ' + err if err else ''}", flush=True)
     print(f"compile phase {time.time() - t0:.1f}s", flush=True)
 
     import torch
@@ -166,7 +170,8 @@ def main() -> int:
         return kernels[key]
 
     # --- correctness ------------------------------------------------------------------------
-    for i, (tile_name, spec, override, label) in enumerate(CHECKS):
+    for i, (tile_name, spec, label) in enumerate(CHECKS):
+        override = LABELS[label]
         if label not in labels:
             continue
         tile = get_tile(tile_name)
@@ -193,22 +198,21 @@ def main() -> int:
             )
             if not (row["finite"] and row["bitwise_repeat"]):
                 row["outcome"] = "wrong_result"
-            # Edge cases on the same kernel: all -1 rows are exact zeros, repeated indices match the reference.
-            if label == "default" or label == "ws":
-                e = dict(inputs)
-                wi, ti = e["window_idx"].clone(), e["topk_idx"].clone()
-                wi[0, 0] = -1
-                ti[0, 0] = -1
-                ti[-1, -1] = ti[-1, -1, :1].clamp(min=0).expand_as(ti[-1, -1]).clone()  # one index repeated K times
-                e["window_idx"], e["topk_idx"] = wi, ti
-                oe = tile.run(k, e)["out"]
-                re = tile.reference(e)
-                ce = tile.compare({"out": oe}, re)
-                row["edge_all_minus1_zero"] = bool((oe[0, 0] == 0).all())
-                row["edge_rel_l2"] = ce.error
-                if not (row["edge_all_minus1_zero"] and ce.ok):
-                    row["outcome"] = "wrong_result"
-                    row["message"] += f"; edge: zero={row['edge_all_minus1_zero']} {ce}"
+            # Edge cases on the same kernel: all -1 rows are exact zeros, one index repeated K times matches the reference.
+            e = dict(inputs)
+            wi, ti = e["window_idx"].clone(), e["topk_idx"].clone()
+            wi[0, 0] = -1
+            ti[0, 0] = -1
+            ti[-1, -1] = ti[-1, -1, :1].clamp(min=0).expand_as(ti[-1, -1]).clone()  # one index repeated K times
+            e["window_idx"], e["topk_idx"] = wi, ti
+            oe = tile.run(k, e)["out"]
+            re = tile.reference(e)
+            ce = tile.compare({"out": oe}, re)
+            row["edge_all_minus1_zero"] = bool((oe[0, 0] == 0).all())
+            row["edge_rel_l2"] = ce.error
+            if not (row["edge_all_minus1_zero"] and ce.ok):
+                row["outcome"] = "wrong_result"
+                row["message"] += f"; edge: zero={row['edge_all_minus1_zero']} {ce}"
         except Exception as exc:  # noqa: BLE001 - a faulting config is a row, not the end of the run
             row.update(outcome="runtime_fault", message="".join(traceback.format_exception_only(type(exc), exc)).strip()[-400:])
         rows.append(row)
@@ -221,27 +225,21 @@ def main() -> int:
     ok_checks = {(r["tile"], r["shape"], r["label"]) for r in rows if r.get("outcome") == "ok"}
 
     # --- timing -----------------------------------------------------------------------------
-    for tile_name, shape_name, timed in TIMINGS:
-        if not labels.intersection(timed):
+    timed = [(t, sh) for t, sh, _ in CHECKS if isinstance(sh, str)]
+    for tile_name, shape_name in dict.fromkeys(timed):
+        passed = [lab for t, sh, lab in CHECKS if (t, sh, lab) in ok_checks and (t, sh) == (tile_name, shape_name)]
+        if not passed:
             continue
         tile = get_tile(tile_name)
         shape = tile.shape(shape_name)
         flops, nbytes = tile.flops(shape), tile.bytes_moved(shape)
         sets = [tile.make_inputs(shape, seed=200 + j, device="cuda") for j in range(2)]
-        try:
-            tr = time_cuda(_reference_launcher(tile, sets), n_sets=2, warmup=1, runs=3, min_time_ms=0).median_ms
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            tr = None
+        tr = time_cuda(_reference_launcher(tile, sets), n_sets=2, warmup=1, runs=3, min_time_ms=0).median_ms
         rows.append({"kind": "time", "tile": tile_name, "shape": shape_name, "label": "torch_reference", "ms": tr})
-        for label in [x for x in timed if x in labels]:
+        for label in passed:
             row = {"kind": "time", "tile": tile_name, "shape": shape_name, "label": label}
-            if (tile_name, shape_name, label) not in ok_checks:
-                rows.append({**row, "ms": None, "message": "not timed: its check did not pass"})
-                continue
             k = kernel_for(tile, shape, LABELS[label])
-            launch = _launcher(tile, k, sets)
-            t = time_cuda(launch, n_sets=2, warmup=5, runs=30, min_time_ms=20)
+            t = time_cuda(_launcher(tile, k, sets), n_sets=2, warmup=5, runs=30, min_time_ms=20)
             row.update(
                 ms=t.median_ms,
                 p10_ms=t.p10_ms,
@@ -249,7 +247,7 @@ def main() -> int:
                 n_split=k.n_split,
                 tflops=flops / (t.median_ms * 1e-3) / 1e12,
                 gbps=nbytes / (t.median_ms * 1e-3) / 1e9,
-                speedup_vs_torch=(tr / t.median_ms) if tr else None,
+                speedup_vs_torch=tr / t.median_ms,
             )
             rows.append(row)
             _dump(out_dir, args.labels, rows)

@@ -370,21 +370,29 @@ def _edge_rows(dim: int, scale_format: str, generator: torch.Generator) -> torch
     return rows
 
 
+def _generator(seed: int, device) -> torch.Generator:
+    # random data is made where it is used: a 1M-row CPU randn would dominate a benchmark run
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
 def quant_inputs(rows: int, dim: int, scale_format: str, seed: int, device, dtype: torch.dtype = torch.bfloat16) -> Inputs:
     """x [rows, dim] ``dtype``: N(0, 1) per element times a log-uniform per-row magnitude, special rows first."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, dim, generator=gen) * torch.exp2(torch.empty(rows, 1).uniform_(-8, 8, generator=gen))  # [rows, dim]
+    gen = _generator(seed, device)
+    x = torch.randn(rows, dim, generator=gen, device=device)  # [rows, dim]
+    x *= torch.exp2(torch.empty(rows, 1, device=device).uniform_(-8, 8, generator=gen))  # [rows, 1]
     n_edge = min(rows, 8)
-    x[:n_edge] = _edge_rows(dim, scale_format, gen)[:n_edge]
-    return {"x": x.to(dtype).to(device)}
+    x[:n_edge] = _edge_rows(dim, scale_format, torch.Generator().manual_seed(seed))[:n_edge].to(device)
+    return {"x": x.to(dtype)}
 
 
 def dequant_inputs(rows: int, dim: int, scale_format: str, seed: int, device) -> Inputs:
     """packed uint8 [rows, dim // 2] (every byte value), scales uint8 [rows, dim // group] (every byte value, NaN codes too)."""
-    gen = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (rows, dim // 2), generator=gen, dtype=torch.uint8)  # [rows, dim // 2]
-    scales = torch.randint(0, 256, (rows, dim // SCALE_GROUP[scale_format]), generator=gen, dtype=torch.uint8)  # [rows, dim // group]
-    return {"packed": packed.to(device), "scales": scales.to(device)}
+    gen = _generator(seed, device)
+    packed = torch.randint(0, 256, (rows, dim // 2), generator=gen, dtype=torch.uint8, device=device)  # [rows, dim // 2]
+    scales = torch.randint(
+        0, 256, (rows, dim // SCALE_GROUP[scale_format]), generator=gen, dtype=torch.uint8, device=device
+    )  # [rows, dim // group]
+    return {"packed": packed, "scales": scales}
 
 
 def bit_exact_nan_canonical(outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> Comparison:
