@@ -121,7 +121,8 @@ def _score_kernel(
                         ks_s[i] = T.if_then_else(pos_s[i] >= 0, k_scales[b, T.max(pos_s[i], 0)], 0x7F7F7F7F)
                 else:
                     T.copy(k_words[b, n0 : n0 + block_n, :], kw_s)
-                    T.copy(k_scales[b, n0 : n0 + block_n], ks_s)
+                    # Not TMA: the [B, N] int32 scale rows are only 4-byte aligned for N not a multiple of 4.
+                    T.copy(k_scales[b, n0 : n0 + block_n], ks_s, annotations={"disable_tma": True})
                 for i, d in T.Parallel(block_n, D):
                     k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
                 T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)

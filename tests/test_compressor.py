@@ -1,0 +1,109 @@
+"""Compressor tile: one pass from kv/gate projections to both FP4 caches.
+
+CPU: the default compiles for sm_90a (both ratios), constraints, input errors, and the
+comparison rule itself. GPU (marked): against the torch reference + model.formats on fresh
+random data (prefill and decode shapes, G not a multiple of the block), outputs poisoned,
+two runs bitwise equal; the decode tail state gives the same entry as the whole group.
+"""
+
+import pytest
+import torch
+
+from model import formats
+from tiles import compressor as cp
+from tiles.arch import get_arch
+from tiles.contract import Shape, TileError
+from tiles.harness import OK, evaluate
+
+SM90 = get_arch("sm90")
+
+
+def _args(B=2, S=4, G=2, device="cpu"):
+    kv = torch.randn(B, S, 512, device=device)
+    gate = torch.randn(B, S, 512, device=device)
+    rest = (torch.ones(512), torch.ones(G, 32), torch.zeros(G, 32), torch.randn(128, 512), torch.ones(128), 1e-6)
+    return kv, gate, rest
+
+
+# ---------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("shape_name", ["prefill_r2_s4k", "decode_r1_b64"])
+def test_default_compiles_sm90(shape_name):
+    shape = cp.COMPRESSOR.shape(shape_name)
+    cfg = cp.COMPRESSOR.default_config(SM90)
+    assert cp.COMPRESSOR.search_space(SM90).violations(cfg, shape, SM90) == []
+    assert cp.COMPRESSOR.build(shape, cfg, SM90) is not None
+
+
+def test_constraints_prune():
+    space = cp.COMPRESSOR.search_space(SM90)
+    shape = cp.COMPRESSOR.shapes()[0]
+    assert any(
+        "shared memory" in r for r in space.violations({"block_g": 64, "threads": 256, "proj": "tf32x3", "k_chunk": 64}, shape, SM90)
+    )
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda kv, g, r: cp.compress(kv, g, 3, *r), "ratio must be 1 or 2"),
+        (lambda kv, g, r: cp.compress(kv[..., :256], g, 2, *r), "kv must be"),
+        (lambda kv, g, r: cp.compress(kv, None, 2, *r), "needs a gate"),
+        (lambda kv, g, r: cp.compress(kv.double(), g, 2, *r), "kv must be float32"),
+        (lambda kv, g, r: cp.compress(kv, g, 2, r[0], r[1][:1], *r[2:]), "cos must have shape"),
+        (lambda kv, g, r: cp.compress(kv, g, 2, *r, tail_kv=kv[:, 0]), "together"),
+        (lambda kv, g, r: cp.compress(kv, g, 2, *r), "CUDA GPU"),
+    ],
+    ids=["ratio", "kv_dim", "gate", "dtype", "cos", "tail", "cpu"],
+)
+def test_compress_rejects(call, message):
+    kv, gate, rest = _args()
+    with pytest.raises(TileError, match=message):
+        call(kv, gate, rest)
+
+
+def test_split_tf32_is_exact():
+    w = torch.randn(128, 512)
+    hi, lo = cp.split_tf32(w)
+    assert torch.equal(hi + lo, w)
+    assert ((hi.view(torch.int32) & 0x1FFF) == 0).all()
+
+
+def test_compare_rule():
+    x = torch.randn(3, 5, 512)
+    mp, ms = formats.fp4_quantize(x, 16, "e4m3")
+    ip, is_ = formats.fp4_quantize(x[..., :128], 32, "e8m0")
+    ref = {"main_packed": mp, "main_scales": ms, "idx_packed": ip, "idx_scales": is_}
+    assert cp.compare_fp4_caches(ref, ref).ok
+    one = dict(ref, main_packed=mp.clone())
+    one["main_packed"].view(-1)[0] = (mp.view(-1)[0] & 0xF0) | (((mp.view(-1)[0] & 7).clamp(max=6) + 1) | (mp.view(-1)[0] & 8))
+    assert cp.compare_fp4_caches(one, ref).ok  # one code step in one byte of 7680
+    far = dict(ref, main_packed=mp ^ 0x07)  # every code moved by several steps
+    assert not cp.compare_fp4_caches(far, ref).ok
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("proj", ["tf32x3", "simt"])
+def test_compressor_matches_reference(proj):
+    arch = get_arch("sm90")
+    odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
+    shapes = [cp.COMPRESSOR.shape(n) for n in ("prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64", "decode_r1_b64")] + odd
+    for shape in shapes:
+        ev = evaluate(cp.COMPRESSOR, shape, {**cp.COMPRESSOR.default_config(arch), "proj": proj}, arch, seed=2, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+def test_decode_tail_state():
+    tile = cp.COMPRESSOR
+    inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
+    rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], 1e-6)
+    full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest)
+    tail = cp.compress(inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0])
+    assert all(torch.equal(a, b) for a, b in zip(full, tail))
+    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok

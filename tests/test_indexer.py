@@ -1,0 +1,142 @@
+"""Indexer tiles: indexer_topk, candidate_pool, reindex_topk.
+
+CPU: the default configs compile for sm_90a, constraints prune bad configs, bad inputs give
+one-line TileErrors, and the top-k set comparison rule itself. GPU (marked): every tile
+against the torch reference on fresh random data (real and odd shapes, n_visible < top-k,
+empty rows, heavy ties), outputs poisoned first, two runs bitwise equal (tiles.harness).
+"""
+
+import pytest
+import torch
+
+from model.ops.indexer import candidate_blocks, topk_positions
+from tiles import indexer as ix
+from tiles.arch import get_arch
+from tiles.contract import Shape, TileError
+from tiles.harness import OK, evaluate
+
+SM90 = get_arch("sm90")
+IDX = {"Hi": 32, "Di": 128, "K": 512}
+
+
+def _odd(B: int, S: int, N: int) -> Shape:
+    return Shape(f"odd_b{B}_s{S}_n{N}", "decode", {"B": B, "S": S, "N": N, "P": 2048, "block": 8, **IDX})
+
+
+# ---------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("tile", ix.TILES, ids=lambda t: t.name)
+def test_default_compiles_sm90(tile):
+    shape = tile.shapes()[0]
+    assert tile.search_space(SM90).violations(tile.default_config(SM90), shape, SM90) == []
+    assert tile.build(shape, tile.default_config(SM90), SM90) is not None
+
+
+def test_constraints_prune():
+    space = ix.INDEXER_TOPK.search_space(SM90)
+    shape = ix.INDEXER_TOPK.shapes()[0]
+    bad = {**ix.INDEXER_TOPK.default_config(SM90), "block_n": 64, "threads": 256}
+    assert any("warpgroups" in r for r in space.violations(bad, shape, SM90))
+    assert space.violations({**bad, "threads": 128}, shape, SM90) == []
+    assert any("not one of" in r for r in space.violations({"radix_bits": 9}, shape, SM90))
+
+
+def _indexer_args(B=2, S=1, N=100, device="cpu"):
+    q = torch.zeros(B, S, 32, 128, dtype=torch.bfloat16, device=device)
+    w = torch.zeros(B, S, 32, device=device)
+    kp = torch.zeros(B, N, 64, dtype=torch.uint8, device=device)
+    ks = torch.full((B, N, 4), 127, dtype=torch.uint8, device=device)
+    nv = torch.full((B, S), N, dtype=torch.int32, device=device)
+    return q, w, kp, ks, nv
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: (a[0][..., :64], *a[1:]), "q must have shape"),
+        (lambda a: (a[0].half(), *a[1:]), "q must be"),
+        (lambda a: (a[0], a[1].double(), *a[2:]), "weights must be"),
+        (lambda a: (*a[:2], a[2][..., :32], *a[3:]), "k_packed must have shape"),
+        (lambda a: (*a[:3], a[3][..., :2], a[4]), "k_scales must have shape"),
+        (lambda a: (*a[:4], a[4].float()), "n_visible must be"),
+        (lambda a: a, "CUDA GPU"),
+    ],
+    ids=["q_dim", "q_dtype", "w_dtype", "k_packed", "k_scales", "n_visible", "cpu"],
+)
+def test_indexer_topk_rejects(change, message):
+    with pytest.raises(TileError, match=message):
+        ix.indexer_topk(*change(_indexer_args()), 512)
+
+
+def test_candidate_pool_and_reindex_reject():
+    with pytest.raises(TileError, match="scores must be float32"):
+        ix.candidate_pool(torch.zeros(2, 1, 100, dtype=torch.float64), torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(TileError, match="n_visible must have shape"):
+        ix.candidate_pool(torch.zeros(2, 1, 100), torch.zeros(3, 1, dtype=torch.int32))
+    with pytest.raises(TileError, match="pool_blocks must be"):
+        ix.reindex_topk(*_indexer_args(), torch.zeros(2, 1, 16, dtype=torch.int64), 8, 512)
+    with pytest.raises(TileError, match="topk must be positive"):
+        ix.indexer_topk(*_indexer_args(), 0)
+
+
+def test_topk_set_rule():
+    scores = torch.tensor([[[5.0, 1.0, 3.0, 3.0, 2.0, float("-inf")]]])  # the 2nd/3rd best tie at 3.0
+    ref = topk_positions(scores, 3)
+    assert ref.tolist() == [[[0, 2, 3]]]
+    swapped = torch.tensor([[[0, 2, 3]]], dtype=torch.int32)
+    assert ix.compare_topk_sets(swapped, ref, scores).ok
+    tie_ok = torch.tensor([[[0, 3, 4]]], dtype=torch.int32)  # drops 2 (a tie member) for 4 (score 2.0, not a tie)
+    assert not ix.compare_topk_sets(tie_ok, ref, scores).ok
+    scores2 = torch.tensor([[[5.0, 3.0, 3.0, 3.0]]])
+    ref2 = topk_positions(scores2, 2)  # lower position wins the tie: [0, 1]
+    assert ref2.tolist() == [[[0, 1]]]
+    assert ix.compare_topk_sets(torch.tensor([[[0, 3]]], dtype=torch.int32), ref2, scores2).ok
+    assert not ix.compare_topk_sets(torch.tensor([[[3, 0]]], dtype=torch.int32), ref2, scores2).ok  # not ascending
+    assert not ix.compare_topk_sets(torch.tensor([[[0, -1]]], dtype=torch.int32), ref2, scores2).ok  # wrong count
+
+
+def test_random_pool_is_a_valid_pool():
+    gen = torch.Generator().manual_seed(0)
+    nv = torch.tensor([[0, 13, 1000]], dtype=torch.int32)
+    pool = ix._random_pool(nv, 1000, 64, 8, gen)
+    assert pool.shape == (1, 3, 64)
+    assert (pool[0, 0] == -1).all()
+    assert set(pool[0, 1].tolist()) == {0, 1, -1}
+    row = pool[0, 2][pool[0, 2] >= 0]
+    assert row.numel() == 64 and bool((row[1:] > row[:-1]).all()) and 124 in row.tolist()
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+
+def _gpu_shapes(tile):
+    real = [s for s in tile.shapes() if s.name in ("decode_b64_n32k", "decode_b1_n128k", "prefill_s4k")]
+    return real + [_odd(3, 2, 1000), _odd(2, 1, 77)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ix.TILES, ids=lambda t: t.name)
+def test_tile_matches_reference(tile):
+    arch = get_arch("sm90")
+    for shape in _gpu_shapes(tile):
+        ev = evaluate(tile, shape, tile.default_config(arch), arch, seed=1, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+def test_ties_and_wrappers():
+    inputs = ix._indexer_inputs(4, 2, 32768, 5, "cuda", causal=False)
+    inputs["k_packed"] = inputs["k_packed"][:, :64].repeat(1, 512, 1).contiguous()  # 64 distinct keys: every score repeats
+    inputs["k_scales"] = inputs["k_scales"][:, :64].repeat(1, 512, 1).contiguous()
+    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+    out, scores = ix.indexer_topk(*args, 512, return_scores=True)
+    assert torch.equal(out, topk_positions(scores, 512))  # the select kernel follows the tie rule exactly
+    ref_scores = ix._reference_scores(inputs)
+    assert ix.compare_topk_sets(out, topk_positions(ref_scores, 512), ref_scores).ok
+    pool = ix.candidate_pool(scores, inputs["n_visible"])
+    assert torch.equal(pool, candidate_blocks(scores, inputs["n_visible"], 8, 2048))
+    got = ix.reindex_topk(*args, pool, 8, 512)
+    inputs["pool_blocks"] = pool
+    ref = ix.REINDEX_TOPK.reference(inputs)
+    assert ix.compare_topk_sets(got, ref["topk"], ref["scores"]).ok
