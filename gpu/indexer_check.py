@@ -30,9 +30,8 @@ ALT_TOPK = {
     "regs": {"dequant": "registers"},
     "radix11": {"radix_bits": 11},
     "deep": {"tiles_per_cta": 16, "stages": 3},
-    "bn64": {"block_n": 64, "threads": 128, "tiles_per_cta": 16},
 }
-ALT_COMP = {"simt": {"proj": "simt"}, "bg16": {"block_g": 16, "threads": 128}}
+ALT_COMP = {"simt": {"proj": "simt"}}
 
 
 def _shape(tile, spec):
@@ -73,14 +72,14 @@ PLAN = {
         "reindex_topk",
         [("decode_b64_n32k", {}), ("decode_b1_n128k", {}), (_odd_pool(3, 2, 4001), {})]
         + [("decode_b64_n32k", c) for c in ALT_TOPK.values()],
-        [("decode_b64_n128k", ["default", "regs", "radix11"]), ("decode_b1_n128k", ["default"])],
+        [("decode_b64_n128k", ["default", "regs"]), ("decode_b1_n128k", ["default"])],
     ),
     "compressor": (
         "compressor",
         [("prefill_r2_s4k", {}), ("prefill_r1_s4k", {}), ("decode_r2_b64", {}), ("decode_r1_b64", {}), (_odd_comp(2, 1002, 2), {})]
         + [(_odd_comp(3, 333, 1), {})]
-        + [("prefill_r2_s4k", c) for c in ALT_COMP.values()],
-        [("prefill_r2_s64k", ["default", *ALT_COMP]), ("prefill_r1_s64k", ["default", *ALT_COMP]), ("decode_r2_b64", ["default"])],
+        + [("prefill_r2_s4k", ALT_COMP["simt"]), ("prefill_r1_s4k", ALT_COMP["simt"])],
+        [("prefill_r2_s64k", ["default", "simt"]), ("prefill_r1_s64k", ["default", "simt"]), ("decode_r2_b64", ["default"])],
     ),
 }
 ALTS = {**ALT_TOPK, **ALT_COMP}
@@ -131,7 +130,8 @@ def part_compile(out: Path) -> None:
 def _emit(out: Path, part: str, row: dict) -> None:
     with open(out / f"{part}.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+    short = {k: (v[:160] if isinstance(v, str) else v) for k, v in row.items() if k not in ("env", "p10_ms", "p90_ms")}
+    print(json.dumps(short), flush=True)
 
 
 def _check(tile, shape, config, arch, seed=0):
@@ -375,16 +375,19 @@ def _torch_fast_path(part: str, sets, n_sets: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
-    ap.add_argument("--part", choices=["compile", *PLAN], required=True)
+    ap.add_argument("--part", required=True, help="compile, or a comma-separated list of " + ", ".join(PLAN))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.part == "compile":
         part_compile(args.out)
-    else:
-        from tiles.timing import describe_environment
+        return
+    from tiles.timing import describe_environment
 
-        _emit(args.out, args.part, {"env": describe_environment(), "command": " ".join(sys.argv)})
-        part_run(args.part, args.out)
+    for part in args.part.split(","):
+        if part not in PLAN:
+            raise SystemExit(f"unknown part {part!r}: use compile or one of {', '.join(PLAN)}")
+        _emit(args.out, part, {"env": describe_environment(), "command": " ".join(sys.argv)})
+        part_run(part, args.out)
 
 
 if __name__ == "__main__":
