@@ -70,8 +70,7 @@ PLAN = {
     ),
     "reindex": (
         "reindex_topk",
-        [("decode_b64_n32k", {}), ("decode_b1_n128k", {}), (_odd_pool(3, 2, 4001), {})]
-        + [("decode_b64_n32k", c) for c in ALT_TOPK.values()],
+        [("decode_b64_n32k", {}), ("decode_b1_n128k", {}), (_odd_pool(3, 2, 4001), {}), ("decode_b64_n32k", ALT_TOPK["regs"])],
         [("decode_b64_n128k", ["default", "regs"]), ("decode_b1_n128k", ["default"])],
     ),
     "compressor": (
