@@ -1,15 +1,104 @@
-"""`lab e2e`: not available yet."""
+"""`lab e2e`: end-to-end decode and prefill latency of the complete model, tiles vs the torch baseline."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
+from pathlib import Path
+
+from lab.cli import LabError
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``"8K,32K,131072"`` -> [8192, 32768, 131072]."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("K") else 1024 * 1024 if part.endswith("M") else 1
+        try:
+            out.append(int(part.rstrip("KM")) * mult)
+        except ValueError:
+            raise LabError(f"cannot read {part!r} as a token count: write e.g. 8K,32K,131072") from None
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("--preset", default="v4.1-flash")
+    parser.add_argument("--phase", default="decode,prefill", help="decode and/or prefill (prefill times CED and non-CED)")
+    parser.add_argument("--ctx", default="8K,32K,128K", help="contexts (decode) and prompt lengths (prefill)")
+    parser.add_argument("--batch", default="1,16,64", help="decode batch sizes (prefill runs at batch 1)")
+    parser.add_argument("--backend", default="torch,tiles")
+    parser.add_argument("--configs", default="tuned,default", help="tiles configs: tuned, default or both")
+    parser.add_argument("--runs", type=int, default=20, help="timed decode steps (median)")
+    parser.add_argument("--repeats", type=int, default=2, help="prefill runs; the first is a warm-up")
+    parser.add_argument("--out", default=None, help="directory for e2e.json/.md/.png (default results/<arch>)")
+    parser.add_argument("--json", action="store_true", help="print the JSON document")
+
+
+def variants_from(backends: str, configs: str):
+    from lab.e2e.run import Variant
+
+    out = []
+    for b in [x.strip() for x in backends.split(",") if x.strip()]:
+        if b == "torch":
+            out.append(Variant("torch"))
+        elif b == "tiles":
+            for c in [x.strip() for x in configs.split(",") if x.strip()]:
+                if c not in ("tuned", "default"):
+                    raise LabError(f"--configs takes tuned and/or default, not {c!r}")
+                out.append(Variant("tiles", c))
+        else:
+            raise LabError(f"unknown backend {b!r}: use torch and/or tiles")
+    if not out:
+        raise LabError("no backend to time: pass --backend torch,tiles")
+    # the torch baseline goes first so every other backend's logits are compared with it
+    return sorted(out, key=lambda v: v.backend != "torch")
 
 
 def run(args: argparse.Namespace) -> int:
-    print("lab e2e: not available yet (it lands with its issue)", file=sys.stderr)
-    return 2
+    import torch
+
+    from lab.e2e.report import write_report
+    from lab.e2e.run import run_e2e
+    from model import ConfigError, preset
+    from tiles.arch import ArchError, detect
+    from tiles.timing import describe_environment
+
+    try:
+        preset(args.preset)
+    except ConfigError as exc:
+        raise LabError(str(exc)) from None
+    phases = []
+    for p in [x.strip() for x in args.phase.split(",") if x.strip()]:
+        if p == "decode":
+            phases.append("decode")
+        elif p == "prefill":
+            phases += ["prefill", "prefill_full"]
+        else:
+            raise LabError(f"unknown phase {p!r}: use decode and/or prefill")
+    variants = variants_from(args.backend, args.configs)
+    contexts, batches = parse_tokens(args.ctx), parse_tokens(args.batch)
+    if not torch.cuda.is_available():
+        raise LabError("no CUDA GPU is present: lab e2e times the model on a GPU (run it on a GPU machine)")
+    try:
+        arch = detect()
+    except ArchError as exc:
+        raise LabError(str(exc)) from None
+    rows = run_e2e(args.preset, phases, contexts, batches, variants, args.runs, args.repeats, log=lambda m: print(m, file=sys.stderr))
+    meta = describe_environment() | {"preset": args.preset, "arch": arch.name, "command": "lab e2e " + shlex.join(sys.argv[2:])}
+    doc = {"kind": "csa2-lab/e2e", "meta": meta, "rows": [r.to_dict() for r in rows]}
+    out_dir = Path(args.out) if args.out else Path("results") / arch.name
+    written = write_report(doc, out_dir)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console().print(Markdown((out_dir / "e2e.md").read_text()))
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0

@@ -1,15 +1,33 @@
-"""`lab report`: not available yet."""
+"""`lab report`: regenerate markdown and plots from what is stored under results/."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+from pathlib import Path
+
+from lab.cli import LabError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("--results", default="results", help="the results directory")
 
 
 def run(args: argparse.Namespace) -> int:
-    print("lab report: not available yet (it lands with its issue)", file=sys.stderr)
-    return 2
+    from lab.e2e.report import load, render_markdown, render_plots, write_atomic
+
+    root = Path(args.results)
+    if not root.is_dir():
+        raise LabError(f"{root} is not a directory: pass --results DIR")
+    found = sorted(root.glob("*/e2e.json"))
+    if not found:
+        print(f"no e2e results under {root}/ (run `lab e2e` on a GPU first)")
+        return 0
+    for path in found:
+        try:
+            doc = load(path)
+        except ValueError as exc:
+            raise LabError(str(exc)) from None
+        write_atomic(path.with_suffix(".md"), render_markdown(doc))
+        plots = render_plots(doc, path.parent)
+        print(f"{path.parent}: e2e.md" + "".join(f", {p.name}" for p in plots))
+    return 0

@@ -1,0 +1,1 @@
+"""End-to-end timing of the complete model: decode steps and prefill, tiles vs the torch baseline."""

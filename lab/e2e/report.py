@@ -1,0 +1,148 @@
+"""e2e results as files: ``results/<arch>/e2e.json`` (the data), ``e2e.md`` and PNG plots.
+
+``lab report`` re-renders the markdown and plots from the JSON, so a report never holds a
+number that is not in a results file produced by a real run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from lab.e2e.breakdown import PARTS
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def load(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable e2e results file ({exc}); re-run `lab e2e` to regenerate it") from None
+    if not isinstance(doc, dict) or doc.get("kind") != "csa2-lab/e2e" or not isinstance(doc.get("rows"), list):
+        raise ValueError(f"{path}: not an e2e results file (expected kind 'csa2-lab/e2e' with rows); re-run `lab e2e`")
+    return doc
+
+
+def _index(rows: list[dict]) -> dict[tuple, dict]:
+    return {(r["phase"], r["variant"], r["batch"], r["context"]): r for r in rows}
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """Ratios measured in the same run: tiles/tuned over torch and over tiles/default; CED over non-CED prefill."""
+    idx, out = _index(rows), []
+    for (phase, variant, b, ctx), r in idx.items():
+        if r["ms"] is None:
+            continue
+        if variant.startswith("tiles"):
+            base = idx.get((phase, "torch", b, ctx))
+            if base and base["ms"]:
+                out.append({"what": f"{variant} vs torch", "phase": phase, "batch": b, "context": ctx, "speedup": base["ms"] / r["ms"]})
+        if variant == "tiles/tuned":
+            dflt = idx.get((phase, "tiles/default", b, ctx))
+            if dflt and dflt["ms"]:
+                out.append({"what": "tuned vs default", "phase": phase, "batch": b, "context": ctx, "speedup": dflt["ms"] / r["ms"]})
+        if phase == "prefill":
+            full = idx.get(("prefill_full", variant, b, ctx))
+            if full and full["ms"]:
+                out.append({"what": f"CED vs non-CED ({variant})", "phase": "prefill", "batch": b, "context": ctx, "speedup": full["ms"] / r["ms"]})
+    return out
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_markdown(doc: dict) -> str:
+    meta, rows = doc["meta"], doc["rows"]
+    lines = [
+        f"# End-to-end: {meta.get('preset')} on {meta.get('gpu', '?')}",
+        "",
+        f"Measured {meta.get('date')} with torch {meta.get('torch')}, tilelang {meta.get('tilelang')}, CUDA {meta.get('cuda')},"
+        f" driver {meta.get('driver')}.",
+        "",
+        f"Command: `{meta.get('command')}`",
+        "",
+        "Decode: one token per sequence per step, cache filled synthetically to the context (real FP4/FP8 encodings).",
+        "Prefill: batch 1; `prefill` is CED, `prefill_full` runs every layer over every token.",
+        "",
+        "| phase | backend | B | context | ms | mode | peak GiB | KV GiB | logits rel err vs torch | "
+        + " | ".join(PARTS)
+        + " | note |",
+        "|" + "---|" * (10 + len(PARTS)),
+    ]
+    for r in rows:
+        parts = " | ".join(_fmt(r["breakdown"].get(p), ".2f") for p in PARTS)
+        lines.append(
+            f"| {r['phase']} | {r['variant']} | {r['batch']} | {r['context']} | {_fmt(r['ms'])} | {r['mode']} | {_fmt(r['peak_gib'], '.1f')}"
+            f" | {_fmt(r['kv_gib'], '.2f')} | {_fmt(r['logits_rel_err'], '.2e')} | {parts} | {r.get('note', '')} |"
+        )
+    sp = speedups(rows)
+    if sp:
+        lines += ["", "## Speedups (same run)", "", "| comparison | phase | B | context | speedup |", "|---|---|---|---|---|"]
+        lines += [f"| {s['what']} | {s['phase']} | {s['batch']} | {s['context']} | {s['speedup']:.2f}x |" for s in sp]
+    return "\n".join(lines) + "\n"
+
+
+def render_plots(doc: dict, out_dir: Path) -> list[Path]:
+    """latency vs context per backend (one panel per phase and batch) and breakdown bars; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    rows = [r for r in doc["rows"] if r["ms"] is not None]
+    panels = sorted({(r["phase"], r["batch"]) for r in rows})
+    written = []
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+        for ax, (phase, b) in zip(axes[0], panels):
+            series = defaultdict(list)
+            for r in rows:
+                if (r["phase"], r["batch"]) == (phase, b):
+                    series[r["variant"]].append((r["context"], r["ms"]))
+            for variant, pts in sorted(series.items()):
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+            ax.set(title=f"{phase}, B={b}", xlabel="context (tokens)", ylabel="ms", xscale="log", yscale="log")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / "e2e_latency.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    if rows:
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(rows)), 4))
+        labels = [f"{r['phase']}\n{r['variant']}\nB{r['batch']} {r['context'] // 1024}K" for r in rows]
+        bottom = [0.0] * len(rows)
+        for part in PARTS:
+            vals = [r["breakdown"].get(part, 0.0) / r["ms"] * 100 if r["ms"] else 0.0 for r in rows]
+            ax.bar(range(len(rows)), vals, bottom=bottom, label=part)
+            bottom = [a + v for a, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(rows)), labels, fontsize=5)
+        ax.set(ylabel="% of step time", title="where the time goes")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / "e2e_breakdown.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(doc: dict, out_dir: Path) -> list[Path]:
+    """Write e2e.json, e2e.md and the plots into ``out_dir``; returns the paths written."""
+    write_atomic(out_dir / "e2e.json", json.dumps(doc, indent=1))
+    write_atomic(out_dir / "e2e.md", render_markdown(doc))
+    return [out_dir / "e2e.json", out_dir / "e2e.md", *render_plots(doc, out_dir)]

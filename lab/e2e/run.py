@@ -1,0 +1,182 @@
+"""The end-to-end measurement: one model, several backends, decode and prefill, one run.
+
+All backends share one set of random bf16 weights (the backend is swapped on the same
+model), and every decode cache is filled from the same seed, so the numbers compare like
+with like. Each row also records how far the backend's logits are from the torch
+baseline's on the same step, so a fast but wrong backend is visible in the table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lab.e2e.breakdown import measure_breakdown
+from lab.e2e.synthetic import fill_cache
+from model import build_model, preset
+from model.backend import load_backend
+from model.cache import KVCache
+from tiles.timing import time_cuda
+
+PHASES = ("decode", "prefill", "prefill_full")  # prefill = CED; prefill_full = every layer over every token
+
+
+@dataclass
+class Variant:
+    """One backend to time: ``torch``, or ``tiles`` with ``tuned`` or ``default`` configs."""
+
+    backend: str
+    configs: str = "-"
+
+    @property
+    def label(self) -> str:
+        return self.backend if self.configs == "-" else f"{self.backend}/{self.configs}"
+
+
+@dataclass
+class Row:
+    phase: str
+    variant: str
+    batch: int
+    context: int
+    ms: float | None
+    mode: str
+    breakdown: dict[str, float] = field(default_factory=dict)
+    peak_gib: float | None = None
+    kv_gib: float | None = None
+    logits_rel_err: float | None = None  # vs the torch baseline on the same inputs
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_backend(variant: Variant, device: torch.device):
+    if variant.backend == "torch":
+        return load_backend("torch", device)
+    from tiles.backend import TilesBackend
+
+    return TilesBackend(device, configs=variant.configs)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _time_decode_step(model, cache: KVCache, tokens: torch.Tensor, runs: int) -> tuple[float, str]:
+    """Median ms of one decode step: a CUDA graph replay when the backend allows capture, else eager."""
+    for _ in range(2):
+        model.decode(tokens, cache)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model.decode(tokens, cache)  # warm the side stream's allocator before capture
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            model.decode(tokens, cache)
+        t = time_cuda(lambda _: graph.replay(), warmup=3, runs=runs, min_time_ms=0)
+        return t.median_ms, "cuda-graph"
+    except Exception as exc:  # capture needs a step without host syncs; fall back to eager timing
+        torch.cuda.synchronize()
+        reason = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
+        t = time_cuda(lambda _: model.decode(tokens, cache), warmup=1, runs=runs, min_time_ms=0)
+        return t.median_ms, f"eager (no graph: {reason})"
+
+
+def run_decode(model, variants: list[Variant], batch: int, context: int, runs: int, seed: int) -> list[Row]:
+    """Time one decode step (1 token per sequence) at ``context`` for each variant."""
+    device = model.device
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).to(device)
+    rows, ref_logits = [], None
+    for variant in variants:
+        model.backend = make_backend(variant, device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            cache = fill_cache(model.new_cache(batch, context + 64), context, seed)
+            logits = model.decode(tokens, cache)  # the first step after the fill: compared across backends
+            if ref_logits is None and variant.backend == "torch":
+                ref_logits = logits
+            err = _rel_err(logits, ref_logits) if ref_logits is not None else None
+            ms, mode = _time_decode_step(model, cache, tokens, runs)
+            parts = measure_breakdown(model, lambda: model.decode(tokens, cache), ms)
+            kv = cache.global_bytes_used() * batch / 2**30
+            rows.append(Row("decode", variant.label, batch, context, ms, mode, parts, torch.cuda.max_memory_allocated() / 2**30, kv, err))
+            del cache
+        except torch.cuda.OutOfMemoryError:
+            rows.append(Row("decode", variant.label, batch, context, None, "skipped", note="out of GPU memory"))
+    return rows
+
+
+def _time_once(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def run_prefill(model, variants: list[Variant], context: int, ced: bool, repeats: int, seed: int) -> list[Row]:
+    """Time a prefill of one ``context``-token prompt (batch 1) per variant; the first run is a warm-up."""
+    device = model.device
+    phase = "prefill" if ced else "prefill_full"
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
+    rows, ref_logits = [], None
+    for variant in variants:
+        model.backend = make_backend(variant, device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            out = {}
+            times = [_time_once(lambda: out.__setitem__("r", model.prefill(tokens, ced=ced))) for _ in range(max(1, repeats))]
+            ms = min(times[1:]) if len(times) > 1 else times[0]
+            logits, cache = out["r"]
+            if ref_logits is None and variant.backend == "torch":
+                ref_logits = logits
+            err = _rel_err(logits, ref_logits) if ref_logits is not None else None
+            parts = measure_breakdown(model, lambda: model.prefill(tokens, ced=ced), ms)
+            kv = cache.global_bytes_used() / 2**30
+            note = "" if len(times) > 1 else "single run (includes warm-up)"
+            rows.append(Row(phase, variant.label, 1, context, ms, "eager", parts, torch.cuda.max_memory_allocated() / 2**30, kv, err, note))
+            del cache, out
+        except torch.cuda.OutOfMemoryError:
+            rows.append(Row(phase, variant.label, 1, context, None, "skipped", note="out of GPU memory"))
+    return rows
+
+
+def run_e2e(
+    preset_name: str,
+    phases: list[str],
+    contexts: list[int],
+    batches: list[int],
+    variants: list[Variant],
+    runs: int = 20,
+    repeats: int = 2,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    """Every (phase, context, batch) for every variant. Prefill runs at batch 1."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("lab e2e needs a CUDA GPU")
+    t0 = time.perf_counter()
+    model = build_model(preset(preset_name), backend="torch", device="cuda", dtype=torch.bfloat16, seed=seed)
+    log(f"built {preset_name} in {time.perf_counter() - t0:.1f} s")
+    rows: list[Row] = []
+    for ctx in contexts:
+        if "decode" in phases:
+            for b in batches:
+                rows += run_decode(model, variants, b, ctx, runs, seed)
+                log(f"decode ctx={ctx} B={b} done")
+        for phase in ("prefill", "prefill_full"):
+            if phase in phases:
+                rows += run_prefill(model, variants, ctx, phase == "prefill", repeats, seed)
+                log(f"{phase} ctx={ctx} done")
+    return rows

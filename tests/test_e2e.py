@@ -1,0 +1,101 @@
+"""lab e2e / lab report: argument parsing, the synthetic cache, speedup arithmetic, report files, clean errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lab.cli import LabError, main
+from lab.commands.e2e import parse_tokens, variants_from
+from lab.e2e.report import load, render_markdown, speedups, write_report
+from lab.e2e.synthetic import fill_cache
+from model import build_model, formats, preset
+
+
+def test_parse_tokens_reads_k_and_m_suffixes():
+    assert parse_tokens("8K, 32k,131072,1M") == [8192, 32768, 131072, 1 << 20]
+    with pytest.raises(LabError, match="token count"):
+        parse_tokens("8Q")
+
+
+def test_variants_put_the_torch_baseline_first():
+    labels = [v.label for v in variants_from("tiles,torch", "tuned,default")]
+    assert labels == ["torch", "tiles/tuned", "tiles/default"]
+    with pytest.raises(LabError, match="unknown backend"):
+        variants_from("cuda", "tuned")
+    with pytest.raises(LabError, match="--configs"):
+        variants_from("tiles", "best")
+
+
+@pytest.mark.parametrize("context", [0, 1, 7, 37], ids=lambda c: f"ctx{c}")
+def test_fill_cache_holds_valid_encodings_at_the_context(context):
+    cfg = preset("tiny")
+    model = build_model(cfg, device="cpu", dtype=torch.float32, seed=0)
+    cache = fill_cache(model.new_cache(2, context + 8), context, seed=3)
+    assert cache.n_tokens == context
+    for src, glob in cache.globals.items():
+        assert glob.n == context // glob.ratio
+        packed, scales = glob.main()
+        values = formats.fp4_dequantize(packed, scales, cfg.main_fp4_group, "e4m3")
+        assert torch.isfinite(values).all()
+        if glob.n:
+            assert values.abs().amax() > 0  # real encodings, not zeros
+    for ring in cache.rings:
+        assert ring.end == context and ring.end - ring.start == min(context, cfg.window)
+    # decoding continues from the synthetic state like from a real one
+    logits = model.decode(torch.tensor([1, 2]), cache)
+    assert logits.shape == (2, cfg.vocab_size) and torch.isfinite(logits).all()
+    assert cache.n_tokens == context + 1
+
+
+def _rows():
+    def row(phase, variant, ms):
+        return {"phase": phase, "variant": variant, "batch": 1, "context": 8192, "ms": ms, "mode": "eager", "breakdown": {"attention": ms / 2},
+                "peak_gib": 1.0, "kv_gib": 0.1, "logits_rel_err": 0.0, "note": ""}
+
+    return [row("decode", "torch", 9.0), row("decode", "tiles/tuned", 3.0), row("decode", "tiles/default", 4.5),
+            row("prefill", "torch", 100.0), row("prefill_full", "torch", 190.0)]
+
+
+def test_speedups_are_ratios_of_rows_of_the_same_run():
+    got = {(s["what"], s["phase"]): s["speedup"] for s in speedups(_rows())}
+    assert got[("tiles/tuned vs torch", "decode")] == pytest.approx(3.0)
+    assert got[("tuned vs default", "decode")] == pytest.approx(1.5)
+    assert got[("CED vs non-CED (torch)", "prefill")] == pytest.approx(1.9)
+
+
+def test_report_round_trip_and_corrupt_files(tmp_path):
+    doc = {"kind": "csa2-lab/e2e", "meta": {"preset": "tiny", "command": "lab e2e"}, "rows": _rows()}
+    written = write_report(doc, tmp_path)
+    assert load(tmp_path / "e2e.json") == doc
+    md = (tmp_path / "e2e.md").read_text()
+    assert "tiles/tuned vs torch" in md and md == render_markdown(doc)
+    assert all(p.exists() for p in written)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        load(tmp_path / "bad.json")
+    (tmp_path / "foreign.json").write_text(json.dumps({"kind": "something-else"}))
+    with pytest.raises(ValueError, match="not an e2e results file"):
+        load(tmp_path / "foreign.json")
+
+
+def test_lab_report_regenerates_markdown(tmp_path, capsys):
+    doc = {"kind": "csa2-lab/e2e", "meta": {"preset": "tiny"}, "rows": _rows()}
+    (tmp_path / "sm90").mkdir()
+    (tmp_path / "sm90" / "e2e.json").write_text(json.dumps(doc))
+    assert main(["report", "--results", str(tmp_path)]) == 0
+    assert "tiles/tuned" in (tmp_path / "sm90" / "e2e.md").read_text()
+    (tmp_path / "sm90" / "e2e.json").write_text("[]")
+    assert main(["report", "--results", str(tmp_path)]) == 2
+    assert "e2e.json" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_lab_e2e_without_gpu_is_a_one_line_error(capsys):
+    assert main(["e2e", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "Traceback" not in err
+    assert main(["e2e", "--preset", "nope"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
