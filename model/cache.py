@@ -171,9 +171,9 @@ class GlobalKV:
 class CompressorTail:
     """The projections of an unfinished compression group (ratio - 1 tokens at most), float32."""
 
-    def __init__(self, batch: int, ratio: int, dim: int, device: torch.device | str) -> None:
-        self.kv = torch.zeros(batch, ratio - 1, dim, dtype=torch.float32, device=device)  # [B, r-1, D]
-        self.gate = torch.zeros(batch, ratio - 1, dim, dtype=torch.float32, device=device)  # [B, r-1, D]
+    def __init__(self, batch: int, ratio: int, dim: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        self.kv = torch.zeros(batch, ratio - 1, dim, dtype=dtype, device=device)  # [B, r-1, D]
+        self.gate = torch.zeros(batch, ratio - 1, dim, dtype=dtype, device=device)  # [B, r-1, D]
         self.count = 0
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,9 +196,18 @@ class KVCache:
         globals: KV source layer -> :class:`GlobalKV`.
         tails: KV source layer with ratio > 1 -> :class:`CompressorTail`.
         n_tokens: tokens consumed so far (the position of the next token).
+
+    ``state_dtype`` is the tails' dtype: float32, float64 for a float64 model (the byte counts assume float32).
     """
 
-    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device | str = "cpu", capacity_tokens: int = 256) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        device: torch.device | str = "cpu",
+        capacity_tokens: int = 256,
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.cfg = cfg
         self.batch = batch
         self.n_tokens = 0
@@ -209,7 +218,7 @@ class KVCache:
             ratio = cfg.compress_ratios[src]
             self.globals[src] = GlobalKV(batch, cfg, ratio, -(-capacity_tokens // ratio), device)
             if ratio > 1:
-                self.tails[src] = CompressorTail(batch, ratio, cfg.head_dim, device)
+                self.tails[src] = CompressorTail(batch, ratio, cfg.head_dim, device, state_dtype)
 
     # -- sizes from the config alone ------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.ops.norm import rms_norm
+from model.ops.precision import compute_dtype
 
 
 class Linear(nn.Module):
@@ -23,9 +24,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight)
 
-    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
-        """The projection in float32 whatever the weight dtype (the compressor's projections)."""
-        return F.linear(x.float(), self.weight.float())
+    def forward_wide(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection in float32 (float64 for a float64 model) whatever the weight dtype (compressor projections)."""
+        dt = compute_dtype(self.weight)
+        return F.linear(x.to(dt), self.weight.to(dt))
 
 
 class RMSNorm(nn.Module):
@@ -66,14 +68,15 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, dim]
-        probs = torch.softmax(self.router(flat).float(), dim=-1)  # [T, E]
+        dt = compute_dtype(self.router.weight)
+        probs = torch.softmax(self.router(flat).to(dt), dim=-1)  # [T, E]
         weight, expert = probs.topk(self.n_active, dim=-1)  # [T, A]
         weight = weight / weight.sum(-1, keepdim=True)
-        out = self.shared(flat).float()
+        out = self.shared(flat).to(dt)
         for e, ffn in enumerate(self.experts):
             rows, slot = (expert == e).nonzero(as_tuple=True)
             if rows.numel():
-                out[rows] += weight[rows, slot, None] * ffn(flat[rows]).float()
+                out[rows] += weight[rows, slot, None] * ffn(flat[rows]).to(dt)
         return out.to(x.dtype).reshape(shape)
 
 
@@ -94,8 +97,8 @@ class Compressor(nn.Module):
         self.k_norm = RMSNorm(index_head_dim, eps)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [B, S, dim] -> kv, gate float32 [B, S, D] (gate None for ratio 1)."""
-        return self.wkv.forward_fp32(x), self.wgate.forward_fp32(x) if self.wgate is not None else None
+        """x [B, S, dim] -> kv, gate float32 (float64 in a float64 model) [B, S, D] (gate None for ratio 1)."""
+        return self.wkv.forward_wide(x), self.wgate.forward_wide(x) if self.wgate is not None else None
 
 
 class Indexer(nn.Module):
@@ -108,8 +111,9 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(dim, n_heads)
 
     def forward(self, qr: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """qr [B, S, q_lora], x [B, S, dim] -> q float32 [B, S, Hi, Di] (before RoPE), weights float32 [B, S, Hi]."""
+        """qr [B, S, q_lora], x [B, S, dim] -> q [B, S, Hi, Di] (before RoPE), weights [B, S, Hi]; float32 (float64 in a float64 model)."""
         B, S = x.shape[:2]
-        q = self.wq(qr).float().view(B, S, self.n_heads, self.head_dim)
-        w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        dt = compute_dtype(self.wq.weight)
+        q = self.wq(qr).to(dt).view(B, S, self.n_heads, self.head_dim)
+        w = self.weights_proj(x).to(dt) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return q, w

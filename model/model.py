@@ -14,7 +14,10 @@ Three entry points, all without autograd:
   (tokens [B, S] -> [B, S, vocab] steps S tokens at once).
 
 A batch holds sequences of equal length (equal-length prompts): one position counter
-serves every sequence. Logits are float32.
+serves every sequence. Logits are float32. A float64 model computes everything in float64
+(the stored formats stay FP8/FP4): decode then reproduces forward to ~1e-12, which float32
+cannot promise, since batch-shape-dependent last-bit noise can flip an FP8/FP4 code or a
+near-tied top-k choice.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from model.cache import KVCache
 from model.config import ConfigError, LayerMode, LayerPlan, ModelConfig
 from model.inputs import InputError, check_length, check_tokens
 from model.layers import MoE, RMSNorm, SwiGLU
+from model.ops.precision import compute_dtype
 
 
 class Block(nn.Module):
@@ -72,7 +76,7 @@ class Model(nn.Module):
 
     def new_cache(self, batch: int, capacity_tokens: int = 256) -> KVCache:
         """An empty cache for ``batch`` sequences; global buffers start at ``capacity_tokens`` and grow."""
-        return KVCache(self.cfg, batch, self.device, capacity_tokens)
+        return KVCache(self.cfg, batch, self.device, capacity_tokens, state_dtype=compute_dtype(self.embed.weight))
 
     # -- entry points -------------------------------------------------------------------------
 
@@ -157,8 +161,8 @@ class Model(nn.Module):
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., dim] -> float32 [..., vocab]."""
-        return self.head(self.norm(h).to(self.dtype)).float()
+        """[..., dim] -> float32 [..., vocab] (float64 for a float64 model)."""
+        return self.head(self.norm(h).to(self.dtype)).to(compute_dtype(self.embed.weight))
 
     def _decoder_kv_source(self) -> int:
         cfg = self.cfg
@@ -227,7 +231,8 @@ def build_model(
         cfg: a :class:`ModelConfig` (e.g. ``preset("tiny")``).
         backend: ``"torch"`` (reference ops), ``"tiles"`` (TileLang kernels, imported lazily
             from ``tiles.backend.TilesBackend``) or a backend object with the same methods.
-        device, dtype: where the weights live and their dtype (sinks stay float32).
+        device, dtype: where the weights live and their dtype (sinks stay float32); float32,
+            bfloat16, or float64 (the whole reference in double precision, for exactness tests).
         seed: weights are a deterministic function of (cfg, seed, device type).
     """
     if not isinstance(cfg, ModelConfig):

@@ -50,21 +50,21 @@ def _tiny(**changes):
 
 
 BAD = [
-    pytest.param(dict(compress_ratios=(0, 2, 2, 2, 1, 1, 1)), "compress_ratios has 7 entries", id="ratios-length"),
-    pytest.param(dict(compress_ratios=(0, 3, 3, 3, 1, 1, 1, 1)), "must be 0", id="ratio-3"),
-    pytest.param(dict(kv_source_layers=(1, 3, 4, 9)), "outside", id="source-out-of-range"),
-    pytest.param(dict(kv_source_layers=(0, 1, 3, 4), index_source_layers=(0, 1, 3, 4, 6)), "SWA-only", id="source-on-swa-layer"),
-    pytest.param(dict(index_source_layers=(1, 4, 6)), "must also be index sources", id="kv-source-not-index-source"),
-    pytest.param(dict(compress_ratios=(0, 2, 2, 2, 2, 1, 1, 1)), "ratio", id="reuse-ratio-differs-from-source"),
-    pytest.param(dict(kv_source_layers=(3, 4), index_source_layers=(3, 4, 6)), "no KV source layer precedes", id="no-source-before-layer"),
-    pytest.param(dict(pool_source_layer=None), "pool_source_layer", id="reindex-without-pool"),
-    pytest.param(dict(index_source_layers=(1, 2, 3, 4, 6)), "pool source", id="encoder-reindex-reads-other-group"),
-    pytest.param(dict(o_groups=3), "o_groups", id="o-groups-do-not-divide"),
-    pytest.param(dict(main_fp4_group=32), "main_fp4_group=16", id="main-group-not-16"),
-    pytest.param(dict(head_dim=40), "multiples", id="head-dim-not-group-multiple"),
-    pytest.param(dict(rope_dim=7), "rope_dim", id="odd-rope-dim"),
-    pytest.param(dict(window=0), "window", id="empty-window"),
-    pytest.param(dict(n_encoder_layers=9), "n_encoder_layers", id="too-many-encoder-layers"),
+    pytest.param({"compress_ratios": (0, 2, 2, 2, 1, 1, 1)}, "compress_ratios has 7 entries", id="ratios-length"),
+    pytest.param({"compress_ratios": (0, 3, 3, 3, 1, 1, 1, 1)}, "must be 0", id="ratio-3"),
+    pytest.param({"kv_source_layers": (1, 3, 4, 9)}, "outside", id="source-out-of-range"),
+    pytest.param({"kv_source_layers": (0, 1, 3, 4), "index_source_layers": (0, 1, 3, 4, 6)}, "SWA-only", id="source-on-swa-layer"),
+    pytest.param({"index_source_layers": (1, 4, 6)}, "must also be index sources", id="kv-source-not-index-source"),
+    pytest.param({"compress_ratios": (0, 2, 2, 2, 2, 1, 1, 1)}, "ratio", id="reuse-ratio-differs-from-source"),
+    pytest.param({"kv_source_layers": (3, 4), "index_source_layers": (3, 4, 6)}, "no KV source layer precedes", id="no-source-before-layer"),
+    pytest.param({"pool_source_layer": None}, "pool_source_layer", id="reindex-without-pool"),
+    pytest.param({"index_source_layers": (1, 2, 3, 4, 6)}, "pool source", id="encoder-reindex-reads-other-group"),
+    pytest.param({"o_groups": 3}, "o_groups", id="o-groups-do-not-divide"),
+    pytest.param({"main_fp4_group": 32}, "main_fp4_group=16", id="main-group-not-16"),
+    pytest.param({"head_dim": 40}, "multiples", id="head-dim-not-group-multiple"),
+    pytest.param({"rope_dim": 7}, "rope_dim", id="odd-rope-dim"),
+    pytest.param({"window": 0}, "window", id="empty-window"),
+    pytest.param({"n_encoder_layers": 9}, "n_encoder_layers", id="too-many-encoder-layers"),
 ]
 
 

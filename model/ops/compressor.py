@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from model.ops.norm import rms_norm
+from model.ops.precision import compute_dtype
 from model.ops.rope import RopeConfig, apply_rope, rope_tables
 
 
@@ -23,18 +24,19 @@ def compress_groups(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int) -> 
         gate: [B, G * ratio, D] gate logits, or None when ratio == 1.
         ratio: 1 or 2.
     Returns:
-        float32 [B, G, D]: ``sum_r softmax_r(gate) * kv`` per channel (``kv`` for ratio 1).
+        float32 [B, G, D] (float64 for float64 kv): ``sum_r softmax_r(gate) * kv`` per channel (``kv`` for ratio 1).
     """
     B, N, D = kv.shape
+    dt = compute_dtype(kv)
     if N % ratio != 0:
         raise ValueError(f"{N} tokens do not make whole groups of {ratio}")
     if ratio == 1:
-        return kv.float()
+        return kv.to(dt)
     if gate is None or gate.shape != kv.shape:
         raise ValueError(f"ratio {ratio} needs a gate of shape {tuple(kv.shape)}")
-    g = gate.float().view(B, N // ratio, ratio, D)
+    g = gate.to(dt).view(B, N // ratio, ratio, D)
     w = torch.softmax(g, dim=2)  # per channel, over the tokens of a group
-    return (w * kv.float().view(B, N // ratio, ratio, D)).sum(dim=2)
+    return (w * kv.to(dt).view(B, N // ratio, ratio, D)).sum(dim=2)
 
 
 def compressor_entries(
@@ -79,7 +81,8 @@ def index_keys(
     Returns:
         float32 [B, G, Di].
     """
-    k = rms_norm(latent.float() @ wk.float().t(), k_norm_weight, eps)
+    dt = compute_dtype(latent)
+    k = rms_norm(latent.to(dt) @ wk.to(dt).t(), k_norm_weight, eps)
     positions = (torch.arange(latent.shape[1], device=latent.device) + first_group) * ratio
     cos, sin = rope_tables(rope, positions)
     return apply_rope(k, cos, sin)

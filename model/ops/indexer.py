@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from model.ops.precision import compute_dtype
+
 NEG_INF = float("-inf")
 
 
@@ -34,10 +36,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor
         index_k: [B, N, Di] dequantised index keys.
         n_visible: int [B, S]; entries j >= n_visible are not visible.
     Returns:
-        float32 [B, S, N], -inf where not visible.
+        float32 [B, S, N] (float64 if any input is), -inf where not visible.
     """
-    logits = torch.einsum("bshd,bnd->bshn", q.float(), index_k.float())  # [B, S, Hi, N]
-    scores = torch.einsum("bshn,bsh->bsn", torch.relu(logits), weights.float())
+    dt = compute_dtype(q, weights, index_k)
+    logits = torch.einsum("bshd,bnd->bshn", q.to(dt), index_k.to(dt))  # [B, S, Hi, N]
+    scores = torch.einsum("bshn,bsh->bsn", torch.relu(logits), weights.to(dt))
     j = torch.arange(index_k.shape[1], device=q.device)
     return scores.masked_fill(j >= n_visible.unsqueeze(-1), NEG_INF)
 

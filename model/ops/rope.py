@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.ops.precision import compute_dtype
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -63,10 +65,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
             insert a head axis with ``unsqueeze(-2)`` for [B, S, H, D] inputs).
         inverse: rotate by minus the angle (undoes a forward rotation).
     Returns:
-        float32 [..., D]; the first D - rope_dim dims are unchanged.
+        float32 [..., D] (float64 for float64 x); the first D - rope_dim dims are unchanged.
     """
     rope_dim = 2 * cos.shape[-1]
-    xf = x.float()
+    xf = x.to(compute_dtype(x))
     nope, rot = xf[..., :-rope_dim], xf[..., -rope_dim:]
     even, odd = rot[..., 0::2], rot[..., 1::2]
     s = -sin if inverse else sin

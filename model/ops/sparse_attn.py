@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from model.formats import fp4_dequantize, fp8_dequantize
+from model.ops.precision import compute_dtype
 
 # Queries per chunk so that the gathered KV [chunk, W + K, D] stays a few hundred MB.
 _TOKENS_PER_CHUNK_BUDGET = 64 * 1024 * 1024
@@ -36,7 +37,7 @@ def sparse_attention(
     """Attention over gathered window + top-k entries with a per-head sink.
 
     Args:
-        q: [B, S, H, D] queries (any float dtype; math in float32).
+        q: [B, S, H, D] queries (any float dtype; math in float32, float64 for float64 q).
         window_kv: [B, Nw, D] dequantised window KV (the SWA ring, or every token's SWA KV in prefill).
         window_idx: int [B, S, W] indices into window_kv, -1 = unused.
         main_kv: [B, Nc, D] dequantised compressed (global) KV.
@@ -44,26 +45,27 @@ def sparse_attention(
         sink: float32 [H] or None (no sink).
         scale: softmax scale (512^-0.5 in the model).
     Returns:
-        float32 [B, S, H, D].
+        float32 [B, S, H, D] (float64 for float64 q).
     """
     B, S, H, D = q.shape
+    dt = compute_dtype(q)
     _check_indices(window_idx, window_kv.shape[1], "window_idx")
     _check_indices(topk_idx, main_kv.shape[1], "topk_idx")
     idx = torch.cat([window_idx.long(), topk_idx.long() + window_kv.shape[1]], dim=-1)  # [B, S, W+K]
-    kv = torch.cat([window_kv.float(), main_kv.float()], dim=1)  # [B, Nw+Nc, D]
+    kv = torch.cat([window_kv.to(dt), main_kv.to(dt)], dim=1)  # [B, Nw+Nc, D]
     valid = torch.cat([window_idx, topk_idx], dim=-1) >= 0  # [B, S, W+K]
     idx = torch.where(valid, idx, torch.zeros_like(idx))
-    out = torch.empty(B, S, H, D, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, S, H, D, dtype=dt, device=q.device)
     n_sel = idx.shape[-1]
     chunk = max(1, _TOKENS_PER_CHUNK_BUDGET // max(1, n_sel * D * 4))
     batch = torch.arange(B, device=q.device)[:, None, None]
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         kv_sel = kv[batch, idx[:, s0:s1]]  # [B, s, W+K, D]
-        logits = torch.einsum("bshd,bskd->bshk", q[:, s0:s1].float(), kv_sel) * scale  # [B, s, H, W+K]
+        logits = torch.einsum("bshd,bskd->bshk", q[:, s0:s1].to(dt), kv_sel) * scale  # [B, s, H, W+K]
         logits = logits.masked_fill(~valid[:, s0:s1, None, :], float("-inf"))
         if sink is not None:
-            sink_col = sink.float().view(1, 1, H, 1).expand(B, s1 - s0, H, 1)
+            sink_col = sink.to(dt).view(1, 1, H, 1).expand(B, s1 - s0, H, 1)
             logits = torch.cat([logits, sink_col], dim=-1)
         row_max = logits.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
