@@ -1,0 +1,45 @@
+"""`lab model` and `lab kv` through lab.cli.main."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lab.cli import main
+
+
+def test_lab_model_prints_the_layer_map_and_parameter_count(capsys):
+    assert main(["model", "--preset", "v4.1-flash"]) == 0
+    out = capsys.readouterr().out
+    for word in ("layer", "region", "ratio", "mode", "KV source", "index source", "pool source", "Reindex", "Reuse", "SWA only"):
+        assert word in out
+    assert "2 SWA only, 4 Full, 4 Reindex, 30 Reuse" in out
+    assert "parameters: 16,359,849,984" in out
+
+
+def test_lab_model_tiny(capsys):
+    assert main(["model", "--preset", "tiny"]) == 0
+    assert "parameters: 314,784" in capsys.readouterr().out
+
+
+def test_lab_kv_json_has_global_bytes_per_token(capsys):
+    assert main(["kv", "--preset", "v4.1-flash", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["global_bytes_per_token"] == 890
+    assert [g["bytes_per_token"] for g in data["groups"]] == [178, 178, 178, 356]
+    assert data["mla_bytes_per_token"] == 70272
+    assert data["fixed_state_bytes_per_sequence"]["total"] == 40 * 128 * 528 + 3 * 2 * 512 * 4
+
+
+def test_lab_kv_table(capsys):
+    assert main(["kv", "--preset", "small"]) == 0
+    out = capsys.readouterr().out
+    assert "212" in out and "70,272" in out
+
+
+@pytest.mark.parametrize("command", ["model", "kv"])
+def test_unknown_preset_is_a_one_line_error(capsys, command):
+    assert main([command, "--preset", "huge"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"lab {command}: error: unknown preset 'huge': choose one of v4.1-flash, small, tiny"
