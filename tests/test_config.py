@@ -56,7 +56,9 @@ BAD = [
     pytest.param({"kv_source_layers": (0, 1, 3, 4), "index_source_layers": (0, 1, 3, 4, 6)}, "SWA-only", id="source-on-swa-layer"),
     pytest.param({"index_source_layers": (1, 4, 6)}, "must also be index sources", id="kv-source-not-index-source"),
     pytest.param({"compress_ratios": (0, 2, 2, 2, 2, 1, 1, 1)}, "ratio", id="reuse-ratio-differs-from-source"),
-    pytest.param({"kv_source_layers": (3, 4), "index_source_layers": (3, 4, 6)}, "no KV source layer precedes", id="no-source-before-layer"),
+    pytest.param(
+        {"kv_source_layers": (3, 4), "index_source_layers": (3, 4, 6)}, "no KV source layer precedes", id="no-source-before-layer"
+    ),
     pytest.param({"pool_source_layer": None}, "pool_source_layer", id="reindex-without-pool"),
     pytest.param({"index_source_layers": (1, 2, 3, 4, 6)}, "pool source", id="encoder-reindex-reads-other-group"),
     pytest.param({"o_groups": 3}, "o_groups", id="o-groups-do-not-divide"),

@@ -13,6 +13,8 @@ and decode reproduces forward to ~1e-14. The float32 model is checked too, with 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -263,6 +265,12 @@ def test_backend_errors():
         build_model(preset("tiny"), backend="cuda")
     with pytest.raises(BackendError, match="lacks .*sparse_attention"):
         build_model(preset("tiny"), backend=object())
+
+
+def test_tiles_backend_unavailable_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiles.backend", None)  # makes `import tiles.backend` fail
+    with pytest.raises(BackendError, match="backend 'tiles' is unavailable .*use backend='torch'"):
+        build_model(preset("tiny"), backend="tiles")
 
 
 # -- options -------------------------------------------------------------------------------------------
