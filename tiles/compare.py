@@ -34,8 +34,9 @@ def relative_l2(outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torc
         ref = ref.to(out.device).float()
         if out.shape != ref.shape:
             return Comparison(False, f"rel_l2<={tol:g}", float("inf"), f"{key}: got {tuple(out.shape)}, want {tuple(ref.shape)}")
-        if not torch.equal(torch.isnan(out), torch.isnan(ref)) or not torch.equal(torch.isinf(out), torch.isinf(ref)):
-            n_bad = int((torch.isnan(out) != torch.isnan(ref)).sum() + (torch.isinf(out) != torch.isinf(ref)).sum())
+        specials = [(torch.isnan(out), torch.isnan(ref)), (torch.isposinf(out), torch.isposinf(ref)), (torch.isneginf(out), torch.isneginf(ref))]
+        if not all(torch.equal(a, b) for a, b in specials):
+            n_bad = int(sum((a != b).sum() for a, b in specials))
             return Comparison(False, f"rel_l2<={tol:g}", float("inf"), f"{key}: {n_bad} inf/NaN positions differ from the reference")
         finite = torch.isfinite(ref)
         num = (out[finite] - ref[finite]).norm().item()

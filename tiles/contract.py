@@ -179,7 +179,22 @@ class Tile:
 
     def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
         """Launch the compiled kernel on inputs; outputs poisoned before the launch."""
+        outputs = self.alloc_outputs(kernel, inputs)
+        self.launch(kernel, inputs, outputs)
+        return outputs
+
+    def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """Output buffers for one launch, poisoned (see :func:`poisoned`)."""
         raise NotImplementedError
+
+    def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
+        """Write the kernel's results into ``outputs``. Timing brackets this call alone, so
+        filling the poisoned buffers is not counted as the kernel's traffic."""
+        raise NotImplementedError
+
+    def times_launch_only(self) -> bool:
+        """True when the tile splits :meth:`run` into :meth:`alloc_outputs` + :meth:`launch`."""
+        return type(self).launch is not Tile.launch
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         """The torch reference from ``model/`` on the same inputs."""

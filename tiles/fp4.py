@@ -434,12 +434,14 @@ class FP4QuantTile(Tile):
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         return quant_inputs(shape["rows"], shape["dim"], self.scale_format, seed, device)
 
-    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+    def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
         x = inputs["x"]
         packed = poisoned((x.shape[0], x.shape[1] // 2), torch.uint8, x.device)  # [rows, dim // 2]
         scales = poisoned((x.shape[0], x.shape[1] // self.group), torch.uint8, x.device)  # [rows, dim // group]
-        kernel(x, packed, scales)
         return {"packed": packed, "scales": scales}
+
+    def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
+        kernel(inputs["x"], outputs["packed"], outputs["scales"])
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         packed, scales = formats.fp4_quantize(inputs["x"], self.group, self.scale_format)
@@ -469,11 +471,12 @@ class FP4DequantTile(FP4QuantTile):
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         return dequant_inputs(shape["rows"], shape["dim"], self.scale_format, seed, device)
 
-    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+    def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
         packed = inputs["packed"]
-        out = poisoned((packed.shape[0], packed.shape[1] * 2), torch.bfloat16, packed.device)  # [rows, dim]
-        kernel(packed, inputs["scales"], out)
-        return {"out": out}
+        return {"out": poisoned((packed.shape[0], packed.shape[1] * 2), torch.bfloat16, packed.device)}  # [rows, dim]
+
+    def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
+        kernel(inputs["packed"], inputs["scales"], outputs["out"])
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         out = formats.fp4_dequantize(inputs["packed"], inputs["scales"], self.group, self.scale_format)
