@@ -100,12 +100,14 @@ class Model(nn.Module):
         return (logits, cache) if return_cache else logits
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, capacity_tokens: int | None = None) -> tuple[torch.Tensor, KVCache]:
+    def prefill(self, tokens: torch.Tensor, capacity_tokens: int | None = None, ced: bool = True) -> tuple[torch.Tensor, KVCache]:
         """CED prefill of equal-length prompts.
 
         Args:
             tokens: int [B, N] ids, N <= max_seq_len.
             capacity_tokens: initial global-buffer capacity (default N + 256; it grows on demand).
+            ced: False runs every layer over every token instead (the non-CED baseline; only the
+                last position's logits are computed).
         Returns:
             float32 logits [B, vocab] for position N - 1, and the :class:`KVCache` to decode from.
         """
@@ -114,8 +116,12 @@ class Model(nn.Module):
         B, N = tokens.shape
         check_length(N, cfg, "prefill")
         E, L = cfg.n_encoder_layers, cfg.n_layers
-        src = self._decoder_kv_source()
         cache = self.new_cache(B, capacity_tokens or N + 256)
+        if not ced:
+            h = self._run(self.embed(tokens), cache, range(L), 0)  # [B, N, dim]
+            cache.n_tokens = N
+            return self._logits(h[:, -1]), cache
+        src = self._decoder_kv_source()
         h = self._run(self.embed(tokens), cache, range(E), 0)  # H_E [B, N, dim]
         block = self.layers[src]
         block.attn.append_global(block.attn_norm(h).to(h.dtype), cache, self.backend)

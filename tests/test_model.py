@@ -123,6 +123,14 @@ def test_ced_prefill_is_exact_within_the_window(tiny, N):
     torch.testing.assert_close(steps, full[:, N:], **TOL)
 
 
+def test_non_ced_prefill_equals_forward(tiny):
+    tokens = _tokens(tiny.cfg, 2, 21, seed=9)
+    full = tiny.forward(tokens)
+    logits, cache = tiny.prefill(tokens, ced=False)
+    torch.testing.assert_close(logits, full[:, -1], **TOL)
+    torch.testing.assert_close(tiny.decode(tokens[:, 0], cache), tiny.forward(torch.cat([tokens, tokens[:, :1]], 1))[:, -1], **TOL)
+
+
 def test_ced_prefill_past_the_window_is_bounded_replay(tiny):
     cfg = tiny.cfg
     N = 21
