@@ -71,16 +71,32 @@ def test_split_tf32_is_exact():
 
 
 def test_compare_rule():
-    x = torch.randn(3, 5, 512)
+    x = torch.randn(3, 500, 512)
     mp, ms = formats.fp4_quantize(x, 16, "e4m3")
     ip, is_ = formats.fp4_quantize(x[..., :128], 32, "e8m0")
     ref = {"main_packed": mp, "main_scales": ms, "idx_packed": ip, "idx_scales": is_}
     assert cp.compare_fp4_caches(ref, ref).ok
     one = dict(ref, main_packed=mp.clone())
     one["main_packed"].view(-1)[0] = (mp.view(-1)[0] & 0xF0) | (((mp.view(-1)[0] & 7).clamp(max=6) + 1) | (mp.view(-1)[0] & 8))
-    assert cp.compare_fp4_caches(one, ref).ok  # one code step in one byte of 7680
+    assert cp.compare_fp4_caches(one, ref).ok  # one code step in one byte of 768,000
     far = dict(ref, main_packed=mp ^ 0x07)  # every code moved by several steps
     assert not cp.compare_fp4_caches(far, ref).ok
+    # One E8M0 scale one step up: its 32 codes are requantised (many steps), which the rule allows.
+    scales = is_.clone()
+    scales.view(-1)[3] += 1
+    vals = formats.fp4_dequantize(ip, is_, 32, "e8m0").view(-1, 128)
+    row = vals[0].clone()
+    grp = slice(96, 128)
+    s_new = formats.e8m0_decode(scales.view(-1, 4)[0, 3])
+    codes = formats.e2m1_encode(torch.clamp(row[grp] / s_new, -6, 6))
+    all_codes = formats.unpack_nibbles(ip.view(-1, 64)[0]).clone()
+    all_codes[grp] = codes
+    packed = ip.clone()
+    packed.view(-1, 64)[0] = formats.pack_nibbles(all_codes)
+    assert cp.compare_fp4_caches(dict(ref, idx_packed=packed, idx_scales=scales), ref).ok
+    scales2 = is_.clone()
+    scales2.view(-1)[3] += 2
+    assert not cp.compare_fp4_caches(dict(ref, idx_scales=scales2), ref).ok
 
 
 # ---------------------------------------------------------------------------------- GPU

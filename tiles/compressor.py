@@ -18,8 +18,12 @@ in a different summation order than torch (RMSNorm sum of squares, the 512-term 
 so they equal the reference only to a few ulps; FP4 codes therefore match
 :func:`model.formats.fp4_quantize` of the reference latent except where a value sits within
 rounding of a code boundary. The check: dequantised caches within relative L2 1e-3 of the
-reference caches, at most 1e-3 of the packed bytes and scale bytes different, and every
-differing code / scale byte off by one step only.
+reference caches (1e-2, which follows from the next bound), at most 1e-3 of the packed bytes
+and of the scale bytes different, every differing scale byte one step off, and every differing
+code one step off where its group's scale byte is equal (a scale one step off requantises its
+group). Measured on the H200 (notes/indexer.md): the main cache came out bit-exact in every
+check; the index cache differs in about 1e-5 of its bytes with the ``tf32x3`` projection and
+was bit-exact with ``simt`` at 4K tokens.
 
 Decode tail state (ratio 2): when a step brings the second token of a group, pass the stored
 first token's projections as ``tail_kv`` / ``tail_gate`` [B, 512]; they are placed in front of
@@ -45,7 +49,9 @@ from tiles.shapes import compressor_shapes, flash
 D, DI, ROPE = 512, 128, 64  # latent dim, index-K dim, rope dims (the last 64 of each)
 MAIN_GROUP, INDEX_GROUP = 16, 32
 MAX_CODE_DIFF_FRACTION = 1e-3  # packed bytes / scale bytes that may differ (one code step each)
-DEQ_RTOL = 1e-3
+# Relative L2 of the dequantised caches: one-step differences in up to 1e-3 of the values give
+# about sqrt(1e-3) * (step / rms value) ~ 1e-2, so the bound follows from the fraction above.
+DEQ_RTOL = 1e-2
 
 
 def _e2m1_code(v):
@@ -332,6 +338,11 @@ def compare_fp4_caches(outputs, expected) -> Comparison:
         mag, rmag = (codes & 7).int(), (rcodes & 7).int()
         same_sign = (codes & 8) == (rcodes & 8)
         step_ok = (codes == rcodes) | (same_sign & ((mag - rmag).abs() <= 1)) | ((mag <= 1) & (rmag <= 1))
+        # A scale one step off (amax on a rounding boundary of the scale) requantises its whole
+        # group, so the one-step rule applies to codes under equal scales only; such groups are
+        # bounded by the scale-byte fraction and the dequantised error instead.
+        same_scale = (s == rs).repeat_interleave(group, dim=-1)  # [..., N] per value
+        step_ok = step_ok | ~same_scale
         s_ok = (s.int() - rs.int()).abs() <= 1
         frac_p = float((p != rp).float().mean())
         frac_s = float((s != rs).float().mean())
