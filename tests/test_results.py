@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from test_tuning_toys import ScaleToy
+
 from tiles.arch import get_arch
 from tiles.contract import Shape
 from tiles.results import SCHEMA, ResultsError, config_for, load_winner, results_path
@@ -20,7 +20,9 @@ ENV = {"date": "2026-01-01T00:00:00Z", "gpu": "test", "torch": "x"}
 
 def _summary(shape: str, config: dict, ms: float, default_ms: float):
     best = SimpleNamespace(params=config, user_attrs={"ms": ms, "tflops": None, "gbps": 100.0})
-    return SimpleNamespace(shape=shape, best=best, best_ms=ms, default_ms=default_ms, speedup=default_ms / ms, trials=9, outcomes={"ok": 9}, study="s")
+    return SimpleNamespace(
+        shape=shape, best=best, best_ms=ms, default_ms=default_ms, speedup=default_ms / ms, trials=9, outcomes={"ok": 9}, study="s"
+    )
 
 
 @pytest.fixture
@@ -72,7 +74,9 @@ def test_export_is_atomic(written, monkeypatch):
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        export_results(toy, SM90, [_summary("decode_n4k", {"block": 64, "schedule": "ws", "stages": 1}, 0.5, 1.5)], "x", root, environment=ENV)
+        export_results(
+            toy, SM90, [_summary("decode_n4k", {"block": 64, "schedule": "ws", "stages": 1}, 0.5, 1.5)], "x", root, environment=ENV
+        )
     assert path.read_text() == before
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
 

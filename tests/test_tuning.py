@@ -19,12 +19,13 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
+import test_tuning_toys as toys
 from optuna.trial import TrialState
 
-import test_tuning_toys as toys
 from lab.cli import main as lab_main
 from tiles import arch as arch_mod
 from tiles.arch import ArchError, get_arch
+from tuning import study as study_mod
 from tuning.export import export_results
 from tuning.replay import replay
 from tuning.space import config_key, similarity_order
@@ -35,17 +36,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _opts(tmp_path: Path, **kw) -> TuneOptions:
-    base = dict(
-        arch=SM90,
-        trials=10,
-        storage=f"sqlite:///{tmp_path / 'tune.db'}",
-        compile_jobs=1,
-        evaluator="test_tuning_toys:fake_evaluate",
-        require_gpu=False,
-        results_root=tmp_path / "results",
-        trial_timeout_s=20,
-        command="pytest",
-    )
+    base = {
+        "arch": SM90,
+        "trials": 10,
+        "storage": f"sqlite:///{tmp_path / 'tune.db'}",
+        "compile_jobs": 1,
+        "evaluator": "test_tuning_toys:fake_evaluate",
+        "require_gpu": False,
+        "results_root": tmp_path / "results",
+        "trial_timeout_s": 20,
+        "command": "pytest",
+    }
     return TuneOptions(**(base | kw))
 
 
@@ -143,7 +144,8 @@ def test_faults_hangs_and_wrong_results_never_end_the_study(tmp_path):
     assert summary.best.params == {"mode": "good_fast"} and summary.speedup == pytest.approx(2.0)
 
 
-def test_resume_after_a_killed_run_loses_no_trial(tmp_path):
+def test_resume_after_a_killed_run_loses_no_trial(tmp_path, monkeypatch):
+    monkeypatch.setattr(study_mod, "ORPHAN_GRACE_S", 0.0)  # a trial killed right after ask() is reclaimed at once
     opts = _opts(tmp_path, trials=24)
     script = textwrap.dedent(
         f"""
@@ -251,7 +253,9 @@ def test_bad_storage_trials_and_replay_errors(tmp_path):
 def test_gpu_fault_injection_real_kernels(tmp_path):
     """A real illegal memory access, a hang, a wrong kernel and a failed build: each recorded, the study picks a correct winner."""
     present = arch_mod.detect()
-    opts = _opts(tmp_path, arch=present, trials=7, evaluator="tuning.workers:evaluate_on_gpu", require_gpu=True, trial_timeout_s=25, compile_jobs=4)
+    opts = _opts(
+        tmp_path, arch=present, trials=7, evaluator="tuning.workers:evaluate_on_gpu", require_gpu=True, trial_timeout_s=25, compile_jobs=4
+    )
     [summary] = tune([toys.FaultToy()], opts)
     modes = _by_mode(_study(opts, summary.study))
     outcomes = {m: t.user_attrs["outcome"] for m, t in modes.items()}

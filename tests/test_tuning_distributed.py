@@ -14,8 +14,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-
 import test_tuning_toys as toys
+
 from tiles.arch import get_arch
 from tuning.space import config_key
 from tuning.study import counts_toward_budget, open_storage
@@ -23,7 +23,9 @@ from tuning.study import counts_toward_budget, open_storage
 URL = os.environ.get("CSA2_TEST_POSTGRES_URL")
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(not URL, reason="CSA2_TEST_POSTGRES_URL is not set (run `export CSA2_TEST_POSTGRES_URL=$(bash .ci/postgres.sh)`)")
+pytestmark = pytest.mark.skipif(
+    not URL, reason="CSA2_TEST_POSTGRES_URL is not set (run `export CSA2_TEST_POSTGRES_URL=$(bash .ci/postgres.sh)`)"
+)
 
 
 def test_two_compile_only_workers_share_one_study(tmp_path):

@@ -56,7 +56,9 @@ def read_results(path: Path, tile_name: str, arch: Arch | str) -> dict | None:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ResultsError(f"results file {path} is corrupt ({type(exc).__name__}): delete it or re-run `lab tune`") from None
     if not isinstance(data, dict):
-        raise ResultsError(f"results file {path} is corrupt (expected a mapping, got {type(data).__name__}): delete it or re-run `lab tune`")
+        raise ResultsError(
+            f"results file {path} is corrupt (expected a mapping, got {type(data).__name__}): delete it or re-run `lab tune`"
+        )
     if data.get("schema") != SCHEMA:
         raise ResultsError(f"results file {path} has schema {data.get('schema')!r}, expected {SCHEMA!r}: re-run `lab tune`")
     if data.get("tile") != tile_name or data.get("arch") != arch.name:
@@ -109,7 +111,9 @@ def load_winner(
     if tile is not None:
         bad = tile.search_space(arch).violations(config, shape, arch)
         if bad:
-            raise ResultsError(f"results file {path} bucket {bucket!r} holds a config the tile no longer accepts ({'; '.join(bad)}): re-run `lab tune`")
+            raise ResultsError(
+                f"results file {path} bucket {bucket!r} holds a config the tile no longer accepts ({'; '.join(bad)}): re-run `lab tune`"
+            )
     return config, f"tuned:{path}#{bucket}"
 
 
@@ -119,5 +123,7 @@ def config_for(tile, shape: Shape, arch: Arch) -> tuple[Config, str]:
     if source != "default":
         bad = tile.search_space(arch).violations(config, shape, arch)
         if bad:
-            raise ResultsError(f"results file {source[6:]} holds a config tile {tile.name} no longer accepts ({'; '.join(bad)}): re-run `lab tune`")
+            raise ResultsError(
+                f"results file {source[6:]} holds a config tile {tile.name} no longer accepts ({'; '.join(bad)}): re-run `lab tune`"
+            )
     return config, source

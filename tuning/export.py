@@ -37,7 +37,9 @@ def _round(x: float | None, digits: int = 5) -> float | None:
     return None if x is None else float(f"{x:.{digits}g}")
 
 
-def export_results(tile: Tile, arch: Arch, summaries: list, command: str, root: Path | None = None, environment: dict | None = None) -> Path:
+def export_results(
+    tile: Tile, arch: Arch, summaries: list, command: str, root: Path | None = None, environment: dict | None = None
+) -> Path:
     """Merge this run's winners (``tuning.study.StudySummary`` list) into the tile's results file; returns its path."""
     path = results_path(tile.name, arch, root)
     try:

@@ -72,7 +72,7 @@ def _nearest(params: dict, table: dict[str, tuple[dict, TrialState, float | None
     def distance(cfg: dict) -> int:
         return sum(cfg.get(k) != v for k, v in params.items())
 
-    cfg, state, value = min(table.values(), key=lambda e: (distance(e[0]), config_key(e[0])))
+    _, state, value = min(table.values(), key=lambda e: (distance(e[0]), config_key(e[0])))
     return state, value
 
 

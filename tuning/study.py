@@ -15,6 +15,7 @@ process on this host are failed as ``interrupted`` and their configs enqueued ag
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import shlex
@@ -37,6 +38,8 @@ from tuning.space import config_key, distributions, seed_configs
 from tuning.workers import WorkerDied, WorkerPool, WorkerTimeout, tile_ref
 
 INTERRUPTED, DUPLICATE = "interrupted", "duplicate"
+# A RUNNING trial without an owner older than this was killed right after ask().
+ORPHAN_GRACE_S = 60.0
 # Metrics copied from an Evaluation into the trial's user attributes.
 METRICS = ("ms", "p10_ms", "p90_ms", "tflops", "gbps", "compile_s", "error", "message")
 
@@ -108,7 +111,7 @@ def open_storage(url: str | None, root: Path | None = None):
     kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     try:
         storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (driver missing, server down, bad URL: all one line for the user)
         raise TuneError(f"cannot open storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
     if url.startswith("sqlite"):
         _sqlite_wal(storage.engine)
@@ -133,9 +136,9 @@ def _with_available_driver(url: str) -> str:
     """``postgresql://`` means psycopg 3 to SQLAlchemy 2.1; use psycopg2 when only it is installed."""
     import importlib.util
 
-    if url.startswith(("postgresql://", "postgres://")) and importlib.util.find_spec("psycopg") is None:
-        if importlib.util.find_spec("psycopg2") is not None:
-            return "postgresql+psycopg2://" + url.split("://", 1)[1]
+    no_psycopg3 = importlib.util.find_spec("psycopg") is None
+    if url.startswith(("postgresql://", "postgres://")) and no_psycopg3 and importlib.util.find_spec("psycopg2") is not None:
+        return "postgresql+psycopg2://" + url.split("://", 1)[1]
     return url
 
 
@@ -175,12 +178,19 @@ def recover_interrupted(study: optuna.Study) -> int:
     host = socket.gethostname()
     n = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        owner_host, _, pid = str(t.user_attrs.get("owner", "")).rpartition(":")
-        if owner_host != host or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
-            continue
+        if "owner" not in t.user_attrs:
+            # Killed between ask() and recording its owner (milliseconds apart): dead on any host once old enough.
+            started = t.datetime_start
+            if started is None or (datetime.datetime.now(started.tzinfo) - started).total_seconds() < ORPHAN_GRACE_S:
+                continue
+        else:
+            owner_host, _, pid = str(t.user_attrs["owner"]).rpartition(":")
+            if owner_host != host or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+                continue
         study._storage.set_trial_user_attr(t._trial_id, "outcome", INTERRUPTED)
         study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
-        study.enqueue_trial(trial_config(t), user_attrs={"source": f"retry of trial {t.number}"})
+        if trial_config(t):
+            study.enqueue_trial(trial_config(t), user_attrs={"source": f"retry of trial {t.number}"})
         n += 1
     return n
 
@@ -189,7 +199,9 @@ def summarize(study: optuna.Study, tile: Tile, shape: Shape, default: Config, co
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if counts_toward_budget(t)]
     outcomes = Counter(t.user_attrs["outcome"] for t in done)
-    ok = [t for t in done if t.state == TrialState.COMPLETE and t.user_attrs.get("outcome") == harness.OK and "repeat_of" not in t.user_attrs]
+    ok = [
+        t for t in done if t.state == TrialState.COMPLETE and t.user_attrs.get("outcome") == harness.OK and "repeat_of" not in t.user_attrs
+    ]
     best = None if compile_only or not ok else min(ok, key=lambda t: t.value)
     dkey = config_key(default)
     default_ms = next((t.user_attrs.get("ms") for t in ok if t.user_attrs.get("config_key") == dkey), None)
@@ -202,7 +214,9 @@ def summarize(study: optuna.Study, tile: Tile, shape: Shape, default: Config, co
 class StudyRunner:
     """Runs trials of one study across lanes that share the compile pool and the GPU workers."""
 
-    def __init__(self, tile: Tile, shape: Shape, opts: TuneOptions, storage, compile_pool: WorkerPool, gpu_pool: WorkerPool | None, progress=None):
+    def __init__(
+        self, tile: Tile, shape: Shape, opts: TuneOptions, storage, compile_pool: WorkerPool, gpu_pool: WorkerPool | None, progress=None
+    ):
         self.tile, self.shape, self.opts = tile, shape, opts
         self.arch = opts.arch
         self.space = tile.search_space(self.arch)
@@ -293,7 +307,9 @@ class StudyRunner:
         earlier = [
             t
             for t in self.study.get_trials(deepcopy=False)
-            if t.number < trial.number and config_key(trial_config(t)) == key and t.user_attrs.get("outcome") not in (INTERRUPTED, DUPLICATE)
+            if t.number < trial.number
+            and config_key(trial_config(t)) == key
+            and t.user_attrs.get("outcome") not in (INTERRUPTED, DUPLICATE)
         ]
         finished = [t for t in earlier if counts_toward_budget(t)]
         if finished:

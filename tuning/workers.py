@@ -99,7 +99,7 @@ def kernel_resources(kernel) -> dict:
     for k in kernels if isinstance(kernels, list | tuple) else [kernel]:
         try:
             host = k.get_host_source()
-        except Exception:  # pure-python or non-TileLang kernels have no host source
+        except Exception:  # noqa: BLE001, S112  (pure-python or non-TileLang kernels have no host source)
             continue
         smem += [int(v) for v in re.findall(r"MaxDynamicSharedMemorySize,\s*(\d+)", host or "")]
     return {"smem_bytes": max(smem)} if smem else {}
@@ -118,7 +118,7 @@ def _worker_main(conn, env: dict[str, str]) -> None:
             return
         try:
             result = ("ok", resolve_function(fn_ref)(*args))
-        except BaseException as exc:  # reported to the parent, which decides what it means
+        except BaseException as exc:  # noqa: BLE001  (reported to the parent, which decides what it means)
             result = ("error", "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:])
         try:
             conn.send(result)
