@@ -31,6 +31,7 @@ LABELS = {
     "staged": {"dequant": "staged"},
     "staged1": {"dequant": "staged", "num_stages": 1},
     "bi32": {"block_I": 32},
+    "stages1": {"num_stages": 1},
     "split1": {"n_split": 1},
     "split4": {"n_split": 4},
 }
@@ -44,6 +45,7 @@ CHECKS = [
     ("sparse_attn_prefill", "prefill_s4k", "staged"),
     ("sparse_attn_prefill", "prefill_s4k", "staged1"),
     ("sparse_attn_prefill", "prefill_s4k", "bi32"),
+    ("sparse_attn_prefill", "prefill_s4k", "stages1"),
     ("sparse_attn_prefill", "prefill_s4k", "ws"),
     ("sparse_attn_decode", "decode_b128_s2", "default"),
     ("sparse_attn_decode", "decode_b128_s2", "split1"),

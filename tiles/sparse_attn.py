@@ -24,11 +24,11 @@ Split-KV (``n_split`` > 1, decode): the index list (window blocks then top-k blo
 into ``n_split`` ranges, each block writes a partial output and its log-sum-exp, and a small
 combine kernel merges them together with the sink.
 
-Index policy: -1 is skipped (masked, its KV row is zeroed so garbage rows never reach the
-GEMM); a repeated index counts each time; an index past the cache length is rejected by the
-wrapper only when ``check_indices=True`` (one host sync, off by default: in the model the
-indexer produces indices in range by construction). Without the check such an index reads
-out of bounds.
+Index policy: -1 is skipped (masked; the quantised paths write a zero row, the bf16 path gathers row 0
+as a plain cp.async copy and gives it P = 0, as the reference does); a repeated index counts each time;
+an index past the cache length is rejected by the wrapper only when ``check_indices=True`` (one host
+sync, off by default: in the model the indexer produces in-range indices by construction). Unchecked,
+TileLang's guarded loads read zeros for such a row instead of faulting.
 """
 
 from collections.abc import Mapping
@@ -59,11 +59,15 @@ _PASS_CONFIGS = {
 # Kernel builders
 # ----------------------------------------------------------------------------------------------
 def _e2m1(nib):
-    """E2M1 code (int, 0..15) -> float32 value: 0, 0.5, 1, 1.5, 2, 3, 4, 6 with bit 3 the sign."""
+    """E2M1 code (int32, 0..15) -> float32 value (0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign), branch-free.
+
+    Codes 2..7 are normal numbers whose exponent and mantissa bits are the code's ``e m`` bits moved into
+    place with the exponent rebased (126 = 127 - 1); codes 0 and 1 (0 and 0.5) are picked directly.
+    """
     m = nib & 7
-    e = m >> 1
-    mant = T.cast(m & 1, "float32")
-    mag = T.if_then_else(e == 0, mant * 0.5, (mant + 2.0) * T.cast(T.shift_left(1, e), "float32") * 0.25)
+    normal = T.shift_left(m, 22) + (126 << 23)
+    small = T.if_then_else(m == 1, 0x3F000000, 0)
+    mag = T.reinterpret(T.if_then_else(m >= 2, normal, small), "float32")
     return T.if_then_else(nib >= 8, -mag, mag)
 
 
@@ -90,7 +94,7 @@ def sparse_attn_kernel(
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
     Inputs (``kv_format="fp4"``): Q bf16 [B, S, H, D]; WinCodes float8_e4m3fn [B, Nw, D];
-    WinScales uint8 [B, Nw, D/32] (E8M0); WinIdx int32 [B, S, W]; MainPacked uint8 [B, Nc, D/2];
+    WinScales uint8 [B, Nw, D/32] (E8M0); WinIdx int32 [B, S, W]; MainPacked int32 [B, Nc, D/8] (the packed bytes viewed as words);
     MainScales float8_e4m3fn [B, Nc, D/16]; TopkIdx int32 [B, S, K]; Sink fp32 [H].
     ``kv_format="bf16"``: WinKV bf16 [B, Nw, D] and MainKV bf16 [B, Nc, D] instead of codes/scales.
     Outputs: ``n_split == 1``: Out bf16 [B, S, H, D]; else OPart fp32 [B, S, n_split, H, D] (each
@@ -102,20 +106,19 @@ def sparse_attn_kernel(
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
     REP = H // HB
     NBW, NBK = -(-W // BI), -(-K // BI)
-    NB = NBW + NBK
     scale2 = sm_scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
     fp4 = kv_format == "fp4"
     staged = dequant == "staged" and fp4
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
-    # Staged: the index load and the raw-byte copies (cp.async) are stage 0, dequant + math stage 1;
-    # the inferred schedule cannot reorder the raw buffer's write/read pair, so it is spelled out.
-    # 15 = 3 loads + 1 dequant + the 11 statements of _attend.
+    # Staged schedule, spelled out (the inferred one cannot order the raw buffers' write/read pair); 15 statements =
+    # index load, 2 raw copies, dequant, the 11 of _attend. num_stages=2 prefetches the next block's raw bytes.
     k_order = list(range(15)) if staged else None
-    k_stage = [0, 0, 0] + [min(1, num_stages - 1)] * 12 if staged else None
+    k_stage = [0, 0, 0] + [num_stages - 1] * 12 if staged else None
 
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
-    main_args = ([B, Nc, D // 2], "uint8", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
+    # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
+    main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
 
     @T.prim_func
     def main(
@@ -136,7 +139,7 @@ def sparse_attn_kernel(
             S_shared = T.alloc_shared([HB, BI], bf16)
             idx_shared = T.alloc_shared([BI], "int32")
             if staged:
-                raw_shared = T.alloc_shared([BI, D // 2], "uint8")
+                raw_shared = T.alloc_shared([BI, D // 8], "int32")
                 rawsc_shared = T.alloc_shared([BI, D // 16], "float8_e4m3fn")
             acc_o = T.alloc_fragment([HB, D], f32)
             acc_s = T.alloc_fragment([HB, BI], f32)
@@ -148,11 +151,9 @@ def sparse_attn_kernel(
 
             b_i, s_i = by, bx // REP
             h0 = (bx % REP) * HB
-            # This split's range of index blocks: window blocks [0, NBW) then top-k blocks [NBW, NB).
-            lo = bz * NB // NS
-            hi = (bz + 1) * NB // NS
-            w_lo, w_hi = T.min(lo, NBW), T.min(hi, NBW)
-            k_lo, k_hi = T.max(lo, NBW) - NBW, T.max(hi, NBW) - NBW
+            # This split's share of each list: window blocks [w_lo, w_hi) and top-k blocks [k_lo, k_hi).
+            w_lo, w_hi = bz * NBW // NS, (bz + 1) * NBW // NS
+            k_lo, k_hi = bz * NBK // NS, (bz + 1) * NBK // NS
 
             T.fill(acc_o, 0)
             T.fill(sumexp, 0)
@@ -170,9 +171,9 @@ def sparse_attn_kernel(
                         val = T.cast(WinA[b_i, row, d], f32) * _e8m0(WinB[b_i, row, d // 32])
                         KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
                 else:
+                    # a plain gather (cp.async under T.Pipelined); a -1 slot reads row 0 and gets P = 0
                     for bi, d in T.Parallel(BI, D):
-                        row = T.max(idx_shared[bi], 0)
-                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, WinA[b_i, row, d], T.cast(0, bf16))
+                        KV_shared[bi, d] = WinA[b_i, T.max(idx_shared[bi], 0), d]
                 _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
 
             for i in T.Pipelined(k_hi - k_lo, num_stages=0 if staged else num_stages, order=k_order, stage=k_stage):
@@ -181,24 +182,24 @@ def sparse_attn_kernel(
                     pos = blk * BI + bi
                     idx_shared[bi] = T.if_then_else(pos < K, TopkIdx[b_i, s_i, T.min(pos, K - 1)], -1)
                 if staged:
-                    for bi, j in T.Parallel(BI, D // 2):
-                        raw_shared[bi, j] = MainA[b_i, T.max(idx_shared[bi], 0), j]
+                    # the raw copies take their rows from global, not idx_shared: both are cp.async in one stage
+                    for bi, j in T.Parallel(BI, D // 8):
+                        raw_shared[bi, j] = MainA[b_i, T.max(TopkIdx[b_i, s_i, T.min(blk * BI + bi, K - 1)], 0), j]
                     for bi, j in T.Parallel(BI, D // 16):
-                        rawsc_shared[bi, j] = MainB[b_i, T.max(idx_shared[bi], 0), j]
+                        rawsc_shared[bi, j] = MainB[b_i, T.max(TopkIdx[b_i, s_i, T.min(blk * BI + bi, K - 1)], 0), j]
                     for bi, d in T.Parallel(BI, D):
-                        nib = T.shift_right(T.cast(raw_shared[bi, d // 2], "int32"), (d % 2) * 4) & 15
+                        nib = T.shift_right(raw_shared[bi, d // 8], (d % 8) * 4) & 15
                         val = _e2m1(nib) * T.cast(rawsc_shared[bi, d // 16], f32)
                         KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
                 elif fp4:
                     for bi, d in T.Parallel(BI, D):
                         row = T.max(idx_shared[bi], 0)
-                        nib = T.shift_right(T.cast(MainA[b_i, row, d // 2], "int32"), (d % 2) * 4) & 15
+                        nib = T.shift_right(MainA[b_i, row, d // 8], (d % 8) * 4) & 15
                         val = _e2m1(nib) * T.cast(MainB[b_i, row, d // 16], f32)
                         KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
                 else:
                     for bi, d in T.Parallel(BI, D):
-                        row = T.max(idx_shared[bi], 0)
-                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, MainA[b_i, row, d], T.cast(0, bf16))
+                        KV_shared[bi, d] = MainA[b_i, T.max(idx_shared[bi], 0), d]
                 _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
 
             if NS == 1:
@@ -296,7 +297,8 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
     fp4 = kv_format == "fp4"
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
-    main_args = ([B, Nc, D // 2], "uint8", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
+    # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
+    main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
 
     @T.prim_func
     def main(
@@ -323,7 +325,9 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
             S_shared = T.alloc_shared([HB, BI], bf16)
             alpha_shared = T.alloc_shared([HB], f32, scope="shared")
             final_shared = T.alloc_shared([HB], f32, scope="shared")
-            acc_o = T.alloc_fragment([HB, D2], f32)
+            # one accumulator per consumer warpgroup: a fragment's layout belongs to one thread range
+            acc_o_l = T.alloc_fragment([HB, D2], f32)
+            acc_o_r = T.alloc_fragment([HB, D2], f32)
             acc_s = T.alloc_fragment([HB, BI], f32)
             sumexp = T.alloc_fragment([HB], f32)
             sumexp_i = T.alloc_fragment([HB], f32)
@@ -355,7 +359,7 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                 T.set_max_nreg(240, 1)
                 T.fill(sumexp, 0)
                 T.fill(m_i, -(2**30))
-                T.fill(acc_o, 0)
+                T.fill(acc_o_l, 0)
                 T.barrier_wait(bar_q, 0)
                 for it in T.serial(n_blk):
                     if it % 2 == 0:
@@ -372,7 +376,7 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                             S_shared,
                             alpha_shared,
                             acc_s,
-                            acc_o,
+                            acc_o_l,
                             sumexp,
                             sumexp_i,
                             alpha,
@@ -398,7 +402,7 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                             S_shared,
                             alpha_shared,
                             acc_s,
-                            acc_o,
+                            acc_o_l,
                             sumexp,
                             sumexp_i,
                             alpha,
@@ -423,34 +427,34 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                         )
                 T.barrier_arrive(bar_final)
                 for h, d in T.Parallel(HB, D2):
-                    acc_o[h, d] = acc_o[h, d] * final_shared[h]
+                    acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
                 if NS == 1:
-                    T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+                    T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
                 else:
-                    T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
+                    T.copy(acc_o_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
             elif tx < 256:
                 T.set_max_nreg(168, 1)
-                T.fill(acc_o, 0)
+                T.fill(acc_o_r, 0)
                 for it in T.serial(n_blk):
                     T.barrier_arrive(bar_s_ready)
                     T.barrier_wait(bar_s_ready, it & 1)
                     for h, d in T.Parallel(HB, D2):
-                        acc_o[h, d] = acc_o[h, d] * alpha_shared[h]
+                        acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
                     if it % 2 == 0:
-                        T.gemm(S_shared, KV0_r, acc_o)
+                        T.gemm(S_shared, KV0_r, acc_o_r)
                         T.barrier_arrive(bar_k0_free)
                     else:
-                        T.gemm(S_shared, KV1_r, acc_o)
+                        T.gemm(S_shared, KV1_r, acc_o_r)
                         T.barrier_arrive(bar_k1_free)
                     T.barrier_arrive(bar_s_free)
                 T.barrier_arrive(bar_final)
                 T.barrier_wait(bar_final, 0)
                 for h, d in T.Parallel(HB, D2):
-                    acc_o[h, d] = acc_o[h, d] * final_shared[h]
+                    acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
                 if NS == 1:
-                    T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, D2:D])
+                    T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
                 else:
-                    T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, D2:D])
+                    T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2:D])
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -557,7 +561,7 @@ def _ws_produce_row(WinA, WinB, MainA, MainB, KV_l, KV_r, valid, row_local, b_i,
         else:
             for v in T.vectorized(32):
                 if fp4:
-                    nib = T.shift_right(T.cast(MainA[b_i, row, (d0 + v) // 2], "int32"), ((d0 + v) % 2) * 4) & 15
+                    nib = T.shift_right(MainA[b_i, row, (d0 + v) // 8], ((d0 + v) % 8) * 4) & 15
                     val = _e2m1(nib) * T.cast(MainB[b_i, row, (d0 + v) // 16], "float32")
                     buf[r, c * 32 + v] = T.if_then_else(ok, T.cast(val, "bfloat16"), zero)
                 else:
@@ -739,7 +743,14 @@ def sparse_attention(
     cfg = _pick_config(tile, arch, dims, config)
     kernel = compiled(H, D, W, K, scale, "fp4", cfg, arch)
     return kernel(
-        q, codes.view(torch.float8_e4m3fn), window_scales, window_idx, main_packed, mscales.view(torch.float8_e4m3fn), topk_idx, sink
+        q,
+        codes.view(torch.float8_e4m3fn),
+        window_scales,
+        window_idx,
+        main_packed.view(torch.int32),
+        mscales.view(torch.float8_e4m3fn),
+        topk_idx,
+        sink,
     )
 
 
@@ -910,7 +921,7 @@ class SparseAttnTile(Tile):
                 inputs["window_codes"].view(torch.float8_e4m3fn),
                 inputs["window_scales"],
                 inputs["window_idx"],
-                inputs["main_packed"],
+                inputs["main_packed"].view(torch.int32),
                 inputs["main_scales"].view(torch.float8_e4m3fn),
                 inputs["topk_idx"],
                 inputs["sink"],
