@@ -32,6 +32,7 @@ from model.ops.rope import RopeConfig
 from model.ops.sparse_attn import sparse_attention_quantized
 
 MAIN_GROUP, MAIN_SCALE = 16, "e4m3"
+_LOGITS_BUDGET_BYTES = 2 << 30  # indexer logits materialised at once by the torch reference
 INDEX_GROUP, INDEX_SCALE = 32, "e8m0"
 
 
@@ -181,10 +182,22 @@ class TorchBackend:
 
     # -- indexer -----------------------------------------------------------------------------
 
-    def _scores(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible) -> torch.Tensor:
-        q = formats.fp4_dequantize(q_packed, q_scales, INDEX_GROUP, INDEX_SCALE)  # [B, S, Hi, Di]
+    def _select_by_query_chunks(self, select, q_packed, q_scales, weights, index_packed, index_scales, n_visible) -> torch.Tensor:
+        """``select(scores [B, s, Nc], query slice)`` over chunks of queries.
+
+        A 64K-token prefill would need [B, S, Hi, Nc] logits of 512 GB at once; chunking the
+        queries keeps them near :data:`_LOGITS_BUDGET_BYTES`, the way a careful torch user
+        would write it. Every selection here is row-wise, so chunking changes no result.
+        """
+        B, S, Hi = weights.shape
         k = formats.fp4_dequantize(index_packed, index_scales, INDEX_GROUP, INDEX_SCALE)  # [B, Nc, Di]
-        return indexer_scores(q, weights, k, n_visible)  # [B, S, Nc]
+        chunk = max(1, _LOGITS_BUDGET_BYTES // max(1, B * Hi * k.shape[1] * 8))
+        parts = []
+        for s0 in range(0, S, chunk):
+            sl = slice(s0, min(S, s0 + chunk))
+            q = formats.fp4_dequantize(q_packed[:, sl], q_scales[:, sl], INDEX_GROUP, INDEX_SCALE)  # [B, s, Hi, Di]
+            parts.append(select(indexer_scores(q, weights[:, sl], k, n_visible[:, sl]), sl))  # scores [B, s, Nc]
+        return torch.cat(parts, dim=1)
 
     def indexer_topk(
         self,
@@ -208,7 +221,8 @@ class TorchBackend:
             int32 [B, S, k]: the best ``min(k, n_visible)`` entries (ties: lower position wins),
             sorted ascending by position, then -1.
         """
-        return topk_positions(self._scores(q_packed, q_scales, weights, index_packed, index_scales, n_visible), k)
+        args = (q_packed, q_scales, weights, index_packed, index_scales, n_visible)
+        return self._select_by_query_chunks(lambda scores, sl: topk_positions(scores, k), *args)
 
     def candidate_pool(
         self,
@@ -229,8 +243,8 @@ class TorchBackend:
             int32 [B, S, P], P = min(max_blocks, ceil(Nc / block)): ascending block ids, -1 fill.
             The newest (possibly partial) visible block is always kept.
         """
-        scores = self._scores(q_packed, q_scales, weights, index_packed, index_scales, n_visible)
-        return candidate_blocks(scores, n_visible, block, max_blocks)
+        args = (q_packed, q_scales, weights, index_packed, index_scales, n_visible)
+        return self._select_by_query_chunks(lambda scores, sl: candidate_blocks(scores, n_visible[:, sl], block, max_blocks), *args)
 
     def reindex_topk(
         self,
@@ -255,9 +269,11 @@ class TorchBackend:
         Returns:
             int32 [B, S, k], as :meth:`indexer_topk`.
         """
-        scores = self._scores(q_packed, q_scales, weights, index_packed, index_scales, n_visible)
-        inside = pool_mask(pool_blocks, scores.shape[-1], block)  # [B, S, Nc]
-        return topk_positions(scores.masked_fill(~inside, float("-inf")), k)
+        def select(scores: torch.Tensor, sl: slice) -> torch.Tensor:
+            inside = pool_mask(pool_blocks[:, sl], scores.shape[-1], block)  # [B, s, Nc]
+            return topk_positions(scores.masked_fill(~inside, float("-inf")), k)
+
+        return self._select_by_query_chunks(select, q_packed, q_scales, weights, index_packed, index_scales, n_visible)
 
     # -- attention ---------------------------------------------------------------------------
 

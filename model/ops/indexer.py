@@ -94,6 +94,9 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block: int =
 
 def pool_mask(blocks: torch.Tensor, n_entries: int, block: int = 8) -> torch.Tensor:
     """Entries inside the candidate pool: blocks int [B, S, P] (-1 fill) -> bool [B, S, n_entries]."""
-    entry_block = torch.arange(n_entries, device=blocks.device) // block  # [N]
-    hit = entry_block.view(1, 1, 1, -1) == blocks.long().unsqueeze(-1)  # [B, S, P, N]
-    return hit.any(dim=2)
+    n_blocks = -(-n_entries // block)
+    ids = blocks.long()
+    ids = torch.where(ids >= 0, ids, torch.full_like(ids, n_blocks))  # -1 slots land in a spare column
+    hit = torch.zeros(*blocks.shape[:-1], n_blocks + 1, dtype=torch.bool, device=blocks.device)
+    hit.scatter_(-1, ids, True)
+    return hit[..., :n_blocks].repeat_interleave(block, dim=-1)[..., :n_entries]
