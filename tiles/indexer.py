@@ -53,6 +53,14 @@ NEG_INF = float("-inf")
 # --------------------------------------------------------------------------------------
 
 
+def _e2m1_bf16_bits(code):
+    """bf16 bit pattern (uint32) of an E2M1 code 0..15 at unit scale: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}."""
+    mag = code & 7
+    # mag >= 2: exponent 126 + (mag >> 1), mantissa bit 6 = mag & 1, i.e. (mag << 6) + (126 << 7); mag 1 is 0.5.
+    bits = T.if_then_else(mag >= 2, (mag << 6) + (126 << 7), T.if_then_else(mag == 1, 126 << 7, 0))
+    return T.Cast("uint32", bits | ((code & 8) << 12))
+
+
 @functools.cache
 def _score_kernel(
     target: str, block_n: int, threads: int, stages: int, tiles_per_cta: int, dequant: str, gather: bool, pool_block: int = 8
@@ -98,10 +106,15 @@ def _score_kernel(
             pos_s = T.alloc_shared((block_n,), "int32")
             acc = T.alloc_fragment((block_n, H), "float32")
             row = T.alloc_fragment((block_n,), "float32")
-            if dequant == "shared":
-                k_deq = T.alloc_shared((block_n, D), "bfloat16")
-            else:
+            if dequant == "registers":
                 k_deq = T.alloc_fragment((block_n, D), "bfloat16")
+            else:
+                k_deq = T.alloc_shared((block_n, D), "bfloat16")
+            if dequant == "lut":
+                # byte -> both nibbles' bf16 bit patterns at unit scale (low half = even element).
+                lut = T.alloc_shared((256,), "uint32")
+                for v in T.Parallel(256):
+                    lut[v] = _e2m1_bf16_bits(v & 0xF) | (_e2m1_bf16_bits(v >> 4) << 16)
             nvis = n_visible[b, s]
             T.copy(q[b, s, :, :], q_s)
             T.copy(weights[b, s, :], w_s)
@@ -123,8 +136,16 @@ def _score_kernel(
                     T.copy(k_words[b, n0 : n0 + block_n, :], kw_s)
                     # Not TMA: the [B, N] int32 scale rows are only 4-byte aligned for N not a multiple of 4.
                     T.copy(k_scales[b, n0 : n0 + block_n], ks_s, annotations={"disable_tma": True})
-                for i, d in T.Parallel(block_n, D):
-                    k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
+                if dequant == "lut":
+                    for i, d in T.Parallel(block_n, D):
+                        pair = lut[(kw_s[i, d // 8] >> ((d % 8) // 2 * 8)) & 0xFF]
+                        unit = T.reinterpret(T.Cast("uint16", (pair >> ((d % 2) * 16)) & 0xFFFF), "bfloat16")
+                        sbyte = (ks_s[i] >> ((d // GROUP) * 8)) & 0xFF
+                        scale = T.reinterpret(T.Cast("uint32", sbyte) << 23, "float32")
+                        k_deq[i, d] = T.Cast("bfloat16", T.Cast("float32", unit) * scale)
+                else:
+                    for i, d in T.Parallel(block_n, D):
+                        k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
                 T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, h in T.Parallel(block_n, H):
                     acc[i, h] = T.max(acc[i, h], 0.0) * w_s[h]
@@ -658,7 +679,12 @@ def _score_params() -> tuple[Param, ...]:
         Param("threads", (128, 256), "consumer threads (one or two warpgroups; the TMA producer is added by TileLang)"),
         Param("stages", (1, 2, 3), "software-pipeline depth of the packed-K loads"),
         Param("tiles_per_cta", (1, 4, 16), "entry tiles per CTA: how finely N is split across CTAs"),
-        Param("dequant", ("shared", "registers"), "dequantise FP4 into a bf16 shared tile (wgmma SS) or into the A fragment (wgmma RS)"),
+        Param(
+            "dequant",
+            ("shared", "registers", "lut"),
+            "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
+            "or by a 256-entry byte -> bf16x2 table in shared memory into a shared tile",
+        ),
     )
 
 
@@ -697,16 +723,19 @@ class IndexerTopkTile(Tile):
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         return _indexer_inputs(shape["B"], shape["S"], shape["N"], seed, device, causal=shape.phase == "prefill")
 
-    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
-        cfg, arch, k = kernel
+    def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        _, _, k = kernel
         q = inputs["q"]
         B, S = q.shape[:2]
         N = inputs["k_packed"].shape[1]
         scores = poisoned((B, S, N), torch.float32, q.device)  # [B, S, N]
         out = poisoned((B, S, k), torch.int32, q.device)  # [B, S, K]
-        words, scales = _index_k_words(inputs["k_packed"], inputs["k_scales"])
-        _launch_topk(cfg, arch, q, inputs["weights"], words, scales, inputs["n_visible"], scores, out)
         return {"topk": out, "scores": scores}
+
+    def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
+        cfg, arch, _ = kernel
+        words, scales = _index_k_words(inputs["k_packed"], inputs["k_scales"])
+        _launch_topk(cfg, arch, inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], outputs["scores"], outputs["topk"])
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         scores = _reference_scores(inputs)
@@ -759,15 +788,20 @@ class CandidatePoolTile(Tile):
         scores.masked_fill_(torch.arange(N, device=device) >= n_visible.unsqueeze(-1), NEG_INF)
         return {"scores": scores, "n_visible": n_visible.to(torch.int32)}
 
-    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
-        cfg, arch, block, max_blocks = kernel
+    def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        _, _, block, max_blocks = kernel
+        B, S, N = inputs["scores"].shape
+        nb = -(-N // block)
+        block_scores = poisoned((B * S, nb), torch.float32, inputs["scores"].device)  # [B*S, nb]: the block-max pass's output
+        out = poisoned((B, S, min(max_blocks, nb)), torch.int32, inputs["scores"].device)  # [B, S, P]
+        return {"pool": out, "block_scores": block_scores}
+
+    def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
+        cfg, arch, block, _ = kernel
         scores = inputs["scores"]
         B, S, N = scores.shape
-        nb = -(-N // block)
-        block_scores = poisoned((B * S, nb), torch.float32, scores.device)  # [B*S, nb]
-        out = poisoned((B, S, min(max_blocks, nb)), torch.int32, scores.device)  # [B, S, P]
-        _launch_pool(cfg, arch, scores.view(B * S, N), inputs["n_visible"].view(B * S), block, block_scores, out)
-        return {"pool": out}
+        nvis = inputs["n_visible"].view(B * S)
+        _launch_pool(cfg, arch, scores.view(B * S, N), nvis, block, outputs["block_scores"], outputs["pool"])
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         return {"pool": candidate_blocks(inputs["scores"], inputs["n_visible"], flash().pool_block, flash().pool_max_blocks)}
@@ -830,15 +864,19 @@ class ReindexTopkTile(Tile):
         inputs["pool_blocks"] = _random_pool(inputs["n_visible"], N, P, blk, gen)  # [B, S, P]
         return inputs
 
-    def run(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
-        cfg, arch, k, blk = kernel
+    def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
+        _, _, k, blk = kernel
         q, pool = inputs["q"], inputs["pool_blocks"]
         B, S, P = pool.shape
         scores = poisoned((B, S, P * blk), torch.float32, q.device)  # [B, S, P*block]
         out = poisoned((B, S, k), torch.int32, q.device)  # [B, S, K]
-        words, scales = _index_k_words(inputs["k_packed"], inputs["k_scales"])
-        _launch_reindex(cfg, arch, q, inputs["weights"], words, scales, inputs["n_visible"], pool, blk, scores, out)
         return {"topk": out, "pool_scores": scores}
+
+    def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
+        cfg, arch, _, blk = kernel
+        words, scales = _index_k_words(inputs["k_packed"], inputs["k_scales"])
+        args = (inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], inputs["pool_blocks"], blk)
+        _launch_reindex(cfg, arch, *args, outputs["pool_scores"], outputs["topk"])
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         scores = _reference_scores(inputs)  # [B, S, N]: the reference scores everything
