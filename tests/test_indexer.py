@@ -33,6 +33,11 @@ def test_default_compiles_sm90(tile):
     assert tile.build(shape, tile.default_config(SM90), SM90) is not None
 
 
+def test_table_dequant_compiles_sm90():
+    shape = ix.INDEXER_TOPK.shapes()[0]
+    assert ix.INDEXER_TOPK.build(shape, {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "lut"}, SM90) is not None
+
+
 def test_constraints_prune():
     space = ix.INDEXER_TOPK.search_space(SM90)
     shape = ix.INDEXER_TOPK.shapes()[0]

@@ -468,6 +468,7 @@ def _rope() -> RopeConfig:
 
 
 def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
+    config = {**COMPRESSOR.default_config(arch), **config}  # a partial config is judged with the defaults filled in
     bg, kc = config["block_g"], config["k_chunk"]
     need = (
         bg * D * 4

@@ -661,6 +661,7 @@ def _merge(*comparisons: Comparison) -> Comparison:
 
 
 def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
+    config = {**_SCORE_DEFAULT, **config}  # a partial config is judged with the defaults filled in
     bn = config["block_n"]
     need = HEADS * HEAD_DIM * 2 + max(1, config["stages"]) * bn * (HEAD_DIM // 2 + 4 + 4)
     need += bn * HEAD_DIM * 2 if config["dequant"] == "shared" else 0
@@ -668,6 +669,7 @@ def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
 
 
 def _warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
+    config = {**_SCORE_DEFAULT, **config}
     # FullRow splits the entry tile across warpgroups: each needs at least 64 rows for wgmma.
     rows = config["block_n"] // (config["threads"] // 128)
     return None if rows >= 64 else f"block_n={config['block_n']} gives {rows} rows per warpgroup (< 64)"
