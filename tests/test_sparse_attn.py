@@ -52,7 +52,7 @@ def test_search_space_has_structural_choices(tile):
 def test_constraints_prune():
     tile = sa.DECODE_TILE
     shape = tile.shape("decode_b64_s1")
-    base = tile.default_config(SM90)
+    base = {**tile.default_config(SM90), "schedule": "pipelined"}
     space = tile.search_space(SM90)
     ws = {**base, "schedule": "ws"}
     assert space.violations(ws, shape, SM90) == []
@@ -166,12 +166,15 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b64_s1", None),
     (sa.DECODE_TILE, "decode_b128_s2", None),
     (sa.DECODE_TILE, "decode_b1_s1", None),
-    (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "ws"}),
-    (sa.DECODE_TILE, "decode_b16_s2", {"dequant": "staged", "n_split": 1}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
+    (sa.DECODE_TILE, "decode_b16_s2", {"schedule": "pipelined", "dequant": "staged", "n_split": 1}),
     (sa.PREFILL_TILE, "prefill_s4k", None),
-    (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "ws"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined", "dequant": "staged"}),
     (sa.BF16_TILE, "decode_b64_s1", None),
     (sa.BF16_TILE, "prefill_s4k", None),
+    (sa.BF16_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
 ]
 
 

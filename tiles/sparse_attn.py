@@ -24,11 +24,11 @@ Split-KV (``n_split`` > 1, decode): the index list (window blocks then top-k blo
 into ``n_split`` ranges, each block writes a partial output and its log-sum-exp, and a small
 combine kernel merges them together with the sink.
 
-Index policy: -1 is skipped (masked; the quantised paths write a zero row, the bf16 path gathers row 0
-as a plain cp.async copy and gives it P = 0, as the reference does); a repeated index counts each time;
-an index past the cache length is rejected by the wrapper only when ``check_indices=True`` (one host
-sync, off by default: in the model the indexer produces in-range indices by construction). Unchecked,
-TileLang's guarded loads read zeros for such a row instead of faulting.
+Index policy: -1 is skipped (masked: its KV row is written as zeros, so no garbage reaches the GEMM);
+a repeated index counts each time; an index past the cache length is rejected by the wrapper only when
+``check_indices=True`` (one host sync, off by default: in the model the indexer produces in-range
+indices by construction). Unchecked, TileLang's guarded loads read zeros for such a row instead of
+faulting.
 """
 
 from collections.abc import Mapping
@@ -106,6 +106,7 @@ def sparse_attn_kernel(
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
     REP = H // HB
     NBW, NBK = -(-W // BI), -(-K // BI)
+    EW, EK = -(-NBW // NS), -(-NBK // NS)
     scale2 = sm_scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
     fp4 = kv_format == "fp4"
@@ -151,16 +152,17 @@ def sparse_attn_kernel(
 
             b_i, s_i = by, bx // REP
             h0 = (bx % REP) * HB
-            # This split's share of each list: window blocks [w_lo, w_hi) and top-k blocks [k_lo, k_hi).
-            w_lo, w_hi = bz * NBW // NS, (bz + 1) * NBW // NS
-            k_lo, k_hi = bz * NBK // NS, (bz + 1) * NBK // NS
+            # This split's share of each list: EW window blocks from bz * EW and EK top-k blocks from bz * EK.
+            # Static trip counts: dynamic ones made T.Pipelined emit wrong code at 8 splits and fail to compile
+            # at 2 or 4 (GPU runs 1-2). A block past the end of its list is masked by ``pos < W`` / ``pos < K``.
+            w_lo, k_lo = bz * EW, bz * EK
 
             T.fill(acc_o, 0)
             T.fill(sumexp, 0)
             T.fill(m_i, -(2**30))  # finite so that an all-masked block gives exp2(-inf) = 0, not NaN
             T.copy(Q[b_i, s_i, h0 : h0 + HB, :], Q_shared)
 
-            for i in T.Pipelined(w_hi - w_lo, num_stages=num_stages):
+            for i in T.Pipelined(EW, num_stages=num_stages):
                 blk = w_lo + i
                 for bi in T.Parallel(BI):
                     pos = blk * BI + bi
@@ -171,12 +173,12 @@ def sparse_attn_kernel(
                         val = T.cast(WinA[b_i, row, d], f32) * _e8m0(WinB[b_i, row, d // 32])
                         KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
                 else:
-                    # a plain gather (cp.async under T.Pipelined); a -1 slot reads row 0 and gets P = 0
                     for bi, d in T.Parallel(BI, D):
-                        KV_shared[bi, d] = WinA[b_i, T.max(idx_shared[bi], 0), d]
+                        row = T.max(idx_shared[bi], 0)
+                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, WinA[b_i, row, d], T.cast(0, bf16))
                 _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
 
-            for i in T.Pipelined(k_hi - k_lo, num_stages=0 if staged else num_stages, order=k_order, stage=k_stage):
+            for i in T.Pipelined(EK, num_stages=0 if staged else num_stages, order=k_order, stage=k_stage):
                 blk = k_lo + i
                 for bi in T.Parallel(BI):
                     pos = blk * BI + bi
@@ -199,7 +201,8 @@ def sparse_attn_kernel(
                         KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
                 else:
                     for bi, d in T.Parallel(BI, D):
-                        KV_shared[bi, d] = MainA[b_i, T.max(idx_shared[bi], 0), d]
+                        row = T.max(idx_shared[bi], 0)
+                        KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, MainA[b_i, row, d], T.cast(0, bf16))
                 _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
 
             if NS == 1:
@@ -889,7 +892,9 @@ class SparseAttnTile(Tile):
 
     def default_config(self, arch: Arch) -> Config:
         if arch.family == "hopper":
-            cfg: Config = {"schedule": "pipelined", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64}
+            # FlashMLA's decode design, TileLang's sparse_mla_fwd_pipelined: a producer warpgroup gathers and
+            # dequantises into two KV buffers while two consumer warpgroups run the GEMMs and the softmax.
+            cfg: Config = {"schedule": "ws", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64}
         elif arch.smem_per_block >= 160 * 1024:  # A100: the Hopper tiles, single-buffered to fit 163 KiB
             cfg = {"schedule": "pipelined", "block_I": 64, "num_stages": 1, "threads": 256, "heads_per_block": 64}
         else:  # sm86/sm89: 99 KiB per block
