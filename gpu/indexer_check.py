@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 IDX = {"B": 0, "S": 0, "N": 0, "Hi": 32, "Di": 128, "K": 512}
 ALT_TOPK = {
     "regs": {"dequant": "registers"},
+    "lut": {"dequant": "lut"},
+    "fp8": {"dequant": "fp8"},
     "radix11": {"radix_bits": 11},
     "deep": {"tiles_per_cta": 16, "stages": 3},
 }
@@ -70,8 +72,9 @@ PLAN = {
     ),
     "reindex": (
         "reindex_topk",
-        [("decode_b64_n32k", {}), ("decode_b1_n128k", {}), (_odd_pool(3, 2, 4001), {}), ("decode_b64_n32k", ALT_TOPK["regs"])],
-        [("decode_b64_n128k", ["default", "regs"]), ("decode_b1_n128k", ["default"])],
+        [("decode_b64_n32k", {}), ("decode_b1_n128k", {}), (_odd_pool(3, 2, 4001), {})]
+        + [("decode_b64_n32k", ALT_TOPK[k]) for k in ("regs", "lut", "fp8")],
+        [("decode_b64_n128k", ["default", "regs", "lut", "fp8"]), ("decode_b1_n128k", ["default"])],
     ),
     "compressor": (
         "compressor",

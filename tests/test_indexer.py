@@ -33,9 +33,20 @@ def test_default_compiles_sm90(tile):
     assert tile.build(shape, tile.default_config(SM90), SM90) is not None
 
 
-def test_table_dequant_compiles_sm90():
-    shape = ix.INDEXER_TOPK.shapes()[0]
-    assert ix.INDEXER_TOPK.build(shape, {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "lut"}, SM90) is not None
+@pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
+@pytest.mark.parametrize("dequant", ["lut", "fp8"])
+def test_dequant_options_compile_sm90(tile, dequant):
+    shape = tile.shapes()[0]
+    assert tile.build(shape, {**tile.default_config(SM90), "dequant": dequant}, SM90) is not None
+
+
+def test_fp8_queries_are_exact():
+    inputs = ix._indexer_inputs(2, 3, 10, 3, "cpu", causal=False)
+    q = inputs["q"]  # FP4 fake-quantised, bf16
+    q8, scales = ix._q_to_fp8(q)
+    assert q8.dtype == torch.float8_e4m3fn and scales.shape == (2, 3, 32, 4)
+    back = (q8.float().view(2, 3, 32, 4, 32) * scales.unsqueeze(-1)).view(q.shape)
+    assert torch.equal(back, q.float())
 
 
 def test_constraints_prune():
