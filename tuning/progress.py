@@ -84,8 +84,7 @@ class TuneProgress:
             for col in ("best", "default", "speedup"):
                 table.add_column(col, justify="right")
         table.add_column("outcomes")
-        if not compile_only:
-            table.add_column("winner")
+        table.add_column("winner" if not compile_only else "configs/min", justify="left" if not compile_only else "right")
         for s in summaries:
             outcomes = " ".join(f"{k}:{v}" for k, v in sorted(s.outcomes.items()))
             row = [s.tile, s.shape, str(s.trials)]
@@ -93,7 +92,8 @@ class TuneProgress:
                 winner = " ".join(f"{k}={v}" for k, v in sorted(s.best.params.items())) if s.best else "-"
                 row += [_fmt_ms(s.best_ms), _fmt_ms(s.default_ms), f"{s.speedup:.2f}x" if s.speedup else "-", outcomes, winner]
             else:
-                row += [outcomes]
+                rate = f"{60 * s.ran / s.wall_s:.1f}" if s.wall_s > 0 and s.ran else "-"
+                row += [outcomes, rate]
             table.add_row(*row)
         return table
 

@@ -79,6 +79,8 @@ class StudySummary:
     best: FrozenTrial | None
     default_ms: float | None
     compile_only: bool = False
+    ran: int = 0  # trials this process finished (compiled or timed) in this run
+    wall_s: float = 0.0
 
     @property
     def best_ms(self) -> float | None:
@@ -231,6 +233,7 @@ class StudyRunner:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._consecutive_repeats = 0
+        self._ran = 0
 
     # -- setup --
     def prepare(self) -> None:
@@ -281,14 +284,17 @@ class StudyRunner:
 
     def run(self) -> StudySummary:
         self.prepare()
-        deadline = None if self.opts.timeout_s is None else time.monotonic() + self.opts.timeout_s
+        t0 = time.monotonic()
+        deadline = None if self.opts.timeout_s is None else t0 + self.opts.timeout_s
         n_lanes = len(self.compile_pool.workers) + (len(self.gpu_pool.workers) if self.gpu_pool else 0)
         lanes = [threading.Thread(target=self.lane, args=(deadline,), daemon=True) for _ in range(max(1, n_lanes))]
         for t in lanes:
             t.start()
         for t in lanes:
             t.join()
-        return summarize(self.study, self.tile, self.shape, self.default, self.opts.compile_only)
+        summary = summarize(self.study, self.tile, self.shape, self.default, self.opts.compile_only)
+        summary.ran, summary.wall_s = self._ran, time.monotonic() - t0
+        return summary
 
     # -- one trial --
     def _finish(self, trial: optuna.Trial, attrs: dict, state: TrialState, value: float | None = None) -> None:
@@ -296,6 +302,8 @@ class StudyRunner:
             trial.set_user_attr(k, v)
         with self._lock:
             self.study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
+            if attrs.get("outcome") != DUPLICATE and "repeat_of" not in attrs:
+                self._ran += 1
         if self.progress is not None:
             self.progress.on_trial(self, trial.number, attrs)
 
@@ -326,6 +334,7 @@ class StudyRunner:
             return
         with self._lock:
             self._consecutive_repeats = 0
+        self._ran = 0
 
         reasons = self.space.violations(config, self.shape, self.arch)
         if reasons:

@@ -23,7 +23,6 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import re
 import threading
 import time
 import traceback
@@ -93,16 +92,18 @@ def evaluate_on_gpu(tile_ref_: str, shape_name: str, config: dict, arch_name: st
 
 
 def kernel_resources(kernel) -> dict:
-    """Dynamic shared memory a TileLang kernel requests, read from its host source (empty when unknown)."""
-    kernels = kernel if isinstance(kernel, list | tuple) else getattr(kernel, "kernels", [kernel])
-    smem = []
-    for k in kernels if isinstance(kernels, list | tuple) else [kernel]:
-        try:
-            host = k.get_host_source()
-        except Exception:  # noqa: BLE001, S112  (pure-python or non-TileLang kernels have no host source)
-            continue
-        smem += [int(v) for v in re.findall(r"MaxDynamicSharedMemorySize,\s*(\d+)", host or "")]
-    return {"smem_bytes": max(smem)} if smem else {}
+    """Registers and spills per thread of the TileLang kernels inside ``kernel``, where TileLang reports them.
+
+    TileLang 0.1.15 fills ``JITKernel.n_regs``/``n_spills`` for HIP only; CUDA builds give an
+    empty dict here (reading the cubin needs ``cuobjdump``, which the CPU image does not ship).
+    Tiles often wrap several kernels in one object, so its attributes are searched one level deep.
+    """
+    found = [kernel] if hasattr(kernel, "get_kernel_source") else []
+    parts = kernel if isinstance(kernel, list | tuple) else list(getattr(kernel, "__dict__", {}).values())
+    found += [k for k in parts if hasattr(k, "get_kernel_source")]
+    regs = [k.n_regs for k in found if getattr(k, "n_regs", None) is not None]
+    spills = [k.n_spills for k in found if getattr(k, "n_spills", None) is not None]
+    return ({"registers": max(regs)} if regs else {}) | ({"spills": max(spills)} if spills else {})
 
 
 def _worker_main(conn, env: dict[str, str]) -> None:
