@@ -381,7 +381,13 @@ class CompressorTile(Tile):
         return SearchSpace(params, (Constraint("smem", _smem_compress),))
 
     def default_config(self, arch: Arch) -> Config:
-        return {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64}
+        # 32 groups per CTA with 64-wide projection chunks where shared memory allows (Hopper),
+        # else the largest tile that fits the arch's per-block shared memory.
+        for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
+            cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk}
+            if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
+                return cfg
+        return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = {**self.default_config(arch), **config}
@@ -468,7 +474,7 @@ def _rope() -> RopeConfig:
 
 
 def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
-    config = {**COMPRESSOR.default_config(arch), **config}  # a partial config is judged with the defaults filled in
+    config = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64, **config}  # a partial config is judged with defaults
     bg, kc = config["block_g"], config["k_chunk"]
     need = (
         bg * D * 4
