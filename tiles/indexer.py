@@ -548,7 +548,9 @@ def indexer_topk(
             such values are exact in bf16, so fp32 queries are converted to bf16 losslessly.
         weights: fp32 [B, S, 32] per-head weights (already scaled by 128^-0.5 * 32^-0.5).
         k_packed: uint8 [B, N, 64] packed FP4 index K (even element in the low nibble).
-        k_scales: uint8 [B, N, 4] E8M0 scale bytes, one per 32 dims.
+        k_scales: uint8 [B, N, 4] E8M0 scale bytes, one per 32 dims. Both are read as int32
+            words; a strided view of a larger cache (``buf[:, :n]``) is made contiguous first
+            (a copy), so pass contiguous caches on the hot path.
         n_visible: int32/int64 [B, S]; entries j >= n_visible[b, s] are not visible.
         topk: how many positions to keep (512 in v4.1-flash).
         return_scores: also return the scores.
