@@ -10,19 +10,23 @@ them. Hopper has no FP4 MMA: the gathered rows are dequantised to bf16 in shared
 
 Schedules (a tile parameter):
 
-* ``pipelined``: all threads gather + dequantise, then both GEMMs; ``T.Pipelined`` overlaps
-  the next block's loads with this block's math (sm80+: the GEMMs fall back to mma.sync).
-* ``ws``: warp specialisation after FlashMLA / TileLang's ``sparse_mla_fwd_pipelined``: one
-  producer warpgroup gathers and dequantises into two KV buffers while two consumer
-  warpgroups each own half of the 512 output columns (Hopper only: mbarriers + setmaxnreg).
+* ``ws`` (the Hopper default): warp specialisation after FlashMLA / TileLang's
+  ``sparse_mla_fwd_pipelined``: one producer warpgroup gathers and dequantises into two KV buffers
+  while consumer warpgroup 0 computes S, the online softmax and the left half of O, warpgroup 1 the
+  right half (Hopper only: mbarriers, wgmma, setmaxnreg).
+* ``pipelined``: all threads gather + dequantise, then both GEMMs; ``T.Pipelined`` prefetches the
+  next block's indices (and, with ``dequant="staged"``, its raw bytes). The sm80/86/89 schedule
+  (the GEMMs lower to mma.sync there).
 
-``dequant`` picks how the quantised bytes reach shared memory: ``direct`` (each thread reads
-the global bytes into registers, dequantises, stores bf16) or ``staged`` (raw bytes are first
-copied into shared memory, vectorised, then dequantised shared -> shared).
+``dequant`` (FP4 tiles, pipelined schedule) picks how the quantised bytes reach shared memory:
+``direct`` (global -> registers -> bf16 smem, synchronous) or ``staged`` (the raw FP4 words and scales
+are cp.async'ed into smem one block ahead, then dequantised smem -> smem). FP4 codes are read as int32
+words, 8 codes per load, all inside one 16-wide scale group.
 
-Split-KV (``n_split`` > 1, decode): the index list (window blocks then top-k blocks) is cut
-into ``n_split`` ranges, each block writes a partial output and its log-sum-exp, and a small
-combine kernel merges them together with the sink.
+Split-KV (``n_split`` > 1, decode): each split takes a share of the window blocks and of the top-k
+blocks, writes its partial output (normalised by its own sum) and its log2-sum-exp, and a small
+combine kernel merges the splits together with the sink. ``n_split="auto"`` picks the fewest
+power-of-two splits that give at least two blocks per SM.
 
 Index policy: -1 is skipped (masked: its KV row is written as zeros, so no garbage reaches the GEMM);
 a repeated index counts each time; an index past the cache length is rejected by the wrapper only when
