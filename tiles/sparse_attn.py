@@ -921,27 +921,29 @@ class SparseAttnTile(Tile):
     def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
         return make_attention_inputs(shape, seed, device, self.kv_format)
 
-    def run(self, kernel: CompiledAttention, inputs: Inputs) -> dict[str, torch.Tensor]:
-        q = inputs["q"]
-        out = poisoned(q.shape, torch.bfloat16, q.device)  # [B, S, H, D]
+    def alloc_outputs(self, kernel: CompiledAttention, inputs: Inputs) -> dict[str, torch.Tensor]:
+        return {"out": poisoned(inputs["q"].shape, torch.bfloat16, inputs["q"].device)}  # [B, S, H, D]
+
+    def launch(self, kernel: CompiledAttention, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
+        q, out = inputs["q"], outputs["out"]
         if self.kv_format == "fp4":
+            f8 = torch.float8_e4m3fn
             kernel(
                 q,
-                inputs["window_codes"].view(torch.float8_e4m3fn),
+                inputs["window_codes"].view(f8),
                 inputs["window_scales"],
                 inputs["window_idx"],
                 inputs["main_packed"].view(torch.int32),
-                inputs["main_scales"].view(torch.float8_e4m3fn),
+                inputs["main_scales"].view(f8),
                 inputs["topk_idx"],
                 inputs["sink"],
                 out=out,
             )
         else:
-            dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1]
+            dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1], the bf16 kernel has no scale tensors
             kernel(
                 q, inputs["window_kv"], dummy, inputs["window_idx"], inputs["main_kv"], dummy, inputs["topk_idx"], inputs["sink"], out=out
             )
-        return {"out": out}
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         if self.kv_format == "fp4":
