@@ -334,7 +334,6 @@ class StudyRunner:
             return
         with self._lock:
             self._consecutive_repeats = 0
-        self._ran = 0
 
         reasons = self.space.violations(config, self.shape, self.arch)
         if reasons:
