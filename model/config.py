@@ -290,7 +290,28 @@ def _tiny() -> ModelConfig:
     )
 
 
-PRESETS = {"v4.1-flash": _flash, "small": _small, "tiny": _tiny}
+def _flash_mini() -> ModelConfig:
+    # The v4.1-flash attention geometry (64 heads x 512, indexer 32 x 128, window 128, top-k 512,
+    # pool 2048 x 8, FP4 groups) in a narrow 8-layer model: every kernel of the tiles backend runs
+    # at its real shapes, while the model builds in a second. For GPU checks of tiles vs torch.
+    return _flash().replace(
+        name="flash-mini",
+        dim=1024,
+        n_layers=8,
+        n_encoder_layers=4,
+        q_lora_rank=256,
+        o_lora_rank=256,
+        compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1),
+        kv_source_layers=(1, 4),
+        index_source_layers=(1, 4, 6),
+        pool_source_layer=4,
+        vocab_size=1024,
+        ffn_inter=1024,
+        max_seq_len=1 << 17,
+    )
+
+
+PRESETS = {"v4.1-flash": _flash, "small": _small, "tiny": _tiny, "flash-mini": _flash_mini}
 
 
 def preset(name: str) -> ModelConfig:
