@@ -137,6 +137,14 @@ def test_sparse_attention_rejects_out_of_range_indices_on_request():
         sa.sparse_attention(*args, scale=SCALE)
 
 
+def test_sparse_attention_accepts_swa_only_and_no_sink():
+    q, wc, ws, wi, *_ = _cpu_inputs()
+    no_main = torch.zeros(2, 0, 256, dtype=torch.uint8), torch.zeros(2, 0, 32, dtype=torch.uint8)  # [B, 0, D/2], [B, 0, D/16]
+    no_topk = torch.zeros(2, 3, 0, dtype=torch.int32)  # [B, S, 0]
+    with pytest.raises(TileError, match="CUDA device"):  # every check passed: only the device is left
+        sa.sparse_attention(q, wc, ws, wi, *no_main, no_topk, None, SCALE, check_indices=True)
+
+
 def test_sparse_attention_bf16_rejects_bad_input():
     q, *_ = _cpu_inputs()
     wi = torch.zeros(2, 3, 16, dtype=torch.int32)
@@ -223,6 +231,20 @@ def test_sparse_attention_edge_rows(B, S):
     wi[-1, -1] = -1
     out = sa.sparse_attention(q, wc, ws, wi, mp, ms, ti, sink, SCALE, check_indices=True)
     ref = _public_reference(q, wc, ws, wi, mp, ms, ti, sink)
+    assert (out[0, 0] == 0).all()
+    assert torch.isfinite(out).all()
+    assert relative_l2({"out": out}, {"out": ref}, sa.TOLERANCE).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S", [(4, 1), (1, 300)], ids=["decode", "prefill"])
+def test_sparse_attention_swa_only_without_sink(B, S):
+    q, wc, ws, wi, mp, ms, ti, _ = _public_inputs(B, S)
+    no_main = mp[:, :0].contiguous(), ms[:, :0].contiguous()  # [B, 0, D/2], [B, 0, D/16]
+    no_topk = ti[..., :0].contiguous()  # [B, S, 0]
+    wi[0, 0] = -1  # no valid index and no sink: still exact zeros
+    out = sa.sparse_attention(q, wc, ws, wi, *no_main, no_topk, None, SCALE)
+    ref = ref_attention(q, fp8_dequantize(wc, ws), wi, torch.zeros(B, 0, 512, device="cuda"), no_topk, None, SCALE)
     assert (out[0, 0] == 0).all()
     assert torch.isfinite(out).all()
     assert relative_l2({"out": out}, {"out": ref}, sa.TOLERANCE).ok

@@ -214,7 +214,8 @@ def sparse_attn_kernel(
                 for h in T.Parallel(HB):
                     alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
                     sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
-                    sumexp_i[h] = T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h]
+                    # zero denominator only without a sink (sink = -inf) and no valid index: the row is zeros
+                    sumexp_i[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
                 for h, d in T.Parallel(HB, D):
                     acc_o[h, d] = acc_o[h, d] * sumexp_i[h]
                 T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, :])
@@ -271,7 +272,7 @@ def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
             m = T.alloc_local([1], f32)
             den = T.alloc_local([1], f32)
             acc = T.alloc_fragment([D], f32)
-            m[0] = Sink[h] * LOG2E
+            m[0] = T.max(Sink[h] * LOG2E, -1e30)  # finite even without a sink (-inf), so exp2 never sees -inf - -inf
             for k in T.serial(NS):
                 m[0] = T.max(m[0], LsePart[b, s, k, h])
             den[0] = T.exp2(Sink[h] * LOG2E - m[0])
@@ -283,7 +284,7 @@ def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
                 for d in T.Parallel(D):
                     acc[d] = acc[d] + OPart[b, s, k, h, d] * w[k]
             for d in T.Parallel(D):
-                Out[b, s, h, d] = T.cast(acc[d] / den[0], "bfloat16")
+                Out[b, s, h, d] = T.cast(T.if_then_else(den[0] > 0, acc[d] / den[0], 0.0), "bfloat16")
 
     return main
 
@@ -425,7 +426,7 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                     for h in T.Parallel(HB):
                         alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
                         sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
-                        final_shared[h] = T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h]
+                        final_shared[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
                 else:
                     for h in T.Parallel(HB):
                         final_shared[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
@@ -643,6 +644,19 @@ def _require_cuda(q: torch.Tensor) -> None:
     _require(q.is_cuda, "q must be on a CUDA device: the kernels run on the GPU (use model.ops.sparse_attention on the CPU)")
 
 
+_NO_SINK: dict[tuple, torch.Tensor] = {}
+
+
+def _sink_or_none(sink: torch.Tensor | None, heads: int, device: torch.device) -> torch.Tensor:
+    """No sink is a sink of -inf: exp(-inf) adds nothing to the denominator."""
+    if sink is not None:
+        return sink
+    key = (heads, str(device))
+    if key not in _NO_SINK:
+        _NO_SINK[key] = torch.full((heads,), float("-inf"), dtype=torch.float32, device=device)  # [H]
+    return _NO_SINK[key]
+
+
 def _check_common(q, window_idx, topk_idx, sink, nw: int, nc: int, check_indices: bool) -> tuple[int, int, int, int, int, int]:
     _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
     B, S, H, D = q.shape
@@ -653,10 +667,11 @@ def _check_common(q, window_idx, topk_idx, sink, nw: int, nc: int, check_indices
     _require(window_idx.dim() == 3 and topk_idx.dim() == 3, "window_idx and topk_idx must be [B, S, W] and [B, S, K]")
     W, K = window_idx.shape[-1], topk_idx.shape[-1]
     _require(1 <= W <= 128, f"window_idx holds {W} slots per token; the SWA window is 1..128")
-    _require(1 <= K <= 2048, f"topk_idx holds {K} slots per token; 1..2048 are supported")
+    _require(0 <= K <= 2048, f"topk_idx holds {K} slots per token; 0..2048 are supported")
     _check_tensor(window_idx, "window_idx", torch.int32, (B, S, W), q.device)
     _check_tensor(topk_idx, "topk_idx", torch.int32, (B, S, K), q.device)
-    _check_tensor(sink, "sink", torch.float32, (H,), q.device)
+    if sink is not None:
+        _check_tensor(sink, "sink", torch.float32, (H,), q.device)
     if check_indices:
         for idx, n, name in ((window_idx, nw, "window_idx"), (topk_idx, nc, "topk_idx")):
             lo_hi = torch.stack([idx.min(), idx.max()]).tolist() if idx.numel() else [-1, -1]
@@ -710,7 +725,7 @@ def sparse_attention(
     main_packed: torch.Tensor,
     main_scales: torch.Tensor,
     topk_idx: torch.Tensor,
-    sink: torch.Tensor,
+    sink: torch.Tensor | None,
     scale: float = _DEFAULT_SCALE,
     config: Config | None = None,
     check_indices: bool = False,
@@ -724,8 +739,8 @@ def sparse_attention(
         window_idx: int32 [B, S, W] indices into the window KV (W <= 128), -1 = unused.
         main_packed: uint8 [B, Nc, D/2] packed FP4 E2M1 main KV (even element in the low nibble).
         main_scales: uint8 (or float8_e4m3fn) [B, Nc, D/16] E4M3 scale bytes.
-        topk_idx: int32 [B, S, K] indices into the main KV, -1 = unused.
-        sink: float32 [H] per-head sink logits.
+        topk_idx: int32 [B, S, K] indices into the main KV, -1 = unused. K = 0 (or Nc = 0): an SWA-only layer.
+        sink: float32 [H] per-head sink logits, or None for no sink.
         scale: softmax scale (512^-0.5 in the model).
         config: tile config overriding the tuned winner / default (keys of the tile's search space).
         check_indices: reject indices outside [-1, N) with a TileError (costs one host sync).
@@ -744,6 +759,11 @@ def sparse_attention(
     _check_tensor(main_packed, "main_packed", torch.uint8, (B, nc, D // 2), q.device)
     _check_tensor(mscales, "main_scales", torch.uint8, (B, nc, D // 16), q.device)
     _require_cuda(q)
+    if K == 0 or nc == 0:  # SWA-only layer: one masked top-k slot over a one-row dummy cache
+        topk_idx = torch.full((B, S, 1), -1, dtype=torch.int32, device=q.device)  # [B, S, 1]
+        main_packed = torch.zeros(B, 1, D // 2, dtype=torch.uint8, device=q.device)  # [B, 1, D/2]
+        mscales = torch.zeros(B, 1, D // 16, dtype=torch.uint8, device=q.device)  # [B, 1, D/16]
+        nc, K = 1, 1
     tile = _dispatch(B, S, bf16=False)
     arch = _arch_of(q.device)
     dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
@@ -757,7 +777,7 @@ def sparse_attention(
         main_packed.view(torch.int32),
         mscales.view(torch.float8_e4m3fn),
         topk_idx,
-        sink,
+        _sink_or_none(sink, H, q.device),
     )
 
 
@@ -767,7 +787,7 @@ def sparse_attention_bf16(
     window_idx: torch.Tensor,
     main_kv: torch.Tensor,
     topk_idx: torch.Tensor,
-    sink: torch.Tensor,
+    sink: torch.Tensor | None,
     scale: float = _DEFAULT_SCALE,
     config: Config | None = None,
     check_indices: bool = False,
@@ -786,12 +806,17 @@ def sparse_attention_bf16(
     _check_tensor(window_kv, "window_kv", torch.bfloat16, (B, nw, D), q.device)
     _check_tensor(main_kv, "main_kv", torch.bfloat16, (B, nc, D), q.device)
     _require_cuda(q)
+    if K == 0 or nc == 0:  # SWA-only layer: one masked top-k slot over a one-row dummy cache
+        topk_idx = torch.full((B, S, 1), -1, dtype=torch.int32, device=q.device)  # [B, S, 1]
+        main_kv = torch.zeros(B, 1, D, dtype=torch.bfloat16, device=q.device)  # [B, 1, D]
+        nc, K = 1, 1
     tile = _dispatch(B, S, bf16=True)
     arch = _arch_of(q.device)
     dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
     cfg = _pick_config(tile, arch, dims, config)
     dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1], the bf16 kernel has no scale tensors
-    return compiled(H, D, W, K, scale, "bf16", cfg, arch)(q, window_kv, dummy, window_idx, main_kv, dummy, topk_idx, sink)
+    kernel = compiled(H, D, W, K, scale, "bf16", cfg, arch)
+    return kernel(q, window_kv, dummy, window_idx, main_kv, dummy, topk_idx, _sink_or_none(sink, H, q.device))
 
 
 # ----------------------------------------------------------------------------------------------
