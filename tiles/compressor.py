@@ -180,11 +180,21 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
                         for i, n in T.Parallel(block_g, DI):
                             kacc[i, n] += rot_s[i, kc * k_chunk + kk] * b_hi[n, kk]
             # 6. k_norm, RoPE, FP4 into the index cache: E8M0 (power of two) scale per 32.
-            for i, n in T.Parallel(block_g, DI):
-                ksq[i, n] = kacc[i, n] * kacc[i, n]
-            T.reduce_sum(ksq, kss, dim=1)
-            for i, n in T.Parallel(block_g, DI):
-                k_s[i, n] = kacc[i, n] * T.rsqrt(kss[i] / DI + eps[0]) * kw_s[n]
+            if block_g >= 32:
+                for i, n in T.Parallel(block_g, DI):
+                    ksq[i, n] = kacc[i, n] * kacc[i, n]
+                T.reduce_sum(ksq, kss, dim=1)
+                for i, n in T.Parallel(block_g, DI):
+                    k_s[i, n] = kacc[i, n] * T.rsqrt(kss[i] / DI + eps[0]) * kw_s[n]
+            else:
+                # A 16-row MMA accumulator layout cannot feed TileLang's row reduction directly:
+                # stage the projection through shared memory and reduce a fresh fragment.
+                T.copy(kacc, k_s)
+                for i, n in T.Parallel(block_g, DI):
+                    ksq[i, n] = k_s[i, n] * k_s[i, n]
+                T.reduce_sum(ksq, kss, dim=1)
+                for i, n in T.Parallel(block_g, DI):
+                    k_s[i, n] = k_s[i, n] * T.rsqrt(kss[i] / DI + eps[0]) * kw_s[n]
             for i, p in T.Parallel(block_g, R):
                 g = T.min(g0 + i, G - 1)
                 ev, od = k_s[i, DI - ROPE + 2 * p], k_s[i, DI - ROPE + 2 * p + 1]
