@@ -823,7 +823,7 @@ def sparse_attention_bf16(
 # Tiles
 # ----------------------------------------------------------------------------------------------
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
-_BLACKWELL = "not built for Blackwell: it wants native FP4 MMA (tcgen05 block-scaled) instead of dequantising to bf16 for wgmma"
+_BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
 def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arch: Arch) -> int:
