@@ -377,10 +377,14 @@ class StudyRunner:
 
 
 def select_shapes(tile: Tile, which: str) -> list[Shape]:
-    """``decode``, ``prefill`` or ``all`` (shapes whose phase is ``any`` belong to both)."""
-    if which not in ("decode", "prefill", "all"):
-        raise TuneError(f"--shapes {which!r}: choose decode, prefill or all")
-    return [s for s in tile.shapes() if which == "all" or s.phase in (which, "any")]
+    """``decode``, ``prefill``, ``all`` (shapes whose phase is ``any`` belong to both), or
+    comma-separated shape names (a tile without any of the named shapes gets none)."""
+    if which in ("decode", "prefill", "all"):
+        return [s for s in tile.shapes() if which == "all" or s.phase in (which, "any")]
+    names = {n.strip() for n in which.split(",") if n.strip()}
+    if not names:
+        raise TuneError(f"--shapes {which!r}: choose decode, prefill, all or shape names")
+    return [s for s in tile.shapes() if s.name in names]
 
 
 def tune(tiles: list[Tile], opts: TuneOptions, shapes: str = "all", progress=None) -> list[StudySummary]:

@@ -20,7 +20,7 @@ from tiles.contract import TileError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="auto", help=f"auto (detect the GPU) or one of {', '.join(ARCHS)}")
     parser.add_argument("--tile", default="all", help="tile name, comma-separated names, or all")
-    parser.add_argument("--shapes", default="all", choices=["decode", "prefill", "all"], help="which shape buckets to tune")
+    parser.add_argument("--shapes", default="all", help="decode, prefill, all, or comma-separated shape names")
     parser.add_argument("--trials", type=int, default=40, help="finished trials per (tile, shape) study, counting earlier runs")
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="wall-clock budget per study in seconds")
     parser.add_argument("--trial-timeout", type=float, default=120.0, metavar="S", help="one GPU evaluation; a hang past it is killed")
