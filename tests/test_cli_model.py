@@ -42,4 +42,4 @@ def test_lab_kv_table(capsys):
 def test_unknown_preset_is_a_one_line_error(capsys, command):
     assert main([command, "--preset", "huge"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"lab {command}: error: unknown preset 'huge': choose one of v4.1-flash, small, tiny"
+    assert err == f"lab {command}: error: unknown preset 'huge': choose one of v4.1-flash, small, tiny, flash-mini"

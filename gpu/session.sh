@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One GPU call of the lab, in phases, each under its own time limit; logs and JSON under $OUT.
+# Usage (repo root, GPU machine, after `source .devbundle/prelude.sh`):
+#   OUT=<dir> bash gpu/session.sh prewarm pytest bench e2e-quick tune e2e
+# Every phase writes $OUT/<phase>.log; the summary lines printed last say what each produced.
+set -u
+OUT=${OUT:-/tmp/lab-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}
+LAB="python3 -m lab"
+T0=$(date +%s)
+SUMMARY=()
+note() { SUMMARY+=("$(printf '%4ds %s' $(( $(date +%s) - T0 )) "$*")"); echo "== $*"; }
+
+phase_prewarm() {  # compile every tile's default for this GPU in parallel (fills TileLang's disk cache)
+  timeout "${PREWARM_S:-90}" $LAB check --compile-only --arch sm90 --tile all --jobs 16 > "$OUT/prewarm.log" 2>&1
+  note "prewarm rc=$? $(grep -c ' ok' "$OUT/prewarm.log") ok lines"
+}
+
+phase_pytest() {  # every GPU test, in parallel workers (compile-bound)
+  timeout "${PYTEST_S:-200}" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
+  note "pytest -m gpu rc=$?: $(tail -1 "$OUT/pytest_gpu.log")"
+}
+
+bench() {  # bench TILE SHAPE[,SHAPE]
+  local tile=$1 shapes=$2
+  timeout "${BENCH_S:-60}" $LAB bench --tile "$tile" --shape "$shapes" --json > "$OUT/bench_$tile.json" 2> "$OUT/bench_$tile.log"
+  note "bench $tile $shapes rc=$?"
+}
+
+phase_bench() {
+  bench sparse_attn_decode decode_b64_s1,decode_b128_s2
+  bench sparse_attn_prefill prefill_s4k
+  bench sparse_attn_bf16 decode_b128_s2,prefill_s4k
+  bench indexer_topk decode_b64_n128k,decode_b1_n128k
+  bench reindex_topk decode_b64_n128k
+  bench compressor prefill_r2_s64k,prefill_r1_s64k
+  bench fp4_quant_main bulk_1m
+  bench fp4_dequant_main bulk_1m
+}
+
+phase_e2e-quick() {
+  timeout "${E2E_QUICK_S:-120}" $LAB e2e --preset v4.1-flash --phase decode --ctx 8K --batch 64 --backend torch,tiles --configs default \
+    --runs 5 --out "$OUT/e2e-quick" > "$OUT/e2e-quick.log" 2>&1
+  note "e2e-quick rc=$?"
+}
+
+phase_tune() {
+  timeout "${TUNE_S:-240}" $LAB tune --arch auto --tile "${TUNE_TILES:-sparse_attn_decode}" --shapes "${TUNE_SHAPES:-decode_b64_s1,decode_b128_s2}" \
+    --trials "${TUNE_TRIALS:-12}" --timeout "${TUNE_STUDY_S:-60}" --compile-jobs 16 > "$OUT/tune.log" 2>&1
+  note "tune rc=$?"
+  cp results/sm90/*.yaml "$OUT/" 2>/dev/null
+}
+
+phase_e2e() {
+  timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --batch "${E2E_BATCH:-1,64}" \
+    --backend torch,tiles --configs tuned,default --runs 10 --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
+  note "e2e rc=$?"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+for phase in "$@"; do "phase_$phase"; done
+printf '%s\n' "${SUMMARY[@]}"
