@@ -42,9 +42,16 @@ SCALE_FORMATS = {"e4m3": 16, "e8m0": 32}  # scale format -> the group size it is
 
 
 def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
-    """All 16 E2M1 code values as float32 [16], index = code."""
-    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-    return torch.cat([mags, -mags])
+    """All 16 E2M1 code values as float32 [16], index = code.
+
+    Built on the device from the codes' bits (no host-to-device copy, so it may run inside a
+    CUDA graph capture): magnitude ``2^(e-1) * (1 + m/2)`` for exponent bits ``e > 0``,
+    ``m / 2`` for ``e == 0``.
+    """
+    code = torch.arange(16, device=device)
+    e, m = (code >> 1) & 3, (code & 1).float()
+    mags = torch.where(e > 0, torch.exp2(e.float() - 1) * (1 + m / 2), m / 2)
+    return torch.where(code >= 8, -mags, mags)
 
 
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:

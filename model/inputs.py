@@ -34,11 +34,19 @@ def check_tokens(tokens: object, cfg: ModelConfig, ranks: tuple[int, ...], what:
         raise InputError(f"{what}: tokens must have shape {shapes}, got {tuple(tokens.shape)}")
     if tokens.numel() == 0:
         raise InputError(f"{what}: tokens is empty; pass at least one token per sequence")
+    if _capturing(tokens):
+        # A CUDA graph capture cannot read values back to the host; the range was checked on the
+        # eager warm-up steps that every capture follows.
+        return tokens.long()
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= cfg.vocab_size:
         bad = lo if lo < 0 else hi
         raise InputError(f"{what}: token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1} of preset {cfg.name!r}")
     return tokens.long()
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def check_length(n_tokens: int, cfg: ModelConfig, what: str) -> None:

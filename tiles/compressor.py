@@ -322,7 +322,7 @@ def compress(
     kv = kv[:, : G * ratio].contiguous()
     gate = kv if ratio == 1 else gate[:, : G * ratio].contiguous()  # ratio 1 reads no gate
     wk_hi, wk_lo = split_tf32(wk)
-    eps_t = torch.tensor([eps], dtype=torch.float32, device=dev)
+    eps_t = torch.full((1,), eps, dtype=torch.float32, device=dev)  # a fill, not a host copy: capturable
     kernel = _compress_kernel(arch.nvcc_arch, ratio, cfg["block_g"], cfg["threads"], cfg["proj"], cfg["k_chunk"])
     kernel(kv, gate, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(), wk_hi, wk_lo, k_norm_weight.contiguous(), eps_t, *outs)
     return outs

@@ -393,6 +393,9 @@ def tune(tiles: list[Tile], opts: TuneOptions, shapes: str = "all", progress=Non
 
     if opts.trials < 1:
         raise TuneError(f"--trials {opts.trials}: need at least 1")
+    if not any(select_shapes(tile, shapes) for tile in tiles):
+        known = sorted({s.name for tile in tiles for s in tile.shapes()})
+        raise TuneError(f"--shapes {shapes!r} selects no shape of these tiles: use decode, prefill, all or names from {', '.join(known)}")
     if opts.workers < 1 or opts.compile_jobs < 1:
         raise TuneError("--workers and --compile-jobs need at least 1")
     if not opts.compile_only and opts.require_gpu:

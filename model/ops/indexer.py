@@ -24,7 +24,9 @@ def visible_entries(query_pos: torch.Tensor, ratio: int, n_entries: int | torch.
         int64 [B, S].
     """
     vis = torch.div(query_pos.long() + 1, ratio, rounding_mode="floor")
-    return torch.minimum(vis, torch.as_tensor(n_entries, device=vis.device).long())
+    if isinstance(n_entries, int):
+        return vis.clamp(max=n_entries)  # no host-to-device copy (CUDA graph capture)
+    return torch.minimum(vis, n_entries.to(vis.device).long())
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ _TOKENS_PER_CHUNK_BUDGET = 64 * 1024 * 1024
 def _check_indices(idx: torch.Tensor, n: int, name: str) -> None:
     if idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+    if idx.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # no host reads inside a CUDA graph capture: checked on the eager steps before it
     if idx.numel() and (int(idx.max()) >= n or int(idx.min()) < -1):
         raise IndexError(f"{name} holds values outside [-1, {n}): the cache has {n} entries")
 
