@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One GPU call of the lab, in phases, each under its own time limit; logs and JSON under $OUT.
+# One GPU call of the lab, in phases, each under its own time limit.
 # Usage (repo root, GPU machine, after `source .devbundle/prelude.sh`):
 #   OUT=<dir> bash gpu/session.sh prewarm pytest bench e2e-quick tune e2e
-# Every phase writes $OUT/<phase>.log; the summary lines printed last say what each produced.
+# Every phase writes <phase>.log (and JSON) into a work folder that is packed into one file,
+# $OUT/session.tgz, at the end (the device tool brings back only a few files per call).
 set -u
-OUT=${OUT:-/tmp/lab-out}
-mkdir -p "$OUT"
+FINAL_OUT=${OUT:-/tmp/lab-out}
+OUT=/tmp/lab-session
+rm -rf "$OUT" && mkdir -p "$OUT" "$FINAL_OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}
 LAB="python3 -m lab"
@@ -49,16 +51,18 @@ phase_e2e-quick() {
 phase_tune() {
   timeout "${TUNE_S:-240}" $LAB tune --arch auto --tile "${TUNE_TILES:-sparse_attn_decode}" --shapes "${TUNE_SHAPES:-decode_b64_s1,decode_b128_s2}" \
     --trials "${TUNE_TRIALS:-12}" --timeout "${TUNE_STUDY_S:-60}" --compile-jobs 16 > "$OUT/tune.log" 2>&1
-  note "tune rc=$?"
-  cp results/sm90/*.yaml "$OUT/" 2>/dev/null
+  note "tune rc=$? (results/sm90/*.yaml)"
+  COLUMNS=200 timeout 30 $LAB tune --arch sm90 --replay "sparse_attn_decode:sm90:decode_b64_s1" > "$OUT/replay.log" 2>&1
 }
 
 phase_e2e() {
-  timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --batch "${E2E_BATCH:-1,64}" \
-    --backend torch,tiles --configs tuned,default --runs 10 --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
+  timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --prefill-ctx "${E2E_PROMPTS:-16K}" --batch "${E2E_BATCH:-1,64}" \
+    --backend torch,tiles --configs tuned,default --runs 10 --repeats "${E2E_REPEATS:-2}" --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
   note "e2e rc=$?"
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 for phase in "$@"; do "phase_$phase"; done
-printf '%s\n' "${SUMMARY[@]}"
+cp -r results "$OUT/results" 2>/dev/null
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+tar -czf "$FINAL_OUT/session.tgz" -C "$OUT" .

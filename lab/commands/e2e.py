@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="v4.1-flash")
     parser.add_argument("--phase", default="decode,prefill", help="decode and/or prefill (prefill times CED and non-CED)")
     parser.add_argument("--ctx", default="8K,32K,128K", help="contexts (decode) and prompt lengths (prefill)")
+    parser.add_argument("--prefill-ctx", default=None, help="prompt lengths for prefill when they differ from --ctx")
     parser.add_argument("--batch", default="1,16,64", help="decode batch sizes (prefill runs at batch 1)")
     parser.add_argument("--backend", default="torch,tiles")
     parser.add_argument("--configs", default="tuned,default", help="tiles configs: tuned, default or both")
@@ -82,13 +83,14 @@ def run(args: argparse.Namespace) -> int:
             raise LabError(f"unknown phase {p!r}: use decode and/or prefill")
     variants = variants_from(args.backend, args.configs)
     contexts, batches = parse_tokens(args.ctx), parse_tokens(args.batch)
+    prompts = parse_tokens(args.prefill_ctx) if args.prefill_ctx else contexts
     if not torch.cuda.is_available():
         raise LabError("no CUDA GPU is present: lab e2e times the model on a GPU (run it on a GPU machine)")
     try:
         arch = detect()
     except ArchError as exc:
         raise LabError(str(exc)) from None
-    rows = run_e2e(args.preset, phases, contexts, batches, variants, args.runs, args.repeats, log=lambda m: print(m, file=sys.stderr))
+    rows = run_e2e(args.preset, phases, contexts, batches, variants, args.runs, args.repeats, prompts, log=lambda m: print(m, file=sys.stderr))
     meta = describe_environment() | {"preset": args.preset, "arch": arch.name, "command": "lab e2e " + shlex.join(sys.argv[2:])}
     doc = {"kind": "csa2-lab/e2e", "meta": meta, "rows": [r.to_dict() for r in rows]}
     out_dir = Path(args.out) if args.out else Path("results") / arch.name

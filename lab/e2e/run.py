@@ -160,23 +160,25 @@ def run_e2e(
     variants: list[Variant],
     runs: int = 20,
     repeats: int = 2,
+    prompts: list[int] | None = None,
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
-    """Every (phase, context, batch) for every variant. Prefill runs at batch 1."""
+    """Every (phase, context, batch) for every variant. Prefill runs at batch 1 over ``prompts`` (default: ``contexts``)."""
     if not torch.cuda.is_available():
         raise RuntimeError("lab e2e needs a CUDA GPU")
     t0 = time.perf_counter()
     model = build_model(preset(preset_name), backend="torch", device="cuda", dtype=torch.bfloat16, seed=seed)
     log(f"built {preset_name} in {time.perf_counter() - t0:.1f} s")
     rows: list[Row] = []
-    for ctx in contexts:
-        if "decode" in phases:
+    if "decode" in phases:
+        for ctx in contexts:
             for b in batches:
                 rows += run_decode(model, variants, b, ctx, runs, seed)
                 log(f"decode ctx={ctx} B={b} done")
+    for n in prompts or contexts:
         for phase in ("prefill", "prefill_full"):
             if phase in phases:
-                rows += run_prefill(model, variants, ctx, phase == "prefill", repeats, seed)
-                log(f"{phase} ctx={ctx} done")
+                rows += run_prefill(model, variants, n, phase == "prefill", repeats, seed)
+                log(f"{phase} prompt={n} done")
     return rows
