@@ -90,10 +90,17 @@ def run(args: argparse.Namespace) -> int:
         arch = detect()
     except ArchError as exc:
         raise LabError(str(exc)) from None
-    rows = run_e2e(args.preset, phases, contexts, batches, variants, args.runs, args.repeats, prompts, log=lambda m: print(m, file=sys.stderr))
     meta = describe_environment() | {"preset": args.preset, "arch": arch.name, "command": "lab e2e " + shlex.join(sys.argv[2:])}
-    doc = {"kind": "csa2-lab/e2e", "meta": meta, "rows": [r.to_dict() for r in rows]}
     out_dir = Path(args.out) if args.out else Path("results") / arch.name
+
+    def document(rows) -> dict:
+        return {"kind": "csa2-lab/e2e", "meta": meta, "rows": [r.to_dict() for r in rows]}
+
+    rows = run_e2e(
+        args.preset, phases, contexts, batches, variants, args.runs, args.repeats, prompts,
+        log=lambda m: print(m, file=sys.stderr), on_rows=lambda rows: write_report(document(rows), out_dir),
+    )
+    doc = document(rows)
     written = write_report(doc, out_dir)
     if args.json:
         print(json.dumps(doc, indent=1))

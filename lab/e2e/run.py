@@ -163,8 +163,13 @@ def run_e2e(
     prompts: list[int] | None = None,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    on_rows: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
-    """Every (phase, context, batch) for every variant. Prefill runs at batch 1 over ``prompts`` (default: ``contexts``)."""
+    """Every (phase, context, batch) for every variant. Prefill runs at batch 1 over ``prompts`` (default: ``contexts``).
+
+    ``on_rows(rows so far)`` is called after each measurement group, so a run stopped by a time
+    limit still leaves what it measured.
+    """
     if not torch.cuda.is_available():
         raise RuntimeError("lab e2e needs a CUDA GPU")
     t0 = time.perf_counter()
@@ -176,9 +181,13 @@ def run_e2e(
             for b in batches:
                 rows += run_decode(model, variants, b, ctx, runs, seed)
                 log(f"decode ctx={ctx} B={b} done")
+                if on_rows:
+                    on_rows(rows)
     for n in prompts or contexts:
         for phase in ("prefill", "prefill_full"):
             if phase in phases:
                 rows += run_prefill(model, variants, n, phase == "prefill", repeats, seed)
                 log(f"{phase} prompt={n} done")
+                if on_rows:
+                    on_rows(rows)
     return rows
