@@ -7,6 +7,7 @@ rotation with ``-sin``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -50,9 +51,16 @@ class RopeConfig:
         return float(low), float(high) + (0.001 if low == high else 0.0)
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(cfg: RopeConfig, device: torch.device) -> torch.Tensor:
+    """float64 [rope_dim // 2] on ``device``, made once: a host-to-device copy per call would
+    also make decode steps impossible to capture in a CUDA graph."""
+    return cfg.inv_freq().to(device, torch.float64)
+
+
 def rope_tables(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin float32 [*positions.shape, rope_dim // 2] for integer positions."""
-    angles = positions.to(torch.float64).unsqueeze(-1) * cfg.inv_freq().to(positions.device, torch.float64)
+    angles = positions.to(torch.float64).unsqueeze(-1) * _inv_freq_on(cfg, positions.device)
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
