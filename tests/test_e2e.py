@@ -99,3 +99,22 @@ def test_lab_e2e_without_gpu_is_a_one_line_error(capsys):
     assert "no CUDA GPU" in err and "Traceback" not in err
     assert main(["e2e", "--preset", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
+    import yaml
+
+    arch = tmp_path / "sm90"
+    (arch / "bench").mkdir(parents=True)
+    bench = {"tile": "toy", "config": {"threads": 128}, "command": "lab bench --tile toy --json", "environment": {"date": "d", "gpu": "G"},
+             "rows": [{"shape": "s1", "ms": 0.5, "tflops": None, "gbps": 100.0, "copy_fraction": 0.25, "ref_ms": 2.0, "speedup": 4.0, "check": "ok"}]}
+    (arch / "bench" / "toy.json").write_text(json.dumps(bench))
+    tuned = {"schema": "csa2-lab/tuned-configs/v1", "tile": "toy", "arch": "sm90", "environment": {"date": "d", "command": "lab tune --tile toy"},
+             "shapes": {"s1": {"config": {"threads": 64}, "ms": 1.0, "default_ms": 2.0, "speedup": 2.0, "trials": 3, "outcomes": {"ok": 3}},
+                        "s2": {"config": {"threads": 64}, "ms": 1.0, "default_ms": 8.0, "speedup": 8.0, "trials": 3, "outcomes": {"ok": 3}}}}
+    (arch / "toy.yaml").write_text(yaml.safe_dump(tuned))
+    assert main(["report", "--results", str(tmp_path)]) == 0
+    bench_md = (arch / "bench.md").read_text()
+    assert "| toy | s1 | 0.5000 |" in bench_md and "4.0x" in bench_md and "25%" in bench_md
+    tuning_md = (arch / "tuning.md").read_text()
+    assert "Geometric mean speedup of the winners over the defaults: 4.00x over 2 shapes" in tuning_md

@@ -14,11 +14,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lab.e2e.report import load, render_markdown, render_plots, write_atomic
+    from lab.summaries import bench_markdown, tuning_markdown
 
     root = Path(args.results)
     if not root.is_dir():
         raise LabError(f"{root} is not a directory: pass --results DIR")
-    found = sorted(root.glob("*/e2e.json"))
+    for arch_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        bench = sorted(arch_dir.glob("bench/*.json"))
+        if bench:
+            write_atomic(arch_dir / "bench.md", bench_markdown(bench))
+            print(f"{arch_dir}: bench.md from {len(bench)} bench documents")
+        tuned = sorted(arch_dir.glob("*.yaml"))
+        if tuned:
+            write_atomic(arch_dir / "tuning.md", tuning_markdown(tuned))
+            print(f"{arch_dir}: tuning.md from {len(tuned)} tuned-config files")
+    found = sorted(root.glob("**/e2e.json"))
     if not found:
         print(f"no e2e results under {root}/ (run `lab e2e` on a GPU first)")
         return 0

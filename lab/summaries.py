@@ -1,0 +1,77 @@
+"""Markdown summaries of stored results: `lab bench --json` documents and tuned-config files.
+
+``lab report`` writes them next to the data (``results/<arch>/bench.md``, ``tuning.md``), so
+every figure in a summary is read from a file a real run produced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def bench_markdown(paths: list[Path]) -> str:
+    """One table over every ``lab bench --json`` document in ``paths``."""
+    lines = [
+        "# Tile benchmarks",
+        "",
+        "Each row: one `lab bench` shape (kernel time, CUDA events, median over rotating input sets; the torch reference timed",
+        "in the same run; `of copy` = GB/s over the device copy bandwidth measured at the start of that run).",
+        "",
+        "| tile | shape | ms | TFLOPS | GB/s | of copy | torch ms | vs torch | check | config | date | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(paths):
+        doc = json.loads(path.read_text())
+        env = doc.get("environment", {})
+        cfg = ", ".join(f"{k}={v}" for k, v in sorted(doc.get("config", {}).items()))
+        for r in doc.get("rows", []):
+            lines.append(
+                f"| {doc.get('tile')} | {r['shape']} | {_f(r.get('ms'), '.4f')} | {_f(r.get('tflops'), '.1f')} | {_f(r.get('gbps'), '.0f')}"
+                f" | {_f(r.get('copy_fraction'), '.0%')} | {_f(r.get('ref_ms'), '.3f')} | {_f(r.get('speedup'), '.1f')}x | {r.get('check')}"
+                f" | {cfg} | {env.get('date')} | `{doc.get('command')}` |"
+            )
+    if paths:
+        env = json.loads(sorted(paths)[0].read_text()).get("environment", {})
+        lines += ["", f"GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}, tilelang {env.get('tilelang')}."]
+    return "\n".join(lines) + "\n"
+
+
+def tuning_markdown(paths: list[Path]) -> str:
+    """Winners against defaults from ``results/<arch>/<tile>.yaml`` files, with the geometric mean speedup."""
+    lines = [
+        "# Tuned configs",
+        "",
+        "Winner vs the tile's default config, both timed by the tuner in the same study (correctness-gated: a trial that is",
+        "wrong, faults, hangs or is nondeterministic is never a winner).",
+        "",
+        "| tile | shape | trials | outcomes | default ms | best ms | speedup | winner | date |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    speedups, commands = [], set()
+    for path in sorted(paths):
+        doc = yaml.safe_load(path.read_text())
+        env = doc.get("environment", {})
+        commands.add(env.get("command"))
+        for name, entry in sorted(doc.get("shapes", {}).items()):
+            sp = entry.get("speedup")
+            if sp:
+                speedups.append(sp)
+            outcomes = ", ".join(f"{k} {v}" for k, v in sorted(entry.get("outcomes", {}).items()))
+            cfg = ", ".join(f"{k}={v}" for k, v in sorted(entry.get("config", {}).items()))
+            lines.append(
+                f"| {doc.get('tile')} | {name} | {entry.get('trials')} | {outcomes} | {_f(entry.get('default_ms'), '.4f')}"
+                f" | {_f(entry.get('ms'), '.4f')} | {_f(sp, '.2f')}x | {cfg} | {env.get('date')} |"
+            )
+    if speedups:
+        geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+        lines += ["", f"Geometric mean speedup of the winners over the defaults: {geo:.2f}x over {len(speedups)} shapes."]
+    lines += ["", "Commands:", ""] + [f"- `{c}`" for c in sorted(c for c in commands if c)]
+    return "\n".join(lines) + "\n"
