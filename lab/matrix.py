@@ -69,8 +69,12 @@ def compile_cell(cell: Cell) -> Cell:
     return cell
 
 
-def check_cell(cell: Cell, seed: int = 0) -> Cell:
-    """Compile one cell and run it against the reference on the present GPU (fresh inputs, run twice, no timing)."""
+def check_cell(cell: Cell, seed: int = 0, time_it: bool = False) -> Cell:
+    """Compile one cell and run it against the reference on the present GPU (fresh inputs, run twice).
+
+    With ``time_it`` the cell is also timed (``extra["ms"]``), for the regression check of
+    stored winners.
+    """
     try:
         tile, arch, config, shape = _resolve(cell)
         cell.config, cell.mode = config, "check"
@@ -78,12 +82,58 @@ def check_cell(cell: Cell, seed: int = 0) -> Cell:
         if why:
             cell.outcome, cell.message = UNSUPPORTED, why
             return cell
-        ev = evaluate(tile, shape, config, arch, seed=seed, time_it=False)
+        ev = evaluate(tile, shape, config, arch, seed=seed, time_it=time_it)
     except Exception as exc:  # noqa: BLE001 -- e.g. out of memory while making inputs: that cell fails, the rest still run
         cell.outcome, cell.message = "runtime_fault", f"{type(exc).__name__}: {exc}"
         return cell
     cell.outcome, cell.compile_s, cell.error, cell.message = ev.outcome, ev.compile_s, ev.error, ev.message
+    if ev.ms is not None:
+        cell.extra["ms"] = ev.ms
     return cell
+
+
+def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Cell]:
+    """For every shape with a stored winner (``results/<arch>/<tile>.yaml``): a ``tuned`` cell with
+    the winner and a ``default`` cell, both to be checked and timed, carrying the recorded latencies."""
+    from tiles.results import read_results, results_path
+
+    cells = []
+    for tile in tiles:
+        stored = read_results(results_path(tile.name, arch, root), tile.name, arch)
+        if not stored:
+            continue
+        known = {s.name for s in tile.shapes()}
+        for shape_name, entry in sorted(stored["shapes"].items()):
+            if shape_name not in known:
+                continue
+            recorded = {"recorded_ms": entry.get("ms"), "recorded_default_ms": entry.get("default_ms")}
+            cells.append(Cell(tile.name, arch.name, shape_name, "tuned", dict(entry["config"]), extra=dict(recorded)))
+            cells.append(Cell(tile.name, arch.name, shape_name, "default", None, extra=dict(recorded)))
+    return cells
+
+
+def regressions(cells: list[Cell], tolerance: float = 0.10) -> list[tuple[Cell, str]]:
+    """What regressed among timed stored-winner cells.
+
+    A tuned cell regresses when it fails its check, when it runs more than ``tolerance``
+    slower than its recorded latency, or more than ``tolerance`` slower than the default
+    measured in the same run (the winner is then no longer a winner).
+    """
+    out = []
+    defaults = {(c.tile, c.shape): c for c in cells if c.label == "default" and "ms" in c.extra}
+    for c in cells:
+        if c.label != "tuned":
+            continue
+        if not c.ok:
+            out.append((c, f"{c.outcome}: {c.message}"))
+            continue
+        ms, recorded = c.extra.get("ms"), c.extra.get("recorded_ms")
+        if ms is not None and recorded and ms > recorded * (1 + tolerance):
+            out.append((c, f"{ms:.4f} ms vs {recorded:.4f} ms recorded ({ms / recorded:.2f}x slower)"))
+        dflt = defaults.get((c.tile, c.shape))
+        if ms is not None and dflt is not None and ms > dflt.extra["ms"] * (1 + tolerance):
+            out.append((c, f"{ms:.4f} ms vs the default's {dflt.extra['ms']:.4f} ms now: the stored winner lost"))
+    return out
 
 
 def plan(tiles: Iterable[Tile], archs: Iterable[Arch], all_shapes: bool = False, label: str = "default") -> list[Cell]:

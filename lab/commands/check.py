@@ -15,7 +15,7 @@ import json
 import sys
 
 from lab.cli import LabError
-from lab.matrix import UNSUPPORTED, Cell, check_cell, plan, run_compile
+from lab.matrix import UNSUPPORTED, Cell, check_cell, plan, regressions, run_compile, stored_winner_cells
 from tiles.arch import ArchError, detect, get_arch
 from tiles.contract import TileError
 from tiles.registry import select
@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the check inputs")
     parser.add_argument("--json", action="store_true", help="print the cells as JSON instead of a table")
+    parser.add_argument(
+        "--tolerance", type=float, default=0.10, help="a stored winner more than this fraction slower than recorded (or than the default) regresses"
+    )
 
 
 def _archs(text: str, compile_only: bool):
@@ -76,12 +79,51 @@ def run(args: argparse.Namespace) -> int:
         done.append(check_cell(cell, seed=args.seed))
         if progress:
             progress(done[-1])
+    timed: list[Cell] = []
+    if present is not None:
+        try:
+            winner_cells = stored_winner_cells(tiles, present)
+        except TileError as exc:  # a corrupt or foreign results file
+            raise LabError(str(exc)) from None
+        for cell in winner_cells:
+            timed.append(check_cell(cell, seed=args.seed, time_it=True))
+            if progress:
+                progress(timed[-1])
+    regressed = regressions(timed, args.tolerance)
 
     if args.json:
-        print(json.dumps({"command": " ".join(["lab"] + sys.argv[1:]), "cells": [c.to_dict() for c in done]}, indent=1))
+        doc = {"command": " ".join(["lab"] + sys.argv[1:]), "cells": [c.to_dict() for c in done + timed]}
+        doc["regressions"] = [{"tile": c.tile, "shape": c.shape, "why": why} for c, why in regressed]
+        print(json.dumps(doc, indent=1))
     else:
         _print_table(done, [t.name for t in tiles], [a.name for a in archs])
-    return 0 if all(c.ok for c in done) else 1
+        if timed:
+            _print_winners(timed, regressed)
+    return 0 if all(c.ok for c in done) and not regressed else 1
+
+
+def _print_winners(cells: list[Cell], regressed: list[tuple[Cell, str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="stored winners vs defaults, timed now")
+    for col in ("tile", "shape", "tuned ms", "recorded", "default ms", "recorded default", "speedup now", "verdict"):
+        table.add_column(col)
+    defaults = {(c.tile, c.shape): c for c in cells if c.label == "default"}
+    bad = {(c.tile, c.shape): why for c, why in regressed}
+
+    def ms(x):
+        return "-" if x is None else f"{x:.4f}"
+
+    for c in cells:
+        if c.label != "tuned":
+            continue
+        d = defaults.get((c.tile, c.shape))
+        now, dnow = c.extra.get("ms"), d.extra.get("ms") if d else None
+        speed = f"{dnow / now:.2f}x" if now and dnow else "-"
+        verdict = f"[red]regressed: {bad[(c.tile, c.shape)]}[/red]" if (c.tile, c.shape) in bad else "[green]ok[/green]"
+        table.add_row(c.tile, c.shape, ms(now), ms(c.extra.get("recorded_ms")), ms(dnow), ms(c.extra.get("recorded_default_ms")), speed, verdict)
+    Console().print(table)
 
 
 def _progress(cell: Cell) -> None:

@@ -1,0 +1,60 @@
+"""lab check's regression rule for stored winners (the GPU timing itself is exercised by `lab check` on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from lab.matrix import Cell, regressions, stored_winner_cells
+from tiles.arch import get_arch
+from tiles.registry import get_tile
+from tiles.results import SCHEMA
+
+
+def _cell(label, ms, recorded=1.0, outcome="ok"):
+    return Cell("t", "sm90", "s", label, outcome=outcome, extra={"ms": ms, "recorded_ms": recorded, "recorded_default_ms": 2.0})
+
+
+@pytest.mark.parametrize(
+    "tuned, default, regressed",
+    [
+        (_cell("tuned", 1.05), _cell("default", 2.0), None),
+        (_cell("tuned", 1.25), _cell("default", 2.0), "recorded"),
+        (_cell("tuned", 0.9), _cell("default", 0.5), "lost"),
+        (_cell("tuned", None, outcome="wrong_result"), _cell("default", 2.0), "wrong_result"),
+    ],
+    ids=["within_tolerance", "slower_than_recorded", "slower_than_default_now", "wrong_result"],
+)
+def test_regression_rule(tuned, default, regressed):
+    found = regressions([tuned, default], tolerance=0.10)
+    if regressed is None:
+        assert found == []
+    else:
+        assert len(found) >= 1 and regressed in found[0][1]
+
+
+def test_stored_winner_cells_pair_each_winner_with_the_default(tmp_path):
+    tile, arch = get_tile("fp4_quant_main"), get_arch("sm90")
+    shape = tile.shapes()[0]
+    winner = {**tile.default_config(arch), "threads": 128}
+    doc = {
+        "schema": SCHEMA, "tile": tile.name, "arch": "sm90", "environment": {},
+        "shapes": {
+            shape.name: {"phase": shape.phase, "dims": dict(shape.dims), "config": winner, "ms": 0.04, "default_ms": 0.05, "speedup": 1.25},
+            "retired_shape": {"phase": "decode", "dims": {"rows": 3, "dim": 512}, "config": winner, "ms": 1.0, "default_ms": 1.0},
+        },
+    }
+    (tmp_path / "sm90").mkdir()
+    (tmp_path / "sm90" / f"{tile.name}.yaml").write_text(yaml.safe_dump(doc))
+    cells = stored_winner_cells([tile, get_tile("fp4_quant_index")], arch, root=tmp_path)
+    assert [(c.label, c.shape) for c in cells] == [("tuned", shape.name), ("default", shape.name)]
+    assert cells[0].config == winner and cells[1].config is None
+    assert cells[0].extra == {"recorded_ms": 0.04, "recorded_default_ms": 0.05}
+
+
+@pytest.mark.gpu
+def test_lab_check_passes_on_the_gpu_present():
+    """`pytest -m gpu` runs what `lab check` runs: every tile at every shape, and the stored winners, timed."""
+    from lab.cli import main
+
+    assert main(["check", "--tile", "all"]) == 0
