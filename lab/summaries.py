@@ -39,7 +39,7 @@ def bench_markdown(paths: list[Path]) -> str:
                 f" | {cfg} | {env.get('date')} | `{doc.get('command')}` |"
             )
     if paths:
-        env = json.loads(sorted(paths)[0].read_text()).get("environment", {})
+        env = json.loads(min(paths).read_text()).get("environment", {})
         lines += ["", f"GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}, tilelang {env.get('tilelang')}."]
     return "\n".join(lines) + "\n"
 

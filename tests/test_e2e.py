@@ -35,7 +35,7 @@ def test_fill_cache_holds_valid_encodings_at_the_context(context):
     model = build_model(cfg, device="cpu", dtype=torch.float32, seed=0)
     cache = fill_cache(model.new_cache(2, context + 8), context, seed=3)
     assert cache.n_tokens == context
-    for src, glob in cache.globals.items():
+    for glob in cache.globals.values():
         assert glob.n == context // glob.ratio
         packed, scales = glob.main()
         values = formats.fp4_dequantize(packed, scales, cfg.main_fp4_group, "e4m3")

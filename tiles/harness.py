@@ -70,7 +70,7 @@ def compile_tile(tile: Tile, shape: Shape, config: Config, arch: Arch) -> tuple[
     t0 = time.perf_counter()
     try:
         kernel = tile.build(shape, config, arch)
-    except Exception as exc:  # any compiler failure is a recorded outcome, never a crash
+    except Exception as exc:  # noqa: BLE001 -- any compiler failure is a recorded outcome, never a crash
         ev.outcome, ev.message = COMPILE_ERROR, _short(exc)
         return None, ev
     ev.compile_s = time.perf_counter() - t0
@@ -93,7 +93,7 @@ def check_and_time(
         out1 = tile.run(kernel, inputs)
         out2 = tile.run(kernel, inputs)
         torch.cuda.synchronize()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- a faulting kernel is a recorded outcome
         ev.outcome, ev.message = RUNTIME_FAULT, _short(exc)
         return ev
     expected = tile.reference(inputs)
@@ -119,7 +119,7 @@ def check_and_time(
             t = time_cuda(lambda i: tile.launch(kernel, sets[i], outs[i]), n_sets=n_sets, runs=runs)
         else:
             t = time_cuda(lambda i: tile.run(kernel, sets[i]), n_sets=n_sets, runs=runs)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- a fault while timing is a recorded outcome
         ev.outcome, ev.message = RUNTIME_FAULT, _short(exc)
         return ev
     ev.ms, ev.p10_ms, ev.p90_ms = t.median_ms, t.p10_ms, t.p90_ms

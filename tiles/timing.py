@@ -72,7 +72,7 @@ def describe_environment() -> dict:
     for pkg in ("tilelang", "optuna"):
         try:
             info[pkg] = __import__(pkg).__version__
-        except Exception:  # a missing package is recorded, never fatal
+        except Exception:  # noqa: BLE001 -- a missing or broken package is recorded, never fatal
             info[pkg] = None
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -80,9 +80,9 @@ def describe_environment() -> dict:
         info["cuda"] = torch.version.cuda
         try:
             info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10, check=False
             ).stdout.strip()
-        except Exception:
+        except Exception:  # noqa: BLE001 -- no nvidia-smi: the driver is recorded as unknown
             info["driver"] = None
     return info
 

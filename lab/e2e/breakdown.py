@@ -10,6 +10,7 @@ an untimed one does; the totals still come from separate untimed passes.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Self
 
 import torch
 
@@ -75,7 +76,7 @@ class FfnHooks:
     def __init__(self, model, log: EventLog) -> None:
         self.model, self.log, self.handles, self._starts = model, log, [], {}
 
-    def __enter__(self) -> FfnHooks:
+    def __enter__(self) -> Self:
         for i, block in enumerate(self.model.layers):
             self.handles.append(block.ffn.register_forward_pre_hook(lambda m, a, i=i: self._starts.__setitem__(i, self.log.start())))
             self.handles.append(block.ffn.register_forward_hook(lambda m, a, o, i=i: self.log.stop("ffn", self._starts.pop(i))))

@@ -67,8 +67,10 @@ def render_markdown(doc: dict) -> str:
     lines = [
         f"# End-to-end: {meta.get('preset')} on {meta.get('gpu', '?')}",
         "",
-        f"Measured {meta.get('date')} with torch {meta.get('torch')}, tilelang {meta.get('tilelang')}, CUDA {meta.get('cuda')},"
-        f" driver {meta.get('driver')}.",
+        (
+            f"Measured {meta.get('date')} with torch {meta.get('torch')}, tilelang {meta.get('tilelang')}, CUDA {meta.get('cuda')},"
+            f" driver {meta.get('driver')}."
+        ),
         "",
         f"Command: `{meta.get('command')}`",
         "",

@@ -82,7 +82,7 @@ def _time_decode_step(model, cache: KVCache, tokens: torch.Tensor, runs: int) ->
             model.decode(tokens, cache)
         t = time_cuda(lambda _: graph.replay(), warmup=3, runs=runs, min_time_ms=0)
         return t.median_ms, "cuda-graph"
-    except Exception as exc:  # capture needs a step without host syncs; fall back to eager timing
+    except Exception as exc:  # noqa: BLE001 -- capture needs a step without host syncs; fall back to eager timing
         torch.cuda.synchronize()
         reason = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
         t = time_cuda(lambda _: model.decode(tokens, cache), warmup=1, runs=runs, min_time_ms=0)
@@ -105,10 +105,10 @@ def run_decode(model, variants: list[Variant], batch: int, context: int, runs: i
                 ref_logits = logits
             err = _rel_err(logits, ref_logits) if ref_logits is not None else None
             ms, mode = _time_decode_step(model, cache, tokens, runs)
-            parts = measure_breakdown(model, lambda: model.decode(tokens, cache), ms)
+            parts = measure_breakdown(model, lambda c=cache: model.decode(tokens, c), ms)
             kv = cache.global_bytes_used() * batch / 2**30
             rows.append(Row("decode", variant.label, batch, context, ms, mode, parts, torch.cuda.max_memory_allocated() / 2**30, kv, err))
-            del cache
+            cache = None  # free the filled cache before the next variant's
         except torch.cuda.OutOfMemoryError:
             rows.append(Row("decode", variant.label, batch, context, None, "skipped", note="out of GPU memory"))
     return rows
@@ -136,7 +136,7 @@ def run_prefill(model, variants: list[Variant], context: int, ced: bool, repeats
         torch.cuda.reset_peak_memory_stats()
         try:
             out = {}
-            times = [_time_once(lambda: out.__setitem__("r", model.prefill(tokens, ced=ced))) for _ in range(max(1, repeats))]
+            times = [_time_once(lambda o=out: o.__setitem__("r", model.prefill(tokens, ced=ced))) for _ in range(max(1, repeats))]
             ms = min(times[1:]) if len(times) > 1 else times[0]
             logits, cache = out["r"]
             if ref_logits is None and variant.backend == "torch":
@@ -146,7 +146,7 @@ def run_prefill(model, variants: list[Variant], context: int, ced: bool, repeats
             kv = cache.global_bytes_used() / 2**30
             note = "" if len(times) > 1 else "single run (includes warm-up)"
             rows.append(Row(phase, variant.label, 1, context, ms, "eager", parts, torch.cuda.max_memory_allocated() / 2**30, kv, err, note))
-            del cache, out
+            cache = None  # free the prefill cache before the next variant's
         except torch.cuda.OutOfMemoryError:
             rows.append(Row(phase, variant.label, 1, context, None, "skipped", note="out of GPU memory"))
     return rows
