@@ -29,7 +29,6 @@ IDX = {"B": 0, "S": 0, "N": 0, "Hi": 32, "Di": 128, "K": 512}
 ALT_TOPK = {
     "regs": {"dequant": "registers"},
     "lut": {"dequant": "lut"},
-    "fp8": {"dequant": "fp8"},
     "radix11": {"radix_bits": 11},
     "deep": {"tiles_per_cta": 16, "stages": 3},
 }
@@ -73,8 +72,8 @@ PLAN = {
     "reindex": (
         "reindex_topk",
         [("decode_b64_n32k", {}), ("decode_b1_n128k", {}), (_odd_pool(3, 2, 4001), {})]
-        + [("decode_b64_n32k", ALT_TOPK[k]) for k in ("regs", "lut", "fp8")],
-        [("decode_b64_n128k", ["default", "regs", "lut", "fp8"]), ("decode_b1_n128k", ["default"])],
+        + [("decode_b64_n32k", ALT_TOPK[k]) for k in ("regs", "lut")],
+        [("decode_b64_n128k", ["default", "regs", "lut"]), ("decode_b1_n128k", ["default"])],
     ),
     "compressor": (
         "compressor",

@@ -162,109 +162,6 @@ def _score_kernel(
 
 
 @functools.cache
-def _score_kernel_fp8(target: str, block_n: int, threads: int, stages: int, tiles_per_cta: int, gather: bool, pool_block: int = 8):
-    """The score kernel without dequantisation: FP4 codes become E4M3 bytes (exact) and run on the
-    FP8 tensor cores, one K=32 product per scale group; the group sums are scaled by the key's and
-    the query's power-of-two scales in the epilogue (exact), so only the summation order differs.
-
-    Queries come as E4M3 codes ``q8 [B, S, H, D]`` with fp32 power-of-two scales ``q_scales [B, S, H, D/32]``
-    (see :func:`_q_to_fp8`); the other arguments are those of :func:`_score_kernel`.
-    """
-    H, D = HEADS, HEAD_DIM
-    W = D // 8
-    NG = D // GROUP
-    GROUPS = tuple(range(NG))  # a Python tuple: unrolled while tracing (a range would become a TIR loop)
-    B, S, N, P = T.dynamic("B, S, N, P")
-    C = P * pool_block
-    n_out = C if gather else N
-    span = block_n * tiles_per_cta
-
-    @T.prim_func
-    def score_fp8(
-        q8: T.Tensor((B, S, H, D), "float8_e4m3fn"),
-        q_scales: T.Tensor((B, S, H, NG), "float32"),
-        weights: T.Tensor((B, S, H), "float32"),
-        k_words: T.Tensor((B, N, W), "int32"),
-        k_scales: T.Tensor((B, N), "int32"),
-        n_visible: T.Tensor((B, S), "int32"),
-        pool: T.Tensor((B, S, P), "int32"),
-        out: T.Tensor((B, S, n_out), "float32"),
-    ):
-        with T.Kernel(T.ceildiv(n_out, span), S, B, threads=threads) as (bx, s, b):
-            q_g = [T.alloc_shared((H, GROUP), "float8_e4m3fn") for _ in range(NG)]
-            k_g = [T.alloc_shared((block_n, GROUP), "float8_e4m3fn") for _ in range(NG)]
-            acc = [T.alloc_fragment((block_n, H), "float32") for _ in range(NG)]
-            qs_s = T.alloc_shared((H, NG), "float32")
-            w_s = T.alloc_shared((H,), "float32")
-            kw_s = T.alloc_shared((block_n, W), "int32")
-            ks_s = T.alloc_shared((block_n,), "int32")
-            pos_s = T.alloc_shared((block_n,), "int32")
-            lut8 = T.alloc_shared((16,), "uint8")
-            tot = T.alloc_fragment((block_n, H), "float32")
-            row = T.alloc_fragment((block_n,), "float32")
-            for v in T.Parallel(16):
-                # E2M1 code -> E4M3 byte: 0.5 = 0x30, then exponent/mantissa shifted into place.
-                mag = v & 7
-                e4 = T.if_then_else(mag >= 2, (mag << 2) + 0x30, T.if_then_else(mag == 1, 0x30, 0))
-                lut8[v] = T.Cast("uint8", e4 | ((v & 8) << 4))
-            nvis = n_visible[b, s]
-            for gi in GROUPS:
-                T.copy(q8[b, s, :, gi * GROUP : (gi + 1) * GROUP], q_g[gi])
-            T.copy(q_scales[b, s, :, :], qs_s)
-            T.copy(weights[b, s, :], w_s)
-            for t in T.Pipelined(tiles_per_cta, num_stages=stages):
-                n0 = (bx * tiles_per_cta + t) * block_n
-                if gather:
-                    for i in T.Parallel(block_n):
-                        slot = n0 + i
-                        blk = T.if_then_else(slot < C, pool[b, s, T.min(slot, C - 1) // pool_block], -1)
-                        pos = blk * pool_block + slot % pool_block
-                        pos_s[i] = T.if_then_else((blk >= 0) & (pos < nvis) & (pos < N), pos, -1)
-                    for i, c in T.Parallel(block_n, W):
-                        kw_s[i, c] = T.if_then_else(pos_s[i] >= 0, k_words[b, T.max(pos_s[i], 0), c], 0)
-                    for i in T.Parallel(block_n):
-                        ks_s[i] = T.if_then_else(pos_s[i] >= 0, k_scales[b, T.max(pos_s[i], 0)], 0x7F7F7F7F)
-                else:
-                    T.copy(k_words[b, n0 : n0 + block_n, :], kw_s)
-                    T.copy(k_scales[b, n0 : n0 + block_n], ks_s, annotations={"disable_tma": True})
-                for gi in GROUPS:
-                    for i, d in T.Parallel(block_n, GROUP):
-                        dd = gi * GROUP + d
-                        k_g[gi][i, d] = T.reinterpret(lut8[(kw_s[i, dd // 8] >> ((dd % 8) * 4)) & 0xF], "float8_e4m3fn")
-                for gi in GROUPS:
-                    T.gemm(k_g[gi], q_g[gi], acc[gi], transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, h in T.Parallel(block_n, H):
-                    tot[i, h] = 0.0
-                    for gi in GROUPS:
-                        sk = T.reinterpret(T.Cast("uint32", (ks_s[i] >> (gi * 8)) & 0xFF) << 23, "float32")
-                        tot[i, h] = tot[i, h] + acc[gi][i, h] * (sk * qs_s[h, gi])
-                    tot[i, h] = T.max(tot[i, h], 0.0) * w_s[h]
-                T.reduce_sum(tot, row, dim=1)
-                for i in T.Parallel(block_n):
-                    j = n0 + i
-                    if j < n_out:
-                        if gather:
-                            out[b, s, j] = T.if_then_else(pos_s[i] >= 0, row[i], -T.infinity("float32"))
-                        else:
-                            out[b, s, j] = T.if_then_else(j < nvis, row[i], -T.infinity("float32"))
-
-    return tilelang.compile(score_fp8, target=tvm.target.Target(_target_dict(target)))
-
-
-def _q_to_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries [B, S, H, D] -> E4M3 codes of the same shape and fp32 power-of-two scales [B, S, H, D/32].
-
-    The scale follows the FP4 E8M0 rule, so an FP4-fake-quantised query is represented exactly
-    (its values over the scale lie on the E2M1 grid, which E4M3 holds exactly).
-    """
-    qf = q.float()
-    g = qf.view(*q.shape[:-1], HEAD_DIM // GROUP, GROUP)  # [B, S, H, 4, 32]
-    _, scale = formats.fp4_scale(g.abs().amax(-1), "e8m0")  # [B, S, H, 4]
-    q8 = (g / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(q.shape)
-    return q8.contiguous(), scale.contiguous()
-
-
-@functools.cache
 def _select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_block: int):
     """Build the select kernel: exact top-k of each row by radix select, sorted by position.
 
@@ -574,20 +471,13 @@ def indexer_topk(
 
 
 def _score(cfg: Config, arch: Arch, gather: bool, block: int, q, weights, words, scales, nvis, pool, scores) -> None:
-    """Launch the score kernel the config names (bf16 dequant variants or the FP8 one)."""
-    common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"])
-    if cfg["dequant"] == "fp8":
-        q8, q_scales = _q_to_fp8(q)
-        _score_kernel_fp8(*common, gather, block)(q8, q_scales, weights.float().contiguous(), words, scales, nvis, pool, scores)
-    else:
-        score = _score_kernel(*common, cfg["dequant"], gather, block)
-        score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, scores)
+    """Launch the score kernel the config names."""
+    score = _build_score(arch, cfg, gather, block)
+    score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, scores)
 
 
 def _build_score(arch: Arch, cfg: Config, gather: bool, block: int):
     common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"])
-    if cfg["dequant"] == "fp8":
-        return _score_kernel_fp8(*common, gather, block)
     return _score_kernel(*common, cfg["dequant"], gather, block)
 
 
@@ -784,8 +674,11 @@ def _merge(*comparisons: Comparison) -> Comparison:
 def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
     config = {**_SCORE_DEFAULT, **config}  # a partial config is judged with the defaults filled in
     bn = config["block_n"]
-    need = HEADS * HEAD_DIM * 2 + max(1, config["stages"]) * bn * (HEAD_DIM // 2 + 4 + 4)
-    need += {"shared": bn * HEAD_DIM * 2, "lut": bn * HEAD_DIM * 2 + 1024, "fp8": bn * HEAD_DIM, "registers": 0}[config["dequant"]]
+    # TileLang's pipeline multi-buffers every shared tile written inside the loop: the packed
+    # words, scales and positions, and the dequantised bf16 tile too (an estimate without that
+    # factor let a 253 KiB lut config through to a launch failure on the H200).
+    per_stage = bn * (HEAD_DIM // 2 + 4 + 4) + (bn * HEAD_DIM * 2 if config["dequant"] in ("shared", "lut") else 0)
+    need = HEADS * HEAD_DIM * 2 + HEADS * 4 + max(1, config["stages"]) * per_stage + (1024 if config["dequant"] == "lut" else 0)
     return None if need <= arch.smem_per_block else f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
 
 
@@ -804,10 +697,9 @@ def _score_params() -> tuple[Param, ...]:
         Param("tiles_per_cta", (1, 4, 16), "entry tiles per CTA: how finely N is split across CTAs"),
         Param(
             "dequant",
-            ("shared", "registers", "lut", "fp8"),
+            ("shared", "registers", "lut"),
             "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
-            "or by a 256-entry byte -> bf16x2 table into a shared tile; fp8: no dequant, codes -> E4M3 bytes, "
-            "FP8 wgmma per 32-wide scale group, scales applied in the epilogue",
+            "or by a 256-entry byte -> bf16x2 table into a shared tile",
         ),
     )
 
