@@ -42,6 +42,9 @@ def test_export_round_trip_and_nearest_bucket(written):
     # N=8192 is nearest to the stored N=4096 bucket
     config, source = load_winner("toy_scale", SM90, Shape("other", "decode", {"N": 8192}), default=toy.default_config(SM90), root=root)
     assert config == cfg and source == f"tuned:{path}#decode_n4k"
+    # 64x away is too far for a winner to be evidence: the default runs there
+    far = Shape("far", "decode", {"N": 4096 * 64})
+    assert load_winner("toy_scale", SM90, far, default=toy.default_config(SM90), root=root) == (toy.default_config(SM90), "default")
 
 
 def test_default_when_no_file_or_no_comparable_bucket(written, tmp_path):
@@ -54,7 +57,7 @@ def test_default_when_no_file_or_no_comparable_bucket(written, tmp_path):
 def test_config_for_reads_CSA2_RESULTS_DIR(written, monkeypatch):
     toy, root, path, cfg = written
     monkeypatch.setenv("CSA2_RESULTS_DIR", str(root))
-    assert config_for(toy, toy.shapes()[1], SM90) == (cfg, f"tuned:{path}#decode_n4k")
+    assert config_for(toy, toy.shapes()[0], SM90) == (cfg, f"tuned:{path}#decode_n4k")
 
 
 def test_export_merges_buckets(written):

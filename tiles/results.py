@@ -73,13 +73,19 @@ def read_results(path: Path, tile_name: str, arch: Arch | str) -> dict | None:
     return data
 
 
-def nearest_entry(data: dict, shape: Shape) -> tuple[str, dict] | None:
-    """The stored bucket nearest to ``shape`` (same dims, smallest log distance), or None."""
+# A winner transfers to shapes within a factor of 4 in all dims together (sum of |log2 ratio|).
+# Further away it is not evidence: on the H200 the B=64 attention winner ran 1.8x slower than
+# the default at B=1 (results/sm90/e2e.md), and a config tuned on 64 rows says little about 1M.
+MAX_TRANSFER_DISTANCE = 2.0
+
+
+def nearest_entry(data: dict, shape: Shape, max_distance: float = MAX_TRANSFER_DISTANCE) -> tuple[str, dict] | None:
+    """The stored bucket nearest to ``shape`` (same dims, smallest log distance, at most ``max_distance``), or None."""
     best, best_d = None, math.inf
     for name, entry in sorted(data["shapes"].items()):
         dims = entry.get("dims") or {}
         d = 0.0 if name == shape.name else shape.distance(Shape(name, entry.get("phase", "any"), dims))
-        if d < best_d:
+        if d < best_d and d <= max_distance:
             best, best_d = (name, entry), d
     return best
 
@@ -89,8 +95,8 @@ def load_winner(
 ) -> tuple[Config, str]:
     """The config to run ``tile_name`` with on (arch, shape), and where it came from.
 
-    Returns ``(config, "tuned:<file>#<bucket>")`` for the nearest stored bucket, else
-    ``(default, "default")``. ``default`` is the tile's default config for ``arch``; when not
+    Returns ``(config, "tuned:<file>#<bucket>")`` for the nearest stored bucket within
+    :data:`MAX_TRANSFER_DISTANCE`, else ``(default, "default")``. ``default`` is the tile's default config for ``arch``; when not
     given it is looked up through :mod:`tiles.registry`. A stored config that the tile's
     current search space rejects raises :class:`ResultsError` (the file is stale).
     """
