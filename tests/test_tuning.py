@@ -29,7 +29,7 @@ from tuning import study as study_mod
 from tuning.export import export_results
 from tuning.replay import replay
 from tuning.space import config_key, similarity_order
-from tuning.study import TuneError, TuneOptions, counts_toward_budget, open_storage, tune
+from tuning.study import TuneError, TuneOptions, counts_toward_budget, open_storage, tune, uses_budget
 
 SM90 = get_arch("sm90")
 REPO = Path(__file__).resolve().parent.parent
@@ -183,7 +183,8 @@ def test_resume_after_a_killed_run_loses_no_trial(tmp_path, monkeypatch):
     [summary] = tune([toys.ScaleToy()], opts, shapes="decode")
     after = _study(opts, name).get_trials()
     assert all((after[n].state, after[n].params, after[n].value) == v for n, v in before.items())
-    assert summary.trials == 24 == sum(counts_toward_budget(t) for t in after)
+    # the budget counts compiled or run configs; configs pruned by constraints come on top
+    assert sum(uses_budget(t) for t in after) == 24 and summary.trials == sum(counts_toward_budget(t) for t in after)
     # a trial the kill left RUNNING is marked interrupted and its config tried again
     assert not [t for t in after if t.state == TrialState.RUNNING]
     for t in (t for t in after if t.user_attrs.get("outcome") == "interrupted" and t.params):  # one killed before sampling has no config
@@ -272,3 +273,12 @@ def test_gpu_fault_injection_real_kernels(tmp_path):
     # the GPU worker found the pool's kernels in TileLang's disk cache instead of compiling again
     ok = [t for t in modes.values() if t.user_attrs["outcome"] == "ok"]
     assert all(t.user_attrs["load_s"] < t.user_attrs["compile_s"] for t in ok)
+
+
+def test_configs_pruned_by_constraints_do_not_use_the_budget(tmp_path):
+    """sm89's shared memory rejects many ScaleToy configs: the study still measures --trials configs."""
+    opts = _opts(tmp_path, arch=get_arch("sm89"), trials=8)
+    [summary] = tune([toys.ScaleToy()], opts, shapes="decode")
+    trials = _study(opts, summary.study).get_trials()
+    assert any(t.user_attrs.get("outcome") == "invalid" for t in trials)
+    assert sum(uses_budget(t) for t in trials) == 8

@@ -162,7 +162,20 @@ def trial_config(t: FrozenTrial) -> Config:
 
 
 def counts_toward_budget(t: FrozenTrial) -> bool:
+    """Finished trials with a recorded outcome (what a study has done)."""
     return t.state.is_finished() and t.user_attrs.get("outcome") not in (None, INTERRUPTED, DUPLICATE)
+
+
+def uses_budget(t: FrozenTrial) -> bool:
+    """Trials that cost a compile or a GPU run. A config pruned by a constraint costs nothing,
+    so it does not use up ``--trials`` (in the first H200 run 7 of 10 attention trials were
+    pruned, leaving 3 measured configs per shape)."""
+    return counts_toward_budget(t) and t.user_attrs.get("outcome") != harness.INVALID
+
+
+# Pruned configs allowed per trial of budget before a study stops asking (a space that is
+# almost all invalid for a shape must still end).
+MAX_INVALID_PER_TRIAL = 20
 
 
 def _pid_alive(pid: int) -> bool:
@@ -266,7 +279,9 @@ class StudyRunner:
             if self.opts.compile_only:
                 if not any(t.state == TrialState.WAITING for t in trials):
                     return None
-            elif sum(counts_toward_budget(t) for t in trials) + self._in_flight >= self.opts.trials:
+            elif sum(uses_budget(t) for t in trials) + self._in_flight >= self.opts.trials:
+                return None
+            if sum(t.user_attrs.get("outcome") == harness.INVALID for t in trials) >= MAX_INVALID_PER_TRIAL * self.opts.trials:
                 return None
             if self._consecutive_repeats >= max(20, 2 * len(self.space.all_configs()) if self.space.size() <= 4096 else 20):
                 return None  # the sampler keeps returning configs already measured: the space is exhausted
@@ -325,7 +340,7 @@ class StudyRunner:
             with self._lock:
                 self._consecutive_repeats += 1
             src = finished[0]
-            attrs = {k: src.user_attrs.get(k) for k in ("outcome", *METRICS)} | {"repeat_of": src.number}
+            attrs = {k: v for k, v in src.user_attrs.items() if k not in ("owner", "source", "config_key")} | {"repeat_of": src.number}
             self._finish(trial, attrs, src.state, src.value)
             return
         if earlier:
