@@ -7,20 +7,11 @@ number that is not in a results file produced by a real run.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 from lab.e2e.breakdown import PARTS
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+from tuning.export import write_atomic
 
 
 def load(path: Path) -> dict:
