@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lab.e2e.report import load, render_markdown, render_plots
-    from tuning.export import write_atomic
     from lab.summaries import bench_markdown, tuning_markdown
+    from tuning.export import write_atomic
 
     root = Path(args.results)
     if not root.is_dir():
