@@ -72,12 +72,12 @@ class TilesBackend(TorchBackend):
     # -- formats ---------------------------------------------------------------------------------
 
     def fp4_quantize(self, x: torch.Tensor, group_size: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-        tile = fp4_tiles._tile_for(True, scale_format)
+        tile = fp4_tiles.tile_for(True, scale_format)
         return fp4_tiles.fp4_quantize(x.contiguous(), group_size, scale_format, config=self._config(tile))
 
     def _index_queries(self, q_packed: torch.Tensor, q_scales: torch.Tensor) -> torch.Tensor:
         """FP4 indexer queries -> bf16 [B, S, Hi, Di] (exact: E2M1 x E8M0 values fit bf16)."""
-        tile = fp4_tiles._tile_for(False, INDEX_SCALE)
+        tile = fp4_tiles.tile_for(False, INDEX_SCALE)
         return fp4_tiles.fp4_dequantize(
             q_packed.contiguous(), q_scales.contiguous(), INDEX_GROUP, INDEX_SCALE, torch.bfloat16, config=self._config(tile)
         )
@@ -164,7 +164,7 @@ class TilesBackend(TorchBackend):
             topk_idx = torch.full((B, S, 64), -1, dtype=torch.int32, device=q.device)
             main_packed = torch.zeros(B, 1, D // 2, dtype=torch.uint8, device=q.device)
             main_scales = torch.zeros(B, 1, D // 16, dtype=torch.uint8, device=q.device)
-        tile = attn_tiles._dispatch(B, S, bf16=False)
+        tile = attn_tiles.tile_for_tokens(B, S, bf16=False)
         return attn_tiles.sparse_attention(
             q.to(torch.bfloat16).contiguous(),
             window_codes.contiguous(),

@@ -543,7 +543,8 @@ def _stored_winner(tile_name: str, dims: tuple, arch_name: str) -> tuple | None:
     return None if source == "default" else tuple(config.items())
 
 
-def _tile_for(quantise: bool, scale_format: str) -> Tile:
+def tile_for(quantise: bool, scale_format: str) -> Tile:
+    """The FP4 tile a call runs on: quantise or dequantise, main-KV (e4m3) or index (e8m0) format."""
     return TILES[(0 if quantise else 2) + (0 if scale_format == "e4m3" else 1)]
 
 
@@ -574,7 +575,7 @@ def fp4_quantize(
     if rows == 0:
         return packed, scales
     arch = detect()
-    tile = _tile_for(True, scale_format)
+    tile = tile_for(True, scale_format)
     shape = Shape("call", "any", {"rows": rows, "dim": n})
     c = pick_config(tile, shape, arch, config)
     if x.dtype == torch.float32 and (why := _staging_fits(c, shape, arch, 4, scale_format)):
@@ -620,7 +621,7 @@ def fp4_dequantize(
     if rows == 0:
         return out
     arch = detect()
-    tile = _tile_for(False, scale_format)
+    tile = tile_for(False, scale_format)
     shape = Shape("call", "any", {"rows": rows, "dim": n})
     c = pick_config(tile, shape, arch, config)
     if out_dtype == torch.float32 and (why := _staging_fits(c, shape, arch, 4, scale_format)):

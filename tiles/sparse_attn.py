@@ -711,7 +711,8 @@ def _arch_of(device: torch.device) -> Arch:
     return get_arch(f"sm{major}{minor}")
 
 
-def _dispatch(B: int, S: int, bf16: bool) -> "SparseAttnTile":
+def tile_for_tokens(B: int, S: int, bf16: bool) -> "SparseAttnTile":
+    """The attention tile a call runs on: the bf16-KV tile, else decode up to DECODE_MAX_TOKENS query tokens, else prefill."""
     if bf16:
         return BF16_TILE
     return DECODE_TILE if B * S <= DECODE_MAX_TOKENS else PREFILL_TILE
@@ -764,7 +765,7 @@ def sparse_attention(
         main_packed = torch.zeros(B, 1, D // 2, dtype=torch.uint8, device=q.device)  # [B, 1, D/2]
         mscales = torch.zeros(B, 1, D // 16, dtype=torch.uint8, device=q.device)  # [B, 1, D/16]
         nc, K = 1, 1
-    tile = _dispatch(B, S, bf16=False)
+    tile = tile_for_tokens(B, S, bf16=False)
     arch = _arch_of(q.device)
     dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
     cfg = _pick_config(tile, arch, dims, config)
@@ -810,7 +811,7 @@ def sparse_attention_bf16(
         topk_idx = torch.full((B, S, 1), -1, dtype=torch.int32, device=q.device)  # [B, S, 1]
         main_kv = torch.zeros(B, 1, D, dtype=torch.bfloat16, device=q.device)  # [B, 1, D]
         nc, K = 1, 1
-    tile = _dispatch(B, S, bf16=True)
+    tile = tile_for_tokens(B, S, bf16=True)
     arch = _arch_of(q.device)
     dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
     cfg = _pick_config(tile, arch, dims, config)
