@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from lab.e2e.run import run_e2e
     from model import ConfigError, preset
     from tiles.arch import ArchError, detect
+    from tiles.results import results_dir
     from tiles.timing import describe_environment
 
     try:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     except ArchError as exc:
         raise LabError(str(exc)) from None
     meta = describe_environment() | {"preset": args.preset, "arch": arch.name, "command": "lab e2e " + shlex.join(sys.argv[2:])}
-    out_dir = Path(args.out) if args.out else Path("results") / arch.name
+    out_dir = Path(args.out) if args.out else results_dir() / arch.name
 
     def document(rows) -> dict:
         return {"kind": "csa2-lab/e2e", "meta": meta, "rows": [r.to_dict() for r in rows]}

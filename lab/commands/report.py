@@ -9,15 +9,16 @@ from lab.cli import LabError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--results", default="results", help="the results directory")
+    parser.add_argument("--results", default=None, help="the results directory (default: the lab's results/)")
 
 
 def run(args: argparse.Namespace) -> int:
     from lab.e2e.report import load, render_markdown, render_plots
     from lab.summaries import bench_markdown, tuning_markdown
+    from tiles.results import results_dir
     from tuning.export import write_atomic
 
-    root = Path(args.results)
+    root = Path(args.results) if args.results else results_dir()
     if not root.is_dir():
         raise LabError(f"{root} is not a directory: pass --results DIR")
     for arch_dir in sorted(p for p in root.iterdir() if p.is_dir()):
