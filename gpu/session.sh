@@ -3,7 +3,8 @@
 # Usage (repo root, GPU machine, after `source .devbundle/prelude.sh`):
 #   OUT=<dir> bash gpu/session.sh prewarm pytest bench e2e-quick tune e2e
 # Every phase writes <phase>.log (and JSON) into a work folder that is packed into one file,
-# $OUT/session.tgz, at the end (the device tool brings back only a few files per call).
+# $OUT/session.tgz, at the end (the device tool brings back only a few files per call). The
+# packed results/ folder (tuned YAML, bench JSON) unpacks over the repo's results/ as it is.
 set -u
 FINAL_OUT=${OUT:-/tmp/lab-out}
 OUT=/tmp/lab-session
@@ -25,10 +26,13 @@ phase_pytest() {  # every GPU test, 4 workers (compile-bound; 16 workers ran the
   note "pytest -m gpu rc=$?: $(tail -1 "$OUT/pytest_gpu.log")"
 }
 
-bench() {  # bench TILE SHAPE[,SHAPE]
-  local tile=$1 shapes=$2
+bench() {  # bench TILE SHAPE[,SHAPE]: the JSON lands in results/<arch>/bench/ (packed with results/ at the end)
+  local tile=$1 shapes=$2 dir=results/$(python3 -c "from tiles.arch import detect; print(detect().name)")/bench
+  mkdir -p "$dir"
   timeout "${BENCH_S:-60}" $LAB bench --tile "$tile" --shape "$shapes" --json > "$OUT/bench_$tile.json" 2> "$OUT/bench_$tile.log"
-  note "bench $tile $shapes rc=$?"
+  local rc=$?
+  [ $rc -eq 0 ] && cp "$OUT/bench_$tile.json" "$dir/bench_$tile.json"
+  note "bench $tile $shapes rc=$rc"
 }
 
 phase_bench() {
