@@ -78,13 +78,17 @@ class TuneProgress:
         summaries = self.summaries if summaries is None else summaries
         compile_only = any(s.compile_only for s in summaries)
         table = Table(title="lab tune --compile-only" if compile_only else "lab tune")
+        # the identifying and numeric columns never wrap; the winner's config folds onto more lines instead
         for col in ("tile", "shape", "trials"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=True)
         if not compile_only:
             for col in ("best", "default", "speedup"):
-                table.add_column(col, justify="right")
-        table.add_column("outcomes")
-        table.add_column("winner" if not compile_only else "configs/min", justify="left" if not compile_only else "right")
+                table.add_column(col, justify="right", no_wrap=True)
+        table.add_column("outcomes", overflow="fold")
+        if compile_only:
+            table.add_column("configs/min", justify="right", no_wrap=True)
+        else:
+            table.add_column("winner", overflow="fold", ratio=1)
         for s in summaries:
             outcomes = " ".join(f"{k}:{v}" for k, v in sorted(s.outcomes.items()))
             row = [s.tile, s.shape, str(s.trials)]
