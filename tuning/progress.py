@@ -74,32 +74,35 @@ class TuneProgress:
             if st is not None:
                 self.progress.update(st["task"], completed=summary.trials, total=max(summary.trials, 1))
 
-    def final_table(self, summaries: list | None = None) -> Table:
+    def final_table(self, summaries: list | None = None):
+        """The per-(tile, shape) table, then each winner's config on its own line (configs are too wide for a column)."""
+        from rich.console import Group
+        from rich.text import Text
+
         summaries = self.summaries if summaries is None else summaries
         compile_only = any(s.compile_only for s in summaries)
         table = Table(title="lab tune --compile-only" if compile_only else "lab tune")
-        # the identifying and numeric columns never wrap; the winner's config folds onto more lines instead
         for col in ("tile", "shape", "trials"):
-            table.add_column(col, no_wrap=True)
+            table.add_column(col, overflow="fold")
         if not compile_only:
             for col in ("best", "default", "speedup"):
                 table.add_column(col, justify="right", no_wrap=True)
         table.add_column("outcomes", overflow="fold")
         if compile_only:
             table.add_column("configs/min", justify="right", no_wrap=True)
-        else:
-            table.add_column("winner", overflow="fold", ratio=1)
+        winners = Text()
         for s in summaries:
             outcomes = " ".join(f"{k}:{v}" for k, v in sorted(s.outcomes.items()))
             row = [s.tile, s.shape, str(s.trials)]
             if not compile_only:
-                winner = " ".join(f"{k}={v}" for k, v in sorted(s.best.params.items())) if s.best else "-"
-                row += [_fmt_ms(s.best_ms), _fmt_ms(s.default_ms), f"{s.speedup:.2f}x" if s.speedup else "-", outcomes, winner]
+                row += [_fmt_ms(s.best_ms), _fmt_ms(s.default_ms), f"{s.speedup:.2f}x" if s.speedup else "-", outcomes]
+                if s.best:
+                    winners.append(f"{s.tile} {s.shape}: " + " ".join(f"{k}={v}" for k, v in sorted(s.best.params.items())) + "\n")
             else:
                 rate = f"{60 * s.ran / s.wall_s:.1f}" if s.wall_s > 0 and s.ran else "-"
                 row += [outcomes, rate]
             table.add_row(*row)
-        return table
+        return Group(table, winners) if winners else table
 
 
 def _default_ms(runner) -> float | None:
