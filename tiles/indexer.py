@@ -715,7 +715,17 @@ _SCORE_DEFAULT = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 
 _SELECT_DEFAULT = {"select_threads": 1024, "radix_bits": 8}
 
 
-class IndexerTopkTile(Tile):
+class _ScoreAndSelectTile(Tile):
+    """What the two score-then-select tiles share: one search space and one default."""
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        return SearchSpace(_score_params() + _select_params(), (Constraint("smem", _smem_score), Constraint("warpgroups", _warps_fit)))
+
+    def default_config(self, arch: Arch) -> Config:
+        return {**_SCORE_DEFAULT, **_SELECT_DEFAULT}
+
+
+class IndexerTopkTile(_ScoreAndSelectTile):
     """Scores over the packed FP4 index K + top-k (two kernels: score rows, then radix select)."""
 
     name = "indexer_topk"
@@ -723,12 +733,6 @@ class IndexerTopkTile(Tile):
 
     def shapes(self) -> list[Shape]:
         return indexer_shapes()
-
-    def search_space(self, arch: Arch) -> SearchSpace:
-        return SearchSpace(_score_params() + _select_params(), (Constraint("smem", _smem_score), Constraint("warpgroups", _warps_fit)))
-
-    def default_config(self, arch: Arch) -> Config:
-        return {**_SCORE_DEFAULT, **_SELECT_DEFAULT}
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = {**self.default_config(arch), **config}
@@ -851,7 +855,7 @@ def _random_pool(n_visible: torch.Tensor, N: int, P: int, block: int, gen: torch
     return chosen
 
 
-class ReindexTopkTile(Tile):
+class ReindexTopkTile(_ScoreAndSelectTile):
     """Reindex: gather the pool's 8-entry blocks, score them, top-k, map back to positions."""
 
     name = "reindex_topk"
@@ -859,12 +863,6 @@ class ReindexTopkTile(Tile):
 
     def shapes(self) -> list[Shape]:
         return reindex_shapes()
-
-    def search_space(self, arch: Arch) -> SearchSpace:
-        return SearchSpace(_score_params() + _select_params(), (Constraint("smem", _smem_score), Constraint("warpgroups", _warps_fit)))
-
-    def default_config(self, arch: Arch) -> Config:
-        return {**_SCORE_DEFAULT, **_SELECT_DEFAULT}
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = {**self.default_config(arch), **config}
