@@ -72,6 +72,10 @@ def test_resolve_split_fills_the_gpu():
     assert sa.resolve_split("auto", 128, 2, 64, 64, SM90) == 2
     assert sa.resolve_split("auto", 1, 4096, 64, 64, SM90) == 1
     assert sa.resolve_split(4, 1, 1, 64, 64, SM90) == 4
+    # ws holds one block per SM: the most splits that fit one wave of 132
+    assert sa.resolve_split("auto", 64, 1, 64, 64, SM90, "ws") == 2
+    assert sa.resolve_split("auto", 128, 2, 64, 64, SM90, "ws") == 1
+    assert sa.resolve_split("auto", 1, 1, 64, 64, SM90, "ws") == 8
 
 
 def test_cost_model():
@@ -174,14 +178,18 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b64_s1", None),
     (sa.DECODE_TILE, "decode_b128_s2", None),
     (sa.DECODE_TILE, "decode_b1_s1", None),
+    (sa.DECODE_TILE, "decode_b64_s1", {"produce": "serial"}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"n_split": 2, "block_I": 32}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     (sa.DECODE_TILE, "decode_b16_s2", {"schedule": "pipelined", "dequant": "staged", "n_split": 1}),
     (sa.PREFILL_TILE, "prefill_s4k", None),
+    (sa.PREFILL_TILE, "prefill_s4k", {"produce": "serial"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined", "dequant": "staged"}),
     (sa.BF16_TILE, "decode_b64_s1", None),
     (sa.BF16_TILE, "prefill_s4k", None),
+    (sa.BF16_TILE, "prefill_s4k", {"produce": "serial"}),
     (sa.BF16_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
 ]
 
@@ -206,6 +214,24 @@ ODD_SHAPES = [
 @pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
 def test_tile_odd_shapes(tile, shape):
     _check(tile, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
+def test_batched_producer_masks_out_of_range_indices(tile):
+    """The ws/batched producer treats an index past the cache like -1 (documented index policy)."""
+    shape = tile.shape("decode_b16_s2")
+    kernel, inputs = _check(tile, shape, {"schedule": "ws", "produce": "batched"})
+    nc, nw = shape["Nc"], shape["Nw"]
+    bad = dict(inputs)
+    bad["topk_idx"] = inputs["topk_idx"].clone()
+    bad["window_idx"] = inputs["window_idx"].clone()
+    bad["topk_idx"][0, 0, :2] = torch.tensor([nc, 2**30], dtype=torch.int32)
+    bad["window_idx"][1, 1, 5] = nw + 3
+    masked = {**bad, "topk_idx": torch.where(bad["topk_idx"] >= nc, -1, bad["topk_idx"])}
+    masked["window_idx"] = torch.where(bad["window_idx"] >= nw, -1, bad["window_idx"])
+    cmp = tile.compare(tile.run(kernel, bad), tile.reference(masked))
+    assert cmp.ok, str(cmp)
 
 
 def _public_inputs(B, S, H=64, W=128, K=512, Nw=200, Nc=3000, seed=0):

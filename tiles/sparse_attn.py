@@ -31,12 +31,12 @@ power-of-two splits that give at least two blocks per SM.
 Index policy: -1 is skipped (masked: its KV row is written as zeros, so no garbage reaches the GEMM);
 a repeated index counts each time; an index past the cache length is rejected by the wrapper only when
 ``check_indices=True`` (one host sync, off by default: in the model the indexer produces in-range
-indices by construction). Unchecked, TileLang's guarded loads read zeros for such a row instead of
-faulting.
+indices by construction). Unchecked, the ``ws``/``batched`` producer masks such an index exactly like
+-1; the other schedules' guarded loads read zeros for its row (a zero key: score 0, not -inf).
 """
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import tilelang
 import tilelang.language as T
@@ -80,6 +80,66 @@ def _e8m0(byte):
     return T.reinterpret(T.shift_left(T.cast(byte, "int32"), 23), "float32")
 
 
+# Packed-integer dequantisation for the batched producer (CUDA, included into the kernel source). Each helper
+# turns a 32-bit word of codes into bf16x2 words with shifts and masks plus two exact bf16x2 multiplies,
+# ~3.5 instructions per value against ~15 for the per-value float path.
+#
+# The trick: a code's magnitude bits are placed straight into the bf16 exponent/mantissa field, which
+# encodes value * 2^-126 (E2M1) or value * 2^-120 (E4M3): the smallest nonzero codes (E2M1 0.5, E4M3
+# subnormals) land on bf16 subnormals, which fma.rn.bf16x2 keeps (there is no flush-to-zero for bf16).
+# One multiply by 2^126 (2^120) restores the value exactly, a second by the scale gives value * scale,
+# exact because e2m1 x e4m3 needs 6 significant bits and e4m3 x 2^k needs 4 (bf16 has 8). E4M3 NaN
+# codes (0x7F/0xFF) decode as +-480 here: the quantiser writes them only for NaN inputs.
+_DEQUANT_CUDA = r"""
+__device__ __forceinline__ unsigned csa2_bf16x2_mul(unsigned a, unsigned b) {
+  unsigned d;  // a * b + (-0): the exact product, signed zeros kept
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+// E2M1 codes in bits 0-3 and 16-19 -> bf16x2 of value * 2^-126.
+__device__ __forceinline__ unsigned csa2_e2m1x2(unsigned y) {
+  return ((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u);
+}
+// E4M3 codes in bytes 0 and 2 -> bf16x2 of value * 2^-120.
+__device__ __forceinline__ unsigned csa2_e4m3x2(unsigned y) {
+  return ((y << 4) & 0x07F007F0u) | ((y << 8) & 0x80008000u);
+}
+// E4M3 scale byte -> its value as a bf16x2 pair (exact).
+__device__ __forceinline__ unsigned csa2_e4m3_scale2(unsigned b) {
+  unsigned x = csa2_bf16x2_mul(csa2_e4m3x2(b & 0xFFu), 0x7B807B80u) & 0xFFFFu;  // * 2^120
+  return x | (x << 16);
+}
+// E8M0 scale byte -> 2^(b - 127) as a bf16x2 pair (0: the subnormal 2^-127, 255: NaN).
+__device__ __forceinline__ unsigned csa2_e8m0_scale2(unsigned b) {
+  unsigned x = b == 0u ? 0x0040u : (b == 255u ? 0x7FC0u : (b << 7));
+  return x | (x << 16);
+}
+// 8 FP4 codes (code k in bits 4k..4k+3 of w) times a bf16x2 scale pair -> 8 bf16 in order at dst.
+__device__ __forceinline__ void csa2_fp4x8_bf16(void* dst, int w, unsigned scale2) {
+  const unsigned u = (unsigned)w;
+  unsigned t[4];  // t[k] holds codes k and k + 4
+#pragma unroll
+  for (int k = 0; k < 4; ++k) t[k] = csa2_bf16x2_mul(csa2_bf16x2_mul(csa2_e2m1x2(u >> (4 * k)), 0x7E807E80u), scale2);
+  uint4 o;
+  o.x = __byte_perm(t[0], t[1], 0x5410);
+  o.y = __byte_perm(t[2], t[3], 0x5410);
+  o.z = __byte_perm(t[0], t[1], 0x7632);
+  o.w = __byte_perm(t[2], t[3], 0x7632);
+  *reinterpret_cast<uint4*>(dst) = o;
+}
+// 4 E4M3 codes (byte k of w) times a bf16x2 scale pair -> 4 bf16 in order at dst.
+__device__ __forceinline__ void csa2_e4m3x4_bf16(void* dst, int w, unsigned scale2) {
+  const unsigned u = (unsigned)w;
+  const unsigned t02 = csa2_bf16x2_mul(csa2_bf16x2_mul(csa2_e4m3x2(u), 0x7B807B80u), scale2);
+  const unsigned t13 = csa2_bf16x2_mul(csa2_bf16x2_mul(csa2_e4m3x2(u >> 8), 0x7B807B80u), scale2);
+  uint2 o;
+  o.x = __byte_perm(t02, t13, 0x5410);
+  o.y = __byte_perm(t02, t13, 0x7632);
+  *reinterpret_cast<uint2*>(dst) = o;
+}
+"""
+
+
 def sparse_attn_kernel(
     heads: int,
     dim: int,
@@ -94,6 +154,7 @@ def sparse_attn_kernel(
     heads_per_block: int = 64,
     dequant: str = "direct",
     schedule: str = "pipelined",
+    produce: str = "serial",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -103,9 +164,11 @@ def sparse_attn_kernel(
     ``kv_format="bf16"``: WinKV bf16 [B, Nw, D] and MainKV bf16 [B, Nc, D] instead of codes/scales.
     Outputs: ``n_split == 1``: Out bf16 [B, S, H, D]; else OPart fp32 [B, S, n_split, H, D] (each
     split normalised by its own sum) and LsePart fp32 [B, S, n_split, H] (log2 domain, -inf = empty).
+    ``schedule="ws", produce="batched"`` takes the FP8 window codes as int32 words [B, Nw, D/4] and the
+    E4M3 main scales as uint8 [B, Nc, D/16] (see :func:`ws_argument_views`).
     """
     if schedule == "ws":
-        return _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, dequant)
+        return _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce)
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
     REP = H // HB
@@ -289,10 +352,21 @@ def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
     return main
 
 
-def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, dequant):
+def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
-    dequantises the next block into the other of two KV buffers. Same tensors as sparse_attn_kernel."""
+    dequantises the next block into the other of two KV buffers. Same tensors as sparse_attn_kernel.
+
+    ``produce`` is how the producer fills a buffer:
+
+    * ``serial``: 16 rows at a time, each load waited for before the next pass (four global-memory
+      latencies per block, one more for the indices).
+    * ``batched``: every index of the block, then every load of the block (or of half of it, FP8 rows
+      being twice as wide) is issued before the first is used, so one latency covers the block; the next
+      block's indices are fetched while this one is dequantised, with the packed-integer helpers of
+      ``_DEQUANT_CUDA``. bf16 rows go by cp.async straight into the buffer, signalled through the
+      mbarrier (``cp.async.mbarrier.arrive.noinc``) as in TileLang's sparse_mla_fwd_pipelined.
+    """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
     REP = H // HB
@@ -300,13 +374,20 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
     NB = NBW + NBK
     D2 = D // 2
     ROWS = 16  # producer rows per pass: 128 threads, 8 per row, each 32 columns of each half
+    # batched producer registers: a batch is all BI / ROWS rows of FP4 (4 words + 2 scales per half) or
+    # half of them for FP8 (8 words + 1 scale per half)
+    RAW_WORDS, RAW_SCALES = (BI // ROWS) * 8, (BI // ROWS) * 4
     scale2 = sm_scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
     fp4 = kv_format == "fp4"
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
+    batched = produce == "batched"
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
     main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
+    if batched and fp4:  # the packed-integer helpers read FP8 codes as words and scales as bytes
+        win_args = ([B, Nw, D // 4], "int32", [B, Nw, D // 32], "uint8")
+        main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "uint8")
 
     @T.prim_func
     def main(
@@ -322,6 +403,8 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
         LsePart: T.Tensor([B, S, NS, H], f32),
     ):
         with T.Kernel(S * REP, B, NS, threads=384) as (bx, by, bz):
+            if batched and fp4:
+                T.import_source(_DEQUANT_CUDA)
             Q_l = T.alloc_shared([HB, D2], bf16)
             Q_r = T.alloc_shared([HB, D2], bf16)
             KV0_l = T.alloc_shared([BI, D2], bf16)
@@ -343,6 +426,12 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
             m_i = T.alloc_fragment([HB], f32)
             m_i_prev = T.alloc_fragment([HB], f32)
             row_local = T.alloc_local([1], "int32")
+            if batched:
+                rows_cur = T.alloc_local([BI // ROWS], "int32")  # this thread's rows of the block being filled
+                rows_next = T.alloc_local([BI // ROWS], "int32")  # ... and of the next one, fetched early
+                raw = T.alloc_local([RAW_WORDS], "int32")  # packed codes of one batch of rows
+                rawsc = T.alloc_local([RAW_SCALES], "uint8")  # their scale bytes
+                vals = T.alloc_local([8], bf16)
 
             bar_q = T.alloc_barrier(arrive_count=384)
             bar_k0_ready = T.alloc_barrier(arrive_count=128)
@@ -463,6 +552,22 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                     T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
                 else:
                     T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2:D])
+            elif batched:
+                # 240 + 168 + 96 = 504 registers per thread slot: what the 384-thread launch allocates (168 x 3)
+                T.set_max_nreg(96, 0)
+                p = tx - 256
+                src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
+                regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc)
+                _ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
+                for it in T.serial(n_blk):
+                    blk = lo + it
+                    if it % 2 == 0:
+                        T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
+                        _ws_produce_batched(src, regs, dims, KV0_l, KV0_r, valid0, bar_k0_ready, b_i, s_i, blk, p, fp4)
+                    else:
+                        T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
+                        _ws_produce_batched(src, regs, dims, KV1_l, KV1_r, valid1, bar_k1_ready, b_i, s_i, blk, p, fp4)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -550,6 +655,135 @@ def _ws_softmax_step(
     T.barrier_arrive(bar_free)
 
 
+class _WsSources(NamedTuple):
+    """The kernel's KV and index tensors, as the batched producer macros take them."""
+
+    WinA: Any
+    WinB: Any
+    WinIdx: Any
+    MainA: Any
+    MainB: Any
+    TopkIdx: Any
+
+
+class _WsRegisters(NamedTuple):
+    """The batched producer's per-thread registers: this and the next block's rows, one batch of raw codes and
+    scale bytes, eight dequantised values."""
+
+    rows_cur: Any
+    rows_next: Any
+    raw: Any
+    rawsc: Any
+    vals: Any
+
+
+class _WsDims(NamedTuple):
+    """List lengths, block geometry and cache sizes (Nw, Nc dynamic) of the ws kernel."""
+
+    W: int
+    K: int
+    BI: int
+    NBW: int
+    ROWS: int
+    D2: int
+    Nw: Any
+    Nc: Any
+
+
+@T.macro
+def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p):
+    """Producer thread p's cache rows of block ``blk`` (rows rr * ROWS + p // 8): -1 where the slot is unused,
+    past the end of its list, or holds an index outside the cache (masked, never read: the batched
+    kernel is built without TileLang's bounds guards)."""
+    W, K, BI, NBW, ROWS, _, Nw, Nc = dims
+    WinIdx, TopkIdx = src.WinIdx, src.TopkIdx
+    for rr in T.unroll(BI // ROWS):
+        r = rr * ROWS + p // 8
+        if blk < NBW:
+            rows[rr] = T.if_then_else(blk * BI + r < W, WinIdx[b_i, s_i, T.min(blk * BI + r, W - 1)], -1)
+            rows[rr] = T.if_then_else(rows[rr] < Nw, rows[rr], -1)
+        else:
+            rows[rr] = T.if_then_else((blk - NBW) * BI + r < K, TopkIdx[b_i, s_i, T.min((blk - NBW) * BI + r, K - 1)], -1)
+            rows[rr] = T.if_then_else(rows[rr] < Nc, rows[rr], -1)
+
+
+@T.macro
+def _ws_produce_batched(src, regs, dims, KV_l, KV_r, valid, bar_ready, b_i, s_i, blk, p, fp4):
+    """Fill one KV buffer with block ``blk`` (batched producer), fetching block ``blk + 1``'s rows meanwhile.
+
+    Thread p owns rows rr * ROWS + p // 8 and, of each half of a row, the 32 columns from (p % 8) * 32
+    (FP4/FP8) or the four 8-column chunks at 64 u + (p % 8) * 8 (bf16, 128 contiguous bytes per u across
+    the row's 8 threads). An unused row (-1) gets zeros (FP4/FP8: its scale is zeroed) or a copy of row 0
+    (bf16 by cp.async); either way its score is -inf, so it adds nothing.
+    """
+    WinA, WinB, _, MainA, MainB, _ = src
+    rows_cur, rows_next, raw, rawsc, vals = regs
+    _, _, BI, NBW, ROWS, D2, _, _ = dims
+    R = BI // ROWS
+    c = p % 8
+    for rr in T.unroll(R):
+        valid[rr * ROWS + p // 8] = rows_cur[rr] >= 0
+    if not fp4:
+        for rr in T.unroll(R):
+            r = rr * ROWS + p // 8
+            row = T.max(rows_cur[rr], 0)
+            for u in T.unroll(4):
+                col = 64 * u + c * 8
+                if blk < NBW:
+                    T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(WinA[b_i, row, col], "r", 8), 8)
+                    T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(WinA[b_i, row, D2 + col], "r", 8), 8)
+                else:
+                    T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(MainA[b_i, row, col], "r", 8), 8)
+                    T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(MainA[b_i, row, D2 + col], "r", 8), 8)
+        _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 1, p)
+        T.cp_async_barrier_noinc(bar_ready)
+    else:
+        if blk < NBW:
+            # FP8 window rows are 512 B: two batches of R / 2 rows keep the loads in registers
+            for bt in T.unroll(2):
+                for q in T.unroll(R // 2):
+                    row = T.max(rows_cur[bt * (R // 2) + q], 0)
+                    for h in T.unroll(2):
+                        for v in T.vectorized(8):
+                            raw[(q * 2 + h) * 8 + v] = WinA[b_i, row, (h * D2 + c * 32) // 4 + v]
+                        rawsc[q * 2 + h] = WinB[b_i, row, (h * D2 + c * 32) // 32]
+                if bt == 0:
+                    _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 1, p)
+                for q in T.unroll(R // 2):
+                    rr = bt * (R // 2) + q
+                    for h, buf in ((0, KV_l), (1, KV_r)):
+                        s2 = T.call_extern("uint32", "csa2_e8m0_scale2", T.cast(rawsc[q * 2 + h], "uint32"))
+                        s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
+                        for w in T.unroll(4):
+                            T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[0]), raw[(q * 2 + h) * 8 + 2 * w], s2)
+                            T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[4]), raw[(q * 2 + h) * 8 + 2 * w + 1], s2)
+                            for v in T.vectorized(8):
+                                buf[rr * ROWS + p // 8, c * 32 + w * 8 + v] = vals[v]
+        else:
+            # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
+            for rr in T.unroll(R):
+                row = T.max(rows_cur[rr], 0)
+                for h in T.unroll(2):
+                    for v in T.vectorized(4):
+                        raw[(rr * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
+                    for v in T.unroll(2):
+                        rawsc[(rr * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
+            _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 1, p)
+            for rr in T.unroll(R):
+                for h, buf in ((0, KV_l), (1, KV_r)):
+                    for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
+                        s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(rr * 2 + h) * 2 + q // 2], "uint32"))
+                        s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
+                        T.call_extern("handle", "csa2_fp4x8_bf16", T.address_of(vals[0]), raw[(rr * 2 + h) * 4 + q], s2)
+                        for v in T.vectorized(8):
+                            buf[rr * ROWS + p // 8, c * 32 + q * 8 + v] = vals[v]
+        # generic-proxy stores must be visible to wgmma's async-proxy reads
+        T.fence_proxy_async()
+        T.barrier_arrive(bar_ready)
+    for rr in T.unroll(R):
+        rows_cur[rr] = rows_next[rr]
+
+
 @T.macro
 def _ws_produce_row(WinA, WinB, MainA, MainB, KV_l, KV_r, valid, row_local, b_i, r, c, is_window, fp4, D2):
     """Producer thread c (0..7) of row r: 32 columns of each half of the gathered row, dequantised to bf16."""
@@ -590,15 +824,25 @@ class CompiledAttention:
         self.heads, self.dim, self.window, self.topk, self.kv_format = heads, dim, window, topk, kv_format
         self.n_split = int(config.get("n_split", 1))
         target = tilelang.tvm.target.Target(arch.tilelang_target())
-        params = {k: config[k] for k in ("block_I", "num_stages", "threads", "heads_per_block", "dequant", "schedule") if k in config}
+        params = {
+            k: config[k] for k in ("block_I", "num_stages", "threads", "heads_per_block", "dequant", "schedule", "produce") if k in config
+        }
+        # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
+        self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") == "batched"
         prim = sparse_attn_kernel(heads, dim, window, topk, scale, kv_format=kv_format, n_split=self.n_split, **params)
-        self.main = tilelang.compile(prim, target=target, pass_configs=_PASS_CONFIGS)
+        # The batched producer masks out-of-range indices itself (_ws_fetch_rows); TileLang's bounds guards
+        # would turn its cp.async copies back into synchronous loads.
+        batched = config.get("schedule") == "ws" and config.get("produce") == "batched"
+        passes = {**_PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True} if batched else _PASS_CONFIGS
+        self.main = tilelang.compile(prim, target=target, pass_configs=passes)
         self.combine = None
         if self.n_split > 1:
             self.combine = tilelang.compile(combine_kernel(heads, dim, self.n_split), target=target, pass_configs=_PASS_CONFIGS)
 
     def __call__(self, q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out: torch.Tensor | None = None) -> torch.Tensor:
         B, S, H, D = q.shape
+        if self.word_views:
+            win_a, main_b = win_a.view(torch.int32), main_b.view(torch.uint8)  # [B, Nw, D/4], [B, Nc, D/16]
         if out is None:
             out = torch.empty(B, S, H, D, dtype=torch.bfloat16, device=q.device)  # [B, S, H, D]
         if self.n_split == 1:
@@ -666,6 +910,7 @@ def _check_common(q, window_idx, topk_idx, sink, nw: int, nc: int, check_indices
     _require(H % 64 == 0, f"heads must be a multiple of 64 (64 or 128 in the model), got {H}")
     _require(window_idx.dim() == 3 and topk_idx.dim() == 3, "window_idx and topk_idx must be [B, S, W] and [B, S, K]")
     W, K = window_idx.shape[-1], topk_idx.shape[-1]
+    _require(nw >= 1, "the window KV is empty: it holds at least the current token")
     _require(1 <= W <= 128, f"window_idx holds {W} slots per token; the SWA window is 1..128")
     _require(0 <= K <= 2048, f"topk_idx holds {K} slots per token; 0..2048 are supported")
     _check_tensor(window_idx, "window_idx", torch.int32, (B, S, W), q.device)
@@ -702,7 +947,7 @@ def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], confi
     reasons = tile.search_space(arch).violations(cfg, shape, arch)
     _require(not reasons, f"config {cfg} is not valid for {tile.name} at {dims}: {'; '.join(reasons)}")
     if tile.splits:
-        cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch)
+        cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch, cfg["schedule"])
     return cfg
 
 
@@ -827,12 +1072,18 @@ SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
-def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arch: Arch) -> int:
-    """``auto``: the fewest splits (a power of two, at most 8) that give at least two blocks per SM."""
+def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arch: Arch, schedule: str = "pipelined") -> int:
+    """``auto``, ``pipelined``: the fewest splits (a power of two, at most 8) that give at least two blocks per SM.
+    ``auto``, ``ws``: its ~200 KiB of shared memory holds one block per SM, and each split pays a Q load, a
+    partial-output write and its share of the combine, so the most splits that still fit one wave."""
     if n_split != "auto":
         return int(n_split)
     blocks = B * S * (heads // heads_per_block)
     split = 1
+    if schedule == "ws":
+        while split < 8 and blocks * split * 2 <= arch.sm_count:
+            split *= 2
+        return split
     while split < 8 and blocks * split < 2 * arch.sm_count:
         split *= 2
     return split
@@ -876,6 +1127,13 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "ws dequantises in the producer warpgroup: dequant=direct"
         return None
 
+    def producer(c, s, a):
+        if c.get("produce", "serial") == "batched" and c["schedule"] != "ws":
+            return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
+        if c.get("produce", "serial") == "batched" and c["block_I"] % 32:
+            return "the batched producer moves rows in passes of 16, FP8 in two halves: block_I a multiple of 32"
+        return None
+
     def shared(c, s, a):
         n = smem_bytes(c, s, kv_format)
         return None if n <= a.smem_per_block else f"shared memory {n // 1024} KiB > {a.smem_per_block // 1024} KiB"
@@ -886,7 +1144,7 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         blocks = -(-s["W"] // c["block_I"]) + -(-s["K"] // c["block_I"])
         return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
 
-    return tuple(Constraint(f.__name__, f) for f in (heads, registers, warpgroups, ws_shape, shared, split))
+    return tuple(Constraint(f.__name__, f) for f in (heads, registers, warpgroups, ws_shape, producer, shared, split))
 
 
 class SparseAttnTile(Tile):
@@ -904,6 +1162,11 @@ class SparseAttnTile(Tile):
         params = [
             Param(
                 "schedule", ("pipelined", "ws"), "all threads gather+dequant then compute, or a producer warpgroup feeding two consumers"
+            ),
+            Param(
+                "produce",
+                ("serial", "batched"),
+                "ws producer: 16 rows per waited pass, or the whole block's loads in flight with packed-integer dequant",
             ),
             Param("block_I", (32, 64), "gathered KV rows per step"),
             Param("num_stages", (1, 2), "software pipeline depth over index blocks"),
@@ -924,11 +1187,12 @@ class SparseAttnTile(Tile):
         if arch.family == "hopper":
             # FlashMLA's decode design, TileLang's sparse_mla_fwd_pipelined: a producer warpgroup gathers and
             # dequantises into two KV buffers while two consumer warpgroups run the GEMMs and the softmax.
-            cfg: Config = {"schedule": "ws", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64}
+            cfg: Config = {"schedule": "ws", "produce": "batched", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64}
         elif arch.smem_per_block >= 160 * 1024:  # A100: the Hopper tiles, single-buffered to fit 163 KiB
             cfg = {"schedule": "pipelined", "block_I": 64, "num_stages": 1, "threads": 256, "heads_per_block": 64}
         else:  # sm86/sm89: 99 KiB per block
             cfg = {"schedule": "pipelined", "block_I": 32, "num_stages": 1, "threads": 128, "heads_per_block": 32}
+        cfg.setdefault("produce", "serial")
         if self.kv_format == "fp4":
             cfg["dequant"] = "direct"
         if self.splits:
@@ -941,7 +1205,9 @@ class SparseAttnTile(Tile):
             raise TileError(f"{self.name} does not support {arch.name}: {reason}")
         cfg = {**self.default_config(arch), **config}
         if self.splits:
-            cfg["n_split"] = resolve_split(cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch)
+            cfg["n_split"] = resolve_split(
+                cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"]
+            )
         return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
 
     def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
