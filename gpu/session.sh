@@ -46,6 +46,12 @@ phase_bench() {
   bench fp4_dequant_main bulk_1m
 }
 
+phase_attn() {  # sparse attention: every schedule/producer checked against the reference, then timed (gpu/sparse_attn_check.py)
+  mkdir -p "$OUT/attn"
+  timeout "${ATTN_S:-300}" python3 gpu/sparse_attn_check.py --out "$OUT/attn" --workers 14 > "$OUT/attn.log" 2>&1
+  note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
+}
+
 phase_e2e-quick() {
   timeout "${E2E_QUICK_S:-120}" $LAB e2e --preset v4.1-flash --phase decode --ctx 8K --batch 64 --backend torch,tiles --configs default \
     --runs 5 --out "$OUT/e2e-quick" > "$OUT/e2e-quick.log" 2>&1
@@ -61,7 +67,7 @@ phase_tune() {
 
 phase_e2e() {
   timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --prefill-ctx "${E2E_PROMPTS:-16K}" --batch "${E2E_BATCH:-1,64}" \
-    --backend torch,tiles --configs tuned,default --runs 10 --repeats "${E2E_REPEATS:-2}" --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
+    --backend torch,tiles --configs tuned,default --runs 10 --repeats "${E2E_REPEATS:-1}" --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
   note "e2e rc=$?"
 }
 

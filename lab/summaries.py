@@ -40,7 +40,10 @@ def bench_markdown(paths: list[Path]) -> str:
             )
     if paths:
         env = json.loads(min(paths).read_text()).get("environment", {})
-        lines += ["", f"GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}, tilelang {env.get('tilelang')}."]
+        lines += [
+            "",
+            f"GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}, tilelang {env.get('tilelang')}.",
+        ]
     return "\n".join(lines) + "\n"
 
 

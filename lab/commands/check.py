@@ -30,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the check inputs")
     parser.add_argument("--json", action="store_true", help="print the cells as JSON instead of a table")
     parser.add_argument(
-        "--tolerance", type=float, default=0.10, help="a stored winner more than this fraction slower than recorded (or than the default) regresses"
+        "--tolerance",
+        type=float,
+        default=0.10,
+        help="a stored winner more than this fraction slower than recorded (or than the default) regresses",
     )
 
 
@@ -122,7 +125,9 @@ def _print_winners(cells: list[Cell], regressed: list[tuple[Cell, str]]) -> None
         now, dnow = c.extra.get("ms"), d.extra.get("ms") if d else None
         speed = f"{dnow / now:.2f}x" if now and dnow else "-"
         verdict = f"[red]regressed: {bad[(c.tile, c.shape)]}[/red]" if (c.tile, c.shape) in bad else "[green]ok[/green]"
-        table.add_row(c.tile, c.shape, ms(now), ms(c.extra.get("recorded_ms")), ms(dnow), ms(c.extra.get("recorded_default_ms")), speed, verdict)
+        table.add_row(
+            c.tile, c.shape, ms(now), ms(c.extra.get("recorded_ms")), ms(dnow), ms(c.extra.get("recorded_default_ms")), speed, verdict
+        )
     Console().print(table)
 
 

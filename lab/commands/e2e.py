@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="torch,tiles")
     parser.add_argument("--configs", default="tuned,default", help="tiles configs: tuned, default or both")
     parser.add_argument("--runs", type=int, default=20, help="timed decode steps (median)")
-    parser.add_argument("--repeats", type=int, default=2, help="prefill runs; the first is a warm-up")
+    parser.add_argument("--repeats", type=int, default=2, help="timed prefill runs (best of), after an untimed warm-up at a short prompt")
     parser.add_argument("--out", default=None, help="directory for e2e.json/.md/.png (default results/<arch>)")
     parser.add_argument("--json", action="store_true", help="print the JSON document")
 
@@ -98,8 +98,16 @@ def run(args: argparse.Namespace) -> int:
         return {"kind": "csa2-lab/e2e", "meta": meta, "rows": [r.to_dict() for r in rows]}
 
     rows = run_e2e(
-        args.preset, phases, contexts, batches, variants, args.runs, args.repeats, prompts,
-        log=lambda m: print(m, file=sys.stderr), on_rows=lambda rows: write_report(document(rows), out_dir),
+        args.preset,
+        phases,
+        contexts,
+        batches,
+        variants,
+        args.runs,
+        args.repeats,
+        prompts,
+        log=lambda m: print(m, file=sys.stderr),
+        on_rows=lambda rows: write_report(document(rows), out_dir),
     )
     doc = document(rows)
     written = write_report(doc, out_dir)

@@ -45,7 +45,9 @@ def speedups(rows: list[dict]) -> list[dict]:
         if phase == "prefill":
             full = idx.get(("prefill_full", variant, b, ctx))
             if full and full["ms"]:
-                out.append({"what": f"CED vs non-CED ({variant})", "phase": "prefill", "batch": b, "context": ctx, "speedup": full["ms"] / r["ms"]})
+                out.append(
+                    {"what": f"CED vs non-CED ({variant})", "phase": "prefill", "batch": b, "context": ctx, "speedup": full["ms"] / r["ms"]}
+                )
     return out
 
 
@@ -68,9 +70,7 @@ def render_markdown(doc: dict) -> str:
         "Decode: one token per sequence per step, cache filled synthetically to the context (real FP4/FP8 encodings).",
         "Prefill: batch 1; `prefill` is CED, `prefill_full` runs every layer over every token.",
         "",
-        "| phase | backend | B | context | ms | mode | peak GiB | KV GiB | logits rel err vs torch | "
-        + " | ".join(PARTS)
-        + " | note |",
+        "| phase | backend | B | context | ms | mode | peak GiB | KV GiB | logits rel err vs torch | " + " | ".join(PARTS) + " | note |",
         "|" + "---|" * (10 + len(PARTS)),
     ]
     for r in rows:
