@@ -36,6 +36,16 @@ def test_default_compiles_sm90(shape_name):
     assert cp.COMPRESSOR.build(shape, cfg, SM90) is not None
 
 
+def test_staged_load_compiles_sm90_and_is_the_hopper_default():
+    cfg = cp.COMPRESSOR.default_config(SM90)
+    assert cfg["load"] == "staged"
+    assert cp.COMPRESSOR.default_config(get_arch("sm80"))["load"] == "direct"
+    for name in ("prefill_r1_s4k", "decode_r2_b64"):
+        shape = cp.COMPRESSOR.shape(name)
+        assert cp.COMPRESSOR.search_space(SM90).violations(cfg, shape, SM90) == []
+        assert cp.COMPRESSOR.build(shape, {**cfg, "block_g": 16, "k_chunk": 64}, SM90) is not None
+
+
 def test_constraints_prune():
     space = cp.COMPRESSOR.search_space(SM90)
     shape = cp.COMPRESSOR.shapes()[0]
@@ -103,14 +113,31 @@ def test_compare_rule():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("load", ["direct", "staged"])
 @pytest.mark.parametrize("proj", ["tf32x3", "simt"])
-def test_compressor_matches_reference(proj):
+def test_compressor_matches_reference(proj, load):
     arch = get_arch("sm90")
     odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
     shapes = [cp.COMPRESSOR.shape(n) for n in ("prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64", "decode_r1_b64")] + odd
     for shape in shapes:
-        ev = evaluate(cp.COMPRESSOR, shape, {**cp.COMPRESSOR.default_config(arch), "proj": proj}, arch, seed=2, time_it=False)
+        cfg = {**cp.COMPRESSOR.default_config(arch), "proj": proj, "load": load}
+        ev = evaluate(cp.COMPRESSOR, shape, cfg, arch, seed=2, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_name", ["prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64"])
+@pytest.mark.parametrize("block_g, k_chunk", [(32, 32), (16, 64)])
+def test_staged_equals_direct_bitwise(shape_name, block_g, k_chunk):
+    """The staged loads change where kv/gate come from, not the arithmetic: caches byte-identical."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    shape = tile.shape(shape_name)
+    inputs = tile.make_inputs(shape, 4, "cuda")
+    base = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk}
+    direct = tile.run(tile.build(shape, {**base, "load": "direct"}, arch), inputs)
+    staged = tile.run(tile.build(shape, {**base, "load": "staged"}, arch), inputs)
+    for name in direct:
+        assert torch.equal(direct[name], staged[name]), name
 
 
 @pytest.mark.gpu

@@ -34,10 +34,36 @@ def test_default_compiles_sm90(tile):
 
 
 @pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
-@pytest.mark.parametrize("dequant", ["registers", "lut"])
+@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits"])
 def test_dequant_options_compile_sm90(tile, dequant):
     shape = tile.shapes()[0]
     assert tile.build(shape, {**tile.default_config(SM90), "dequant": dequant}, SM90) is not None
+
+
+def _bits_dequant(codes: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
+    """Torch mirror of the "bits" dequant's integer formula (tiles.indexer._dequant_words_bits)."""
+    mag, base = codes & 7, (sbyte - 1) << 7
+    bits = torch.where(mag == 0, 0, base + torch.where(mag == 1, 0, mag << 6)) | ((codes & 8) << 12)
+    return (bits.to(torch.int32) << 16).view(torch.float32)  # bf16 bits as the top half of an fp32
+
+
+def test_bits_dequant_formula_is_exact():
+    """Every code x every scale byte the formula claims (2..252) decodes as model.formats does."""
+    from model import formats
+
+    codes = torch.arange(16, dtype=torch.int32).repeat(251)  # [16 * 251]
+    sbyte = torch.arange(2, 253, dtype=torch.int32).repeat_interleave(16)
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(-1, 1)  # one byte per row: codes 2r, 2r+1
+    want = formats.fp4_dequantize(packed, sbyte[0::2].to(torch.uint8).view(-1, 1), 2, "e8m0").view(-1)
+    got = _bits_dequant(codes, sbyte)
+    assert torch.equal(got.view(torch.int32) & ~0x80000000, want.view(torch.int32) & ~0x80000000)  # +-0 aside
+    assert torch.equal(got, want)
+
+
+def test_hopper_default_uses_the_new_score_path():
+    cfg = ix.INDEXER_TOPK.default_config(SM90)
+    assert cfg["dequant"] == "bits" and cfg["tiles_per_cta"] == 16
+    assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["dequant"] == "shared"
 
 
 def test_smem_constraint_counts_the_pipelined_dequant_tile():
@@ -137,6 +163,40 @@ def test_tile_matches_reference(tile):
     for shape in _gpu_shapes(tile):
         ev = evaluate(tile, shape, tile.default_config(arch), arch, seed=1, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+
+
+# Every score-path option, the pre-sm90-default path included: scores by relative L2, top-k
+# sets exact up to the tie rule (evaluate also requires two runs bitwise equal).
+SCORE_OPTIONS = {
+    "old_default": {**ix._SCORE_DEFAULT},
+    "bits_t1": {"dequant": "bits", "tiles_per_cta": 1},
+    "bits_t4_1wg": {"dequant": "bits", "tiles_per_cta": 4, "threads": 128, "stages": 1},
+    "bits_t16": {"dequant": "bits", "tiles_per_cta": 16},
+    "bits_bn64": {"dequant": "bits", "block_n": 64, "threads": 128, "stages": 3},
+    "lut": {"dequant": "lut", "threads": 128, "stages": 1},
+    "registers": {"dequant": "registers"},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
+@pytest.mark.parametrize("option", list(SCORE_OPTIONS), ids=str)
+def test_score_options_match_reference(tile, option):
+    arch = get_arch("sm90")
+    cfg = {**tile.default_config(arch), **SCORE_OPTIONS[option]}
+    for shape in [tile.shape("decode_b64_n32k"), _odd(3, 2, 1000), _odd(2, 1, 77)]:
+        ev = evaluate(tile, shape, cfg, arch, seed=3, time_it=False)
+        assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+def test_bits_scores_equal_shared_scores():
+    """Both paths feed the same exact bf16 K to the same MMA: the score rows must agree bitwise."""
+    inputs = ix._indexer_inputs(4, 1, 5000, 11, "cuda", causal=False)
+    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**ix._SCORE_DEFAULT, "dequant": "bits"})
+    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**ix._SCORE_DEFAULT, "dequant": "shared"})
+    assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -69,9 +69,51 @@ def _e2m1_code(v):
     return code | T.if_then_else(v < 0, 8, 0)
 
 
+LOAD_CHUNK = 32  # channels per staged kv/gate slab: [2 * block_g, 32] fp32 = 8 KiB per tensor at block_g 32
+
+
+@T.macro
+def _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio: int, block_g: int):
+    """Pooled latent of ``block_g`` groups into ``rot_s`` fp32 [block_g, 512], slab by slab.
+
+    ``kv``/``gate`` fp32 [B, S, 512] in global memory; ``kv_s``/``gate_s`` fp32
+    [ratio * block_g, LOAD_CHUNK] shared staging. Rows past the last group are zero-filled by
+    the bulk copy (their results are never stored). The arithmetic is the "direct" path's,
+    expression for expression, so both give bit-identical latents.
+    """
+    for dc in T.Pipelined(D // LOAD_CHUNK, num_stages=2):
+        T.copy(kv[b, g0 * ratio : (g0 + block_g) * ratio, dc * LOAD_CHUNK : (dc + 1) * LOAD_CHUNK], kv_s)
+        if ratio == 2:
+            T.copy(gate[b, g0 * 2 : (g0 + block_g) * 2, dc * LOAD_CHUNK : (dc + 1) * LOAD_CHUNK], gate_s)
+        for i, d in T.Parallel(block_g, LOAD_CHUNK):
+            if ratio == 1:
+                rot_s[i, dc * LOAD_CHUNK + d] = kv_s[i, d]
+            else:
+                x0, x1 = gate_s[2 * i, d], gate_s[2 * i + 1, d]
+                m = T.max(x0, x1)
+                e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
+                tot = e0 + e1
+                rot_s[i, dc * LOAD_CHUNK + d] = (e0 / tot) * kv_s[2 * i, d] + (e1 / tot) * kv_s[2 * i + 1, d]
+
+
+@T.macro
+def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
+    """Columns ``kc * k_chunk ..`` of the latent -> TF32 high part + fp32 remainder (exact split)."""
+    for i, kk in T.Parallel(block_g, k_chunk):
+        x = rot_s[i, kc * k_chunk + kk]
+        xh = T.reinterpret(T.reinterpret(x, "uint32") & T.uint32(0xFFFFE000), "float32")
+        a_hi[i, kk] = xh
+        a_lo[i, kk] = x - xh
+
+
 @functools.cache
-def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: str, k_chunk: int = 64):
-    """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic."""
+def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: str, k_chunk: int = 64, load: str = "direct"):
+    """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
+
+    ``load``: "direct" reads kv/gate with per-thread loads straight into the pooling registers;
+    "staged" streams them through shared memory by double-buffered bulk copies (and the Wk
+    chunks likewise, for tf32x3), see :func:`_staged_pool`.
+    """
     B, G = T.dynamic("B, G")
     S = G * ratio
     R = ROPE // 2
@@ -116,20 +158,33 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
             a_lo = T.alloc_shared((block_g, k_chunk), "float32")
             b_hi = T.alloc_shared((DI, k_chunk), "float32")
             b_lo = T.alloc_shared((DI, k_chunk), "float32")
+            if load == "staged":
+                kv_s = T.alloc_shared((block_g * ratio, LOAD_CHUNK), "float32")
+                gate_s = T.alloc_shared((block_g * ratio, LOAD_CHUNK), "float32") if ratio == 2 else kv_s
+            else:
+                kv_s = gate_s = None
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
-            # 1. pooling (softmax over the group's tokens, per channel) in registers.
-            for i, d in T.Parallel(block_g, D):
-                g = T.min(g0 + i, G - 1)
-                if ratio == 1:
-                    lat[i, d] = kv[b, g, d]
-                else:
-                    x0, x1 = gate[b, 2 * g, d], gate[b, 2 * g + 1, d]
-                    m = T.max(x0, x1)
-                    e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
-                    tot = e0 + e1
-                    lat[i, d] = (e0 / tot) * kv[b, 2 * g, d] + (e1 / tot) * kv[b, 2 * g + 1, d]
+            # 1. pooling (softmax over the group's tokens, per channel).
+            if load == "staged":
+                # Bulk async copies of channel slabs, double-buffered: the kv/gate stream (the
+                # kernel's HBM traffic) is in flight while the previous slab is pooled, instead
+                # of each thread waiting on its own scalar loads (see _staged_pool).
+                _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g)
+                for i, d in T.Parallel(block_g, D):
+                    lat[i, d] = rot_s[i, d]
+            else:
+                for i, d in T.Parallel(block_g, D):
+                    g = T.min(g0 + i, G - 1)
+                    if ratio == 1:
+                        lat[i, d] = kv[b, g, d]
+                    else:
+                        x0, x1 = gate[b, 2 * g, d], gate[b, 2 * g + 1, d]
+                        m = T.max(x0, x1)
+                        e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
+                        tot = e0 + e1
+                        lat[i, d] = (e0 / tot) * kv[b, 2 * g, d] + (e1 / tot) * kv[b, 2 * g + 1, d]
             # 2. RMSNorm.
             for i, d in T.Parallel(block_g, D):
                 sq[i, d] = lat[i, d] * lat[i, d]
@@ -147,7 +202,9 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
             for i, q in T.Parallel(block_g, D // MAIN_GROUP):
                 amax_m[i, q] = 0.0
                 for e in T.serial(MAIN_GROUP):
-                    amax_m[i, q] = T.max(amax_m[i, q], T.abs(rot_s[i, q * MAIN_GROUP + e]))
+                    # Rotated start per group: neighbouring threads' groups sit 16 words apart, so
+                    # reading e in lockstep hit 2 banks (16-way conflicts); max ignores the order.
+                    amax_m[i, q] = T.max(amax_m[i, q], T.abs(rot_s[i, q * MAIN_GROUP + (e + q) % MAIN_GROUP]))
             for i, q in T.Parallel(block_g, D // MAIN_GROUP):
                 raw = T.min(T.max(amax_m[i, q], 6.0 * 2.0**-9) / 6.0, 448.0)
                 code8 = T.Cast("float8_e4m3fn", raw)
@@ -160,25 +217,36 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
                 bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
             # 5. Index-K projection of the rotated latent (fp32 accuracy, see module docstring).
             T.clear(kacc)
-            for kc in T.serial(D // k_chunk):
-                if proj == "tf32x3":
-                    for n, kk in T.Parallel(DI, k_chunk):
-                        b_hi[n, kk] = wk_hi[n, kc * k_chunk + kk]
-                        b_lo[n, kk] = wk_lo[n, kc * k_chunk + kk]
-                    for i, kk in T.Parallel(block_g, k_chunk):
-                        x = rot_s[i, kc * k_chunk + kk]
-                        xh = T.reinterpret(T.reinterpret(x, "uint32") & T.uint32(0xFFFFE000), "float32")
-                        a_hi[i, kk] = xh
-                        a_lo[i, kk] = x - xh
+            if proj == "tf32x3" and load == "staged":
+                # The weight chunks by async copies, double-buffered, so the L2 -> SM stream of Wk (512 KiB
+                # hi + lo per CTA) overlaps the split and the MMAs instead of stalling each chunk.
+                for kc in T.Pipelined(D // k_chunk, num_stages=2):
+                    T.copy(wk_hi[:, kc * k_chunk : (kc + 1) * k_chunk], b_hi)
+                    T.copy(wk_lo[:, kc * k_chunk : (kc + 1) * k_chunk], b_lo)
+                    _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g, k_chunk)
                     T.gemm(a_lo, b_hi, kacc, transpose_B=True)
                     T.gemm(a_hi, b_lo, kacc, transpose_B=True)
                     T.gemm(a_hi, b_hi, kacc, transpose_B=True)
-                else:
-                    for n, kk in T.Parallel(DI, k_chunk):
-                        b_hi[n, kk] = wk_hi[n, kc * k_chunk + kk] + wk_lo[n, kc * k_chunk + kk]
-                    for kk in T.serial(k_chunk):
-                        for i, n in T.Parallel(block_g, DI):
-                            kacc[i, n] += rot_s[i, kc * k_chunk + kk] * b_hi[n, kk]
+            else:
+                for kc in T.serial(D // k_chunk):
+                    if proj == "tf32x3":
+                        for n, kk in T.Parallel(DI, k_chunk):
+                            b_hi[n, kk] = wk_hi[n, kc * k_chunk + kk]
+                            b_lo[n, kk] = wk_lo[n, kc * k_chunk + kk]
+                        for i, kk in T.Parallel(block_g, k_chunk):
+                            x = rot_s[i, kc * k_chunk + kk]
+                            xh = T.reinterpret(T.reinterpret(x, "uint32") & T.uint32(0xFFFFE000), "float32")
+                            a_hi[i, kk] = xh
+                            a_lo[i, kk] = x - xh
+                        T.gemm(a_lo, b_hi, kacc, transpose_B=True)
+                        T.gemm(a_hi, b_lo, kacc, transpose_B=True)
+                        T.gemm(a_hi, b_hi, kacc, transpose_B=True)
+                    else:
+                        for n, kk in T.Parallel(DI, k_chunk):
+                            b_hi[n, kk] = wk_hi[n, kc * k_chunk + kk] + wk_lo[n, kc * k_chunk + kk]
+                        for kk in T.serial(k_chunk):
+                            for i, n in T.Parallel(block_g, DI):
+                                kacc[i, n] += rot_s[i, kc * k_chunk + kk] * b_hi[n, kk]
             # 6. k_norm, RoPE, FP4 into the index cache: E8M0 (power of two) scale per 32.
             if block_g >= 32:
                 for i, n in T.Parallel(block_g, DI):
@@ -204,7 +272,8 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
             for i, q in T.Parallel(block_g, DI // INDEX_GROUP):
                 amax_i[i, q] = 0.0
                 for e in T.serial(INDEX_GROUP):
-                    amax_i[i, q] = T.max(amax_i[i, q], T.abs(k_s[i, q * INDEX_GROUP + e]))
+                    # Same reason: 32-word groups put every thread of a warp on one bank without the rotation.
+                    amax_i[i, q] = T.max(amax_i[i, q], T.abs(k_s[i, q * INDEX_GROUP + (e + q * 8 + i) % INDEX_GROUP]))
             for i, q in T.Parallel(block_g, DI // INDEX_GROUP):
                 v = T.max(amax_i[i, q], 6.0 * 2.0**-126) / 6.0
                 bits = T.reinterpret(v, "uint32")
@@ -229,6 +298,11 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
 # --------------------------------------------------------------------------------------
 # public function
 # --------------------------------------------------------------------------------------
+
+
+def _build(arch: Arch, ratio: int, cfg: Config):
+    """The compiled compressor for a full config (see :meth:`CompressorTile.search_space`)."""
+    return _compress_kernel(arch.nvcc_arch, ratio, cfg["block_g"], cfg["threads"], cfg["proj"], cfg["k_chunk"], cfg.get("load", "direct"))
 
 
 def split_tf32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +397,7 @@ def compress(
     gate = kv if ratio == 1 else gate[:, : G * ratio].contiguous()  # ratio 1 reads no gate
     wk_hi, wk_lo = split_tf32(wk)
     eps_t = torch.full((1,), eps, dtype=torch.float32, device=dev)  # a fill, not a host copy: capturable
-    kernel = _compress_kernel(arch.nvcc_arch, ratio, cfg["block_g"], cfg["threads"], cfg["proj"], cfg["k_chunk"])
+    kernel = _build(arch, ratio, cfg)
     kernel(kv, gate, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(), wk_hi, wk_lo, k_norm_weight.contiguous(), eps_t, *outs)
     return outs
 
@@ -387,21 +461,32 @@ class CompressorTile(Tile):
             Param("threads", (128, 256, 512), "threads per CTA"),
             Param("proj", ("tf32x3", "simt"), "index-K projection: three TF32 tensor-core products, or fp32 FMA"),
             Param("k_chunk", (32, 64), "K chunk of the projection staged through shared memory"),
+            Param(
+                "load",
+                ("direct", "staged"),
+                "kv/gate (and Wk chunks) by per-thread loads into registers, or by double-buffered bulk copies through shared memory",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress),))
 
     def default_config(self, arch: Arch) -> Config:
-        # 32 groups per CTA with 64-wide projection chunks where shared memory allows (Hopper),
-        # else the largest tile that fits the arch's per-block shared memory.
+        # Hopper: the staged loads (bulk copies, double-buffered) with 32 groups per CTA and
+        # 32-wide projection chunks so the two weight stages fit next to the kv/gate slabs; the
+        # direct path measured 9% of copy bandwidth at prefill_r2_s64k (notes/indexer.md).
+        # Elsewhere: the direct path with the largest tile that fits the per-block shared memory.
+        if arch.family == "hopper":
+            cfg = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 32, "load": "staged"}
+            if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
+                return cfg
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
-            cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk}
+            cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct"}
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = {**self.default_config(arch), **config}
-        return _compress_kernel(arch.nvcc_arch, shape["ratio"], cfg["block_g"], cfg["threads"], cfg["proj"], cfg["k_chunk"])
+        return _build(arch, shape["ratio"], cfg)
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         B, S, ratio = shape["B"], shape["S"], shape["ratio"]
@@ -484,8 +569,10 @@ def _rope() -> RopeConfig:
 
 
 def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
-    config = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64, **config}  # a partial config is judged with defaults
+    config = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64, "load": "direct", **config}  # partial: judged with defaults
     bg, kc = config["block_g"], config["k_chunk"]
+    staged = config["load"] == "staged"
+    ratio = shape.dims.get("ratio", 2)  # unknown ratio: count the larger ratio-2 staging
     need = (
         bg * D * 4
         + D * 4
@@ -497,6 +584,9 @@ def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         + 2 * bg * kc * 4
         + 2 * DI * kc * 4
     )
+    if staged:  # two pipeline stages of the kv (and gate) slabs, and a second stage of the Wk chunks
+        slabs = 2 if ratio == 2 else 1
+        need += 2 * slabs * bg * ratio * LOAD_CHUNK * 4 + (2 * DI * kc * 4 if config["proj"] == "tf32x3" else 0)
     return None if need <= arch.smem_per_block else f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
 
 

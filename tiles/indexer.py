@@ -61,6 +61,34 @@ def _e2m1_bf16_bits(code):
     return T.Cast("uint32", bits | ((code & 8) << 12))
 
 
+@T.macro
+def _dequant_words_bits(kw_s, ks_s, k_deq, block_n: int, W: int):
+    """FP4 words -> scaled bf16 by integer arithmetic only: one thread per packed word (8 values).
+
+    ``kw_s`` int32 [block_n, W] packed codes, ``ks_s`` int32 [block_n] the 4 E8M0 bytes of each
+    entry, ``k_deq`` bf16 [block_n, 8 * W] out. Why: the per-value paths ("shared", "lut") spend
+    ~20 instructions per FP4 value (a word load, nibble extract, float convert, multiply, round)
+    on one value per thread per iteration, and their loops got a named barrier per iteration.
+    Here the word and its group's scale are read once per 8 values, and a value is its bf16 bit
+    pattern built directly: for a magnitude code ``mag`` = 2e+m (value 2^(e-1)(1+m/2) for e >= 1)
+    at scale 2^(s-127) the exponent field is s-1+e and the top mantissa bit m, i.e.
+    ``((s - 1) << 7) + (mag << 6)``; the subnormal code 1 (0.5) is ``(s - 1) << 7``; 0 is 0. Exact
+    (FP4 x 2^k is a bf16) for scale bytes 2..252; byte 1 (scale 2^-126) only occurs for an all-zero
+    group under the spec's scale rule, where every code is 0.
+    """
+    for i, c in T.Parallel(block_n, W):
+        vals = T.alloc_local((8,), "bfloat16")
+        word = kw_s[i, c]
+        base = (((ks_s[i] >> ((c // (GROUP // 8)) * 8)) & 0xFF) - 1) << 7  # 8 codes per word, 4 words per scale group
+        for e in T.unroll(8):
+            code = (word >> (e * 4)) & 0xF
+            mag = code & 7
+            bits = T.if_then_else(mag == 0, 0, base + T.if_then_else(mag == 1, 0, mag << 6)) | ((code & 8) << 12)
+            vals[e] = T.reinterpret(T.Cast("uint16", bits), "bfloat16")
+        for e in T.vectorized(8):  # one 16-byte store: 8 bf16 are one unit of the 128-byte swizzle
+            k_deq[i, c * 8 + e] = vals[e]
+
+
 @functools.cache
 def _score_kernel(
     target: str, block_n: int, threads: int, stages: int, tiles_per_cta: int, dequant: str, gather: bool, pool_block: int = 8
@@ -136,7 +164,9 @@ def _score_kernel(
                     T.copy(k_words[b, n0 : n0 + block_n, :], kw_s)
                     # Not TMA: the [B, N] int32 scale rows are only 4-byte aligned for N not a multiple of 4.
                     T.copy(k_scales[b, n0 : n0 + block_n], ks_s, annotations={"disable_tma": True})
-                if dequant == "lut":
+                if dequant == "bits":
+                    _dequant_words_bits(kw_s, ks_s, k_deq, block_n, W)
+                elif dequant == "lut":
                     for i, d in T.Parallel(block_n, D):
                         pair = lut[(kw_s[i, d // 8] >> ((d % 8) // 2 * 8)) & 0xFF]
                         unit = T.reinterpret(T.Cast("uint16", (pair >> ((d % 2) * 16)) & 0xFFFF), "bfloat16")
@@ -677,7 +707,7 @@ def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
     # TileLang's pipeline multi-buffers every shared tile written inside the loop: the packed
     # words, scales and positions, and the dequantised bf16 tile too (an estimate without that
     # factor let a 253 KiB lut config through to a launch failure on the H200).
-    per_stage = bn * (HEAD_DIM // 2 + 4 + 4) + (bn * HEAD_DIM * 2 if config["dequant"] in ("shared", "lut") else 0)
+    per_stage = bn * (HEAD_DIM // 2 + 4 + 4) + (bn * HEAD_DIM * 2 if config["dequant"] in ("shared", "lut", "bits") else 0)
     need = HEADS * HEAD_DIM * 2 + HEADS * 4 + max(1, config["stages"]) * per_stage + (1024 if config["dequant"] == "lut" else 0)
     return None if need <= arch.smem_per_block else f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
 
@@ -697,9 +727,10 @@ def _score_params() -> tuple[Param, ...]:
         Param("tiles_per_cta", (1, 4, 16), "entry tiles per CTA: how finely N is split across CTAs"),
         Param(
             "dequant",
-            ("shared", "registers", "lut"),
+            ("shared", "registers", "lut", "bits"),
             "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
-            "or by a 256-entry byte -> bf16x2 table into a shared tile",
+            "by a 256-entry byte -> bf16x2 table into a shared tile, or (bits) one thread per packed word "
+            "building the scaled bf16 bit patterns by integer arithmetic into a shared tile",
         ),
     )
 
@@ -713,6 +744,11 @@ def _select_params() -> tuple[Param, ...]:
 
 _SCORE_DEFAULT = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 4, "dequant": "shared"}
 _SELECT_DEFAULT = {"select_threads": 1024, "radix_bits": 8}
+# Hopper: word-wise integer dequant (no per-value float chain, one barrier per tile), two
+# consumer warpgroups so 8 warps share the dequant of a 128-entry tile, and 16 tiles (2048
+# entries) per CTA so the 8 KiB query load and the pipeline prologue are paid once per 2048
+# entries, not per 512. Unmeasured until the next GPU run (notes/indexer.md).
+_SCORE_DEFAULT_SM90 = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 16, "dequant": "bits"}
 
 
 class _ScoreAndSelectTile(Tile):
@@ -722,6 +758,8 @@ class _ScoreAndSelectTile(Tile):
         return SearchSpace(_score_params() + _select_params(), (Constraint("smem", _smem_score), Constraint("warpgroups", _warps_fit)))
 
     def default_config(self, arch: Arch) -> Config:
+        if arch.family == "hopper":
+            return {**_SCORE_DEFAULT_SM90, **_SELECT_DEFAULT}
         return {**_SCORE_DEFAULT, **_SELECT_DEFAULT}
 
 
