@@ -13,13 +13,17 @@ import sys
 import time
 from pathlib import Path
 
+# Overrides merged onto each tile's default at bulk_1m (keys a tile does not have are dropped): the first
+# kernels (`thread` mapping, `divide` codes), the new `lanes` / `thresholds` paths and their sizes.
 SWEEP = [
-    {"staging": "registers", "groups_per_thread": 1, "threads": 256, "grid": "tiles"},
-    {"staging": "registers", "groups_per_thread": 2, "threads": 128, "grid": "tiles"},
-    {"staging": "registers", "groups_per_thread": 2, "threads": 512, "grid": "tiles"},
-    {"staging": "registers", "groups_per_thread": 2, "threads": 256, "grid": "persistent"},
-    {"staging": "registers", "groups_per_thread": 4, "threads": 128, "grid": "tiles"},
-    {"staging": "shared", "groups_per_thread": 2, "threads": 256, "grid": "tiles"},
+    {"mapping": "thread", "code": "divide"},
+    {"mapping": "thread", "code": "thresholds"},
+    {"mapping": "lanes", "code": "divide"},
+    {"chunks_per_thread": 1},
+    {"chunks_per_thread": 4},
+    {"threads": 128},
+    {"threads": 512},
+    {"grid": "persistent"},
 ]
 TILES = ["fp4_quant_main", "fp4_quant_index", "fp4_dequant_main", "fp4_dequant_index"]
 
@@ -56,8 +60,11 @@ def sweep(out: Path) -> list[dict]:
     for name in ("fp4_quant_main", "fp4_dequant_main", "fp4_quant_index", "fp4_dequant_index"):
         tile = get_tile(name)
         shape = tile.shape("bulk_1m")
-        for config in [tile.default_config(arch)] + SWEEP:
-            if tile.search_space(arch).violations(config, shape, arch):
+        space = tile.search_space(arch)
+        names = {p.name for p in space.params}
+        configs = [tile.default_config(arch)] + [{**tile.default_config(arch), **{k: v for k, v in o.items() if k in names}} for o in SWEEP]
+        for config in list({json.dumps(c, sort_keys=True): c for c in configs}.values()):
+            if space.violations(config, shape, arch):
                 continue
             if time.time() > deadline:
                 rows.append(
@@ -111,7 +118,7 @@ def summary(docs: list[dict], rows: list[dict]) -> str:
         lines += ["", "| sweep tile (bulk_1m) | config | ms | GB/s | outcome |", "|---|---|---|---|---|"]
         for r in rows:
             c = r["config"]
-            cfg = f"{c['staging']}/g{c['groups_per_thread']}/t{c['threads']}/{c['grid']}"
+            cfg = "/".join(f"{k}={v}" for k, v in sorted(c.items()))
             ms = f"{r['ms']:.4f}" if r["ms"] else "-"
             gb = f"{r['gbps']:.0f}" if r["gbps"] else "-"
             lines.append(f"| {r['tile']} | {cfg} | {ms} | {gb} | {r['outcome']} {r['message'][:60]} |")
@@ -120,7 +127,7 @@ def summary(docs: list[dict], rows: list[dict]) -> str:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    docs = bench(out)
+    docs = bench(out) if os.environ.get("FP4_SWEEP_ONLY") != "1" else []
     (out / "summary.md").write_text(summary(docs, []))
     rows = sweep(out)
     (out / "summary.md").write_text(summary(docs, rows))

@@ -52,6 +52,25 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
+phase_profile() {  # indexer and compressor: old and new paths, per-kernel CUDA time against the floor (gpu/profile_tiles.py)
+  timeout "${PROFILE_S:-200}" python3 gpu/profile_tiles.py \
+    'indexer_topk:decode_b64_n128k:{"dequant":"shared","tiles_per_cta":4}' \
+    'indexer_topk:decode_b64_n128k:{"dequant":"lut","threads":128,"stages":1,"tiles_per_cta":4,"select_threads":512}' \
+    indexer_topk:decode_b64_n128k \
+    'indexer_topk:decode_b64_n128k:{"dequant":"bits","threads":128,"tiles_per_cta":16}' \
+    'compressor:prefill_r2_s64k:{"load":"direct","k_chunk":64}' compressor:prefill_r2_s64k \
+    'compressor:prefill_r1_s64k:{"load":"direct","k_chunk":64}' compressor:prefill_r1_s64k \
+    --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1
+  note "profile rc=$?"
+}
+
+phase_fp4() {  # FP4 tiles: structural sweep at bulk_1m (old and new mappings / code paths), checked bit-exactly first
+  mkdir -p "$OUT/fp4"
+  FP4_SWEEP_ONLY=${FP4_SWEEP_ONLY:-1} FP4_DEADLINE=$(( $(date +%s) + ${FP4_S:-120} - 10 )) \
+    timeout "${FP4_S:-120}" python3 -m gpu.fp4_bench "$OUT/fp4" > "$OUT/fp4.log" 2>&1
+  note "fp4 rc=$?"
+}
+
 phase_e2e-quick() {
   timeout "${E2E_QUICK_S:-120}" $LAB e2e --preset v4.1-flash --phase decode --ctx 8K --batch 64 --backend torch,tiles --configs default \
     --runs 5 --out "$OUT/e2e-quick" > "$OUT/e2e-quick.log" 2>&1

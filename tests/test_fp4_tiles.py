@@ -1,6 +1,9 @@
-"""FP4 quantise/dequantise tiles: compile for sm80/sm90 on the CPU; bit-exact with model.formats on the GPU."""
+"""FP4 quantise/dequantise tiles: compile for sm80/sm89/sm90 on the CPU, the threshold and decode arithmetic checked
+exhaustively on the CPU; bit-exact with model.formats on the GPU for every structural option."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -15,12 +18,40 @@ FP4_TILES = ["fp4_quant_main", "fp4_quant_index", "fp4_dequant_main", "fp4_dequa
 FORMATS = [(16, "e4m3", fp4.MAIN_DIM), (32, "e8m0", fp4.INDEX_DIM)]
 
 
+# The structural options each GPU test runs: every mapping, code and chunk count (the other params at their defaults).
+QUANT_OPTIONS = [
+    {"mapping": "lanes", "code": code, "chunks_per_thread": chunks} for code in ("thresholds", "divide") for chunks in (1, 2, 4)
+] + [{"mapping": "thread", "code": code} for code in ("thresholds", "divide")]
+DEQUANT_OPTIONS = [{"mapping": "lanes", "chunks_per_thread": chunks} for chunks in (1, 2, 4)] + [{"mapping": "thread"}]
+
+
+def _options(name: str) -> list[dict]:
+    return QUANT_OPTIONS if name.startswith("fp4_quant") else DEQUANT_OPTIONS
+
+
+def _option_id(config: dict) -> str:
+    return "-".join(str(v) for v in config.values())
+
+
+TILE_OPTIONS = [pytest.param(name, c, id=f"{name}-{_option_id(c)}") for name in FP4_TILES for c in _options(name)]
+
+
 def _small(tile) -> Shape:
     return tile.shape("decode_b64")
 
 
+def _kernel_body(src: str) -> str:
+    """The CUDA source from the kernel definition on, comments dropped."""
+    return re.sub(r"/\*.*?\*/", "", src[src.index("__global__ void __launch_bounds__") :])
+
+
+def _float_divisions(body: str) -> list[str]:
+    """Divisions other than the scale's ``amax / 6`` and integer index arithmetic."""
+    return re.findall(r" / (?!0x1\.8p\+2f\b|\(?\d+\)?\b)[^;]*", body)
+
+
 # --- CPU: compile, search space, inputs, argument checks --------------------------------
-@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+@pytest.mark.parametrize("arch", ["sm90", "sm89", "sm80"])
 @pytest.mark.parametrize("name", FP4_TILES)
 def test_compiles_default_config(name, arch):
     tile, a = get_tile(name), get_arch(arch)
@@ -30,11 +61,33 @@ def test_compiles_default_config(name, arch):
     assert "__fdividef" not in src and "__frcp" not in src and "__expf" not in src
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm89", "sm80"])
+@pytest.mark.parametrize("name, option", TILE_OPTIONS)
+def test_compiles_every_option(name, option, arch):
+    """Each new option compiles per arch, and the source has what it is for: shuffles, 16-byte vectors, no division."""
+    tile, a = get_tile(name), get_arch(arch)
+    config = {**tile.default_config(a), **option}
+    assert tile.search_space(a).violations(config, _small(tile), a) == []
+    body = _kernel_body(tile.build(_small(tile), config, a).get_kernel_source())
+    quant = "code" in config
+    if config["mapping"] == "lanes":
+        # the group amax over 2 (E4M3) or 4 (E8M0) lanes: one or two butterfly steps; dequant needs no exchange
+        assert body.count("__shfl_xor_sync") == ((tile.group // fp4.LANE_VALUES).bit_length() - 1 if quant else 0)
+        wide = r"\*\(uint4\*\)\(xin \+ .*\) = \*\(uint4\*\)\(X " if quant else r"\*\(uint4\*\)\(Y .*\) = \*\(uint4\*\)\(yo "
+        assert re.search(wide, body), "the bf16 side moves as one 16-byte vector per lane and chunk"
+        packed = r"\*\(uint\*\)\(P .*\) = \*\(uint\*\)\(pk " if quant else r"\*\(uint\*\)\(pk .*\) = \*\(uint\*\)\(P "
+        assert re.search(packed, body), "the 4 packed bytes of a chunk move as one 32-bit word"
+    if quant:
+        # E8M0's divide path multiplies by the exact 2^-e already; E4M3's divides per value
+        divides = config["code"] == "divide" and tile.scale_format == "e4m3"
+        assert bool(_float_divisions(body)) == divides, _float_divisions(body)
+
+
 @pytest.mark.parametrize(
     "name, config",
     [
-        ("fp4_quant_main", {"staging": "shared", "groups_per_thread": 4, "threads": 128, "grid": "persistent"}),
-        ("fp4_dequant_index", {"staging": "shared", "groups_per_thread": 2, "threads": 64, "grid": "persistent"}),
+        ("fp4_quant_main", {"mapping": "thread", "staging": "shared", "groups_per_thread": 4, "threads": 128, "grid": "persistent"}),
+        ("fp4_dequant_index", {"mapping": "thread", "staging": "shared", "groups_per_thread": 2, "threads": 64, "grid": "persistent"}),
     ],
     ids=["quant-main-shared-persistent", "dequant-index-shared-persistent"],
 )
@@ -54,16 +107,105 @@ def test_default_config_is_valid_everywhere(name):
             assert tile.search_space(a).violations(tile.default_config(a), shape, a) == []
 
 
-def test_default_moves_16_bytes_per_packed_access():
+def test_default_moves_16_byte_vectors():
     for group, fmt, _ in FORMATS:
         c = fp4.fp4_default_config(fmt)
+        assert c["mapping"] == "lanes" and c["code"] == "thresholds" and fp4.LANE_VALUES * 2 == 16  # 16 B of bf16 per lane
+        # the thread mapping, when picked, keeps the first kernel's 16-byte packed vectors
         assert c["groups_per_thread"] * group // 2 == 16 and c["staging"] == "registers"
+        assert "code" not in fp4.fp4_default_config(fmt, quantise=False)
+
+
+def test_constraints_refuse_invalid_combinations():
+    main, dequant = get_tile("fp4_quant_main"), get_tile("fp4_dequant_main")
+    sm90 = get_arch("sm90")
+    shared_lanes = {**main.default_config(sm90), "staging": "shared"}
+    assert any("shared staging goes with mapping=thread" in r for r in main.search_space(sm90).violations(shared_lanes, _small(main), sm90))
+    fp32 = fp4.fp4_search_space("e4m3", value_bytes=4)
+    assert any("exact for bf16 inputs only" in r for r in fp32.violations(main.default_config(sm90), _small(main), sm90))
+    assert fp32.violations({**main.default_config(sm90), "code": "divide"}, _small(main), sm90) == []
+    assert "code" not in dequant.search_space(sm90).names()
+    # the unused size of a mapping is ignored, not refused: lanes with 8 groups per thread of a 4-group index row
+    index = get_tile("fp4_quant_index")
+    assert index.search_space(sm90).violations({**index.default_config(sm90), "groups_per_thread": 8}, _small(index), sm90) == []
+
+
+def test_configs_stored_before_the_new_options_stay_valid():
+    # results/sm90/fp4_quant_main.yaml holds winners without mapping/code/chunks_per_thread
+    main, sm90 = get_tile("fp4_quant_main"), get_arch("sm90")
+    for old in ({"grid": "tiles", "groups_per_thread": 1, "staging": "registers", "threads": 128},
+                {"grid": "tiles", "groups_per_thread": 2, "staging": "registers", "threads": 256}):  # fmt: skip
+        assert main.search_space(sm90).violations(old, _small(main), sm90) == []
+        assert main.search_space(sm90).violations({**main.default_config(sm90), **old}, _small(main), sm90) == []
+
+
+def test_builders_refuse_invalid_structures():
+    with pytest.raises(TileError, match="exact for bf16 inputs only"):
+        fp4.build_quant(512, "e4m3", "float32", "registers", 2, 256, "tiles", "sm_90a", mapping="lanes", code="thresholds")
+    with pytest.raises(TileError, match="use staging='registers'"):
+        fp4.build_dequant(512, "e4m3", "bfloat16", "shared", 2, 256, "tiles", "sm_90a", mapping="lanes")
+    with pytest.raises(TileError, match="unknown mapping 'warp'"):
+        fp4.build_dequant(512, "e4m3", "bfloat16", "registers", 2, 256, "tiles", "sm_90a", mapping="warp")
+
+
+def _bf16_patterns() -> torch.Tensor:
+    """Every bf16 bit pattern (NaNs, +-Inf, +-0, denormals included) as float32 [65536]."""
+    return torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+
+def _threshold_codes(x: torch.Tensor, s: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """CPU mirror of the kernel's ``code='thresholds'`` path (build_quant + fp4._e2m1_code_search), fp32 throughout."""
+    thr = s * torch.tensor(formats._E2M1_MIDPOINTS)  # [7]
+    if scale_format == "e8m0":
+        thr = thr.clamp(max=fp4.FLT_MAX)
+        neg = -(s * 2.0**-75) * 2.0**-75
+    else:
+        neg = torch.zeros(1)
+    a = x.abs()
+    ge4 = a >= thr[3]
+    ge2 = a >= torch.where(ge4, thr[5], thr[1])
+    odd = a > torch.where(ge4, torch.where(ge2, thr[6], thr[4]), torch.where(ge2, thr[2], thr[0]))
+    mag = (ge4.to(torch.uint8) << 2) | (ge2.to(torch.uint8) << 1) | odd.to(torch.uint8)
+    return mag | ((x < neg).to(torch.uint8) << 3)
+
+
+@pytest.mark.parametrize("scale_format, scale_bytes", [("e4m3", range(1, 0x7F)), ("e8m0", range(1, 255))], ids=["e4m3", "e8m0"])
+def test_thresholds_match_division_on_every_bf16(scale_format, scale_bytes):
+    """The exactness argument of code='thresholds', checked: every bf16 pattern against every scale a group can get."""
+    x = _bf16_patterns()
+    decode = formats.e4m3_decode if scale_format == "e4m3" else formats.e8m0_decode
+    for b in scale_bytes:
+        s = decode(torch.tensor([b], dtype=torch.uint8))  # [1]
+        expected = formats.e2m1_encode(torch.clamp(x / s, -formats.FP4_MAX, formats.FP4_MAX))
+        got = _threshold_codes(x, s, scale_format)
+        assert torch.equal(got, expected), f"scale byte {b:#04x}: x={x[got != expected][:4].tolist()}"
+
+
+def test_e4m3_scale_decode_by_bits_is_exact():
+    """CPU mirror of fp4._e4m3_scale_value_bits: the byte's bits as a tiny fp32, * 2^120; all 256 bytes."""
+    b = torch.arange(256, dtype=torch.int32)
+    got = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).view(torch.float32) * 2.0**120  # [256]
+    got = torch.where((b & 0x7F) == 0x7F, torch.full_like(got, float("nan")), got)
+    assert fp4.bit_exact_nan_canonical({"s": got}, {"s": formats.e4m3_decode(b.to(torch.uint8))}).ok
+
+
+@pytest.mark.parametrize("scale_format", ["e4m3", "e8m0"])
+def test_e2m1_decode_by_bits_is_exact(scale_format):
+    """CPU mirror of fp4._e2m1_times: code bits as a tiny fp32, * 2^126, * s; every code against every scale byte."""
+    codes = torch.arange(16, dtype=torch.int32)
+    tiny = (((codes & 7) << 22) | ((codes & 8) << 28)).view(torch.float32)  # [16]
+    scale_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    s = formats.e4m3_decode(scale_bytes) if scale_format == "e4m3" else formats.e8m0_decode(scale_bytes)  # [256]
+    got = (tiny[None, :] * 2.0**126) * s[:, None]  # [256, 16]
+    expected = formats.e2m1_decode(codes.to(torch.uint8))[None, :] * s[:, None]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert fp4.bit_exact_nan_canonical({"y": got.to(dtype)}, {"y": expected.to(dtype)}).ok
 
 
 def test_constraints_prune():
     index, main = get_tile("fp4_quant_index"), get_tile("fp4_quant_main")
     sm89, sm90 = get_arch("sm89"), get_arch("sm90")
-    big = {"staging": "shared", "groups_per_thread": 8, "threads": 512, "grid": "tiles"}
+    big = {"mapping": "thread", "staging": "shared", "groups_per_thread": 8, "threads": 512, "grid": "tiles"}
     # 4 groups of 32 per index row: 8 groups per thread straddle rows
     assert any("whole groups" in r for r in index.search_space(sm90).violations(big, _small(index), sm90))
     # 512 threads x 128 bf16 values = 128 KiB tile + packed bytes: fits Hopper, not an L40S block
@@ -136,11 +278,19 @@ def test_bit_exact_default(name, rows):
 @pytest.mark.parametrize(
     "config",
     [
-        {"staging": "shared", "groups_per_thread": 1, "threads": 128, "grid": "tiles"},
-        {"staging": "registers", "groups_per_thread": 4, "threads": 64, "grid": "persistent"},
-        {"staging": "shared", "groups_per_thread": 2, "threads": 512, "grid": "persistent"},
+        {"mapping": "thread", "staging": "shared", "groups_per_thread": 1, "threads": 128, "grid": "tiles"},
+        {"mapping": "thread", "staging": "registers", "groups_per_thread": 4, "threads": 64, "grid": "persistent"},
+        {"mapping": "thread", "staging": "shared", "groups_per_thread": 2, "threads": 512, "grid": "persistent"},
+        {"mapping": "lanes", "chunks_per_thread": 4, "threads": 64, "grid": "persistent"},
+        {"mapping": "lanes", "chunks_per_thread": 2, "threads": 512, "grid": "persistent"},
     ],
-    ids=["shared-tiles", "registers-persistent", "shared-persistent"],
+    ids=[
+        "thread-shared-tiles",
+        "thread-registers-persistent",
+        "thread-shared-persistent",
+        "lanes-c4-t64-persistent",
+        "lanes-c2-t512-persistent",
+    ],
 )
 @pytest.mark.parametrize("name", FP4_TILES)
 def test_bit_exact_structural_variants(name, config):
@@ -153,25 +303,46 @@ def test_bit_exact_structural_variants(name, config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 333, 4099], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("name, option", TILE_OPTIONS)
+def test_bit_exact_every_option(name, option, rows):
+    """Every mapping x code x chunks_per_thread, on row counts that leave the last tile, block and warp partial."""
+    tile, arch = get_tile(name), detect()
+    shape = Shape(f"rows{rows}", "any", {"rows": rows, "dim": tile.dim})
+    config = {**tile.default_config(arch), **option}
+    assert tile.search_space(arch).violations(config, shape, arch) == []
+    kernel = tile.build(shape, config, arch)
+    for seed in (3, 4):
+        inputs = tile.make_inputs(shape, seed, "cuda")
+        cmp = tile.compare(_run_twice(tile, kernel, inputs), tile.reference(inputs))
+        assert cmp.ok, str(cmp)
+
+
+PUBLIC_CONFIGS = [None, {"mapping": "thread", "code": "divide"}, {"mapping": "lanes", "code": "divide", "chunks_per_thread": 1}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", PUBLIC_CONFIGS, ids=["default", "thread-divide", "lanes-divide"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("group, fmt, dim", FORMATS, ids=["main", "index"])
-def test_public_quantize_matches_formats(group, fmt, dim, dtype):
+def test_public_quantize_matches_formats(group, fmt, dim, dtype, config):
     x = fp4.quant_inputs(3 * 41, dim, fmt, seed=7, device="cuda", dtype=dtype)["x"].reshape(3, 41, dim)
     if dtype == torch.float32:
         x[0, 0, :group] = torch.tensor([-1e-45, 1e-45] * (group // 2))  # denormals that divide to (-)0
-    packed, scales = fp4.fp4_quantize(x, group, fmt)
+    packed, scales = fp4.fp4_quantize(x, group, fmt, config=config)  # float32 takes code='divide' whatever the config says
     ref_packed, ref_scales = formats.fp4_quantize(x, group, fmt)
     assert torch.equal(packed, ref_packed) and torch.equal(scales, ref_scales)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mapping", ["lanes", "thread"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("group, fmt, dim", FORMATS, ids=["main", "index"])
-def test_public_dequantize_every_byte(group, fmt, dim, out_dtype):
+def test_public_dequantize_every_byte(group, fmt, dim, out_dtype, mapping):
     # every packed byte against every scale byte: row r carries scale byte r in all its groups
     packed = (torch.arange(256 * dim // 2, device="cuda") % 256).to(torch.uint8).reshape(256, dim // 2)
     scales = torch.arange(256, device="cuda").to(torch.uint8)[:, None].expand(256, dim // group).contiguous()
-    out = fp4.fp4_dequantize(packed, scales, group, fmt, out_dtype=out_dtype)
+    out = fp4.fp4_dequantize(packed, scales, group, fmt, out_dtype=out_dtype, config={"mapping": mapping})
     ref = formats.fp4_dequantize(packed, scales, group, fmt).to(out_dtype)
     assert fp4.bit_exact_nan_canonical({"y": out}, {"y": ref}).ok
 

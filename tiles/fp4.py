@@ -13,19 +13,49 @@ fp4_dequant_index   68 B       128 values (bf16 for the tile; fp32 too)
 ==================  =========  ======================================  ==============
 
 Exactness: the kernels are compiled with fast math off (``tl.enable_fast_math`` False), so
-``amax / 6`` and ``x / s`` are IEEE ``div.rn.f32`` and denormals are kept, as in torch. For
-E8M0 ``x / s`` is computed as ``x * 2^-e``: the same single rounding of the same real
-number. The E4M3 scale is rounded with integer bit arithmetic (RNE, saturation is
-impossible after the clamp to 448), E8M0 is ``exponent + (mantissa != 0)``. NaN never wins
-the ``amax`` (a comparison-based max keeps the running value) and encodes as code 0; the
-E2M1 code is a count of midpoint comparisons, so NaN compares false everywhere.
+``amax / 6`` and ``x / s`` are IEEE ``div.rn.f32`` and denormals are kept, as in torch. The
+E4M3 scale is rounded with integer bit arithmetic (RNE, saturation is impossible after the
+clamp to 448), E8M0 is ``exponent + (mantissa != 0)``. NaN never wins the ``amax`` (a
+comparison-based max keeps the running value). The E2M1 code of a value is the number of
+midpoints ``m_k`` (0.25 0.75 1.25 1.75 2.5 3.5 5) it passes, strictly on even ``k`` and
+inclusively on odd ``k`` (ties to the even code); NaN passes none and encodes as code 0.
+Two ways to get it (param ``code`` of the quantisers):
 
-Kernel structure: one *unit* is ``groups_per_thread`` consecutive groups of one row; each
-thread owns one unit at a time. ``staging`` picks how bytes reach the thread: straight from
-global memory in 16-byte vectors (``registers``) or through a shared-memory row tile moved
-with ``T.copy`` in both directions (``shared``). ``grid`` picks one block per tile of units
-or a persistent grid that strides over the tiles. Rows are a dynamic dimension: one
-compiled kernel serves every row count.
+* ``divide``: ``v = x / s`` (E8M0: ``x * 2^-e``, the same single rounding), then seven
+  comparisons of ``|v|`` with the ``m_k``; sign bit ``v < 0``. Exact for any input dtype.
+* ``thresholds`` (16-bit inputs only): compare ``|x|`` with ``t_k = m_k * s``, computed once
+  per group, by a 3-level binary search (``k = 3``, then 1 or 5, then 0/2/4/6). Exact because
+  ``m_k`` has <= 3 significant bits and the scale <= 4 (E8M0: 1), so ``m_k * s`` is exact in
+  fp32 (E4M3: ``s >= 2^-9``, no underflow; E8M0 products above FLT_MAX are clamped to it,
+  which no finite bf16 reaches, so +-Inf still passes every threshold). A bf16 ``x`` has 8
+  significant bits, so ``x != t_k`` puts ``x / s`` at a relative distance ``> 2^-10`` from
+  ``m_k``, far beyond fp32's rounding of the quotient: ``fl(|x| / s) > m_k <=> |x| > t_k``, and
+  equality likewise. The sign bit is ``x < 0`` for E4M3 (a nonzero bf16 over ``s <= 448`` never
+  rounds to -0); for E8M0 the quotient ``x * 2^-e`` rounds to -0 iff ``|x| <= 2^(e-150)``, so
+  the bit is ``x < -2^(e-150)``. float32 inputs (24-bit mantissas) break the gap argument and
+  always take ``divide``. tests/test_fp4_tiles.py checks both claims exhaustively on the CPU
+  (every bf16 pattern against every scale byte).
+
+Dequantise: ``value * s`` with the E2M1 value built from the code's bits (below), exact in fp32
+(<= 2 x 4 significant bits), then cast: bf16 holds it exactly too.
+
+Kernel structure, param ``mapping``:
+
+* ``lanes``: a thread owns *chunks* of 8 consecutive values of a row (quantise: 16 B of bf16
+  in, 4 packed bytes out; dequantise: 4 packed bytes in, 16 B of bf16 out), so consecutive
+  lanes touch consecutive memory. A scale group spans 2 lanes (E4M3, group 16) or 4 (E8M0,
+  group 32): each lane reduces its 8 values and ``shfl_xor`` completes the group ``amax``;
+  every lane of the group then computes the same scale and the group's first lane stores the
+  scale byte. ``chunks_per_thread`` chunks per thread and tile step, ``threads`` apart, so each
+  one is a coalesced sweep of the block and more bytes are in flight per thread.
+* ``thread``: a thread owns ``groups_per_thread`` whole consecutive groups of one row; a warp's
+  16-byte accesses are strided by the unit size. ``staging`` picks how bytes reach the thread:
+  straight from global memory in 16-byte vectors (``registers``) or through a shared-memory
+  row tile moved with ``T.copy`` in both directions (``shared``).
+
+``grid`` picks one block per tile of work or a persistent grid that strides over the tiles.
+Rows are a dynamic dimension: one compiled kernel serves every row count; a row past the end
+is neither read nor written (lanes past it still join the shuffles, on zeros).
 """
 
 from __future__ import annotations
@@ -33,6 +63,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +76,8 @@ MAIN_DIM, INDEX_DIM = 512, 128
 SCALE_GROUP = dict(formats.SCALE_FORMATS)  # "e4m3" -> 16, "e8m0" -> 32
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _PASS_CONFIGS = {"tl.enable_fast_math": False}
+LANE_VALUES = 8  # values per chunk of the lanes mapping: 16 B of bf16, 4 packed bytes
+FLT_MAX = 3.4028234663852886e38
 
 # E2M1 midpoints in order; on an even index a tie stays on the lower (even) code, so the
 # comparison is strict there and inclusive on odd indices (model.formats.e2m1_encode).
@@ -52,10 +85,67 @@ _MIDPOINTS = formats._E2M1_MIDPOINTS
 
 
 # --------------------------------------------------------------------------------------
-# Kernel builders
+# Work layout
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Layout:
+    """How a block's threads cover the rows (both kernels, both mappings).
+
+    Per tile step a thread handles ``runs`` *runs*: ``run_len`` consecutive values of one row.
+    Run ``r`` of thread ``tx`` in tile ``b`` is run number ``b * threads * runs + r * threads + tx``
+    of the flattened [rows, dim] tensor. A *segment* is what one thread holds of one scale group
+    (``seg_len`` values); ``lanes_per_group`` neighbouring lanes hold a whole group.
+    """
+
+    run_len: int
+    runs: int
+    seg_len: int
+    lanes_per_group: int
+    runs_per_row: int
+
+
+def _layout(dim: int, scale_format: str, mapping: str, groups_per_thread: int, chunks_per_thread: int) -> _Layout:
+    group = SCALE_GROUP[scale_format]
+    if mapping == "lanes":
+        return _Layout(LANE_VALUES, chunks_per_thread, LANE_VALUES, group // LANE_VALUES, dim // LANE_VALUES)
+    run = groups_per_thread * group
+    return _Layout(run, 1, group, 1, dim // run)
+
+
+def _n_tiles(rows, lay: _Layout, runs_per_tile: int):
+    """Tiles of ``runs_per_tile`` runs over ``rows`` rows; in whole rows when a tile holds whole rows, so that
+    ``rows * runs_per_row`` (64 per main row for lanes) cannot overflow int32 on huge inputs."""
+    import tilelang.language as T
+
+    if runs_per_tile % lay.runs_per_row == 0:
+        return T.ceildiv(rows, runs_per_tile // lay.runs_per_row)
+    return T.ceildiv(rows * lay.runs_per_row, runs_per_tile)
+
+
+def _check_structure(value_dtype: str, staging: str, mapping: str, code: str = "divide") -> None:
+    """Refuse builder arguments no constraint should have let through (the builders are public too)."""
+    if mapping not in ("lanes", "thread"):
+        raise TileError(f"unknown mapping {mapping!r}: use 'lanes' or 'thread'")
+    if code not in ("thresholds", "divide"):
+        raise TileError(f"unknown code {code!r}: use 'thresholds' or 'divide'")
+    if mapping == "lanes" and staging != "registers":
+        raise TileError("mapping='lanes' reads and writes global memory directly: use staging='registers'")
+    if code == "thresholds" and value_dtype != "bfloat16":
+        raise TileError(f"code='thresholds' is exact for bf16 inputs only, got {value_dtype}: use code='divide'")
+
+
+def _n_blocks(n_tiles, grid: str, arch: Arch, threads: int):
+    """Blocks launched: one per tile, or as many as fit on the GPU at once (persistent, 2048 threads per SM)."""
+    if grid == "persistent":
+        return arch.sm_count * max(1, 2048 // threads)
+    return n_tiles
+
+
+# --------------------------------------------------------------------------------------
+# Element helpers (TileLang expressions)
 # --------------------------------------------------------------------------------------
 def _e2m1_code(v):
-    """fp32 value already divided by its scale -> uint8 E2M1 code (0..15), NaN -> 0."""
+    """fp32 value already divided by its scale -> uint8 E2M1 code (0..15), NaN -> 0 (``code='divide'``)."""
     import tilelang.language as T
 
     mag = T.abs(v)
@@ -66,31 +156,126 @@ def _e2m1_code(v):
     return code | (T.cast(v < T.float32(0.0), "uint8") << T.uint8(3))
 
 
-def _n_blocks(n_tiles, grid: str, arch: Arch, threads: int):
-    """Blocks launched: one per tile, or as many as fit on the GPU at once (persistent, 2048 threads per SM)."""
-    if grid == "persistent":
-        return arch.sm_count * max(1, 2048 // threads)
-    return n_tiles
+def _e2m1_code_search(x, thr, neg, shift: int):
+    """Unscaled fp32 ``x`` -> its E2M1 code (``code='thresholds'``, NaN -> 0) as uint32, shifted left by ``shift``.
+
+    ``thr`` [7] holds ``m_k * s``; ``neg`` is the bound below which ``x / s`` stays negative
+    after rounding. Three comparisons instead of seven: ``k = 3`` decides code >= 4, then
+    ``k = 1`` or ``5`` (odd: inclusive), then ``k = 0, 2, 4`` or ``6`` (even: strict). Each bit
+    is a select of a shifted constant, so the nibble lands in place without shifts or widening.
+    """
+    import tilelang.language as T
+
+    def bit(cond, value: int):
+        return T.if_then_else(cond, T.uint32(value << shift), T.uint32(0))
+
+    a = T.abs(x)
+    ge4 = a >= thr[3]
+    ge2 = a >= T.if_then_else(ge4, thr[5], thr[1])
+    odd = a > T.if_then_else(ge4, T.if_then_else(ge2, thr[6], thr[4]), T.if_then_else(ge2, thr[2], thr[0]))
+    return bit(ge4, 4) | bit(ge2, 2) | bit(odd, 1) | bit(x < neg, 8)
 
 
+def _e2m1_value_select(c):
+    """uint32 code 0..15 -> fp32 value built from its bits with a select for codes 0/1 (code 8 -> -0.0)."""
+    import tilelang.language as T
+
+    m = c & T.uint32(7)
+    mag = T.if_then_else(
+        m < T.uint32(2),
+        m * T.uint32(0x3F000000),  # 0 -> 0.0, 1 -> 0.5
+        ((((m >> T.uint32(1)) + T.uint32(126)) << T.uint32(23)) | ((m & T.uint32(1)) << T.uint32(22))),
+    )
+    return T.reinterpret(mag | ((c & T.uint32(8)) << T.uint32(28)), "float32")
+
+
+def _e2m1_times(c, s):
+    """uint32 code 0..15 times fp32 ``s``, exactly, branch-free.
+
+    The code's bits ``s e1 e0 m`` placed at fp32 bits 31 and 24..22 read as the E2M1 value
+    times 2^-126: exponent field ``e`` gives ``2^(e-127) (1 + m/2)``, and ``e = 0`` is the
+    denormal ``m * 2^-127`` (fast math off keeps it). ``* 2^126`` is then exact, and so is
+    ``* s`` (<= 2 x 4 significant bits; inf and NaN as torch's product).
+    """
+    import tilelang.language as T
+
+    tiny = T.reinterpret(((c & T.uint32(7)) << T.uint32(22)) | ((c & T.uint32(8)) << T.uint32(28)), "float32")
+    return tiny * T.float32(2.0**126) * s
+
+
+def _e4m3_scale_value(b):
+    """E4M3 byte (uint32) -> fp32: 0x7F/0xFF are NaN, exponent 0 is subnormal (m * 2^-9)."""
+    import tilelang.language as T
+
+    s = T.if_then_else(
+        (b & T.uint32(0x78)) == T.uint32(0),
+        T.cast(b & T.uint32(7), "float32") * T.float32(2.0**-9),
+        T.reinterpret(
+            (((b >> T.uint32(3)) & T.uint32(15)) + T.uint32(120)) << T.uint32(23) | ((b & T.uint32(7)) << T.uint32(20)), "float32"
+        ),
+    )
+    s = T.if_then_else((b & T.uint32(0x7F)) == T.uint32(0x7F), T.reinterpret(T.uint32(0x7FC00000), "float32"), s)
+    return T.if_then_else((b & T.uint32(0x80)) != T.uint32(0), -s, s)
+
+
+def _e4m3_scale_value_bits(b):
+    """E4M3 byte (uint32) -> fp32 like :func:`_e4m3_scale_value`, branch-free (the lanes dequantiser).
+
+    ``eeee mmm`` placed at fp32 bits 26..20 reads as the E4M3 value times 2^-120: exponent field
+    ``e`` gives ``2^(e-127) (1 + m/8)``, and ``e = 0`` is the denormal ``m * 2^-129``; ``* 2^120`` is exact.
+    """
+    import tilelang.language as T
+
+    mag = T.reinterpret(((b & T.uint32(0x7F)) << T.uint32(20)) | ((b & T.uint32(0x80)) << T.uint32(24)), "float32") * T.float32(2.0**120)
+    return T.if_then_else((b & T.uint32(0x7F)) == T.uint32(0x7F), T.reinterpret(T.uint32(0x7FC00000), "float32"), mag)
+
+
+def _e8m0_scale_value(b):
+    """E8M0 byte (uint32) -> fp32 2^(b - 127): 0 is the denormal 2^-127, 255 is NaN."""
+    import tilelang.language as T
+
+    s = T.if_then_else(b == T.uint32(0), T.float32(2.0**-127), T.reinterpret(b << T.uint32(23), "float32"))
+    return T.if_then_else(b == T.uint32(255), T.reinterpret(T.uint32(0x7FC00000), "float32"), s)
+
+
+# --------------------------------------------------------------------------------------
+# Kernel builders
+# --------------------------------------------------------------------------------------
 @functools.cache
-def build_quant(dim: int, scale_format: str, in_dtype: str, staging: str, groups_per_thread: int, threads: int, grid: str, nvcc_arch: str):
+def build_quant(
+    dim: int,
+    scale_format: str,
+    in_dtype: str,
+    staging: str,
+    groups_per_thread: int,
+    threads: int,
+    grid: str,
+    nvcc_arch: str,
+    mapping: str = "thread",
+    code: str = "divide",
+    chunks_per_thread: int = 1,
+):
     """Compile the quantiser for rows of ``dim`` values; rows are dynamic.
 
     Kernel arguments: X [rows, dim] ``in_dtype``, P [rows, dim // 2] uint8, S [rows, dim // group] uint8.
+    ``groups_per_thread`` and ``staging`` shape the ``thread`` mapping, ``chunks_per_thread`` the
+    ``lanes`` one (see the module docstring); the defaults of the last three are the first kernel's.
     """
     import tilelang
     import tilelang.language as T
     import tvm
 
+    _check_structure(in_dtype, staging, mapping, code)
     group = SCALE_GROUP[scale_format]
     n_groups = dim // group
-    gpt, E = groups_per_thread, groups_per_thread * group  # elements per unit
-    units_per_row = n_groups // gpt
+    lay = _layout(dim, scale_format, mapping, groups_per_thread, chunks_per_thread)
+    R, seg, lanes = lay.run_len, lay.seg_len, lay.lanes_per_group
+    vals = R * lay.runs  # values per thread and tile step
+    n_segs = vals // seg
+    runs_per_tile = threads * lay.runs
     rows = T.dynamic("rows")
-    units_per_tile = threads
-    rows_per_tile = max(1, threads * E // dim)  # only used by the shared staging (threads * E % dim == 0 there)
-    n_tiles = T.ceildiv(rows * units_per_row, units_per_tile)
+    rows_per_tile = max(1, threads * R // dim)  # only used by the shared staging (threads * R % dim == 0 there)
+    n_tiles = _n_tiles(rows, lay, runs_per_tile)
     arch = _arch_by_nvcc(nvcc_arch)
     n_blocks = _n_blocks(n_tiles, grid, arch, threads)
     steps = T.ceildiv(n_tiles, n_blocks) if grid == "persistent" else 1
@@ -100,15 +285,17 @@ def build_quant(dim: int, scale_format: str, in_dtype: str, staging: str, groups
     def quant(X: T.Tensor((rows, dim), in_dtype), P: T.Tensor((rows, dim // 2), "uint8"), S: T.Tensor((rows, n_groups), "uint8")):
         with T.Kernel(n_blocks, threads=threads) as bx:
             tx = T.get_thread_binding()
-            xin = T.alloc_local((E,), in_dtype)
-            pk = T.alloc_local((E // 2,), "uint8")
-            sc = T.alloc_local((gpt,), "uint8")
+            xin = T.alloc_local((vals,), in_dtype)
+            pk = T.alloc_local((vals // 2,), "uint8")
+            sc = T.alloc_local((n_segs,), "uint8")
+            thr = T.alloc_local((7,), "float32")  # thresholds: m_k * s of the current group
             amax = T.alloc_var("float32")
             raw = T.alloc_var("float32")
             inv = T.alloc_var("float32")  # E8M0: the exact reciprocal 2^-e of the scale
             s = T.alloc_var("float32")
+            neg = T.alloc_var("float32")  # thresholds: x < neg <=> x / s rounds to a negative value
             bits = T.alloc_var("uint32")
-            v_lo = T.alloc_var("float32")  # the quotients, bound once: each feeds eight comparisons
+            v_lo = T.alloc_var("float32")  # the values (divide: quotients), bound once: each feeds several comparisons
             v_hi = T.alloc_var("float32")
             if staging == "shared":
                 Xs = T.alloc_shared((rows_per_tile, dim), in_dtype)
@@ -116,23 +303,37 @@ def build_quant(dim: int, scale_format: str, in_dtype: str, staging: str, groups
                 Ss = T.alloc_shared((rows_per_tile, n_groups), "uint8")
             for step in T.serial(steps):
                 tile = bx + step * n_blocks if grid == "persistent" else bx
-                u = tile * units_per_tile + tx
-                row = u // units_per_row
-                col = (u % units_per_row) * E
-                if staging == "shared":
-                    r0 = tile * rows_per_tile
-                    T.copy(X[r0, 0], Xs)
-                    for i in T.vectorized(E):
-                        xin[i] = Xs[row - r0, col + i]
-                elif row < rows:
-                    for i in T.vectorized(E):
-                        xin[i] = X[row, col + i]
-                for g in T.serial(gpt):
+                # ---- load: run r of this thread -> xin[r * R : (r + 1) * R]
+                for r in T.unroll(lay.runs):
+                    u = tile * runs_per_tile + r * threads + tx
+                    row = u // lay.runs_per_row
+                    col = (u % lay.runs_per_row) * R
+                    if staging == "shared":
+                        r0 = tile * rows_per_tile
+                        T.copy(X[r0, 0], Xs)
+                        for i in T.vectorized(R):
+                            xin[i] = Xs[row - r0, col + i]
+                    else:
+                        if mapping == "lanes":
+                            # lanes past the last row still join the amax shuffles: give them zeros
+                            for i in T.vectorized(R):
+                                xin[r * R + i] = T.cast(0, in_dtype)
+                        if row < rows:
+                            for i in T.vectorized(R):
+                                xin[r * R + i] = X[row, col + i]
+                # ---- per segment: group amax, scale byte, codes
+                for g in T.unroll(n_segs):
                     amax = T.float32(0.0)
-                    for i in T.serial(group):
-                        a = T.abs(T.cast(xin[g * group + i], "float32"))
-                        # a comparison max: NaN compares false and never replaces amax
-                        amax = T.if_then_else(a > amax, a, amax)
+                    for i in T.unroll(seg):
+                        a = T.abs(T.cast(xin[g * seg + i], "float32"))
+                        # NaN never replaces amax: a comparison max (the first kernel), or fmaxf (one instruction),
+                        # which returns the other operand when one is NaN; amax starts at 0 and so is never NaN
+                        amax = T.max(amax, a) if mapping == "lanes" else T.if_then_else(a > amax, a, amax)
+                    # the group's other lanes hold the rest of it: amax is NaN-free, so fmaxf is the same max
+                    if lanes >= 2:
+                        amax = T.max(amax, T.shfl_xor(amax, 1))
+                    if lanes >= 4:
+                        amax = T.max(amax, T.shfl_xor(amax, 2))
                     raw = T.if_then_else(amax > min_scale, amax, min_scale) / T.float32(formats.FP4_MAX)
                     if scale_format == "e4m3":
                         raw = T.if_then_else(raw < T.float32(formats.E4M3_MAX), raw, T.float32(formats.E4M3_MAX))
@@ -149,35 +350,72 @@ def build_quant(dim: int, scale_format: str, in_dtype: str, staging: str, groups
                                 (((bits >> T.uint32(23)) - T.uint32(120)) << T.uint32(3)) | ((bits >> T.uint32(20)) & T.uint32(7)), "uint8"
                             )
                             s = T.reinterpret(bits, "float32")
-                        for j in T.serial(group // 2):
-                            v_lo = T.cast(xin[g * group + 2 * j], "float32") / s
-                            v_hi = T.cast(xin[g * group + 2 * j + 1], "float32") / s
-                            pk[g * group // 2 + j] = _e2m1_code(v_lo) | (_e2m1_code(v_hi) << T.uint8(4))
+                        if code == "divide":
+                            for j in T.unroll(seg // 2):
+                                v_lo = T.cast(xin[g * seg + 2 * j], "float32") / s
+                                v_hi = T.cast(xin[g * seg + 2 * j + 1], "float32") / s
+                                pk[g * seg // 2 + j] = _e2m1_code(v_lo) | (_e2m1_code(v_hi) << T.uint8(4))
+                        # a nonzero bf16 over s <= 448 never rounds to -0: the sign is x's
+                        neg = T.float32(0.0)
                     else:
                         bits = T.reinterpret(raw, "uint32")
                         bits = ((bits >> T.uint32(23)) & T.uint32(0xFF)) + T.cast((bits & T.uint32(0x7FFFFF)) != T.uint32(0), "uint32")
                         bits = T.if_then_else(bits > T.uint32(254), T.uint32(254), bits)
                         sc[g] = T.cast(bits, "uint8")
-                        # 2^(127 - byte) for byte in [1, 254]; byte 254 gives the subnormal 2^-127 (fast math off keeps it)
-                        inv = T.if_then_else(
-                            bits == T.uint32(254), T.float32(2.0**-127), T.reinterpret((T.uint32(254) - bits) << T.uint32(23), "float32")
-                        )
-                        for j in T.serial(group // 2):
-                            v_lo = T.cast(xin[g * group + 2 * j], "float32") * inv
-                            v_hi = T.cast(xin[g * group + 2 * j + 1], "float32") * inv
-                            pk[g * group // 2 + j] = _e2m1_code(v_lo) | (_e2m1_code(v_hi) << T.uint8(4))
-                if staging == "shared":
-                    for i in T.vectorized(E // 2):
-                        Ps[row - r0, col // 2 + i] = pk[i]
-                    for g in T.vectorized(gpt):
-                        Ss[row - r0, col // group + g] = sc[g]
-                    T.copy(Ps, P[r0, 0])
-                    T.copy(Ss, S[r0, 0])
-                elif row < rows:
-                    for i in T.vectorized(E // 2):
-                        P[row, col // 2 + i] = pk[i]
-                    for g in T.vectorized(gpt):
-                        S[row, col // group + g] = sc[g]
+                        if code == "divide":
+                            # 2^(127 - byte) for byte in [1, 254]; byte 254 gives the subnormal 2^-127 (fast math off keeps it)
+                            inv = T.if_then_else(
+                                bits == T.uint32(254),
+                                T.float32(2.0**-127),
+                                T.reinterpret((T.uint32(254) - bits) << T.uint32(23), "float32"),
+                            )
+                            for j in T.unroll(seg // 2):
+                                v_lo = T.cast(xin[g * seg + 2 * j], "float32") * inv
+                                v_hi = T.cast(xin[g * seg + 2 * j + 1], "float32") * inv
+                                pk[g * seg // 2 + j] = _e2m1_code(v_lo) | (_e2m1_code(v_hi) << T.uint8(4))
+                        s = T.reinterpret(bits << T.uint32(23), "float32")  # 2^(byte - 127), a normal number
+                        # x * 2^-e rounds to -0 iff |x| <= 2^(e-150) (exact here for e >= 1; below, every nonzero bf16 is larger)
+                        neg = -(s * T.float32(2.0**-75)) * T.float32(2.0**-75)
+                    if code == "thresholds":
+                        # t_k = m_k * s, exact (module docstring); E8M0 clamps the products that overflow
+                        thr[0] = s * T.float32(_MIDPOINTS[0])
+                        thr[1] = s * T.float32(_MIDPOINTS[1])
+                        thr[2] = s * T.float32(_MIDPOINTS[2])
+                        thr[3] = s * T.float32(_MIDPOINTS[3])
+                        thr[4] = s * T.float32(_MIDPOINTS[4])
+                        thr[5] = s * T.float32(_MIDPOINTS[5])
+                        thr[6] = s * T.float32(_MIDPOINTS[6])
+                        if scale_format == "e8m0":
+                            for k in T.unroll(7):
+                                thr[k] = T.min(thr[k], T.float32(FLT_MAX))
+                        for j in T.unroll(seg // 2):
+                            v_lo = T.cast(xin[g * seg + 2 * j], "float32")
+                            v_hi = T.cast(xin[g * seg + 2 * j + 1], "float32")
+                            pk[g * seg // 2 + j] = T.cast(
+                                _e2m1_code_search(v_lo, thr, neg, 0) | _e2m1_code_search(v_hi, thr, neg, 4), "uint8"
+                            )
+                # ---- store
+                for r in T.unroll(lay.runs):
+                    u = tile * runs_per_tile + r * threads + tx
+                    row = u // lay.runs_per_row
+                    col = (u % lay.runs_per_row) * R
+                    if staging == "shared":
+                        r0 = tile * rows_per_tile
+                        for i in T.vectorized(R // 2):
+                            Ps[row - r0, col // 2 + i] = pk[i]
+                        for g in T.vectorized(groups_per_thread):
+                            Ss[row - r0, col // group + g] = sc[g]
+                        T.copy(Ps, P[r0, 0])
+                        T.copy(Ss, S[r0, 0])
+                    elif row < rows:
+                        for i in T.vectorized(R // 2):
+                            P[row, col // 2 + i] = pk[r * R // 2 + i]
+                        if mapping == "lanes":
+                            if tx % lanes == 0:
+                                S[row, col // group] = sc[r]
+                        else:
+                            for g in T.vectorized(groups_per_thread):
+                                S[row, col // group + g] = sc[g]
 
     target = tvm.target.Target({"kind": "cuda", "arch": nvcc_arch})
     return tilelang.compile(quant, target=target, pass_configs=_PASS_CONFIGS)
@@ -185,97 +423,101 @@ def build_quant(dim: int, scale_format: str, in_dtype: str, staging: str, groups
 
 @functools.cache
 def build_dequant(
-    dim: int, scale_format: str, out_dtype: str, staging: str, groups_per_thread: int, threads: int, grid: str, nvcc_arch: str
+    dim: int,
+    scale_format: str,
+    out_dtype: str,
+    staging: str,
+    groups_per_thread: int,
+    threads: int,
+    grid: str,
+    nvcc_arch: str,
+    mapping: str = "thread",
+    chunks_per_thread: int = 1,
 ):
     """Compile the dequantiser for rows of ``dim`` values; rows are dynamic.
 
     Kernel arguments: P [rows, dim // 2] uint8, S [rows, dim // group] uint8, Y [rows, dim] ``out_dtype``.
+    The ``thread`` mapping decodes with selects (the first kernel), ``lanes`` branch-free from the
+    bits (:func:`_e2m1_times`, :func:`_e4m3_scale_value_bits`).
     """
     import tilelang
     import tilelang.language as T
     import tvm
 
+    _check_structure(out_dtype, staging, mapping)
     group = SCALE_GROUP[scale_format]
     n_groups = dim // group
-    gpt, E = groups_per_thread, groups_per_thread * group
-    units_per_row = n_groups // gpt
+    lay = _layout(dim, scale_format, mapping, groups_per_thread, chunks_per_thread)
+    R, seg = lay.run_len, lay.seg_len
+    vals = R * lay.runs
+    n_segs = vals // seg
+    runs_per_tile = threads * lay.runs
     rows = T.dynamic("rows")
-    rows_per_tile = max(1, threads * E // dim)
-    n_tiles = T.ceildiv(rows * units_per_row, threads)
+    rows_per_tile = max(1, threads * R // dim)
+    n_tiles = _n_tiles(rows, lay, runs_per_tile)
     arch = _arch_by_nvcc(nvcc_arch)
     n_blocks = _n_blocks(n_tiles, grid, arch, threads)
     steps = T.ceildiv(n_tiles, n_blocks) if grid == "persistent" else 1
-
-    def e2m1_value(c):
-        """uint32 code 0..15 -> fp32 value built from its bits (code 8 -> -0.0)."""
-        m = c & T.uint32(7)
-        mag = T.if_then_else(
-            m < T.uint32(2),
-            m * T.uint32(0x3F000000),  # 0 -> 0.0, 1 -> 0.5
-            ((((m >> T.uint32(1)) + T.uint32(126)) << T.uint32(23)) | ((m & T.uint32(1)) << T.uint32(22))),
-        )
-        return T.reinterpret(mag | ((c & T.uint32(8)) << T.uint32(28)), "float32")
+    scale_value = _e8m0_scale_value
+    if scale_format == "e4m3":
+        scale_value = _e4m3_scale_value_bits if mapping == "lanes" else _e4m3_scale_value
 
     @T.prim_func
     def dequant(P: T.Tensor((rows, dim // 2), "uint8"), S: T.Tensor((rows, n_groups), "uint8"), Y: T.Tensor((rows, dim), out_dtype)):
         with T.Kernel(n_blocks, threads=threads) as bx:
             tx = T.get_thread_binding()
-            pk = T.alloc_local((E // 2,), "uint8")
-            sc = T.alloc_local((gpt,), "uint8")
-            yo = T.alloc_local((E,), out_dtype)
+            pk = T.alloc_local((vals // 2,), "uint8")
+            sc = T.alloc_local((n_segs,), "uint8")
+            yo = T.alloc_local((vals,), out_dtype)
             s = T.alloc_var("float32")
-            b = T.alloc_var("uint32")
             if staging == "shared":
                 Ps = T.alloc_shared((rows_per_tile, dim // 2), "uint8")
                 Ss = T.alloc_shared((rows_per_tile, n_groups), "uint8")
                 Ys = T.alloc_shared((rows_per_tile, dim), out_dtype)
             for step in T.serial(steps):
                 tile = bx + step * n_blocks if grid == "persistent" else bx
-                u = tile * threads + tx
-                row = u // units_per_row
-                col = (u % units_per_row) * E
-                if staging == "shared":
-                    r0 = tile * rows_per_tile
-                    T.copy(P[r0, 0], Ps)
-                    T.copy(S[r0, 0], Ss)
-                    for i in T.vectorized(E // 2):
-                        pk[i] = Ps[row - r0, col // 2 + i]
-                    for g in T.vectorized(gpt):
-                        sc[g] = Ss[row - r0, col // group + g]
-                elif row < rows:
-                    for i in T.vectorized(E // 2):
-                        pk[i] = P[row, col // 2 + i]
-                    for g in T.vectorized(gpt):
-                        sc[g] = S[row, col // group + g]
-                for g in T.serial(gpt):
-                    b = T.cast(sc[g], "uint32")
-                    if scale_format == "e4m3":
-                        # E4M3 byte s eeee mmm: 0x7F/0xFF are NaN, exponent 0 is subnormal (m * 2^-9)
-                        s = T.if_then_else(
-                            (b & T.uint32(0x78)) == T.uint32(0),
-                            T.cast(b & T.uint32(7), "float32") * T.float32(2.0**-9),
-                            T.reinterpret(
-                                (((b >> T.uint32(3)) & T.uint32(15)) + T.uint32(120)) << T.uint32(23) | ((b & T.uint32(7)) << T.uint32(20)),
-                                "float32",
-                            ),
-                        )
-                        s = T.if_then_else((b & T.uint32(0x7F)) == T.uint32(0x7F), T.reinterpret(T.uint32(0x7FC00000), "float32"), s)
-                        s = T.if_then_else((b & T.uint32(0x80)) != T.uint32(0), -s, s)
-                    else:
-                        # E8M0 byte e: 2^(e - 127); 0 is the subnormal 2^-127, 255 is NaN
-                        s = T.if_then_else(b == T.uint32(0), T.float32(2.0**-127), T.reinterpret(b << T.uint32(23), "float32"))
-                        s = T.if_then_else(b == T.uint32(255), T.reinterpret(T.uint32(0x7FC00000), "float32"), s)
-                    for j in T.serial(group // 2):
-                        c = T.cast(pk[g * group // 2 + j], "uint32")
-                        yo[g * group + 2 * j] = T.cast(e2m1_value(c & T.uint32(15)) * s, out_dtype)
-                        yo[g * group + 2 * j + 1] = T.cast(e2m1_value(c >> T.uint32(4)) * s, out_dtype)
-                if staging == "shared":
-                    for i in T.vectorized(E):
-                        Ys[row - r0, col + i] = yo[i]
-                    T.copy(Ys, Y[r0, 0])
-                elif row < rows:
-                    for i in T.vectorized(E):
-                        Y[row, col + i] = yo[i]
+                for r in T.unroll(lay.runs):
+                    u = tile * runs_per_tile + r * threads + tx
+                    row = u // lay.runs_per_row
+                    col = (u % lay.runs_per_row) * R
+                    if staging == "shared":
+                        r0 = tile * rows_per_tile
+                        T.copy(P[r0, 0], Ps)
+                        T.copy(S[r0, 0], Ss)
+                        for i in T.vectorized(R // 2):
+                            pk[i] = Ps[row - r0, col // 2 + i]
+                        for g in T.vectorized(groups_per_thread):
+                            sc[g] = Ss[row - r0, col // group + g]
+                    elif row < rows:
+                        for i in T.vectorized(R // 2):
+                            pk[r * R // 2 + i] = P[row, col // 2 + i]
+                        if mapping == "lanes":
+                            sc[r] = S[row, col // group]  # the group's lanes read the same byte: one transaction
+                        else:
+                            for g in T.vectorized(groups_per_thread):
+                                sc[g] = S[row, col // group + g]
+                for g in T.unroll(n_segs):
+                    s = scale_value(T.cast(sc[g], "uint32"))
+                    for j in T.unroll(seg // 2):
+                        c = T.cast(pk[g * seg // 2 + j], "uint32")
+                        if mapping == "lanes":
+                            yo[g * seg + 2 * j] = T.cast(_e2m1_times(c & T.uint32(15), s), out_dtype)
+                            yo[g * seg + 2 * j + 1] = T.cast(_e2m1_times(c >> T.uint32(4), s), out_dtype)
+                        else:
+                            yo[g * seg + 2 * j] = T.cast(_e2m1_value_select(c & T.uint32(15)) * s, out_dtype)
+                            yo[g * seg + 2 * j + 1] = T.cast(_e2m1_value_select(c >> T.uint32(4)) * s, out_dtype)
+                for r in T.unroll(lay.runs):
+                    u = tile * runs_per_tile + r * threads + tx
+                    row = u // lay.runs_per_row
+                    col = (u % lay.runs_per_row) * R
+                    if staging == "shared":
+                        r0 = tile * rows_per_tile
+                        for i in T.vectorized(R):
+                            Ys[row - r0, col + i] = yo[i]
+                        T.copy(Ys, Y[r0, 0])
+                    elif row < rows:
+                        for i in T.vectorized(R):
+                            Y[row, col + i] = yo[r * R + i]
 
     target = tvm.target.Target({"kind": "cuda", "arch": nvcc_arch})
     return tilelang.compile(dequant, target=target, pass_configs=_PASS_CONFIGS)
@@ -290,14 +532,20 @@ def _arch_by_nvcc(nvcc_arch: str) -> Arch:
 # --------------------------------------------------------------------------------------
 # Search space, defaults, inputs
 # --------------------------------------------------------------------------------------
+def _param(config: Config, key: str, scale_format: str):
+    """``config[key]``, or the default's value when the config leaves it out (a stored winner from before the key existed)."""
+    return config.get(key, fp4_default_config(scale_format, quantise=True)[key])
+
+
 def _staging_fits(config: Config, shape: Shape, arch: Arch, value_bytes: int, scale_format: str) -> str | None:
     """The shared staging needs whole rows per block tile and the tile inside the shared-memory budget."""
-    if config.get("staging") != "shared":
-        return None
+    if _param(config, "staging", scale_format) != "shared" or _param(config, "mapping", scale_format) != "thread":
+        return None  # lanes + shared is refused by its own constraint
     group = SCALE_GROUP[scale_format]
-    elems = config["threads"] * config["groups_per_thread"] * group
+    threads = _param(config, "threads", scale_format)
+    elems = threads * _param(config, "groups_per_thread", scale_format) * group
     if elems % shape["dim"]:
-        return f"{config['threads']} threads x {elems // config['threads']} values do not cover whole rows of {shape['dim']}"
+        return f"{threads} threads x {elems // threads} values do not cover whole rows of {shape['dim']}"
     rows = elems // shape["dim"]
     smem = rows * (shape["dim"] * value_bytes + shape["dim"] // 2 + shape["dim"] // group)
     if smem > arch.smem_per_block:
@@ -306,31 +554,100 @@ def _staging_fits(config: Config, shape: Shape, arch: Arch, value_bytes: int, sc
 
 
 def _units_divide(config: Config, shape: Shape, arch: Arch, scale_format: str) -> str | None:
+    if _param(config, "mapping", scale_format) != "thread":
+        return None  # lanes: groups_per_thread is not used
     n_groups = shape["dim"] // SCALE_GROUP[scale_format]
-    if n_groups % config["groups_per_thread"]:
-        return f"groups_per_thread={config['groups_per_thread']} does not divide the {n_groups} groups of a row"
+    gpt = _param(config, "groups_per_thread", scale_format)
+    if n_groups % gpt:
+        return f"groups_per_thread={gpt} does not divide the {n_groups} groups of a row"
     return None
 
 
-def fp4_search_space(scale_format: str, value_bytes: int = 2) -> SearchSpace:
-    """Structural choices of the FP4 kernels; ``value_bytes`` is the width of the unquantised side (2 for bf16)."""
+def _lanes_registers(config: Config, shape: Shape, arch: Arch, scale_format: str) -> str | None:
+    if _param(config, "mapping", scale_format) == "lanes" and _param(config, "staging", scale_format) != "registers":
+        return "mapping=lanes moves coalesced 16-byte chunks straight to registers; shared staging goes with mapping=thread"
+    return None
+
+
+def _thresholds_input(config: Config, value_bytes: int, scale_format: str) -> str | None:
+    if value_bytes != 2 and _param(config, "code", scale_format) == "thresholds":
+        return f"code=thresholds is exact for bf16 inputs only (8-bit mantissas), not {8 * value_bytes}-bit floats: use code=divide"
+    return None
+
+
+def fp4_search_space(scale_format: str, value_bytes: int = 2, quantise: bool = True) -> SearchSpace:
+    """Structural choices of the FP4 kernels; ``value_bytes`` is the width of the unquantised side (2 for bf16).
+
+    ``groups_per_thread`` only matters with ``mapping='thread'`` and ``chunks_per_thread`` only with
+    ``'lanes'``: the unused size is ignored rather than refused, so configs stored before ``mapping``
+    existed stay valid when merged with the default. ``staging='shared'`` needs ``mapping='thread'``
+    and ``code='thresholds'`` needs bf16 input: both are refused otherwise, with the reason.
+    """
+    code = Param(
+        "code",
+        ("thresholds", "divide"),
+        "E2M1 code: |x| against m_k * s per group by binary search (bf16 only), or IEEE x / s against the midpoints",
+    )
     return SearchSpace(
         params=(
-            Param("staging", ("registers", "shared"), "16-byte vectors straight to registers, or a row tile through shared memory"),
-            Param("groups_per_thread", (1, 2, 4, 8), "scale groups per thread: sets the vector width of the packed loads/stores"),
+            Param(
+                "mapping", ("lanes", "thread"), "lanes: 16-byte chunks per lane, group amax by shuffles; thread: whole groups per thread"
+            ),
+            *((code,) if quantise else ()),
+            Param("chunks_per_thread", (1, 2, 4), "lanes only: 8-value chunks per thread and tile step, a block apart"),
+            Param(
+                "staging",
+                ("registers", "shared"),
+                "thread only: 16-byte vectors straight to registers, or a row tile through shared memory",
+            ),
+            Param("groups_per_thread", (1, 2, 4, 8), "thread only: scale groups per thread, the vector width of the packed loads/stores"),
             Param("threads", (64, 128, 256, 512), "threads per block"),
             Param("grid", ("tiles", "persistent"), "one block per tile of units, or a persistent grid striding over tiles"),
         ),
         constraints=(
             Constraint("whole groups", lambda c, s, a: _units_divide(c, s, a, scale_format)),
             Constraint("shared tile", lambda c, s, a: _staging_fits(c, s, a, value_bytes, scale_format)),
+            Constraint("lanes staging", lambda c, s, a: _lanes_registers(c, s, a, scale_format)),
+            *((Constraint("thresholds input", lambda c, s, a: _thresholds_input(c, value_bytes, scale_format)),) if quantise else ()),
         ),
     )
 
 
-def fp4_default_config(scale_format: str) -> Config:
-    """16-byte packed stores/loads per thread (2 groups of 16 or 1 group of 32), 256 threads, one block per tile."""
-    return {"staging": "registers", "groups_per_thread": 2 if scale_format == "e4m3" else 1, "threads": 256, "grid": "tiles"}
+def fp4_default_config(scale_format: str, quantise: bool = True) -> Config:
+    """Lanes mapping, two 16-byte chunks per thread, 256 threads, one block per tile; division-free codes.
+
+    ``groups_per_thread`` keeps the first kernel's 16-byte packed vectors (2 groups of 16 or 1 of
+    32) for ``mapping='thread'``. Unmeasured guess until the next GPU run (notes/fp4.md).
+    """
+    config = {
+        "mapping": "lanes",
+        "code": "thresholds",
+        "chunks_per_thread": 2,
+        "staging": "registers",
+        "groups_per_thread": 2 if scale_format == "e4m3" else 1,
+        "threads": 256,
+        "grid": "tiles",
+    }
+    if not quantise:
+        del config["code"]
+    return config
+
+
+def _quant_kernel(dim: int, scale_format: str, in_dtype: str, c: Config, arch: Arch):
+    """:func:`build_quant` for a full config; float32 inputs always divide (the threshold argument needs bf16)."""
+    code = c["code"] if in_dtype == "bfloat16" else "divide"
+    return build_quant(
+        dim, scale_format, in_dtype, c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch,
+        mapping=c["mapping"], code=code, chunks_per_thread=c["chunks_per_thread"],
+    )  # fmt: skip
+
+
+def _dequant_kernel(dim: int, scale_format: str, out_dtype: str, c: Config, arch: Arch):
+    """:func:`build_dequant` for a full config."""
+    return build_dequant(
+        dim, scale_format, out_dtype, c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch,
+        mapping=c["mapping"], chunks_per_thread=c["chunks_per_thread"],
+    )  # fmt: skip
 
 
 def _edge_rows(dim: int, scale_format: str, generator: torch.Generator) -> torch.Tensor:
@@ -427,9 +744,7 @@ class FP4QuantTile(Tile):
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         c = {**self.default_config(arch), **config}
-        return build_quant(
-            shape["dim"], self.scale_format, "bfloat16", c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch
-        )
+        return _quant_kernel(shape["dim"], self.scale_format, "bfloat16", c, arch)
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         return quant_inputs(shape["rows"], shape["dim"], self.scale_format, seed, device)
@@ -462,11 +777,15 @@ class FP4DequantTile(FP4QuantTile):
         super().__init__(name, dim, scale_format)
         self.description = f"FP4 dequantise to [rows, {dim}] bf16, group {self.group}, {scale_format.upper()} scales"
 
+    def search_space(self, arch: Arch) -> SearchSpace:
+        return fp4_search_space(self.scale_format, value_bytes=2, quantise=False)
+
+    def default_config(self, arch: Arch) -> Config:
+        return fp4_default_config(self.scale_format, quantise=False)
+
     def build(self, shape: Shape, config: Config, arch: Arch):
         c = {**self.default_config(arch), **config}
-        return build_dequant(
-            shape["dim"], self.scale_format, "bfloat16", c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch
-        )
+        return _dequant_kernel(shape["dim"], self.scale_format, "bfloat16", c, arch)
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         return dequant_inputs(shape["rows"], shape["dim"], self.scale_format, seed, device)
@@ -557,6 +876,7 @@ def fp4_quantize(
         x: bfloat16 or float32 [..., N] on a CUDA device, contiguous; N a multiple of ``group_size``.
         group_size: 16 with ``"e4m3"`` (main KV, N = 512) or 32 with ``"e8m0"`` (index K/Q, N = 128).
         config: tile parameters (see :func:`fp4_search_space`); None picks the tuned or default config.
+            float32 input always runs ``code='divide'`` (the thresholds are exact for bf16 only).
     Returns:
         packed uint8 [..., N // 2] (even element in the low nibble) and scales uint8 [..., N // group_size]
         (raw E4M3 or E8M0 bytes).
@@ -580,7 +900,7 @@ def fp4_quantize(
     c = pick_config(tile, shape, arch, config)
     if x.dtype == torch.float32 and (why := _staging_fits(c, shape, arch, 4, scale_format)):
         raise TileError(f"config {c} does not fit float32 input: {why}")
-    kernel = build_quant(n, scale_format, _TL_DTYPE[x.dtype], c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch)
+    kernel = _quant_kernel(n, scale_format, _TL_DTYPE[x.dtype], c, arch)
     kernel(x2, packed.view(rows, n // 2), scales.view(rows, n // group_size))
     return packed, scales
 
@@ -626,8 +946,6 @@ def fp4_dequantize(
     c = pick_config(tile, shape, arch, config)
     if out_dtype == torch.float32 and (why := _staging_fits(c, shape, arch, 4, scale_format)):
         raise TileError(f"config {c} does not fit float32 output: {why}")
-    kernel = build_dequant(
-        n, scale_format, _TL_DTYPE[out_dtype], c["staging"], c["groups_per_thread"], c["threads"], c["grid"], arch.nvcc_arch
-    )
+    kernel = _dequant_kernel(n, scale_format, _TL_DTYPE[out_dtype], c, arch)
     kernel(packed.view(rows, n // 2), scales.view(rows, n // group_size), out.view(rows, n))
     return out
