@@ -118,3 +118,19 @@ def test_stale_config_is_refused(written, monkeypatch):
 def test_unknown_arch_lists_known_ones():
     with pytest.raises(ValueError, match="sm80, sm86, sm89, sm90, sm100, sm120"):
         load_winner("toy_scale", "sm99", Shape("x", "decode", {}), default={})
+
+
+def test_a_winner_tuned_before_a_new_option_is_stale(tmp_path):
+    """A stored config that lacks a parameter of the tile's current search space won nothing over that
+    parameter: the default runs instead and the source says why; the tuner may still seed with it."""
+    from tiles.registry import get_tile
+
+    tile = get_tile("sparse_attn_decode")
+    old = {k: v for k, v in tile.default_config(SM90).items() if k != "produce"}
+    old["schedule"] = "pipelined"
+    export_results(tile, SM90, [_summary("decode_b64_s1", old, 0.2, 0.3)], "lab tune --arch sm90", tmp_path, environment=ENV)
+    shape = tile.shape("decode_b64_s1")
+    config, source = load_winner(tile.name, SM90, shape, root=tmp_path)
+    assert config == tile.default_config(SM90)
+    assert source.startswith("default (stale:") and "predates produce" in source
+    assert load_winner(tile.name, SM90, shape, root=tmp_path, allow_stale=True)[0] == old

@@ -859,7 +859,7 @@ def _stored_winner(tile_name: str, dims: tuple, arch_name: str) -> tuple | None:
     from tiles.registry import get_tile
 
     config, source = config_for(get_tile(tile_name), Shape("call", "any", dict(dims)), get_arch(arch_name))
-    return None if source == "default" else tuple(config.items())
+    return tuple(config.items()) if source.startswith("tuned:") else None
 
 
 def tile_for(quantise: bool, scale_format: str) -> Tile:

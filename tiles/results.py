@@ -90,8 +90,18 @@ def nearest_entry(data: dict, shape: Shape, max_distance: float = MAX_TRANSFER_D
     return best
 
 
+def _registered(tile_name: str):
+    """The registered tile of that name, or None (tests use unregistered toy tiles)."""
+    from tiles.registry import get_tile
+
+    try:
+        return get_tile(tile_name)
+    except TileError:
+        return None
+
+
 def load_winner(
-    tile_name: str, arch: Arch | str, shape: Shape, default: Config | None = None, root: Path | None = None
+    tile_name: str, arch: Arch | str, shape: Shape, default: Config | None = None, root: Path | None = None, allow_stale: bool = False
 ) -> tuple[Config, str]:
     """The config to run ``tile_name`` with on (arch, shape), and where it came from.
 
@@ -99,13 +109,18 @@ def load_winner(
     :data:`MAX_TRANSFER_DISTANCE`, else ``(default, "default")``. ``default`` is the tile's default config for ``arch``; when not
     given it is looked up through :mod:`tiles.registry`. A stored config that the tile's
     current search space rejects raises :class:`ResultsError` (the file is stale).
+
+    A winner that does not name every parameter of the tile's current search space was tuned before a
+    structural option existed: it won nothing over that option, so the default runs instead, with source
+    ``"default (stale: ...)"`` (``allow_stale=True`` returns it anyway: the tuner seeds studies with it).
     """
     arch = get_arch(arch) if isinstance(arch, str) else arch
-    tile = None
+    tile = _registered(tile_name)
     if default is None:
-        from tiles.registry import get_tile
+        if tile is None:
+            from tiles.registry import get_tile
 
-        tile = get_tile(tile_name)
+            get_tile(tile_name)  # raises the registry's error for an unknown name
         default = tile.default_config(arch)
     path = results_path(tile_name, arch, root)
     data = read_results(path, tile_name, arch)
@@ -114,6 +129,9 @@ def load_winner(
         return dict(default), "default"
     bucket, entry = hit
     config = dict(entry["config"])
+    missing = sorted(set(tile.search_space(arch).names()) - set(config)) if tile is not None else []
+    if missing and not allow_stale:
+        return dict(default), f"default (stale: {path}#{bucket} predates {', '.join(missing)})"
     if tile is not None:
         bad = tile.search_space(arch).violations(config, shape, arch)
         if bad:
@@ -126,7 +144,7 @@ def load_winner(
 def config_for(tile, shape: Shape, arch: Arch) -> tuple[Config, str]:
     """What a tile calls at run time: its tuned config for (arch, shape) or its default, with the source."""
     config, source = load_winner(tile.name, arch, shape, default=tile.default_config(arch))
-    if source != "default":
+    if source.startswith("tuned:"):
         bad = tile.search_space(arch).violations(config, shape, arch)
         if bad:
             raise ResultsError(

@@ -57,7 +57,7 @@ def seed_configs(tile: Tile, shape: Shape, arch: Arch, root: Path | None = None)
         if not results_path(tile.name, other, root).exists():
             continue
         try:
-            config, source = load_winner(tile.name, other, shape, default={}, root=root)
+            config, source = load_winner(tile.name, other, shape, default={}, root=root, allow_stale=True)
         except ResultsError:
             continue  # a bad file for another arch must not stop tuning this one; `lab check` reports it
         if source != "default" and not space.violations(config, shape, arch):
