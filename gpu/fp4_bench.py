@@ -92,7 +92,11 @@ def sweep(out: Path) -> list[dict]:
                 }
             )
             torch.cuda.empty_cache()
-    (out / "fp4_sweep.json").write_text(json.dumps(rows, indent=1))
+    from tiles.timing import describe_environment
+
+    command = "FP4_SWEEP_ONLY=1 python3 -m gpu.fp4_bench OUT" if os.environ.get("FP4_SWEEP_ONLY") == "1" else "python3 -m gpu.fp4_bench OUT"
+    doc = {"environment": describe_environment(), "command": command, "rows": rows}
+    (out / "fp4_sweep.json").write_text(json.dumps(doc, indent=1, default=str))
     return rows
 
 
