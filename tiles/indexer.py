@@ -15,7 +15,7 @@ Three tiles share two kernels:
   scored).
 * a **select kernel**: one CTA per score row finds the exact k-th largest score by radix
   select on the order-preserving 32-bit key of each fp32 score (``radix_bits`` per pass, the
-  row re-read from L2 each pass), then writes the chosen positions in position order (a
+  row re-read from L2 each pass, warp-aggregated histogram atomics), then writes the chosen positions in position order (a
   block-wide prefix count over contiguous per-thread segments), -1 fill. Ties at the k-th
   key go to the lower positions, the reference's rule, so the selection is deterministic.
 
@@ -191,6 +191,20 @@ def _score_kernel(
     return tilelang.compile(score, target=tvm.target.Target(_target_dict(target)))
 
 
+# Warp-aggregated histogram increment for the radix passes. A pass over fp32 scores puts most of a row
+# in a handful of bins (the top bits are the sign and exponent), and shared-memory atomics to one
+# address serialise: lanes with the same bin elect a leader that adds the group's count instead.
+# Convergent: every lane of the warp calls it, inactive lanes with active = 0.
+_HIST_CUDA = r"""
+__device__ __forceinline__ void csa2_hist_add(int* hist, int bin, int active) {
+  const unsigned voters = __ballot_sync(0xffffffffu, active);
+  if (!active) return;
+  const unsigned peers = __match_any_sync(voters, bin);
+  if ((int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(hist + bin, __popc(peers));
+}
+"""
+
+
 @functools.cache
 def _select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_block: int):
     """Build the select kernel: exact top-k of each row by radix select, sorted by position.
@@ -224,6 +238,7 @@ def _select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_blo
         out: T.Tensor((R, k), "int32"),
     ):
         with T.Kernel(R, threads=threads) as r:
+            T.import_source(_HIST_CUDA)
             tx = T.get_thread_binding()
             hist = T.alloc_shared((radix,), "int32")
             part = T.alloc_shared((threads + 1,), "int32")
@@ -257,11 +272,16 @@ def _select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_blo
                     T.sync_threads()
                     for it in T.serial(T.ceildiv(cnt, threads)):
                         j = it * threads + tx
-                        if j < cnt:
-                            x = values[r, j]
-                            key = ordered_key(x)
-                            if (x > -T.infinity("float32")) & ((key & mask) == prefix):
-                                T.atomic_add(hist[T.Cast("int32", (key >> shift) & ((1 << width) - 1))], 1)
+                        x = T.if_then_else(j < cnt, values[r, T.max(T.min(j, cnt - 1), 0)], -T.infinity("float32"))
+                        key = ordered_key(x)
+                        active = (x > -T.infinity("float32")) & ((key & mask) == prefix)
+                        T.call_extern(
+                            "handle",
+                            "csa2_hist_add",
+                            T.address_of(hist[0]),
+                            T.Cast("int32", (key >> shift) & ((1 << width) - 1)),
+                            T.Cast("int32", active),
+                        )
                     T.sync_threads()
                     # Suffix sums per thread chunk of bins, then across threads (Hillis-Steele).
                     run = 0
