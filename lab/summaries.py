@@ -23,10 +23,12 @@ def bench_markdown(paths: list[Path]) -> str:
         "# Tile benchmarks",
         "",
         "Each row: one `lab bench` shape (kernel time, CUDA events, median over rotating input sets; the torch reference timed",
-        "in the same run; `of copy` = GB/s over the device copy bandwidth measured at the start of that run).",
+        "in the same run; `of copy` = GB/s over the device copy bandwidth measured at the start of that run). `timing`:",
+        "`cuda-graph` = device time per launch replayed from a CUDA graph (kernel and torch reference alike), `eager` = each",
+        "launch between its own events, the host's launch overhead included; `per-call ms` is the eager time beside it.",
         "",
-        "| tile | shape | ms | TFLOPS | GB/s | of copy | torch ms | vs torch | check | config | date | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tile | shape | ms | timing | per-call ms | TFLOPS | GB/s | of copy | torch ms | vs torch | check | config | date | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in sorted(paths):
         doc = json.loads(path.read_text())
@@ -34,7 +36,8 @@ def bench_markdown(paths: list[Path]) -> str:
         cfg = ", ".join(f"{k}={v}" for k, v in sorted(doc.get("config", {}).items()))
         for r in doc.get("rows", []):
             lines.append(
-                f"| {doc.get('tile')} | {r['shape']} | {_f(r.get('ms'), '.4f')} | {_f(r.get('tflops'), '.1f')} | {_f(r.get('gbps'), '.0f')}"
+                f"| {doc.get('tile')} | {r['shape']} | {_f(r.get('ms'), '.4f')} | {r.get('timing') or 'eager'} | {_f(r.get('eager_ms'), '.4f')}"
+                f" | {_f(r.get('tflops'), '.1f')} | {_f(r.get('gbps'), '.0f')}"
                 f" | {_f(r.get('copy_fraction'), '.0%')} | {_f(r.get('ref_ms'), '.3f')} | {_f(r.get('speedup'), '.1f')}x | {r.get('check')}"
                 f" | {cfg} | {env.get('date')} | `{doc.get('command')}` |"
             )

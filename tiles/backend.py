@@ -60,7 +60,9 @@ class TilesBackend(TorchBackend):
         if configs not in CONFIG_MODES:
             raise ValueError(f"configs must be one of {CONFIG_MODES}, got {configs!r}")
         if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
-            raise TileError("the tiles backend runs TileLang kernels on a CUDA GPU: build the model with device='cuda', or use backend='torch'")
+            raise TileError(
+                "the tiles backend runs TileLang kernels on a CUDA GPU: build the model with device='cuda', or use backend='torch'"
+            )
         self.configs = configs
         self.arch: Arch = detect()
         self.fallbacks: Counter[str] = Counter()
@@ -129,7 +131,9 @@ class TilesBackend(TorchBackend):
             return super().indexer_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, k)
         q = self._index_queries(q_packed, q_scales)
         k_packed, k_scales = widen_cache_view(index_packed), widen_cache_view(index_scales)
-        return indexer_tiles.indexer_topk(q, weights.float(), k_packed, k_scales, n_visible, k, config=self._config(indexer_tiles.INDEXER_TOPK))
+        return indexer_tiles.indexer_topk(
+            q, weights.float(), k_packed, k_scales, n_visible, k, config=self._config(indexer_tiles.INDEXER_TOPK)
+        )
 
     def candidate_pool(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks):
         if not self._indexer_ok(q_packed):
@@ -148,7 +152,14 @@ class TilesBackend(TorchBackend):
             return super().reindex_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k)
         q = self._index_queries(q_packed, q_scales)
         return indexer_tiles.reindex_topk(
-            q, weights.float(), widen_cache_view(index_packed), widen_cache_view(index_scales), n_visible, pool_blocks, block, k,
+            q,
+            weights.float(),
+            widen_cache_view(index_packed),
+            widen_cache_view(index_scales),
+            n_visible,
+            pool_blocks,
+            block,
+            k,
             config=self._config(indexer_tiles.REINDEX_TOPK),
         )
 

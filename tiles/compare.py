@@ -34,7 +34,11 @@ def relative_l2(outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torc
         ref = ref.to(out.device).float()
         if out.shape != ref.shape:
             return Comparison(False, f"rel_l2<={tol:g}", float("inf"), f"{key}: got {tuple(out.shape)}, want {tuple(ref.shape)}")
-        specials = [(torch.isnan(out), torch.isnan(ref)), (torch.isposinf(out), torch.isposinf(ref)), (torch.isneginf(out), torch.isneginf(ref))]
+        specials = [
+            (torch.isnan(out), torch.isnan(ref)),
+            (torch.isposinf(out), torch.isposinf(ref)),
+            (torch.isneginf(out), torch.isneginf(ref)),
+        ]
         if not all(torch.equal(a, b) for a, b in specials):
             n_bad = int(sum((a != b).sum() for a, b in specials))
             return Comparison(False, f"rel_l2<={tol:g}", float("inf"), f"{key}: {n_bad} inf/NaN positions differ from the reference")

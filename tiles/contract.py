@@ -217,6 +217,8 @@ def poisoned(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
     """An output buffer no kernel result can be confused with: NaN for floats, 0xFF.. for ints."""
     if dtype.is_floating_point:
         return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
-    return torch.full(tuple(shape), -1, dtype=dtype, device=device) if dtype.is_signed else torch.full(
-        tuple(shape), torch.iinfo(dtype).max, dtype=dtype, device=device
+    return (
+        torch.full(tuple(shape), -1, dtype=dtype, device=device)
+        if dtype.is_signed
+        else torch.full(tuple(shape), torch.iinfo(dtype).max, dtype=dtype, device=device)
     )

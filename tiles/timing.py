@@ -1,5 +1,8 @@
 """Timing kernels the honest way: CUDA events, warm-up, median of many, rotating inputs.
 
+``time_cuda`` brackets each call with events (a small kernel then also measures the host's launch
+overhead); ``time_cuda_graph`` replays the calls from a CUDA graph, the device time alone.
+
 Rotating several input sets (each larger than what L2 could keep warm, where possible)
 stops the cache from flattering small kernels. ``device_copy_bandwidth`` measures the
 copy ceiling once so results can say what fraction of it a kernel reaches.
@@ -46,6 +49,37 @@ def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 5, run
     return Timing(statistics.median(times), q[0], q[-1], len(times))
 
 
+def time_cuda_graph(fn: Callable[[int], object], n_sets: int = 1, launches: int = 8, replays: int = 20) -> Timing | None:
+    """Device time per call of ``fn(i)`` with the host out of the loop, or None when it cannot be captured.
+
+    ``launches`` calls (rotating the input sets) are captured into one CUDA graph; each of ``replays``
+    replays is bracketed by events and divided by ``launches``. Per-call event timing includes the
+    host's launch overhead whenever it exceeds the kernel (TileLang's wrapper costs tens of microseconds
+    a call), which is not what a decode step under a CUDA graph pays. A call that syncs with the host or
+    otherwise refuses capture returns None: its eager time is all there is.
+    """
+    launches = max(n_sets, -(-launches // n_sets) * n_sets)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for i in range(n_sets):  # lazy initialisation and allocations happen before the capture
+                fn(i)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(launches):
+                fn(i % n_sets)
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 -- capture is best effort; the caller keeps the eager time
+        torch.cuda.synchronize()
+        return None
+    t = time_cuda(lambda _: graph.replay(), warmup=2, runs=replays, min_time_ms=0)
+    return Timing(t.median_ms / launches, t.p10_ms / launches, t.p90_ms / launches, t.runs * launches)
+
+
 def input_sets_for_l2(bytes_per_set: float, l2_bytes: int, max_sets: int = 8) -> int:
     """How many rotating input sets keep the working set past 3x L2 (at least 2, at most ``max_sets``)."""
     if bytes_per_set <= 0:
@@ -80,10 +114,12 @@ def describe_environment() -> dict:
         info["cuda"] = torch.version.cuda
         try:
             info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10, check=False
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
             ).stdout.strip()
         except Exception:  # noqa: BLE001 -- no nvidia-smi: the driver is recorded as unknown
             info["driver"] = None
     return info
-
-

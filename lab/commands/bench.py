@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
                 ms=ev.ms,
                 p10_ms=ev.p10_ms,
                 p90_ms=ev.p90_ms,
+                timing=ev.extra.get("timing"),
+                eager_ms=ev.extra.get("eager_ms"),
                 gbps=ev.gbps,
                 tflops=ev.tflops,
                 copy_fraction=ev.gbps * 1e9 / copy_bw,
@@ -143,21 +145,28 @@ def _print_table(doc: dict) -> None:
 
     any_flops = any(r["flops"] for r in doc["rows"])
     table = Table(title=f"lab bench {doc['tile']} on {doc['environment'].get('gpu', doc['arch'])} (copy {doc['copy_gbps']:.0f} GB/s)")
-    for col in ["shape", "ms", "GB/s"] + (["TFLOPS"] if any_flops else []) + ["of copy", "torch ms", "speedup", "check"]:
+    for col in ["shape", "ms", "per-call ms", "GB/s"] + (["TFLOPS"] if any_flops else []) + ["of copy", "torch ms", "speedup", "check"]:
         table.add_column(col, justify="left" if col in ("shape", "check") else "right")
     for r in doc["rows"]:
         if r["outcome"] != "ok":
             cells = (
-                [r["shape"], "-", "-"] + (["-"] if any_flops else []) + ["-", "-", "-", f"[red]{r['outcome']}: {escape(r['check'])}[/red]"]
+                [r["shape"], "-", "-", "-"]
+                + (["-"] if any_flops else [])
+                + ["-", "-", "-", f"[red]{r['outcome']}: {escape(r['check'])}[/red]"]
             )
         else:
             tf = [f"{r['tflops']:.1f}" if r["tflops"] else "-"] if any_flops else []
             ref = f"{r['ref_ms']:.4f}" if r["ref_ms"] else "n/a"
             sp = f"{r['speedup']:.1f}x" if r["speedup"] else "n/a"
+            eager = f"{r['eager_ms']:.4f}" if r.get("eager_ms") else "-"
             cells = (
-                [r["shape"], f"{r['ms']:.4f}", f"{r['gbps']:.0f}"] + tf + [f"{100 * r['copy_fraction']:.0f}%", ref, sp, "[green]ok[/green]"]
+                [r["shape"], f"{r['ms']:.4f}", eager, f"{r['gbps']:.0f}"]
+                + tf
+                + [f"{100 * r['copy_fraction']:.0f}%", ref, sp, "[green]ok[/green]"]
             )
         table.add_row(*cells)
     console = Console()
     console.print(table)
     console.print(f"config {doc['config']}", highlight=False)
+    console.print("ms: device time per launch, replayed from a CUDA graph (per call where the launch cannot be captured);", highlight=False)
+    console.print("per-call ms: each launch between its own events, the host's launch overhead included.", highlight=False)
