@@ -22,7 +22,9 @@ phase_prewarm() {  # compile every tile's default for this GPU in parallel (fill
 }
 
 phase_pytest() {  # every GPU test, 4 workers (compile-bound; 16 workers ran the GPU out of memory)
-  timeout "${PYTEST_S:-200}" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
+  # SIGINT at the limit: pytest then still prints its failure report and summary (a plain kill lost both once)
+  timeout -s INT -k 30 "${PYTEST_S:-200}" python3 -m pytest -v -m gpu -n "${PYTEST_N:-4}" -p no:cacheprovider -rfE --tb=short \
+    --junitxml="$OUT/pytest_gpu.xml" tests > "$OUT/pytest_gpu.log" 2>&1
   note "pytest -m gpu rc=$?: $(tail -1 "$OUT/pytest_gpu.log")"
 }
 
@@ -46,6 +48,11 @@ phase_bench() {
   bench fp4_dequant_main bulk_1m
 }
 
+phase_bench-decode() {  # the decode-sized tiles only (their targets are in microseconds: timed from CUDA-graph replay)
+  bench sparse_attn_decode decode_b64_s1,decode_b128_s2
+  bench indexer_topk decode_b64_n128k
+}
+
 phase_attn() {  # sparse attention: every schedule/producer checked against the reference, then timed (gpu/sparse_attn_check.py)
   mkdir -p "$OUT/attn"
   timeout "${ATTN_S:-300}" python3 gpu/sparse_attn_check.py --out "$OUT/attn" --workers 14 > "$OUT/attn.log" 2>&1
@@ -53,6 +60,12 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
 }
 
 phase_profile() {  # indexer and compressor: old and new paths, per-kernel CUDA time against the floor (gpu/profile_tiles.py)
+  if [ -n "${PROFILE_ARGS:-}" ]; then  # a subset, e.g. PROFILE_ARGS="indexer_topk:decode_b64_n128k"
+    # shellcheck disable=SC2086
+    timeout "${PROFILE_S:-200}" python3 gpu/profile_tiles.py $PROFILE_ARGS --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1
+    note "profile rc=$?"
+    return
+  fi
   timeout "${PROFILE_S:-200}" python3 gpu/profile_tiles.py \
     'indexer_topk:decode_b64_n128k:{"dequant":"shared","tiles_per_cta":4}' \
     'indexer_topk:decode_b64_n128k:{"dequant":"lut","threads":128,"stages":1,"tiles_per_cta":4,"select_threads":512}' \
@@ -86,7 +99,7 @@ phase_tune() {
 
 phase_e2e() {
   timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --prefill-ctx "${E2E_PROMPTS:-16K}" --batch "${E2E_BATCH:-1,64}" \
-    --backend torch,tiles --configs tuned,default --runs 10 --repeats "${E2E_REPEATS:-1}" --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
+    --backend torch,tiles --configs "${E2E_CONFIGS:-tuned,default}" --runs 10 --repeats "${E2E_REPEATS:-1}" --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
   note "e2e rc=$?"
 }
 
