@@ -20,6 +20,7 @@ from tiles.harness import COMPILE_ERROR, OK, compile_tile, evaluate
 from tiles.registry import get_tile
 
 UNSUPPORTED = "unsupported"
+SKIPPED = "skipped"  # over the --max-gib memory budget: not run, not a failure, listed
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Cell:
 
     @property
     def ok(self) -> bool:
-        return self.outcome in (OK, UNSUPPORTED)
+        return self.outcome in (OK, UNSUPPORTED, SKIPPED)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -126,7 +126,9 @@ def _score_kernel(
         pool: T.Tensor((B, S, P), "int32"),
         out: T.Tensor((B, S, n_out), "float32"),
     ):
-        with T.Kernel(T.ceildiv(n_out, span), S, B, threads=threads) as (bx, s, b):
+        # Tokens fold into grid x with the entry tiles: grid y/z stop at 65535 and a 64K prefill has 65536 tokens.
+        with T.Kernel(T.ceildiv(n_out, span) * S, B, threads=threads) as (bxs, b):
+            bx, s = bxs % T.ceildiv(n_out, span), bxs // T.ceildiv(n_out, span)
             q_s = T.alloc_shared((H, D), "bfloat16")
             w_s = T.alloc_shared((H,), "float32")
             kw_s = T.alloc_shared((block_n, W), "int32")
@@ -393,7 +395,7 @@ def _block_max_kernel(target: str, block: int, threads: int):
 
     @T.prim_func
     def block_max(scores: T.Tensor((R, N), "float32"), n_visible: T.Tensor((R,), "int32"), out: T.Tensor((R, NB), "float32")):
-        with T.Kernel(T.ceildiv(NB, threads), R, threads=threads) as (bx, r):
+        with T.Kernel(R, T.ceildiv(NB, threads), threads=threads) as (r, bx):  # rows in x: a 64K prefill has 65536
             best = T.alloc_var("float32")
             nb = bx * threads + T.get_thread_binding()
             if nb < NB:

@@ -15,7 +15,7 @@ import json
 import sys
 
 from lab.cli import LabError
-from lab.matrix import UNSUPPORTED, Cell, check_cell, plan, regressions, run_compile, stored_winner_cells
+from lab.matrix import SKIPPED, UNSUPPORTED, Cell, check_cell, plan, regressions, run_compile, stored_winner_cells
 from tiles.arch import ArchError, detect, get_arch
 from tiles.contract import TileError
 from tiles.registry import select
@@ -29,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the check inputs")
     parser.add_argument("--json", action="store_true", help="print the cells as JSON instead of a table")
+    parser.add_argument(
+        "--max-gib",
+        type=float,
+        default=None,
+        help="skip GPU cells whose working set (inputs, rotating timing sets, the fp32 reference: ~8x the bytes a launch "
+        "moves) would exceed this many GiB; for sharing one GPU between several checkers (pytest -n)",
+    )
     parser.add_argument(
         "--tolerance",
         type=float,
@@ -79,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.json else _progress
     done = run_compile(compile_cells, args.jobs, on_done=progress)
     for cell in gpu_cells:
+        over = _over_budget(cell, args.max_gib)
+        if over:
+            cell.outcome, cell.message = SKIPPED, over
+            done.append(cell)
+            continue
         done.append(check_cell(cell, seed=args.seed))
         if progress:
             progress(done[-1])
@@ -152,6 +164,21 @@ def _cell_text(cells: list[Cell]) -> str:
     return f"[green]{mode}[/green] {secs:.1f}s" + (f" ({len(cells)} shapes)" if len(cells) > 1 else "")
 
 
+WORKING_SET_FACTOR = 8  # GPU memory of a check relative to the bytes one launch moves (inputs, timing sets, reference)
+
+
+def _over_budget(cell: Cell, max_gib: float | None) -> str | None:
+    """Why ``cell`` is skipped under a ``--max-gib`` budget, or None."""
+    if max_gib is None:
+        return None
+    from tiles.registry import get_tile
+
+    tile = get_tile(cell.tile)
+    shape = tile.shape(cell.shape)
+    need = WORKING_SET_FACTOR * tile.bytes_moved(shape) / 2**30
+    return f"~{need:.1f} GiB working set > --max-gib {max_gib:g}" if need > max_gib else None
+
+
 def _print_table(cells: list[Cell], tile_names: list[str], arch_names: list[str]) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -168,5 +195,7 @@ def _print_table(cells: list[Cell], tile_names: list[str], arch_names: list[str]
     for c in cells:
         if not c.ok:
             console.print(f"[red]{c.tile} {c.arch} {c.shape} ({c.label}): {c.outcome}[/red] {escape(c.message)}", highlight=False)
+        elif c.outcome == SKIPPED:
+            console.print(f"[yellow]{c.tile} {c.arch} {c.shape}: skipped[/yellow] {escape(c.message)}", highlight=False)
     n_bad = sum(not c.ok for c in cells)
     console.print(f"{len(cells) - n_bad} of {len(cells)} cells ok" + (f", {n_bad} failed" if n_bad else ""))
