@@ -52,11 +52,27 @@ def test_fill_cache_holds_valid_encodings_at_the_context(context):
 
 def _rows():
     def row(phase, variant, ms):
-        return {"phase": phase, "variant": variant, "batch": 1, "context": 8192, "ms": ms, "mode": "eager", "breakdown": {"attention": ms / 2},
-                "peak_gib": 1.0, "kv_gib": 0.1, "logits_rel_err": 0.0, "note": ""}
+        return {
+            "phase": phase,
+            "variant": variant,
+            "batch": 1,
+            "context": 8192,
+            "ms": ms,
+            "mode": "eager",
+            "breakdown": {"attention": ms / 2},
+            "peak_gib": 1.0,
+            "kv_gib": 0.1,
+            "logits_rel_err": 0.0,
+            "note": "",
+        }
 
-    return [row("decode", "torch", 9.0), row("decode", "tiles/tuned", 3.0), row("decode", "tiles/default", 4.5),
-            row("prefill", "torch", 100.0), row("prefill_full", "torch", 190.0)]
+    return [
+        row("decode", "torch", 9.0),
+        row("decode", "tiles/tuned", 3.0),
+        row("decode", "tiles/default", 4.5),
+        row("prefill", "torch", 100.0),
+        row("prefill_full", "torch", 190.0),
+    ]
 
 
 def test_speedups_are_ratios_of_rows_of_the_same_run():
@@ -106,12 +122,26 @@ def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
 
     arch = tmp_path / "sm90"
     (arch / "bench").mkdir(parents=True)
-    bench = {"tile": "toy", "config": {"threads": 128}, "command": "lab bench --tile toy --json", "environment": {"date": "d", "gpu": "G"},
-             "rows": [{"shape": "s1", "ms": 0.5, "tflops": None, "gbps": 100.0, "copy_fraction": 0.25, "ref_ms": 2.0, "speedup": 4.0, "check": "ok"}]}
+    bench = {
+        "tile": "toy",
+        "config": {"threads": 128},
+        "command": "lab bench --tile toy --json",
+        "environment": {"date": "d", "gpu": "G"},
+        "rows": [
+            {"shape": "s1", "ms": 0.5, "tflops": None, "gbps": 100.0, "copy_fraction": 0.25, "ref_ms": 2.0, "speedup": 4.0, "check": "ok"}
+        ],
+    }
     (arch / "bench" / "toy.json").write_text(json.dumps(bench))
-    tuned = {"schema": "csa2-lab/tuned-configs/v1", "tile": "toy", "arch": "sm90", "environment": {"date": "d", "command": "lab tune --tile toy"},
-             "shapes": {"s1": {"config": {"threads": 64}, "ms": 1.0, "default_ms": 2.0, "speedup": 2.0, "trials": 3, "outcomes": {"ok": 3}},
-                        "s2": {"config": {"threads": 64}, "ms": 1.0, "default_ms": 8.0, "speedup": 8.0, "trials": 3, "outcomes": {"ok": 3}}}}
+    tuned = {
+        "schema": "csa2-lab/tuned-configs/v1",
+        "tile": "toy",
+        "arch": "sm90",
+        "environment": {"date": "d", "command": "lab tune --tile toy"},
+        "shapes": {
+            "s1": {"config": {"threads": 64}, "ms": 1.0, "default_ms": 2.0, "speedup": 2.0, "trials": 3, "outcomes": {"ok": 3}},
+            "s2": {"config": {"threads": 64}, "ms": 1.0, "default_ms": 8.0, "speedup": 8.0, "trials": 3, "outcomes": {"ok": 3}},
+        },
+    }
     (arch / "toy.yaml").write_text(yaml.safe_dump(tuned))
     assert main(["report", "--results", str(tmp_path)]) == 0
     bench_md = (arch / "bench.md").read_text()
