@@ -269,6 +269,7 @@ class TorchBackend:
         Returns:
             int32 [B, S, k], as :meth:`indexer_topk`.
         """
+
         def select(scores: torch.Tensor, sl: slice) -> torch.Tensor:
             inside = pool_mask(pool_blocks[:, sl], scores.shape[-1], block)  # [B, s, Nc]
             return topk_positions(scores.masked_fill(~inside, float("-inf")), k)

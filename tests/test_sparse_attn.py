@@ -291,3 +291,21 @@ def test_sparse_attention_rejects_out_of_range_on_gpu():
     wi[1, 0, 3] = wc.shape[1]
     with pytest.raises(TileError, match="window_idx holds values outside"):
         sa.sparse_attention(q, wc, ws, wi, mp, ms, ti, sink, SCALE, check_indices=True)
+
+
+@pytest.mark.parametrize("nc", [300, 0], ids=["csa2", "swa_only"])
+def test_torch_baseline_gathers_then_dequantises_identically(nc):
+    """The baseline reads only the selected packed rows; the result is the dequantise-everything one, bit for bit."""
+    from model.ops.sparse_attn import sparse_attention_quantized
+
+    g = torch.Generator().manual_seed(5)
+    B, S, H, Nw, K, W = 2, 3, 64, 40, 32, 16
+    q = torch.randn(B, S, H, 512, generator=g)
+    wc, wsc = fp8_quantize(torch.randn(B, Nw, 512, generator=g))
+    mp, ms = fp4_quantize(torch.randn(B, nc, 512, generator=g))
+    wi = torch.randint(-1, Nw, (B, S, W), generator=g, dtype=torch.int32)
+    ti = torch.randint(-1, nc, (B, S, K), generator=g, dtype=torch.int32) if nc else torch.full((B, S, K), -1, dtype=torch.int32)
+    sink = torch.randn(H, generator=g)
+    got = sparse_attention_quantized(q, wc, wsc, wi, mp, ms, ti, sink, SCALE)
+    want = ref_attention(q, fp8_dequantize(wc, wsc), wi, fp4_dequantize(mp, ms), ti, sink, SCALE)
+    assert torch.equal(got, want)
