@@ -215,3 +215,13 @@ def test_ties_and_wrappers():
     inputs["pool_blocks"] = pool
     ref = ix.REINDEX_TOPK.reference(inputs)
     assert ix.compare_topk_sets(got, ref["topk"], ref["scores"]).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.CANDIDATE_POOL], ids=lambda t: t.name)
+def test_65536_query_rows_launch(tile):
+    """A 64K prefill has 65536 query rows: grid y stops at 65535, so the score and block-max kernels fold
+    the rows into grid x (the first 64K CED prefill on the H200 failed to launch with grid=(16, 65536, 1))."""
+    arch = get_arch("sm90")
+    ev = evaluate(tile, _odd(1, 65536, 600), tile.default_config(arch), arch, seed=5, time_it=False)
+    assert ev.outcome == OK, ev.message
