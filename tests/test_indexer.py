@@ -225,3 +225,44 @@ def test_65536_query_rows_launch(tile):
     arch = get_arch("sm90")
     ev = evaluate(tile, _odd(1, 65536, 600), tile.default_config(arch), arch, seed=5, time_it=False)
     assert ev.outcome == OK, ev.message
+
+
+def _select_like_the_kernel(values, n_valid, _blocks, out):
+    """The select kernel's contract in torch: per row the k best of columns < n_valid (-inf never chosen),
+    ties to the lower position, positions ascending, -1 fill."""
+    R, L = values.shape
+    k = out.shape[1]
+    for r in range(R):
+        n = int(min(n_valid[r], L))
+        row = values[r, :n]
+        cols = [j for j in range(n) if row[j] > float("-inf")]
+        cols.sort(key=lambda j: (-float(row[j]), j))
+        keep = sorted(cols[:k])
+        out[r] = torch.tensor(keep + [-1] * (k - len(keep)), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4, 8])
+def test_select_in_parts_equals_one_piece(parts):
+    """The split select keeps exactly what one select over the whole row keeps, ties and -inf included."""
+    g = torch.Generator().manual_seed(parts)
+    R, N, k = 6, 64, 7
+    scores = torch.randint(0, 9, (R, N), generator=g).float()  # many ties
+    scores[0, 10:] = float("-inf")  # fewer candidates than k in most parts
+    scores[1] = 3.0  # one big tie
+    nvis = torch.tensor([N, N, 37, 5, 0, N], dtype=torch.int32)
+    want = torch.empty(R, k, dtype=torch.int32)
+    _select_like_the_kernel(scores, nvis, None, want)
+    got = torch.full((R, k), -7, dtype=torch.int32)
+    ix._select_in_parts(_select_like_the_kernel, parts, scores, nvis, got)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [2, 4, 8])
+def test_select_split_matches_reference(parts):
+    arch = get_arch("sm90")
+    tile = ix.INDEXER_TOPK
+    cfg = {**tile.default_config(arch), "select_split": parts}
+    for shape in [tile.shape("decode_b64_n32k"), tile.shape("decode_b1_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77)]:
+        ev = evaluate(tile, shape, cfg, arch, seed=6, time_it=False)
+        assert ev.outcome == OK, f"split {parts} {shape.name}: {ev.message}"
