@@ -106,31 +106,12 @@ def _reference_launcher(tile, sets):
 
 
 def _launcher(tile, k, sets):
-    """Kernel-only launch on input set j (outputs allocated once, not poisoned: timing only)."""
+    """Kernel-only launch on input set j through the tile's own ``launch`` (outputs allocated once, not
+    poisoned: timing only)."""
     import torch
 
-    outs = [torch.empty_like(s["q"]) for s in sets]  # [B, S, H, D] each
-    dummy = torch.empty(1, dtype=torch.uint8, device="cuda")  # [1], the bf16 kernel has no scale tensors
-
-    def launch(j):
-        s = sets[j % 2]
-        if tile.kv_format == "fp4":
-            f8 = torch.float8_e4m3fn
-            k(
-                s["q"],
-                s["window_codes"].view(f8),
-                s["window_scales"],
-                s["window_idx"],
-                s["main_packed"].view(torch.int32),
-                s["main_scales"].view(f8),
-                s["topk_idx"],
-                s["sink"],
-                out=outs[j % 2],
-            )
-        else:
-            k(s["q"], s["window_kv"], dummy, s["window_idx"], s["main_kv"], dummy, s["topk_idx"], s["sink"], out=outs[j % 2])
-
-    return launch
+    outs = [{"out": torch.empty_like(s["q"])} for s in sets]  # [B, S, H, D] each
+    return lambda j: tile.launch(k, sets[j % 2], outs[j % 2])
 
 
 def main() -> int:

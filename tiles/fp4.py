@@ -103,6 +103,11 @@ class _Layout:
     lanes_per_group: int
     runs_per_row: int
 
+    def position(self, tile, r: int, tx, threads: int):
+        """(row, first column) of run ``r`` of thread ``tx`` in tile ``tile`` (see the class docstring)."""
+        u = tile * (threads * self.runs) + r * threads + tx
+        return u // self.runs_per_row, (u % self.runs_per_row) * self.run_len
+
 
 def _layout(dim: int, scale_format: str, mapping: str, groups_per_thread: int, chunks_per_thread: int) -> _Layout:
     group = SCALE_GROUP[scale_format]
@@ -305,9 +310,7 @@ def build_quant(
                 tile = bx + step * n_blocks if grid == "persistent" else bx
                 # ---- load: run r of this thread -> xin[r * R : (r + 1) * R]
                 for r in T.unroll(lay.runs):
-                    u = tile * runs_per_tile + r * threads + tx
-                    row = u // lay.runs_per_row
-                    col = (u % lay.runs_per_row) * R
+                    row, col = lay.position(tile, r, tx, threads)
                     if staging == "shared":
                         r0 = tile * rows_per_tile
                         T.copy(X[r0, 0], Xs)
@@ -396,9 +399,7 @@ def build_quant(
                             )
                 # ---- store
                 for r in T.unroll(lay.runs):
-                    u = tile * runs_per_tile + r * threads + tx
-                    row = u // lay.runs_per_row
-                    col = (u % lay.runs_per_row) * R
+                    row, col = lay.position(tile, r, tx, threads)
                     if staging == "shared":
                         r0 = tile * rows_per_tile
                         for i in T.vectorized(R // 2):
@@ -477,9 +478,7 @@ def build_dequant(
             for step in T.serial(steps):
                 tile = bx + step * n_blocks if grid == "persistent" else bx
                 for r in T.unroll(lay.runs):
-                    u = tile * runs_per_tile + r * threads + tx
-                    row = u // lay.runs_per_row
-                    col = (u % lay.runs_per_row) * R
+                    row, col = lay.position(tile, r, tx, threads)
                     if staging == "shared":
                         r0 = tile * rows_per_tile
                         T.copy(P[r0, 0], Ps)
@@ -507,9 +506,7 @@ def build_dequant(
                             yo[g * seg + 2 * j] = T.cast(_e2m1_value_select(c & T.uint32(15)) * s, out_dtype)
                             yo[g * seg + 2 * j + 1] = T.cast(_e2m1_value_select(c >> T.uint32(4)) * s, out_dtype)
                 for r in T.unroll(lay.runs):
-                    u = tile * runs_per_tile + r * threads + tx
-                    row = u // lay.runs_per_row
-                    col = (u % lay.runs_per_row) * R
+                    row, col = lay.position(tile, r, tx, threads)
                     if staging == "shared":
                         r0 = tile * rows_per_tile
                         for i in T.vectorized(R):

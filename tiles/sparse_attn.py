@@ -444,6 +444,11 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
             bar_s_ready = T.alloc_barrier(arrive_count=256)
             bar_s_free = T.alloc_barrier(arrive_count=256)
             bar_final = T.alloc_barrier(arrive_count=256)
+            # the two KV buffers, used in turn: block it goes to buffer it % 2
+            bufs = (
+                _WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free),
+                _WsBuffer(KV1_l, KV1_r, valid1, bar_k1_ready, bar_k1_free),
+            )
 
             b_i, s_i = by, bx // REP
             h0 = (bx % REP) * HB
@@ -461,59 +466,14 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                 T.fill(m_i, -(2**30))
                 T.fill(acc_o_l, 0)
                 T.barrier_wait(bar_q, 0)
+                sm = _WsSoftmax(
+                    Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free
+                )
                 for it in T.serial(n_blk):
                     if it % 2 == 0:
-                        _ws_softmax_step(
-                            Q_l,
-                            Q_r,
-                            KV0_l,
-                            KV0_r,
-                            valid0,
-                            bar_k0_ready,
-                            bar_k0_free,
-                            bar_s_ready,
-                            bar_s_free,
-                            S_shared,
-                            alpha_shared,
-                            acc_s,
-                            acc_o_l,
-                            sumexp,
-                            sumexp_i,
-                            alpha,
-                            m_i,
-                            m_i_prev,
-                            it,
-                            HB,
-                            BI,
-                            D2,
-                            scale2,
-                        )
+                        _ws_softmax_step(sm, bufs[0], it, HB, BI, D2, scale2)
                     else:
-                        _ws_softmax_step(
-                            Q_l,
-                            Q_r,
-                            KV1_l,
-                            KV1_r,
-                            valid1,
-                            bar_k1_ready,
-                            bar_k1_free,
-                            bar_s_ready,
-                            bar_s_free,
-                            S_shared,
-                            alpha_shared,
-                            acc_s,
-                            acc_o_l,
-                            sumexp,
-                            sumexp_i,
-                            alpha,
-                            m_i,
-                            m_i_prev,
-                            it,
-                            HB,
-                            BI,
-                            D2,
-                            scale2,
-                        )
+                        _ws_softmax_step(sm, bufs[1], it, HB, BI, D2, scale2)
                 if NS == 1:
                     for h in T.Parallel(HB):
                         alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -567,10 +527,10 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                     blk = lo + it
                     if it % 2 == 0:
                         T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
-                        _ws_produce_batched(src, regs, dims, KV0_l, KV0_r, valid0, bar_k0_ready, b_i, s_i, blk, p, fp4)
+                        _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4)
                     else:
                         T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
-                        _ws_produce_batched(src, regs, dims, KV1_l, KV1_r, valid1, bar_k1_ready, b_i, s_i, blk, p, fp4)
+                        _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -604,32 +564,10 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
 
 
 @T.macro
-def _ws_softmax_step(
-    Q_l,
-    Q_r,
-    KV_l,
-    KV_r,
-    valid,
-    bar_ready,
-    bar_free,
-    bar_s_ready,
-    bar_s_free,
-    S_shared,
-    alpha_shared,
-    acc_s,
-    acc_o,
-    sumexp,
-    sumexp_i,
-    alpha,
-    m_i,
-    m_i_prev,
-    it,
-    HB,
-    BI,
-    D2,
-    scale2,
-):
+def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2):
     """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V."""
+    Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
+    KV_l, KV_r, valid, bar_ready, bar_free = buf
     T.barrier_wait(bar_ready, (it // 2) & 1)
     for h, bi in T.Parallel(HB, BI):
         acc_s[h, bi] = T.if_then_else(valid[bi], 0, -T.infinity("float32"))
@@ -656,6 +594,34 @@ def _ws_softmax_step(
     T.gemm(S_shared, KV_l, acc_o)
     T.barrier_arrive(bar_s_ready)
     T.barrier_arrive(bar_free)
+
+
+class _WsBuffer(NamedTuple):
+    """One of the ws kernel's two KV buffers: its halves, row-valid flags, and the barriers that hand it over."""
+
+    KV_l: Any
+    KV_r: Any
+    valid: Any
+    ready: Any  # producer -> consumers: the rows have landed
+    free: Any  # consumers -> producer: both GEMMs are done with it
+
+
+class _WsSoftmax(NamedTuple):
+    """Warpgroup 0's operands and online-softmax state (and the S/alpha hand-over barriers to warpgroup 1)."""
+
+    Q_l: Any
+    Q_r: Any
+    S_shared: Any
+    alpha_shared: Any
+    acc_s: Any
+    acc_o: Any
+    sumexp: Any
+    sumexp_i: Any
+    alpha: Any
+    m_i: Any
+    m_i_prev: Any
+    bar_s_ready: Any
+    bar_s_free: Any
 
 
 class _WsSources(NamedTuple):
@@ -711,7 +677,7 @@ def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p):
 
 
 @T.macro
-def _ws_produce_batched(src, regs, dims, KV_l, KV_r, valid, bar_ready, b_i, s_i, blk, p, fp4):
+def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4):
     """Fill one KV buffer with block ``blk`` (batched producer), fetching block ``blk + 1``'s rows meanwhile.
 
     Thread p owns rows rr * ROWS + p // 8 and, of each half of a row, the 32 columns from (p % 8) * 32
@@ -721,6 +687,7 @@ def _ws_produce_batched(src, regs, dims, KV_l, KV_r, valid, bar_ready, b_i, s_i,
     """
     WinA, WinB, _, MainA, MainB, _ = src
     rows_cur, rows_next, raw, rawsc, vals = regs
+    KV_l, KV_r, valid, bar_ready = kv_buf.KV_l, kv_buf.KV_r, kv_buf.valid, kv_buf.ready
     _, _, BI, NBW, ROWS, D2, _, _ = dims
     R = BI // ROWS
     c = p % 8
