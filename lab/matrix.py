@@ -96,7 +96,7 @@ def check_cell(cell: Cell, seed: int = 0, time_it: bool = False) -> Cell:
 def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Cell]:
     """For every shape with a stored winner (``results/<arch>/<tile>.yaml``): a ``tuned`` cell with
     the winner and a ``default`` cell, both to be checked and timed, carrying the recorded latencies."""
-    from tiles.results import read_results, results_path
+    from tiles.results import read_results, results_path, stale_params
 
     cells = []
     for tile in tiles:
@@ -104,12 +104,11 @@ def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Ce
         if not stored:
             continue
         known = {s.name for s in tile.shapes()}
-        params = set(tile.search_space(arch).names())
         for shape_name, entry in sorted(stored["shapes"].items()):
             if shape_name not in known:
                 continue
             recorded = {"recorded_ms": entry.get("ms"), "recorded_default_ms": entry.get("default_ms")}
-            missing = sorted(params - set(entry["config"]))
+            missing = stale_params(tile, arch, entry["config"])
             if missing:  # tuned before these options existed: run time uses the default (tiles.results.load_winner)
                 recorded["stale"] = ", ".join(missing)
             cells.append(Cell(tile.name, arch.name, shape_name, "tuned", dict(entry["config"]), extra=dict(recorded)))

@@ -90,6 +90,12 @@ def nearest_entry(data: dict, shape: Shape, max_distance: float = MAX_TRANSFER_D
     return best
 
 
+def stale_params(tile, arch: Arch, config: Config) -> list[str]:
+    """The parameters of ``tile``'s current search space that a stored ``config`` does not name: a winner
+    tuned before they existed, which won nothing over them (empty when the config is current)."""
+    return sorted(set(tile.search_space(arch).names()) - set(config))
+
+
 def _registered(tile_name: str):
     """The registered tile of that name, or None (tests use unregistered toy tiles)."""
     from tiles.registry import get_tile
@@ -129,7 +135,7 @@ def load_winner(
         return dict(default), "default"
     bucket, entry = hit
     config = dict(entry["config"])
-    missing = sorted(set(tile.search_space(arch).names()) - set(config)) if tile is not None else []
+    missing = stale_params(tile, arch, config) if tile is not None else []
     if missing and not allow_stale:
         return dict(default), f"default (stale: {path}#{bucket} predates {', '.join(missing)})"
     if tile is not None:
