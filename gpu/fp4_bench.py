@@ -24,8 +24,13 @@ SWEEP = [
     {"threads": 128},
     {"threads": 512},
     {"grid": "persistent"},
+    {"code": "packed"},
+    {"code": "packed", "chunks_per_thread": 2},
+    {"code": "packed", "threads": 128},
+    {"code": "packed", "threads": 512},
 ]
 TILES = ["fp4_quant_main", "fp4_quant_index", "fp4_dequant_main", "fp4_dequant_index"]
+SWEEP_TILES = os.environ.get("FP4_TILES", ",".join(TILES)).split(",")  # a subset when device time is short
 
 
 def bench(out: Path) -> list[dict]:
@@ -57,7 +62,7 @@ def sweep(out: Path) -> list[dict]:
 
     arch, rows = detect(), []
     deadline = float(os.environ.get("FP4_DEADLINE", "inf"))  # the batch has a hard wall-clock limit: stop sweeping in time
-    for name in ("fp4_quant_main", "fp4_dequant_main", "fp4_quant_index", "fp4_dequant_index"):
+    for name in SWEEP_TILES:
         tile = get_tile(name)
         shape = tile.shape("bulk_1m")
         space = tile.search_space(arch)

@@ -4,7 +4,9 @@ exhaustively on the CPU; bit-exact with model.formats on the GPU for every struc
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,13 +21,15 @@ FORMATS = [(16, "e4m3", fp4.MAIN_DIM), (32, "e8m0", fp4.INDEX_DIM)]
 
 
 # The structural options each GPU test runs: every mapping, code and chunk count (the other params at their defaults).
-QUANT_OPTIONS = [
-    {"mapping": "lanes", "code": code, "chunks_per_thread": chunks} for code in ("thresholds", "divide") for chunks in (1, 2, 4)
-] + [{"mapping": "thread", "code": code} for code in ("thresholds", "divide")]
+QUANT_OPTIONS = [{"mapping": "lanes", "code": code, "chunks_per_thread": chunks} for code in fp4.CODES for chunks in (1, 2, 4)] + [
+    {"mapping": "thread", "code": code} for code in ("thresholds", "divide")
+]
 DEQUANT_OPTIONS = [{"mapping": "lanes", "chunks_per_thread": chunks} for chunks in (1, 2, 4)] + [{"mapping": "thread"}]
 
 
 def _options(name: str) -> list[dict]:
+    if name == "fp4_quant_index":  # code='packed' is E4M3-only
+        return [c for c in QUANT_OPTIONS if c["code"] != "packed"]
     return QUANT_OPTIONS if name.startswith("fp4_quant") else DEQUANT_OPTIONS
 
 
@@ -150,10 +154,17 @@ def test_configs_stored_before_the_new_options_are_stale():
         assert source.startswith("default (stale:") and config == main.default_config(sm90)
     space = main.search_space(sm90)
     grid = [dict(zip(space.names(), c)) for c in itertools.product(*(p.choices for p in space.params))]
-    assert len([c for c in grid if not space.violations(c, _small(main), sm90)]) == 176
+    # 176 kernels of thresholds/divide, plus code=packed: lanes only, 3 chunk counts x 4 thread counts x 2 grids
+    assert len([c for c in grid if not space.violations(c, _small(main), sm90)]) == 176 + 24
 
 
 def test_builders_refuse_invalid_structures():
+    with pytest.raises(TileError, match="code='packed' needs mapping='lanes' and E4M3 scales"):
+        fp4.build_quant(128, "e8m0", "bfloat16", "registers", 1, 256, "tiles", "sm_90a", mapping="lanes", code="packed")
+    with pytest.raises(TileError, match="code='packed' needs mapping='lanes'"):
+        fp4.build_quant(512, "e4m3", "bfloat16", "registers", 2, 256, "tiles", "sm_90a", mapping="thread", code="packed")
+    index, sm90 = get_tile("fp4_quant_index"), get_arch("sm90")
+    assert "packed" not in next(p for p in index.search_space(sm90).params if p.name == "code").choices
     with pytest.raises(TileError, match="exact for bf16 inputs only"):
         fp4.build_quant(512, "e4m3", "float32", "registers", 2, 256, "tiles", "sm_90a", mapping="lanes", code="thresholds")
     with pytest.raises(TileError, match="use staging='registers'"):
@@ -214,6 +225,80 @@ def test_e2m1_decode_by_bits_is_exact(scale_format):
     expected = formats.e2m1_decode(codes.to(torch.uint8))[None, :] * s[:, None]
     for dtype in (torch.float32, torch.bfloat16):
         assert fp4.bit_exact_nan_canonical({"y": got.to(dtype)}, {"y": expected.to(dtype)}).ok
+
+
+def _round_f32(x: Fraction) -> Fraction:
+    """Round a positive rational to the nearest fp32 (ties to even mantissa), exactly."""
+    f = np.float32(float(x))
+    candidates = [np.nextafter(f, np.float32(0)), f, np.nextafter(f, np.float32(np.inf))]
+    best = min(candidates, key=lambda c: (abs(Fraction(float(c)) - x), int(np.array(c).view(np.uint32)) & 1))
+    return Fraction(float(best))
+
+
+def test_division_free_sixth_is_ieee_division_on_every_bf16():
+    """fp4._div6_bf16 (q = a * RN(1/6), FMA residual, FMA correction) equals IEEE a / 6 for every bf16 a the scale
+    computation divides: finite, >= 6 * 2^-126 (the E8M0 minimum; the E4M3 one is larger)."""
+    patterns = torch.arange(0x0000, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    a_values = [Fraction(v) for v in patterns.tolist() if v >= 6 * 2.0**-126]
+    sixth, six = Fraction(fp4.SIXTH), Fraction(6)
+    assert _round_f32(Fraction(1, 6)) == sixth
+    for a in a_values:
+        q = _round_f32(a * sixth)
+        r = a - q * six  # exact in fp32: the FMA's single rounding leaves it unchanged
+        assert _round_f32(abs(r)) * (1 if r >= 0 else -1) == r if r else True
+        q2 = _round_f32(q + r * sixth) if q + r * sixth > 0 else Fraction(0)
+        assert q2 == _round_f32(a / six), f"a={float(a)!r}: {float(q2)!r} != {float(_round_f32(a / six))!r}"
+
+
+def _packed_pair(w: torch.Tensor, t: list[int]) -> torch.Tensor:
+    """CPU mirror of csa2_e2m1_pair (fp4._PACKED_CODES_CUDA), word for word: int64 pair words [N] -> code bytes [N].
+
+    The bf16x2 compares are emulated per half on the bf16 values (NaN compares false), giving 0xFFFF per true half."""
+
+    def halves(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def val(h):
+            return (h & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+        return val(u), val(u >> 16)
+
+    def mask(cmp, u, v):
+        (ul, uh), (vl, vh) = halves(u), halves(v)
+        return torch.where(cmp(ul, vl), 0xFFFF, 0) | torch.where(cmp(uh, vh), 0xFFFF0000, 0)
+
+    def select(m, x, y):
+        return (m & x) | (~m & y & 0xFFFFFFFF)
+
+    def const(c):
+        return torch.full_like(w, c)
+
+    a = w & 0x7FFF7FFF
+    ge4 = mask(torch.ge, a, const(t[3]))
+    ge2 = mask(torch.ge, a, select(ge4, const(t[5]), const(t[1])))
+    odd = mask(torch.gt, a, select(ge4, select(ge2, const(t[6]), const(t[4])), select(ge2, const(t[2]), const(t[0]))))
+    neg = mask(torch.gt, a, const(0)) & w & 0x80008000
+    nib = (ge4 & 0x00040004) | (ge2 & 0x00020002) | (odd & 0x00010001) | (neg >> 12)
+    return (nib | (nib >> 12)) & 0xFF
+
+
+def _bf16_bits(x: float) -> int:
+    return int(torch.tensor([x]).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+@pytest.mark.parametrize("scale_byte", range(1, 0x7F))
+def test_packed_codes_match_division_on_every_bf16(scale_byte):
+    """code='packed': the bf16x2 thresholds m_k * s are exact bf16 values and the pair-word search gives the reference
+    code for every bf16 pattern in either half of a word, for every E4M3 scale byte a group can get."""
+    s = formats.e4m3_decode(torch.tensor([scale_byte], dtype=torch.uint8))  # [1]
+    mids = torch.tensor(formats._E2M1_MIDPOINTS)
+    assert torch.equal((s * mids).to(torch.bfloat16).float(), s * mids), "m_k * s is not a bf16 value"
+    t = [_bf16_bits(v) * 0x10001 for v in (s * mids).tolist()]  # both halves
+    x = _bf16_patterns()  # [65536]
+    expected = formats.e2m1_encode(torch.clamp(x / s, -formats.FP4_MAX, formats.FP4_MAX)).long()
+    bits = torch.arange(1 << 16, dtype=torch.int64)
+    partner = bits.flip(0)  # every pattern beside a different one: the halves must not leak into each other
+    got = _packed_pair(bits | (partner << 16), t)
+    assert torch.equal(got & 0xF, expected), f"low half, scale byte {scale_byte:#04x}"
+    assert torch.equal(got >> 4, expected.flip(0)), f"high half, scale byte {scale_byte:#04x}"
 
 
 def test_constraints_prune():
