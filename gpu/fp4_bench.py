@@ -99,7 +99,8 @@ def sweep(out: Path) -> list[dict]:
             torch.cuda.empty_cache()
     from tiles.timing import describe_environment
 
-    command = "FP4_SWEEP_ONLY=1 python3 -m gpu.fp4_bench OUT" if os.environ.get("FP4_SWEEP_ONLY") == "1" else "python3 -m gpu.fp4_bench OUT"
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("FP4_SWEEP_ONLY", "FP4_TILES") if k in os.environ)
+    command = f"{env} python3 -m gpu.fp4_bench OUT".strip()
     doc = {"environment": describe_environment(), "command": command, "rows": rows}
     (out / "fp4_sweep.json").write_text(json.dumps(doc, indent=1, default=str))
     return rows
