@@ -257,8 +257,18 @@ def test_select_in_parts_equals_one_piece(parts):
     assert torch.equal(got, want)
 
 
+def test_select_split_auto_fills_the_gpu_and_keeps_parts_wide():
+    sm90 = get_arch("sm90")  # 132 SMs
+    assert ix.resolve_select_split("auto", 64, 131072, 512, sm90) == 8  # decode B=64: 8 x 64 rows >= 2 x 132
+    assert ix.resolve_select_split("auto", 128, 131072, 512, sm90) == 4
+    assert ix.resolve_select_split("auto", 4096, 4096, 512, sm90) == 1  # prefill rows fill the GPU alone
+    assert ix.resolve_select_split("auto", 1, 8192, 512, sm90) == 4  # parts stay >= 4k = 2048 wide
+    assert ix.resolve_select_split("auto", 1, 1000, 512, sm90) == 1
+    assert ix.resolve_select_split(4, 4096, 4096, 512, sm90) == 4  # an explicit setting is kept
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("parts", [2, 4, 8])
+@pytest.mark.parametrize("parts", ["auto", 2, 4, 8])
 def test_select_split_matches_reference(parts):
     arch = get_arch("sm90")
     tile = ix.INDEXER_TOPK

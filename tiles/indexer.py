@@ -546,7 +546,27 @@ def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, score
     dummy_pool = torch.empty(B, S, 1, dtype=torch.int32, device=q.device)  # the contiguous variant reads no pool
     _score(cfg, arch, False, 8, q, weights, words, scales, nvis, dummy_pool, scores)
     select = _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)
-    _select_in_parts(select, cfg.get("select_split", 1), scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1))
+    parts = resolve_select_split(cfg.get("select_split", 1), B * S, N, out.shape[-1], arch)
+    _select_in_parts(select, parts, scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1))
+
+
+SELECT_SPLITS = (1, 2, 4, 8)
+
+
+def resolve_select_split(setting, rows: int, n: int, k: int, arch: Arch) -> int:
+    """Parts per score row for the select: ``setting`` itself, or for ``"auto"`` the fewest parts that give
+    two CTAs per SM (the kernel runs one CTA per row part), keeping each part at least 4k entries wide so the
+    second stage's candidates stay a small fraction of the row.
+
+    On the H200, decode B=64 x 128K (64 rows): 1 part 1.32 ms of select, 4 parts 0.70 ms, 8 parts 0.44 ms
+    (results/sm90/profile_indexer_select_split.json); auto picks 8 there and 1 for prefill-sized row counts.
+    """
+    if setting != "auto":
+        return int(setting)
+    parts = 1
+    while parts < SELECT_SPLITS[-1] and rows * parts < 2 * arch.sm_count and n % (2 * parts) == 0 and n // (2 * parts) >= 4 * k:
+        parts *= 2
+    return parts
 
 
 def _select_in_parts(select, parts: int, scores: torch.Tensor, nvis: torch.Tensor, out: torch.Tensor) -> None:
@@ -836,12 +856,14 @@ class IndexerTopkTile(_ScoreAndSelectTile):
 
     def search_space(self, arch: Arch) -> SearchSpace:
         space = super().search_space(arch)
-        split = Param("select_split", (1, 2, 4, 8), "score rows cut into parts: a top-k per part (more CTAs), then of the candidates")
+        split = Param(
+            "select_split", ("auto", *SELECT_SPLITS), "score rows cut into parts: a top-k per part (more CTAs), then of the candidates"
+        )
         return SearchSpace(space.params + (split,), space.constraints)
 
     def default_config(self, arch: Arch) -> Config:
-        # One piece: the split select is exact by construction but not yet run on a GPU (tests/test_indexer.py).
-        return {**super().default_config(arch), "select_split": 1}
+        # auto: as many parts as fill the SMs twice (8 for decode B=64, 1 for prefill), from the H200 profile
+        return {**super().default_config(arch), "select_split": "auto"}
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = {**self.default_config(arch), **config}
