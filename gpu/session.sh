@@ -21,10 +21,10 @@ phase_prewarm() {  # compile every tile's default for this GPU in parallel (fill
   note "prewarm rc=$? $(grep -c ' ok' "$OUT/prewarm.log") ok lines"
 }
 
-phase_pytest() {  # every GPU test, 4 workers (compile-bound; 16 workers ran the GPU out of memory)
+phase_pytest() {  # every GPU test (PYTEST_ARGS: a subset), 4 workers (compile-bound; 16 workers ran the GPU out of memory)
   # SIGINT at the limit: pytest then still prints its failure report and summary (a plain kill lost both once)
   timeout -s INT -k 30 "${PYTEST_S:-200}" python3 -m pytest -v -m gpu -n "${PYTEST_N:-4}" -p no:cacheprovider -rfE --tb=short \
-    --junitxml="$OUT/pytest_gpu.xml" tests > "$OUT/pytest_gpu.log" 2>&1
+    --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-tests} > "$OUT/pytest_gpu.log" 2>&1
   note "pytest -m gpu rc=$?: $(tail -1 "$OUT/pytest_gpu.log")"
 }
 
@@ -55,7 +55,7 @@ phase_bench-decode() {  # the decode-sized tiles only (their targets are in micr
 
 phase_attn() {  # sparse attention: every schedule/producer checked against the reference, then timed (gpu/sparse_attn_check.py)
   mkdir -p "$OUT/attn"
-  timeout "${ATTN_S:-300}" python3 gpu/sparse_attn_check.py --out "$OUT/attn" --workers 14 > "$OUT/attn.log" 2>&1
+  timeout "${ATTN_S:-300}" python3 gpu/sparse_attn_check.py --out "$OUT/attn" --workers 14 ${ATTN_LABELS:+--labels "$ATTN_LABELS"} > "$OUT/attn.log" 2>&1
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
@@ -84,6 +84,14 @@ phase_fp4() {  # FP4 tiles: structural sweep at bulk_1m (old and new mappings / 
   FP4_SWEEP_ONLY=${FP4_SWEEP_ONLY:-1} FP4_DEADLINE=$(( $(date +%s) + ${FP4_S:-120} - 10 )) \
     timeout "${FP4_S:-120}" python3 -m gpu.fp4_bench "$OUT/fp4" > "$OUT/fp4.log" 2>&1
   note "fp4 rc=$?"
+}
+
+phase_ncu() {  # Nsight Compute on the attention prefill default: where the warps stall (if ncu is installed)
+  if ! command -v ncu > /dev/null; then note "ncu: not installed"; return; fi
+  timeout "${NCU_S:-120}" ncu --kernel-name regex:main --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+    python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" > "$OUT/ncu.log" 2>&1
+  note "ncu rc=$?"
 }
 
 phase_e2e-quick() {

@@ -803,7 +803,9 @@ class CompiledAttention:
         # The batched producer masks out-of-range indices itself (_ws_fetch_rows); TileLang's bounds guards
         # would turn its cp.async copies back into synchronous loads.
         batched = config.get("schedule") == "ws" and config.get("produce") == "batched"
-        passes = {**_PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True} if batched else _PASS_CONFIGS
+        passes = {**_PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True} if batched else dict(_PASS_CONFIGS)
+        if config.get("ptxas_level"):  # 0: ptxas's own default (5)
+            passes[tilelang.PassConfigKey.TL_PTXAS_REGISTER_USAGE_LEVEL] = int(config["ptxas_level"])
         self.main = tilelang.compile(prim, target=target, pass_configs=passes)
         self.combine = None
         if self.n_split > 1:
@@ -1142,6 +1144,11 @@ class SparseAttnTile(Tile):
             Param("num_stages", (1, 2), "software pipeline depth over index blocks"),
             Param("threads", (128, 256), "consumer threads (ws adds a 128-thread producer)"),
             Param("heads_per_block", (32, 64), "heads sharing one gathered block (H=128 runs as two blocks of 64)"),
+            Param(
+                "ptxas_level",
+                (0, 10),
+                "ptxas --register-usage-level (0: its default, 5); TileLang's sparse_mla_fwd_pipelined example compiles with 10",
+            ),
         ]
         if self.kv_format == "fp4":
             params.append(
@@ -1163,6 +1170,7 @@ class SparseAttnTile(Tile):
         else:  # sm86/sm89: 99 KiB per block
             cfg = {"schedule": "pipelined", "block_I": 32, "num_stages": 1, "threads": 128, "heads_per_block": 32}
         cfg.setdefault("produce", "serial")
+        cfg["ptxas_level"] = 0
         if self.kv_format == "fp4":
             cfg["dequant"] = "direct"
         if self.splits:
