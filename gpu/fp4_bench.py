@@ -14,8 +14,13 @@ import time
 from pathlib import Path
 
 # Overrides merged onto each tile's default at bulk_1m (keys a tile does not have are dropped): the first
-# kernels (`thread` mapping, `divide` codes), the new `lanes` / `thresholds` paths and their sizes.
+# kernels (`thread` mapping, `divide` codes), the `lanes` / `thresholds` / `packed` paths and their sizes
+# (the newest first: a run with a deadline times those before it runs out).
 SWEEP = [
+    {"code": "packed"},
+    {"code": "packed", "chunks_per_thread": 2},
+    {"code": "packed", "threads": 128},
+    {"code": "packed", "threads": 512},
     {"mapping": "thread", "code": "divide"},
     {"mapping": "thread", "code": "thresholds"},
     {"mapping": "lanes", "code": "divide"},
@@ -24,10 +29,6 @@ SWEEP = [
     {"threads": 128},
     {"threads": 512},
     {"grid": "persistent"},
-    {"code": "packed"},
-    {"code": "packed", "chunks_per_thread": 2},
-    {"code": "packed", "threads": 128},
-    {"code": "packed", "threads": 512},
 ]
 TILES = ["fp4_quant_main", "fp4_quant_index", "fp4_dequant_main", "fp4_dequant_index"]
 SWEEP_TILES = os.environ.get("FP4_TILES", ",".join(TILES)).split(",")  # a subset when device time is short
