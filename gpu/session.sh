@@ -48,6 +48,11 @@ phase_bench() {
   bench fp4_dequant_main bulk_1m
 }
 
+phase_bench-fp4() {  # the FP4 main-KV tiles at bulk_1m (issue 3's figures come from lab bench --json)
+  bench fp4_quant_main bulk_1m
+  bench fp4_dequant_main bulk_1m
+}
+
 phase_bench-decode() {  # the decode-sized tiles only (their targets are in microseconds: timed from CUDA-graph replay)
   bench sparse_attn_decode decode_b64_s1,decode_b128_s2
   bench indexer_topk decode_b64_n128k
@@ -95,7 +100,7 @@ phase_ncu() {  # Nsight Compute on the attention prefill default: where the warp
 }
 
 phase_e2e-quick() {
-  timeout "${E2E_QUICK_S:-120}" $LAB e2e --preset v4.1-flash --phase decode --ctx 8K --batch 64 --backend torch,tiles --configs default \
+  timeout "${E2E_QUICK_S:-120}" $LAB e2e --preset v4.1-flash --phase decode --ctx 8K --batch 64 --backend "${E2E_BACKENDS:-torch,tiles}" --configs default \
     --runs 5 --out "$OUT/e2e-quick" > "$OUT/e2e-quick.log" 2>&1
   note "e2e-quick rc=$?"
 }
@@ -109,7 +114,7 @@ phase_tune() {
 
 phase_e2e() {
   timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --prefill-ctx "${E2E_PROMPTS:-16K}" --batch "${E2E_BATCH:-1,64}" \
-    --backend torch,tiles --configs "${E2E_CONFIGS:-tuned,default}" --runs 10 --repeats "${E2E_REPEATS:-1}" --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
+    --backend "${E2E_BACKENDS:-torch,tiles}" --configs "${E2E_CONFIGS:-tuned,default}" --runs 10 --repeats "${E2E_REPEATS:-1}" --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
   note "e2e rc=$?"
 }
 

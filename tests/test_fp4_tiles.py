@@ -90,7 +90,10 @@ def test_compiles_every_option(name, option, arch):
 @pytest.mark.parametrize(
     "name, config",
     [
-        ("fp4_quant_main", {"mapping": "thread", "staging": "shared", "groups_per_thread": 4, "threads": 128, "grid": "persistent"}),
+        (
+            "fp4_quant_main",
+            {"mapping": "thread", "code": "thresholds", "staging": "shared", "groups_per_thread": 4, "threads": 128, "grid": "persistent"},
+        ),
         ("fp4_dequant_index", {"mapping": "thread", "staging": "shared", "groups_per_thread": 2, "threads": 64, "grid": "persistent"}),
     ],
     ids=["quant-main-shared-persistent", "dequant-index-shared-persistent"],
@@ -116,7 +119,7 @@ def test_default_moves_16_byte_vectors():
         c = fp4.fp4_default_config(fmt)
         assert c["mapping"] == "lanes" and fp4.LANE_VALUES * 2 == 16  # 16 B of bf16 per lane
         # E4M3 divides no more; E8M0's "divide" is the exact multiply by 2^-e, measured the faster of the two
-        assert c["code"] == ("thresholds" if fmt == "e4m3" else "divide")
+        assert c["code"] == ("packed" if fmt == "e4m3" else "divide")
         # the thread mapping, when picked, keeps the first kernel's 16-byte packed vectors
         assert c["groups_per_thread"] * group // 2 == 16 and c["staging"] == "registers"
         assert "code" not in fp4.fp4_default_config(fmt, quantise=False)
@@ -304,7 +307,7 @@ def test_packed_codes_match_division_on_every_bf16(scale_byte):
 def test_constraints_prune():
     index, main = get_tile("fp4_quant_index"), get_tile("fp4_quant_main")
     sm89, sm90 = get_arch("sm89"), get_arch("sm90")
-    big = {"mapping": "thread", "staging": "shared", "groups_per_thread": 8, "threads": 512, "grid": "tiles"}
+    big = {"mapping": "thread", "code": "thresholds", "staging": "shared", "groups_per_thread": 8, "threads": 512, "grid": "tiles"}
     # 4 groups of 32 per index row: 8 groups per thread straddle rows
     assert any("whole groups" in r for r in index.search_space(sm90).violations(big, _small(index), sm90))
     # 512 threads x 128 bf16 values = 128 KiB tile + packed bytes: fits Hopper, not an L40S block
@@ -377,9 +380,9 @@ def test_bit_exact_default(name, rows):
 @pytest.mark.parametrize(
     "config",
     [
-        {"mapping": "thread", "staging": "shared", "groups_per_thread": 1, "threads": 128, "grid": "tiles"},
-        {"mapping": "thread", "staging": "registers", "groups_per_thread": 4, "threads": 64, "grid": "persistent"},
-        {"mapping": "thread", "staging": "shared", "groups_per_thread": 2, "threads": 512, "grid": "persistent"},
+        {"mapping": "thread", "code": "thresholds", "staging": "shared", "groups_per_thread": 1, "threads": 128, "grid": "tiles"},
+        {"mapping": "thread", "code": "thresholds", "staging": "registers", "groups_per_thread": 4, "threads": 64, "grid": "persistent"},
+        {"mapping": "thread", "code": "thresholds", "staging": "shared", "groups_per_thread": 2, "threads": 512, "grid": "persistent"},
         {"mapping": "lanes", "chunks_per_thread": 4, "threads": 64, "grid": "persistent"},
         {"mapping": "lanes", "chunks_per_thread": 2, "threads": 512, "grid": "persistent"},
     ],

@@ -1170,7 +1170,9 @@ class SparseAttnTile(Tile):
         else:  # sm86/sm89: 99 KiB per block
             cfg = {"schedule": "pipelined", "block_I": 32, "num_stages": 1, "threads": 128, "heads_per_block": 32}
         cfg.setdefault("produce", "serial")
-        cfg["ptxas_level"] = 0
+        # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
+        # (results/sm90/sparse_attn_run4_regs10.json)
+        cfg["ptxas_level"] = 10 if arch.family == "hopper" else 0
         if self.kv_format == "fp4":
             cfg["dequant"] = "direct"
         if self.splits:
