@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 # (name, one-line help): the order is the order of `lab --help`.
@@ -38,12 +39,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that compile kernels: TileLang logs while they run.
+COMPILING = ("bench", "check", "tune", "e2e")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler bound to whatever ``sys.stderr`` is when a record is emitted (pytest swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def tilelang_logs_to_stderr() -> None:
+    """Send TileLang's log records to stderr. It writes them with ``tqdm.write``, i.e. to stdout, where its
+    compile lines landed in front of ``lab bench --json`` documents; stdout carries the command's output only."""
+    import tilelang  # noqa: F401  (installs the handler this replaces)
+
+    log = logging.getLogger("tilelang")
+    for handler in list(log.handlers):
+        if not isinstance(handler, _StderrHandler):
+            log.removeHandler(handler)
+            replacement = _StderrHandler()
+            replacement.setFormatter(handler.formatter)
+            log.addHandler(replacement)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command in COMPILING:
+        tilelang_logs_to_stderr()
     try:
         return int(args._module.run(args) or 0)
     except LabError as exc:

@@ -43,3 +43,18 @@ def test_unknown_preset_is_a_one_line_error(capsys, command):
     assert main([command, "--preset", "huge"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"lab {command}: error: unknown preset 'huge': choose one of v4.1-flash, small, tiny, flash-mini"
+
+
+def test_tilelang_logs_go_to_stderr_not_stdout(capsys):
+    """TileLang writes its log lines to stdout (tqdm.write); the compiling commands move them to stderr, so a
+    --json document on stdout parses (the H200 run's lab bench JSON had compile lines in front of it)."""
+    import logging
+
+    from lab.cli import tilelang_logs_to_stderr
+
+    tilelang_logs_to_stderr()
+    tilelang_logs_to_stderr()  # idempotent: one handler, not two
+    logging.getLogger("tilelang.jit.kernel").info("TileLang begins to compile kernel `main`")
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("begins to compile kernel") == 1
