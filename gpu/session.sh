@@ -99,6 +99,16 @@ phase_ncu() {  # Nsight Compute on the attention prefill default: where the warp
   note "ncu rc=$?"
 }
 
+phase_ncu-source() {  # per-instruction stall sampling of the attention prefill default: which warps wait, on what
+  if ! command -v ncu > /dev/null; then note "ncu: not installed"; return; fi
+  timeout "${NCU_S:-120}" ncu --kernel-name regex:main --launch-skip 1 --launch-count 1 --section WarpStateStats --section SourceCounters \
+    -o /tmp/attn_src -f python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" > "$OUT/ncu_source_run.log" 2>&1
+  note "ncu-source rc=$?"
+  ncu -i /tmp/attn_src.ncu-rep --page details > "$OUT/ncu_source_details.log" 2>&1
+  ncu -i /tmp/attn_src.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_source_sass.csv" 2>&1 \
+    || ncu -i /tmp/attn_src.ncu-rep --page raw --csv > "$OUT/ncu_source_raw.csv" 2>&1
+}
+
 phase_e2e-quick() {
   timeout "${E2E_QUICK_S:-120}" $LAB e2e --preset v4.1-flash --phase decode --ctx 8K --batch 64 --backend "${E2E_BACKENDS:-torch,tiles}" --configs default \
     --runs 5 --out "$OUT/e2e-quick" > "$OUT/e2e-quick.log" 2>&1
