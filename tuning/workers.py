@@ -23,6 +23,7 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -86,6 +87,8 @@ def evaluate_on_gpu(tile_ref_: str, shape_name: str, config: dict, arch_name: st
     t0 = time.perf_counter()
     kernel, ev = compile_tile(tile, shape, config, arch)
     ev.extra["load_s"] = time.perf_counter() - t0
+    # which GPU ran the trial (the worker is pinned to one): a multi-GPU study shows its spread from these
+    ev.extra["gpu"] = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}@{socket.gethostname()}"
     if kernel is None:
         return ev.to_dict()
     return check_and_time(tile, shape, kernel, ev, arch, seed=seed, runs=runs).to_dict()
