@@ -31,7 +31,13 @@ def tune(out: Path, workers: int, args) -> dict:
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT)
     wall = time.time() - t0
     (results / "tune.log").write_text(proc.stdout + proc.stderr)
-    return {"workers": workers, "command": " ".join(["lab", *cmd[3:]]), "rc": proc.returncode, "wall_s": round(wall, 1), **summarise(results)}
+    return {
+        "workers": workers,
+        "command": " ".join(["lab", *cmd[3:]]),
+        "rc": proc.returncode,
+        "wall_s": round(wall, 1),
+        **summarise(results),
+    }
 
 
 def summarise(results: Path) -> dict:

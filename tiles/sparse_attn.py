@@ -158,6 +158,7 @@ def sparse_attn_kernel(
     dequant: str = "direct",
     schedule: str = "pipelined",
     produce: str = "serial",
+    io: str = "direct",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -171,7 +172,7 @@ def sparse_attn_kernel(
     E4M3 main scales as uint8 [B, Nc, D/16] (see :func:`ws_argument_views`).
     """
     if schedule == "ws":
-        return _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce)
+        return _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io)
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
     REP = H // HB
@@ -355,7 +356,7 @@ def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
     return main
 
 
-def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce):
+def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io="direct"):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
     dequantises the next block into the other of two KV buffers. Same tensors as sparse_attn_kernel.
@@ -369,6 +370,16 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
       block's indices are fetched while this one is dequantised, with the packed-integer helpers of
       ``_DEQUANT_CUDA``. bf16 rows go by cp.async straight into the buffer, signalled through the
       mbarrier (``cp.async.mbarrier.arrive.noinc``) as in TileLang's sparse_mla_fwd_pipelined.
+
+    ``io`` is how the CTA reads Q and writes O:
+
+    * ``direct``: all 384 threads copy the [64, 512] Q tile; 64 x 256 values per half do not split
+      into 16-byte vectors over 384 threads, so TileLang lowers it to 2-byte loads and stores (86 per
+      thread, each store waiting on its load: a third of the prefill kernel's stall samples in Nsight
+      Compute, results/sm90/ncu_source notes). O goes from the accumulator fragments straight to global.
+    * ``staged``: each consumer warpgroup copies its own half of Q (128 threads, 16-byte vectors) and
+      arrives on the Q barrier after a proxy fence; with one split, each writes its O half into the Q
+      half it no longer needs and copies that out in 16-byte vectors (as the TileLang example does).
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -436,7 +447,7 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                 rawsc = T.alloc_local([RAW_SCALES], "uint8")  # their scale bytes
                 vals = T.alloc_local([8], bf16)
 
-            bar_q = T.alloc_barrier(arrive_count=384)
+            bar_q = T.alloc_barrier(arrive_count=384 if io == "direct" else 256)
             bar_k0_ready = T.alloc_barrier(arrive_count=128)
             bar_k1_ready = T.alloc_barrier(arrive_count=128)
             bar_k0_free = T.alloc_barrier(arrive_count=256)
@@ -456,12 +467,17 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
             n_blk = (bz + 1) * NB // NS - lo
             tx = T.get_thread_binding()
 
-            T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
-            T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
-            T.barrier_arrive(bar_q)
+            if io == "direct":
+                T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
+                T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
+                T.barrier_arrive(bar_q)
 
             if tx < 128:
                 T.set_max_nreg(240, 1)
+                if io == "staged":
+                    T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
+                    T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
+                    T.barrier_arrive(bar_q)
                 T.fill(sumexp, 0)
                 T.fill(m_i, -(2**30))
                 T.fill(acc_o_l, 0)
@@ -488,12 +504,19 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                 T.barrier_arrive(bar_final)
                 for h, d in T.Parallel(HB, D2):
                     acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
-                if NS == 1:
+                if NS == 1 and io == "staged":
+                    T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
+                    T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+                elif NS == 1:
                     T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
                 else:
                     T.copy(acc_o_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
             elif tx < 256:
                 T.set_max_nreg(168, 1)
+                if io == "staged":
+                    T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_q)
                 T.fill(acc_o_r, 0)
                 for it in T.serial(n_blk):
                     T.barrier_arrive(bar_s_ready)
@@ -511,7 +534,10 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                 T.barrier_wait(bar_final, 0)
                 for h, d in T.Parallel(HB, D2):
                     acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
-                if NS == 1:
+                if NS == 1 and io == "staged":
+                    T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
+                    T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
+                elif NS == 1:
                     T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
                 else:
                     T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2:D])
@@ -795,7 +821,9 @@ class CompiledAttention:
         self.n_split = int(config.get("n_split", 1))
         target = tilelang.tvm.target.Target(arch.tilelang_target())
         params = {
-            k: config[k] for k in ("block_I", "num_stages", "threads", "heads_per_block", "dequant", "schedule", "produce") if k in config
+            k: config[k]
+            for k in ("block_I", "num_stages", "threads", "heads_per_block", "dequant", "schedule", "produce", "io")
+            if k in config
         }
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") == "batched"
@@ -1100,6 +1128,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         return None
 
     def producer(c, s, a):
+        if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
+            return "io=staged splits the Q load between the ws consumer warpgroups: schedule=ws"
         if c.get("produce", "serial") == "batched" and c["schedule"] != "ws":
             return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
         if c.get("produce", "serial") == "batched" and c["block_I"] % 32:
@@ -1145,6 +1175,12 @@ class SparseAttnTile(Tile):
             Param("threads", (128, 256), "consumer threads (ws adds a 128-thread producer)"),
             Param("heads_per_block", (32, 64), "heads sharing one gathered block (H=128 runs as two blocks of 64)"),
             Param(
+                "io",
+                ("direct", "staged"),
+                "ws Q load / O store: all threads element-wise and O from the fragments, or per consumer warpgroup in "
+                "16-byte vectors with O staged through the freed Q tile",
+            ),
+            Param(
                 "ptxas_level",
                 (0, 10),
                 "ptxas --register-usage-level (0: its default, 5); TileLang's sparse_mla_fwd_pipelined example compiles with 10",
@@ -1170,6 +1206,7 @@ class SparseAttnTile(Tile):
         else:  # sm86/sm89: 99 KiB per block
             cfg = {"schedule": "pipelined", "block_I": 32, "num_stages": 1, "threads": 128, "heads_per_block": 32}
         cfg.setdefault("produce", "serial")
+        cfg["io"] = "direct"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
         # (results/sm90/sparse_attn_run4_regs10.json)
         cfg["ptxas_level"] = 10 if arch.family == "hopper" else 0
