@@ -933,7 +933,7 @@ def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], confi
     The winner lookup reads files, so its answer is kept per (tile, arch, dims)."""
     shape = Shape("call", tile.phase, dims)
     if config is not None:
-        cfg = {**tile.default_config(arch), **config}
+        cfg = tile.with_defaults(arch, config)
     else:
         key = (tile.name, arch.name, tuple(sorted(dims.items())))
         if key not in _PICKED:
@@ -1217,11 +1217,20 @@ class SparseAttnTile(Tile):
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
         return cfg
 
+    def with_defaults(self, arch: Arch, config: Config) -> Config:
+        """``config`` over the default. The ws-only choices (``produce``, ``io``) fall back to the plain ones when
+        ``config`` picks another schedule without naming them: {"schedule": "pipelined"} alone is a valid config."""
+        cfg = {**self.default_config(arch), **config}
+        if cfg["schedule"] != "ws":
+            for key, plain in (("produce", "serial"), ("io", "direct")):
+                cfg[key] = config.get(key, plain)
+        return cfg
+
     def build(self, shape: Shape, config: Config, arch: Arch) -> CompiledAttention:
         reason = self.support_reason(arch)
         if reason:
             raise TileError(f"{self.name} does not support {arch.name}: {reason}")
-        cfg = {**self.default_config(arch), **config}
+        cfg = self.with_defaults(arch, config)
         if self.splits:
             cfg["n_split"] = resolve_split(
                 cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"]
