@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 COMPILING = ("bench", "check", "tune", "e2e")
 
 
+_STDERR_HANDLER = "csa2-lab: tilelang to stderr"
+
+
 class _StderrHandler(logging.StreamHandler):
     """A stream handler bound to whatever ``sys.stderr`` is when a record is emitted (pytest swaps it)."""
 
@@ -58,9 +61,10 @@ def tilelang_logs_to_stderr() -> None:
 
     log = logging.getLogger("tilelang")
     for handler in list(log.handlers):
-        if not isinstance(handler, _StderrHandler):
+        if handler.get_name() != _STDERR_HANDLER:  # by name, not class: a re-imported lab.cli has another class
             log.removeHandler(handler)
             replacement = _StderrHandler()
+            replacement.set_name(_STDERR_HANDLER)
             replacement.setFormatter(handler.formatter)
             log.addHandler(replacement)
 

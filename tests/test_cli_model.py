@@ -57,4 +57,5 @@ def test_tilelang_logs_go_to_stderr_not_stdout(capsys):
     logging.getLogger("tilelang.jit.kernel").info("TileLang begins to compile kernel `main`")
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.count("begins to compile kernel") == 1
+    assert captured.err.count("[TileLang:tilelang.jit.kernel:INFO]") == 1  # TileLang's own format, once
+    assert [h.get_name() for h in logging.getLogger("tilelang").handlers] == ["csa2-lab: tilelang to stderr"]
