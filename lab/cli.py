@@ -60,13 +60,17 @@ def tilelang_logs_to_stderr() -> None:
     import tilelang  # noqa: F401  (installs the handler this replaces)
 
     log = logging.getLogger("tilelang")
+    if [h.get_name() for h in log.handlers] == [_STDERR_HANDLER]:
+        return
+    # TileLang installs its handler on import (again if re-imported): keep its format, drop every handler, add ours
+    formatter = next((h.formatter for h in log.handlers if h.get_name() != _STDERR_HANDLER), None)
+    formatter = formatter or next((h.formatter for h in log.handlers), None)
     for handler in list(log.handlers):
-        if handler.get_name() != _STDERR_HANDLER:  # by name, not class: a re-imported lab.cli has another class
-            log.removeHandler(handler)
-            replacement = _StderrHandler()
-            replacement.set_name(_STDERR_HANDLER)
-            replacement.setFormatter(handler.formatter)
-            log.addHandler(replacement)
+        log.removeHandler(handler)
+    replacement = _StderrHandler()
+    replacement.set_name(_STDERR_HANDLER)
+    replacement.setFormatter(formatter)
+    log.addHandler(replacement)
 
 
 def main(argv: list[str] | None = None) -> int:
