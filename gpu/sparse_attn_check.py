@@ -38,6 +38,7 @@ LABELS = {
     "split4": {"n_split": 4},
     "regs10": {"ptxas_level": 10},  # the register-usage level of TileLang's sparse_mla_fwd_pipelined example
     "io_staged": {"io": "staged"},  # Q per consumer warpgroup in 16-byte vectors, O staged through the freed Q tile
+    "prefetch": {"produce": "prefetch"},  # the next FP4 block's loads issued before its buffer frees
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -77,6 +78,12 @@ CHECKS = [
     ("sparse_attn_decode", H128, "io_staged"),
     ("sparse_attn_decode", W37, "io_staged"),
     ("sparse_attn_prefill", S777, "io_staged"),
+    ("sparse_attn_prefill", "prefill_s4k", "prefetch"),
+    ("sparse_attn_decode", "decode_b128_s2", "prefetch"),
+    ("sparse_attn_decode", "decode_b64_s1", "prefetch"),
+    ("sparse_attn_decode", H128, "prefetch"),
+    ("sparse_attn_decode", W37, "prefetch"),
+    ("sparse_attn_prefill", S777, "prefetch"),
 ]
 
 

@@ -106,6 +106,18 @@ def test_default_compiles_for_sm90(tile, shape_name):
     assert not re.search(r"\(\(bfloat16_t\*\)Q_[lr]\)\[[^;]*\] = Q\[", src)
 
 
+@pytest.mark.parametrize(
+    "tile,shape_name", [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k")], ids=["decode", "prefill"]
+)
+def test_prefetch_producer_compiles_for_sm90(tile, shape_name):
+    """produce=prefetch (unmeasured so far: its GPU check is in GPU_CASES) compiles, and is refused for bf16 KV."""
+    config = {**tile.default_config(SM90), "produce": "prefetch"}
+    assert tile.search_space(SM90).violations(config, tile.shape(shape_name), SM90) == []
+    assert "wgmma" in tile.build(tile.shape(shape_name), config, SM90).main.get_kernel_source()
+    bf16 = {**sa.BF16_TILE.default_config(SM90), "produce": "prefetch"}
+    assert any("FP4 main KV only" in r for r in sa.BF16_TILE.search_space(SM90).violations(bf16, sa.BF16_TILE.shape("prefill_s4k"), SM90))
+
+
 def test_ws_only_choices_fall_back_for_other_schedules():
     """{"schedule": "pipelined"} alone is valid: produce and io are the ws schedule's choices and fall back."""
     cfg = sa.DECODE_TILE.with_defaults(SM90, {"schedule": "pipelined"})
@@ -195,12 +207,15 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b128_s2", None),
     (sa.DECODE_TILE, "decode_b1_s1", None),
     (sa.DECODE_TILE, "decode_b64_s1", {"produce": "serial"}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"produce": "prefetch"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"produce": "prefetch", "n_split": 4}),  # CTAs that start on a main block
     (sa.DECODE_TILE, "decode_b64_s1", {"n_split": 2, "block_I": 32}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     (sa.DECODE_TILE, "decode_b16_s2", {"schedule": "pipelined", "dequant": "staged", "n_split": 1}),
     (sa.PREFILL_TILE, "prefill_s4k", None),
     (sa.PREFILL_TILE, "prefill_s4k", {"produce": "serial"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"produce": "prefetch"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined", "dequant": "staged"}),
     (sa.BF16_TILE, "decode_b64_s1", None),

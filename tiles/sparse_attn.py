@@ -370,6 +370,9 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
       block's indices are fetched while this one is dequantised, with the packed-integer helpers of
       ``_DEQUANT_CUDA``. bf16 rows go by cp.async straight into the buffer, signalled through the
       mbarrier (``cp.async.mbarrier.arrive.noinc``) as in TileLang's sparse_mla_fwd_pipelined.
+    * ``prefetch`` (FP4): ``batched``, but a main block's loads are issued at the end of the previous
+      step, before its buffer frees, so the load latency leaves the critical path (see
+      :func:`_ws_produce_prefetch`). Not yet run on a GPU (session 3 wrote it after the device time was spent).
 
     ``io`` is how the CTA reads Q and writes O:
 
@@ -395,7 +398,8 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
     bf16, f32 = "bfloat16", "float32"
     fp4 = kv_format == "fp4"
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
-    batched = produce == "batched"
+    prefetch = produce == "prefetch"  # the batched producer with the next main block's loads issued early
+    batched = produce in ("batched", "prefetch")
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
     main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
@@ -549,14 +553,24 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
                 dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc)
                 _ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
+                if prefetch:  # noqa: SIM102  (a Python flag around a TileLang condition: they cannot be joined with `and`)
+                    if lo >= NBW:  # the first block is a main one: its loads go out before the first free buffer
+                        _ws_issue_main_loads(src, regs, dims, b_i, p)
+                        _ws_fetch_rows(src, dims, rows_next, b_i, s_i, lo + 1, p)
                 for it in T.serial(n_blk):
                     blk = lo + it
                     if it % 2 == 0:
                         T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
-                        _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4)
+                        if prefetch:
+                            _ws_produce_prefetch(src, regs, dims, bufs[0], b_i, s_i, blk, p, it + 1 < n_blk)
+                        else:
+                            _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4)
                     else:
                         T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
-                        _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4)
+                        if prefetch:
+                            _ws_produce_prefetch(src, regs, dims, bufs[1], b_i, s_i, blk, p, it + 1 < n_blk)
+                        else:
+                            _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -711,7 +725,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4):
     the row's 8 threads). An unused row (-1) gets zeros (FP4/FP8: its scale is zeroed) or a copy of row 0
     (bf16 by cp.async); either way its score is -inf, so it adds nothing.
     """
-    WinA, WinB, _, MainA, MainB, _ = src
+    WinA, WinB, _, MainA, _, _ = src
     rows_cur, rows_next, raw, rawsc, vals = regs
     KV_l, KV_r, valid, bar_ready = kv_buf.KV_l, kv_buf.KV_r, kv_buf.valid, kv_buf.ready
     _, _, BI, NBW, ROWS, D2, _, _ = dims
@@ -757,27 +771,80 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4):
                                 buf[rr * ROWS + p // 8, c * 32 + w * 8 + v] = vals[v]
         else:
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
-            for rr in T.unroll(R):
-                row = T.max(rows_cur[rr], 0)
-                for h in T.unroll(2):
-                    for v in T.vectorized(4):
-                        raw[(rr * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
-                    for v in T.unroll(2):
-                        rawsc[(rr * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
+            _ws_issue_main_loads(src, regs, dims, b_i, p)
             _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 1, p)
-            for rr in T.unroll(R):
-                for h, buf in ((0, KV_l), (1, KV_r)):
-                    for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
-                        s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(rr * 2 + h) * 2 + q // 2], "uint32"))
-                        s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
-                        T.call_extern("handle", "csa2_fp4x8_bf16", T.address_of(vals[0]), raw[(rr * 2 + h) * 4 + q], s2)
-                        for v in T.vectorized(8):
-                            buf[rr * ROWS + p // 8, c * 32 + q * 8 + v] = vals[v]
+            _ws_store_main(regs, dims, kv_buf, p)
         # generic-proxy stores must be visible to wgmma's async-proxy reads
         T.fence_proxy_async()
         T.barrier_arrive(bar_ready)
     for rr in T.unroll(R):
         rows_cur[rr] = rows_next[rr]
+
+
+@T.macro
+def _ws_issue_main_loads(src, regs, dims, b_i, p):
+    """Load thread p's packed FP4 words and scale bytes of the rows in ``rows_cur`` into ``raw``/``rawsc`` (issue only:
+    nothing reads them here, so all R x 2 x (16 B + 2 B) loads are in flight together)."""
+    MainA, MainB = src.MainA, src.MainB
+    rows_cur, raw, rawsc = regs.rows_cur, regs.raw, regs.rawsc
+    _, _, BI, _, ROWS, D2, _, _ = dims
+    c = p % 8
+    for rr in T.unroll(BI // ROWS):
+        row = T.max(rows_cur[rr], 0)
+        for h in T.unroll(2):
+            for v in T.vectorized(4):
+                raw[(rr * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
+            for v in T.unroll(2):
+                rawsc[(rr * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
+
+
+@T.macro
+def _ws_store_main(regs, dims, kv_buf, p):
+    """Dequantise ``raw``/``rawsc`` (the rows in ``rows_cur``; an unused row's scale is zeroed) into the KV buffer."""
+    rows_cur, raw, rawsc, vals = regs.rows_cur, regs.raw, regs.rawsc, regs.vals
+    _, _, BI, _, ROWS, _, _, _ = dims
+    c = p % 8
+    for rr in T.unroll(BI // ROWS):
+        for h, buf in ((0, kv_buf.KV_l), (1, kv_buf.KV_r)):
+            for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
+                s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(rr * 2 + h) * 2 + q // 2], "uint32"))
+                s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
+                T.call_extern("handle", "csa2_fp4x8_bf16", T.address_of(vals[0]), raw[(rr * 2 + h) * 4 + q], s2)
+                for v in T.vectorized(8):
+                    buf[rr * ROWS + p // 8, c * 32 + q * 8 + v] = vals[v]
+
+
+@T.macro
+def _ws_produce_prefetch(src, regs, dims, kv_buf, b_i, s_i, blk, p, more):
+    """Fill one KV buffer with block ``blk`` (FP4, ``produce='prefetch'``), then issue block ``blk + 1``'s loads.
+
+    The batched producer issues a main block's loads only after its buffer is free, so every block pays one
+    global-memory latency on the critical path. Here a main block's packed words are already in ``raw`` when
+    its buffer frees (issued at the end of the previous step), and the loads of the next block fly while this
+    thread waits for the next free buffer. Same registers: ``raw`` is read by the dequantisation before the next
+    loads overwrite it. Window (FP8) blocks are filled as by the batched producer. Invariant at entry: ``rows_cur``
+    holds this block's rows; for a main block also ``raw``/``rawsc`` its data and ``rows_next`` the next block's rows.
+    ``more``: a boolean expression, true when this CTA has a block after ``blk`` (something to prefetch).
+    """
+    rows_cur, rows_next = regs.rows_cur, regs.rows_next
+    _, _, BI, NBW, ROWS, _, _, _ = dims
+    R = BI // ROWS
+    if blk < NBW:
+        _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, True)  # ends with rows_cur = rows of blk + 1
+        if (blk + 1 >= NBW) & more:
+            _ws_issue_main_loads(src, regs, dims, b_i, p)
+            _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 2, p)
+    else:
+        for rr in T.unroll(R):
+            kv_buf.valid[rr * ROWS + p // 8] = rows_cur[rr] >= 0
+        _ws_store_main(regs, dims, kv_buf, p)
+        T.fence_proxy_async()  # generic-proxy stores must be visible to wgmma's async-proxy reads
+        T.barrier_arrive(kv_buf.ready)
+        for rr in T.unroll(R):
+            rows_cur[rr] = rows_next[rr]
+        if more:
+            _ws_issue_main_loads(src, regs, dims, b_i, p)
+            _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 2, p)
 
 
 @T.macro
@@ -826,11 +893,11 @@ class CompiledAttention:
             if k in config
         }
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
-        self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") == "batched"
+        self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         prim = sparse_attn_kernel(heads, dim, window, topk, scale, kv_format=kv_format, n_split=self.n_split, **params)
         # The batched producer masks out-of-range indices itself (_ws_fetch_rows); TileLang's bounds guards
         # would turn its cp.async copies back into synchronous loads.
-        batched = config.get("schedule") == "ws" and config.get("produce") == "batched"
+        batched = config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         passes = {**_PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True} if batched else dict(_PASS_CONFIGS)
         if config.get("ptxas_level"):  # 0: ptxas's own default (5)
             passes[tilelang.PassConfigKey.TL_PTXAS_REGISTER_USAGE_LEVEL] = int(config["ptxas_level"])
@@ -1130,9 +1197,11 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
     def producer(c, s, a):
         if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
             return "io=staged splits the Q load between the ws consumer warpgroups: schedule=ws"
-        if c.get("produce", "serial") == "batched" and c["schedule"] != "ws":
+        if c.get("produce", "serial") == "prefetch" and kv_format != "fp4":
+            return "produce=prefetch keeps a block of packed FP4 words in registers: FP4 main KV only (bf16 rows go by cp.async)"
+        if c.get("produce", "serial") in ("batched", "prefetch") and c["schedule"] != "ws":
             return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
-        if c.get("produce", "serial") == "batched" and c["block_I"] % 32:
+        if c.get("produce", "serial") in ("batched", "prefetch") and c["block_I"] % 32:
             return "the batched producer moves rows in passes of 16, FP8 in two halves: block_I a multiple of 32"
         return None
 
@@ -1167,8 +1236,9 @@ class SparseAttnTile(Tile):
             ),
             Param(
                 "produce",
-                ("serial", "batched"),
-                "ws producer: 16 rows per waited pass, or the whole block's loads in flight with packed-integer dequant",
+                ("serial", "batched", "prefetch"),
+                "ws producer: 16 rows per waited pass; the whole block's loads in flight with packed-integer dequant; or that "
+                "with the next FP4 block's loads issued before its buffer frees",
             ),
             Param("block_I", (32, 64), "gathered KV rows per step"),
             Param("num_stages", (1, 2), "software pipeline depth over index blocks"),
