@@ -34,7 +34,7 @@ def test_default_compiles_sm90(tile):
 
 
 @pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
-@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits"])
+@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits"])
 def test_dequant_options_compile_sm90(tile, dequant):
     shape = tile.shapes()[0]
     assert tile.build(shape, {**tile.default_config(SM90), "dequant": dequant}, SM90) is not None
@@ -45,6 +45,15 @@ def _bits_dequant(codes: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
     mag, base = codes & 7, (sbyte - 1) << 7
     bits = torch.where(mag == 0, 0, base + torch.where(mag == 1, 0, mag << 6)) | ((codes & 8) << 12)
     return (bits.to(torch.int32) << 16).view(torch.float32)  # bf16 bits as the top half of an fp32
+
+
+def test_fragment_bits_holds_no_bf16_tile_in_shared_memory():
+    """dequant=fragment_bits builds the same bf16 patterns into the wgmma A fragment: the shared-memory budget counts
+    no per-stage bf16 tile, so four stages of 256-entry tiles fit where the bits path's do not."""
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "block_n": 256, "stages": 4, "tiles_per_cta": 4}
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    assert ix.INDEXER_TOPK.search_space(SM90).violations({**cfg, "dequant": "fragment_bits"}, shape, SM90) == []
+    assert any("shared memory" in r for r in ix.INDEXER_TOPK.search_space(SM90).violations({**cfg, "dequant": "bits"}, shape, SM90))
 
 
 def test_bits_dequant_formula_is_exact():
@@ -175,6 +184,7 @@ SCORE_OPTIONS = {
     "bits_bn64": {"dequant": "bits", "block_n": 64, "threads": 128, "stages": 3},
     "lut": {"dequant": "lut", "threads": 128, "stages": 1},
     "registers": {"dequant": "registers"},
+    "fragment_bits_st4": {"dequant": "fragment_bits", "stages": 4},  # written in session 3 after the device time was spent
 }
 
 

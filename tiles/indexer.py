@@ -137,7 +137,7 @@ def _score_kernel(
             pos_s = T.alloc_shared((block_n,), "int32")
             acc = T.alloc_fragment((block_n, H), "float32")
             row = T.alloc_fragment((block_n,), "float32")
-            if dequant == "registers":
+            if dequant in ("registers", "fragment_bits"):
                 k_deq = T.alloc_fragment((block_n, D), "bfloat16")
             else:
                 k_deq = T.alloc_shared((block_n, D), "bfloat16")
@@ -169,6 +169,15 @@ def _score_kernel(
                     T.copy(k_scales[b, n0 : n0 + block_n], ks_s, annotations={"disable_tma": True})
                 if dequant == "bits":
                     _dequant_words_bits(kw_s, ks_s, k_deq, block_n, W)
+                elif dequant == "fragment_bits":
+                    # the bits path's bf16 patterns, built per value straight into the MMA's A fragment: no bf16 tile
+                    # in shared memory (TileLang multi-buffers it per stage), so deeper pipelines and more CTAs fit
+                    for i, d in T.Parallel(block_n, D):
+                        code = (kw_s[i, d // 8] >> ((d % 8) * 4)) & 0xF
+                        mag = code & 7
+                        base = (((ks_s[i] >> ((d // GROUP) * 8)) & 0xFF) - 1) << 7
+                        bits = T.if_then_else(mag == 0, 0, base + T.if_then_else(mag == 1, 0, mag << 6)) | ((code & 8) << 12)
+                        k_deq[i, d] = T.reinterpret(T.Cast("uint16", bits), "bfloat16")
                 elif dequant == "lut":
                     for i, d in T.Parallel(block_n, D):
                         pair = lut[(kw_s[i, d // 8] >> ((d % 8) // 2 * 8)) & 0xFF]
@@ -805,14 +814,15 @@ def _score_params() -> tuple[Param, ...]:
     return (
         Param("block_n", (64, 128, 256), "entries per MMA tile (the wgmma M side)"),
         Param("threads", (128, 256), "consumer threads (one or two warpgroups; the TMA producer is added by TileLang)"),
-        Param("stages", (1, 2, 3), "software-pipeline depth of the packed-K loads"),
+        Param("stages", (1, 2, 3, 4), "software-pipeline depth of the packed-K loads"),
         Param("tiles_per_cta", (1, 4, 16), "entry tiles per CTA: how finely N is split across CTAs"),
         Param(
             "dequant",
-            ("shared", "registers", "lut", "bits"),
+            ("shared", "registers", "lut", "bits", "fragment_bits"),
             "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
-            "by a 256-entry byte -> bf16x2 table into a shared tile, or (bits) one thread per packed word "
-            "building the scaled bf16 bit patterns by integer arithmetic into a shared tile",
+            "by a 256-entry byte -> bf16x2 table into a shared tile, (bits) one thread per packed word "
+            "building the scaled bf16 bit patterns by integer arithmetic into a shared tile, or (fragment_bits) "
+            "those bit patterns per value into the A fragment (no bf16 tile: deeper pipelines fit)",
         ),
     )
 
