@@ -41,26 +41,33 @@ def tune(out: Path, workers: int, args) -> dict:
 
 
 def summarise(results: Path) -> dict:
+    """The study in ``results/study.db`` through the tuner's own :func:`tuning.study.summarize`, plus the spread of
+    its measured trials over GPUs and any config measured twice."""
     import optuna
+
+    from tiles.arch import get_arch
+    from tiles.registry import get_tile
+    from tuning.study import summarize
 
     storage = f"sqlite:///{results}/study.db"
     studies = optuna.get_all_study_summaries(storage)
     if not studies:
         return {"error": "no study was recorded"}
     study = optuna.load_study(study_name=studies[0].study_name, storage=storage)
-    trials = study.get_trials(deepcopy=False)
-    measured = [t for t in trials if "gpu" in t.user_attrs]  # trials a GPU worker ran
+    tile = get_tile(study.user_attrs["tile"])
+    arch = get_arch(study.user_attrs["arch"])
+    summary = summarize(study, tile, tile.shape(study.user_attrs["shape"]), tile.default_config(arch), compile_only=False)
+    measured = [t for t in study.get_trials(deepcopy=False) if "gpu" in t.user_attrs]  # trials a GPU worker ran
     keys = Counter(t.user_attrs.get("config_key") for t in measured)
-    outcomes = Counter(str(t.user_attrs.get("outcome")) for t in trials)
-    best = study.best_trial if any(t.value is not None for t in trials) else None
     return {
-        "study": study.study_name,
-        "trials": len(trials),
-        "outcomes": dict(outcomes),
+        "study": summary.study,
+        "trials": summary.trials,
+        "outcomes": summary.outcomes,
         "trials_per_gpu": dict(Counter(t.user_attrs["gpu"] for t in measured)),
         "configs_measured_twice": [k for k, n in keys.items() if n > 1],
-        "best_ms": best.value if best else None,
-        "best_config": best.params if best else None,
+        "best_ms": summary.best_ms,
+        "default_ms": summary.default_ms,
+        "best_config": summary.best.params if summary.best else None,
     }
 
 

@@ -63,8 +63,7 @@ def tilelang_logs_to_stderr() -> None:
     if [h.get_name() for h in log.handlers] == [_STDERR_HANDLER]:
         return
     # TileLang installs its handler on import (again if re-imported): keep its format, drop every handler, add ours
-    formatter = next((h.formatter for h in log.handlers if h.get_name() != _STDERR_HANDLER), None)
-    formatter = formatter or next((h.formatter for h in log.handlers), None)
+    formatter = log.handlers[0].formatter if log.handlers else None
     for handler in list(log.handlers):
         log.removeHandler(handler)
     replacement = _StderrHandler()
