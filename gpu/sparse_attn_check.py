@@ -39,6 +39,9 @@ LABELS = {
     "regs10": {"ptxas_level": 10},  # the register-usage level of TileLang's sparse_mla_fwd_pipelined example
     "io_staged": {"io": "staged"},  # Q per consumer warpgroup in 16-byte vectors, O staged through the freed Q tile
     "prefetch": {"produce": "prefetch"},  # the next FP4 block's loads issued before its buffer frees
+    "balanced": {"consumers": "balanced"},  # both consumer warpgroups compute half of S and the softmax
+    "overlap": {"consumers": "balanced_overlap"},  # ... and P V completes under the next block's QK^T
+    "overlap_prefetch": {"consumers": "balanced_overlap", "produce": "prefetch"},
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -85,6 +88,17 @@ CHECKS = [
     ("sparse_attn_decode", W37, "prefetch"),
     ("sparse_attn_prefill", S777, "prefetch"),
 ]
+for _label in ("balanced", "overlap", "overlap_prefetch"):
+    CHECKS += [
+        ("sparse_attn_prefill", "prefill_s4k", _label),
+        ("sparse_attn_decode", "decode_b128_s2", _label),
+        ("sparse_attn_decode", "decode_b64_s1", _label),
+        ("sparse_attn_decode", H128, _label),
+        ("sparse_attn_decode", W37, _label),
+        ("sparse_attn_prefill", S777, _label),
+    ]
+    if _label != "overlap_prefetch":  # prefetch is FP4-only
+        CHECKS += [("sparse_attn_bf16", "prefill_s4k", _label), ("sparse_attn_bf16", "decode_b128_s2", _label)]
 
 
 def _shape(tile, spec):

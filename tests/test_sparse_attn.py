@@ -118,10 +118,30 @@ def test_prefetch_producer_compiles_for_sm90(tile, shape_name):
     assert any("FP4 main KV only" in r for r in sa.BF16_TILE.search_space(SM90).violations(bf16, sa.BF16_TILE.shape("prefill_s4k"), SM90))
 
 
+@pytest.mark.parametrize("consumers", ["balanced", "balanced_overlap"])
+@pytest.mark.parametrize(
+    "tile,shape_name", [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k")], ids=["decode", "prefill"]
+)
+def test_balanced_consumers_compile_for_sm90(tile, shape_name, consumers):
+    """consumers=balanced[_overlap] (GPU checks in GPU_CASES): both consumer warpgroups issue QK^T over half of the
+    block's rows (N = block_I / 2) and exchange row maxima; overlap leaves P V in flight (no wgmma wait after it)."""
+    shape = tile.shape(shape_name)
+    config = {**tile.default_config(SM90), "consumers": consumers}
+    assert tile.search_space(SM90).violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    half_s = re.findall(r"wgmma_ss<[^>]*, 64, 32, 16,[^>]*>\([^;]*\(\(uint32_t\*\)\(acc_s(_1)? \+ 0\)\)", src)
+    assert {m for m in half_s} == {"", "_1"}, "both warpgroups compute a 64 x 32 block of S"
+    assert "rowmax_shared" in src and "bar_max" in src
+    pv_waits = re.findall(r"acc_o(?:_1)? \+ 0\)\), 1\);\s*\}\s*tl::warpgroup_commit_batch\(\);\s*tl::warpgroup_wait<0>", src)
+    assert (len(pv_waits) == 0) == (consumers == "balanced_overlap")
+    pipelined = {**config, "schedule": "pipelined"}
+    assert any("schedule=ws" in r for r in tile.search_space(SM90).violations(pipelined, shape, SM90))
+
+
 def test_ws_only_choices_fall_back_for_other_schedules():
     """{"schedule": "pipelined"} alone is valid: produce and io are the ws schedule's choices and fall back."""
     cfg = sa.DECODE_TILE.with_defaults(SM90, {"schedule": "pipelined"})
-    assert cfg["produce"] == "serial" and cfg["io"] == "direct"
+    assert cfg["produce"] == "serial" and cfg["io"] == "direct" and cfg["consumers"] == "wg0_scores"
     assert sa.DECODE_TILE.search_space(SM90).violations(cfg, sa.DECODE_TILE.shape("decode_b64_s1"), SM90) == []
     assert sa.DECODE_TILE.with_defaults(SM90, {})["io"] == "staged"
 
@@ -210,17 +230,27 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b64_s1", {"produce": "prefetch"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"produce": "prefetch", "n_split": 4}),  # CTAs that start on a main block
     (sa.DECODE_TILE, "decode_b64_s1", {"n_split": 2, "block_I": 32}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "balanced"}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced_overlap"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "balanced_overlap", "n_split": 4}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced", "block_I": 32, "io": "direct"}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced_overlap", "produce": "prefetch"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     (sa.DECODE_TILE, "decode_b16_s2", {"schedule": "pipelined", "dequant": "staged", "n_split": 1}),
     (sa.PREFILL_TILE, "prefill_s4k", None),
     (sa.PREFILL_TILE, "prefill_s4k", {"produce": "serial"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"produce": "prefetch"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "balanced"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "balanced_overlap"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined", "dequant": "staged"}),
     (sa.BF16_TILE, "decode_b64_s1", None),
     (sa.BF16_TILE, "prefill_s4k", None),
     (sa.BF16_TILE, "prefill_s4k", {"produce": "serial"}),
+    (sa.BF16_TILE, "prefill_s4k", {"consumers": "balanced_overlap"}),
+    (sa.BF16_TILE, "decode_b128_s2", {"consumers": "balanced"}),
     (sa.BF16_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
 ]
 
@@ -245,6 +275,15 @@ ODD_SHAPES = [
 @pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
 def test_tile_odd_shapes(tile, shape):
     _check(tile, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("consumers", ["balanced", "balanced_overlap"])
+def test_balanced_consumers_odd_shapes(consumers, shape):
+    """The split S (half a block per warpgroup) with partial blocks (W=37, K=100), H=128, odd S, -1 rows."""
+    tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
+    _check(tile, shape, {"consumers": consumers})
 
 
 @pytest.mark.gpu

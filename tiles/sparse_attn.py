@@ -159,6 +159,7 @@ def sparse_attn_kernel(
     schedule: str = "pipelined",
     produce: str = "serial",
     io: str = "direct",
+    consumers: str = "wg0_scores",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -172,7 +173,7 @@ def sparse_attn_kernel(
     E4M3 main scales as uint8 [B, Nc, D/16] (see :func:`ws_argument_views`).
     """
     if schedule == "ws":
-        return _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io)
+        return _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io, consumers)
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
     REP = H // HB
@@ -356,7 +357,9 @@ def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
     return main
 
 
-def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io="direct"):
+def _sparse_attn_ws(
+    heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io="direct", consumers="wg0_scores"
+):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
     dequantises the next block into the other of two KV buffers. Same tensors as sparse_attn_kernel.
@@ -383,6 +386,17 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
     * ``staged``: each consumer warpgroup copies its own half of Q (128 threads, 16-byte vectors) and
       arrives on the Q barrier after a proxy fence; with one split, each writes its O half into the Q
       half it no longer needs and copies that out in 16-byte vectors (as the TileLang example does).
+
+    ``consumers`` is how the two consumer warpgroups share a block's work:
+
+    * ``wg0_scores``: warpgroup 0 computes all of S = Q K^T (half the block's FLOPs) and the softmax, then both
+      compute their half of O += P V. Warpgroup 1 idles through QK^T and the softmax: in Nsight Compute (prefill 4K,
+      io=staged) 24% of all stall samples sat on its wait for P, and warpgroup 0 is the critical path.
+    * ``balanced``: each warpgroup computes S for half of the block's rows (N = block_I / 2), the two exchange their
+      row maxima through shared memory (one mbarrier phase), each writes its P columns into the shared P tile
+      (a second phase), and both compute their half of O from the whole P. Both carry the same running max, so
+      each keeps its own partial row sum; the two sums meet once at the end. Each warpgroup does half the FLOPs.
+    * ``balanced_overlap``: ``balanced`` with P V left in flight; it completes under the next block's QK^T.
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -399,6 +413,8 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
     fp4 = kv_format == "fp4"
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
     prefetch = produce == "prefetch"  # the batched producer with the next main block's loads issued early
+    balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
+    overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
     batched = produce in ("batched", "prefetch")
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
@@ -437,13 +453,24 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
             # one accumulator per consumer warpgroup: a fragment's layout belongs to one thread range
             acc_o_l = T.alloc_fragment([HB, D2], f32)
             acc_o_r = T.alloc_fragment([HB, D2], f32)
-            acc_s = T.alloc_fragment([HB, BI], f32)
+            acc_s = T.alloc_fragment([HB, BI // 2 if balanced else BI], f32)
             sumexp = T.alloc_fragment([HB], f32)
             sumexp_i = T.alloc_fragment([HB], f32)
             alpha = T.alloc_fragment([HB], f32)
             m_i = T.alloc_fragment([HB], f32)
             m_i_prev = T.alloc_fragment([HB], f32)
             row_local = T.alloc_local([1], "int32")
+            if balanced:
+                # warpgroup 1's scores and softmax state (warpgroup 0 uses acc_s, m_i, ...): a fragment's layout
+                # belongs to one thread range
+                acc_s1 = T.alloc_fragment([HB, BI // 2], f32)
+                sumexp1 = T.alloc_fragment([HB], f32)
+                sumexp_i1 = T.alloc_fragment([HB], f32)
+                alpha1 = T.alloc_fragment([HB], f32)
+                m_i1 = T.alloc_fragment([HB], f32)
+                m_i_prev1 = T.alloc_fragment([HB], f32)
+                rowmax_shared = T.alloc_shared([2, HB], f32, scope="shared")  # each warpgroup's row max of the block
+                rowsum_shared = T.alloc_shared([2, HB], f32, scope="shared")  # each warpgroup's partial row sums
             if batched:
                 rows_cur = T.alloc_local([BI // ROWS], "int32")  # this thread's rows of the block being filled
                 rows_next = T.alloc_local([BI // ROWS], "int32")  # ... and of the next one, fetched early
@@ -459,6 +486,9 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
             bar_s_ready = T.alloc_barrier(arrive_count=256)
             bar_s_free = T.alloc_barrier(arrive_count=256)
             bar_final = T.alloc_barrier(arrive_count=256)
+            if balanced:
+                bar_max = T.alloc_barrier(arrive_count=256)  # both warpgroups' block row maxima are in rowmax_shared
+                bar_p = T.alloc_barrier(arrive_count=256)  # both halves of P are in S_shared
             # the two KV buffers, used in turn: block it goes to buffer it % 2
             bufs = (
                 _WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free),
@@ -477,77 +507,118 @@ def _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, bloc
                 T.barrier_arrive(bar_q)
 
             if tx < 128:
-                T.set_max_nreg(240, 1)
-                if io == "staged":
-                    T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
-                    T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
-                    T.barrier_arrive(bar_q)
-                T.fill(sumexp, 0)
-                T.fill(m_i, -(2**30))
-                T.fill(acc_o_l, 0)
-                T.barrier_wait(bar_q, 0)
-                sm = _WsSoftmax(
-                    Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free
-                )
-                for it in T.serial(n_blk):
-                    if it % 2 == 0:
-                        _ws_softmax_step(sm, bufs[0], it, HB, BI, D2, scale2)
+                if balanced:
+                    T.set_max_nreg(BALANCED_NREG, 1)
+                    _ws_balanced_consumer(
+                        _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev),
+                        _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final),
+                        bufs,
+                        b_i,
+                        s_i,
+                        h0,
+                        bz,
+                        n_blk,
+                        HB,
+                        BI,
+                        D2,
+                        NS,
+                        scale2,
+                        io,
+                        overlap,
+                    )
+                else:
+                    T.set_max_nreg(240, 1)
+                    if io == "staged":
+                        T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
+                        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
+                        T.barrier_arrive(bar_q)
+                    T.fill(sumexp, 0)
+                    T.fill(m_i, -(2**30))
+                    T.fill(acc_o_l, 0)
+                    T.barrier_wait(bar_q, 0)
+                    sm = _WsSoftmax(
+                        Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free
+                    )
+                    for it in T.serial(n_blk):
+                        if it % 2 == 0:
+                            _ws_softmax_step(sm, bufs[0], it, HB, BI, D2, scale2)
+                        else:
+                            _ws_softmax_step(sm, bufs[1], it, HB, BI, D2, scale2)
+                    if NS == 1:
+                        for h in T.Parallel(HB):
+                            alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
+                            sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
+                            final_shared[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
                     else:
-                        _ws_softmax_step(sm, bufs[1], it, HB, BI, D2, scale2)
-                if NS == 1:
-                    for h in T.Parallel(HB):
-                        alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
-                        sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
-                        final_shared[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
-                else:
-                    for h in T.Parallel(HB):
-                        final_shared[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
-                        LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
-                            sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity(f32)
-                        )
-                T.barrier_arrive(bar_final)
-                for h, d in T.Parallel(HB, D2):
-                    acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
-                if NS == 1 and io == "staged":
-                    T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
-                    T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
-                elif NS == 1:
-                    T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
-                else:
-                    T.copy(acc_o_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
-            elif tx < 256:
-                T.set_max_nreg(168, 1)
-                if io == "staged":
-                    T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bar_q)
-                T.fill(acc_o_r, 0)
-                for it in T.serial(n_blk):
-                    T.barrier_arrive(bar_s_ready)
-                    T.barrier_wait(bar_s_ready, it & 1)
+                        for h in T.Parallel(HB):
+                            final_shared[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
+                            LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
+                                sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity(f32)
+                            )
+                    T.barrier_arrive(bar_final)
                     for h, d in T.Parallel(HB, D2):
-                        acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-                    if it % 2 == 0:
-                        T.gemm(S_shared, KV0_r, acc_o_r)
-                        T.barrier_arrive(bar_k0_free)
+                        acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
+                    if NS == 1 and io == "staged":
+                        T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
+                        T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+                    elif NS == 1:
+                        T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
                     else:
-                        T.gemm(S_shared, KV1_r, acc_o_r)
-                        T.barrier_arrive(bar_k1_free)
-                    T.barrier_arrive(bar_s_free)
-                T.barrier_arrive(bar_final)
-                T.barrier_wait(bar_final, 0)
-                for h, d in T.Parallel(HB, D2):
-                    acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
-                if NS == 1 and io == "staged":
-                    T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
-                    T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
-                elif NS == 1:
-                    T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
+                        T.copy(acc_o_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
+            elif tx < 256:
+                if balanced:
+                    T.set_max_nreg(BALANCED_NREG, 1)
+                    _ws_balanced_consumer(
+                        _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1),
+                        _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final),
+                        bufs,
+                        b_i,
+                        s_i,
+                        h0,
+                        bz,
+                        n_blk,
+                        HB,
+                        BI,
+                        D2,
+                        NS,
+                        scale2,
+                        io,
+                        overlap,
+                    )
                 else:
-                    T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2:D])
+                    T.set_max_nreg(168, 1)
+                    if io == "staged":
+                        T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(bar_q)
+                    T.fill(acc_o_r, 0)
+                    for it in T.serial(n_blk):
+                        T.barrier_arrive(bar_s_ready)
+                        T.barrier_wait(bar_s_ready, it & 1)
+                        for h, d in T.Parallel(HB, D2):
+                            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
+                        if it % 2 == 0:
+                            T.gemm(S_shared, KV0_r, acc_o_r)
+                            T.barrier_arrive(bar_k0_free)
+                        else:
+                            T.gemm(S_shared, KV1_r, acc_o_r)
+                            T.barrier_arrive(bar_k1_free)
+                        T.barrier_arrive(bar_s_free)
+                    T.barrier_arrive(bar_final)
+                    T.barrier_wait(bar_final, 0)
+                    for h, d in T.Parallel(HB, D2):
+                        acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
+                    if NS == 1 and io == "staged":
+                        T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
+                        T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
+                    elif NS == 1:
+                        T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
+                    else:
+                        T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2:D])
             elif batched:
-                # 240 + 168 + 96 = 504 registers per thread slot: what the 384-thread launch allocates (168 x 3)
-                T.set_max_nreg(96, 0)
+                # 240 + 168 + 96 (balanced: 200 + 200 + 104) = 504 registers per thread slot: what the 384-thread
+                # launch allocates (168 x 3)
+                T.set_max_nreg(504 - 2 * BALANCED_NREG if balanced else 96, 0)
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
@@ -634,6 +705,146 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2):
     T.gemm(S_shared, KV_l, acc_o)
     T.barrier_arrive(bar_s_ready)
     T.barrier_arrive(bar_free)
+
+
+BALANCED_NREG = 200  # per consumer thread under consumers="balanced": O half (128) + S half (16) + softmax + addresses
+
+
+class _WsHalf(NamedTuple):
+    """One consumer warpgroup's part under ``consumers="balanced"``: which half it is, the Q half it loads (and, with
+    one split, stages its O half through), and its own fragments."""
+
+    w: int  # 0: rows [0, BI/2) of each block and the left half of O; 1: rows [BI/2, BI) and the right half
+    Q_own: Any
+    acc_s: Any  # [HB, BI/2] its scores, then its P columns
+    acc_o: Any  # [HB, D/2] its half of O
+    sumexp: Any  # partial row sums over its columns (both warpgroups share the running max)
+    sumexp_i: Any
+    alpha: Any
+    m_i: Any
+    m_i_prev: Any
+
+
+class _WsPair(NamedTuple):
+    """What the two balanced consumer warpgroups share: Q, the outputs, the P tile, and the exchange buffers/barriers."""
+
+    Q: Any
+    Q_l: Any
+    Q_r: Any
+    Out: Any
+    LsePart: Any
+    Sink: Any
+    S_shared: Any  # [HB, BI] bf16: P, warpgroup w writing columns [w BI/2, (w+1) BI/2)
+    rowmax_shared: Any  # [2, HB] each warpgroup's row max of the current block
+    rowsum_shared: Any  # [2, HB] each warpgroup's final partial row sum
+    bar_q: Any
+    bar_max: Any
+    bar_p: Any
+    bar_final: Any
+
+
+@T.macro
+def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap):
+    """Consumer warpgroup ``half.w`` under ``consumers="balanced"`` (or ``"balanced_overlap"``: ``overlap``): Q load,
+    the block loop, the sink and the O store."""
+    w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
+    Q, Sink, Out, LsePart = pair.Q, pair.Sink, pair.Out, pair.LsePart
+    if io == "staged":
+        T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
+        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
+        T.barrier_arrive(pair.bar_q)
+    T.fill(sumexp, 0)
+    T.fill(m_i, -(2**30))
+    T.fill(acc_o, 0)
+    T.barrier_wait(pair.bar_q, 0)
+    for it in T.serial(n_blk):
+        if it % 2 == 0:
+            _ws_balanced_step(half, pair, bufs[0], bufs[1], it, HB, BI // 2, D2, scale2, overlap)
+        else:
+            _ws_balanced_step(half, pair, bufs[1], bufs[0], it, HB, BI // 2, D2, scale2, overlap)
+    if overlap:  # the last block's P V is still in flight
+        T.wait_wgmma(0)
+    # the two partial row sums meet; past this barrier both warpgroups' last QK^T is done, so Q is free
+    for h in T.Parallel(HB):
+        pair.rowsum_shared[w, h] = sumexp[h]
+    T.barrier_arrive(pair.bar_final)
+    T.barrier_wait(pair.bar_final, 0)
+    for h in T.Parallel(HB):
+        sumexp[h] = pair.rowsum_shared[0, h] + pair.rowsum_shared[1, h]  # the same order in both warpgroups
+    if NS == 1:
+        for h in T.Parallel(HB):  # alpha: first M = max(m, sink) (no overflow for a large sink), then the final scale
+            alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
+            sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
+            alpha[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
+    else:
+        for h in T.Parallel(HB):
+            alpha[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
+        if w == 0:
+            for h in T.Parallel(HB):
+                LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
+                    sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity("float32")
+                )
+    for h, d in T.Parallel(HB, D2):
+        acc_o[h, d] = acc_o[h, d] * alpha[h]
+    if NS == 1 and io == "staged":
+        T.copy(acc_o, Q_own)
+        T.copy(Q_own, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+    elif NS == 1:
+        T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+    else:
+        T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+
+
+@T.macro
+def _ws_balanced_step(half, pair, buf, prev_buf, it, HB, BI2, D2, scale2, overlap):
+    """Warpgroup ``half.w``'s step on one KV buffer: S for its BI2 rows, the block row max shared with the other
+    warpgroup, its P columns into S_shared, then its half of O += P V over all 2 BI2 rows.
+
+    ``overlap``: P V is issued without waiting; it completes together with the next step's QK^T (one wgmma wait per
+    block instead of two, the tensor cores fed back to back), and the previous buffer is released there.
+    """
+    w, _, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
+    KV_l, KV_r, valid, bar_ready, bar_free = buf
+    r0 = w * BI2
+    T.barrier_wait(bar_ready, (it // 2) & 1)
+    for h, j in T.Parallel(HB, BI2):
+        acc_s[h, j] = T.if_then_else(valid[r0 + j], 0, -T.infinity("float32"))
+    T.wgmma_gemm(pair.Q_l, KV_l[r0 : r0 + BI2, :], acc_s, transpose_B=True)
+    T.wgmma_gemm(pair.Q_r, KV_r[r0 : r0 + BI2, :], acc_s, transpose_B=True)
+    T.wait_wgmma(0)  # overlap: the previous step's P V too (wgmma groups complete in order)
+    if overlap:  # noqa: SIM102  (a Python flag around a TileLang condition)
+        if it != 0:
+            T.barrier_arrive(prev_buf.free)
+    T.copy(m_i, m_i_prev)
+    T.reduce_max(acc_s, sumexp_i, dim=1)  # sumexp_i holds this half's block row max for a moment
+    for h in T.Parallel(HB):
+        pair.rowmax_shared[w, h] = sumexp_i[h]
+    # Safe to overwrite rowmax_shared[w] here: the other warpgroup read it last step before arriving on bar_p.
+    T.barrier_arrive(pair.bar_max)
+    T.barrier_wait(pair.bar_max, it & 1)
+    for h in T.Parallel(HB):
+        m_i[h] = T.max(m_i[h], T.max(pair.rowmax_shared[0, h], pair.rowmax_shared[1, h]))  # the same in both
+        alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
+    for h, j in T.Parallel(HB, BI2):
+        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
+    T.reduce_sum(acc_s, sumexp_i, dim=1)
+    for h in T.Parallel(HB):
+        sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
+    for h, d in T.Parallel(HB, D2):
+        acc_o[h, d] = acc_o[h, d] * alpha[h]
+    # Safe to overwrite S_shared here: the other warpgroup's P V of the last step (a synchronous gemm) finished
+    # before it arrived on bar_max.
+    T.copy(acc_s, pair.S_shared[:, r0 : r0 + BI2])
+    T.fence_proxy_async()  # P goes to the other warpgroup's wgmma (async proxy)
+    T.barrier_arrive(pair.bar_p)
+    T.barrier_wait(pair.bar_p, it & 1)
+    if overlap:
+        # In flight past this step: the other warpgroup overwrites S_shared only after bar_max of the next step,
+        # which this one reaches after waiting for this P V.
+        T.wgmma_gemm(pair.S_shared, KV_l if w == 0 else KV_r, acc_o)
+    else:
+        T.gemm(pair.S_shared, KV_l if w == 0 else KV_r, acc_o)
+        T.barrier_arrive(bar_free)
 
 
 class _WsBuffer(NamedTuple):
@@ -889,7 +1100,7 @@ class CompiledAttention:
         target = tilelang.tvm.target.Target(arch.tilelang_target())
         params = {
             k: config[k]
-            for k in ("block_I", "num_stages", "threads", "heads_per_block", "dequant", "schedule", "produce", "io")
+            for k in ("block_I", "num_stages", "threads", "heads_per_block", "dequant", "schedule", "produce", "io", "consumers")
             if k in config
         }
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
@@ -1195,6 +1406,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         return None
 
     def producer(c, s, a):
+        if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
+            return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
         if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
             return "io=staged splits the Q load between the ws consumer warpgroups: schedule=ws"
         if c.get("produce", "serial") == "prefetch" and kv_format != "fp4":
@@ -1251,6 +1464,13 @@ class SparseAttnTile(Tile):
                 "16-byte vectors with O staged through the freed Q tile",
             ),
             Param(
+                "consumers",
+                ("wg0_scores", "balanced", "balanced_overlap"),
+                "ws consumer split: warpgroup 0 computes all of S and the softmax (both then compute half of O), or each "
+                "warpgroup half of S's rows and its softmax with the row max exchanged through shared memory (overlap: "
+                "P V left in flight under the next block's QK^T)",
+            ),
+            Param(
                 "ptxas_level",
                 (0, 10),
                 "ptxas --register-usage-level (0: its default, 5); TileLang's sparse_mla_fwd_pipelined example compiles with 10",
@@ -1276,6 +1496,7 @@ class SparseAttnTile(Tile):
         else:  # sm86/sm89: 99 KiB per block
             cfg = {"schedule": "pipelined", "block_I": 32, "num_stages": 1, "threads": 128, "heads_per_block": 32}
         cfg.setdefault("produce", "serial")
+        cfg["consumers"] = "wg0_scores"
         # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json)
         cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
@@ -1288,11 +1509,11 @@ class SparseAttnTile(Tile):
         return cfg
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
-        """``config`` over the default. The ws-only choices (``produce``, ``io``) fall back to the plain ones when
+        """``config`` over the default. The ws-only choices (``produce``, ``io``, ``consumers``) fall back to the plain ones when
         ``config`` picks another schedule without naming them: {"schedule": "pipelined"} alone is a valid config."""
         cfg = {**self.default_config(arch), **config}
         if cfg["schedule"] != "ws":
-            for key, plain in (("produce", "serial"), ("io", "direct")):
+            for key, plain in (("produce", "serial"), ("io", "direct"), ("consumers", "wg0_scores")):
                 cfg[key] = config.get(key, plain)
         return cfg
 
