@@ -34,7 +34,7 @@ def test_default_compiles_sm90(tile):
 
 
 @pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
-@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits"])
+@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits", "prmt"])
 def test_dequant_options_compile_sm90(tile, dequant):
     shape = tile.shapes()[0]
     assert tile.build(shape, {**tile.default_config(SM90), "dequant": dequant}, SM90) is not None
@@ -50,10 +50,92 @@ def _bits_dequant(codes: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
 def test_fragment_bits_holds_no_bf16_tile_in_shared_memory():
     """dequant=fragment_bits builds the same bf16 patterns into the wgmma A fragment: the shared-memory budget counts
     no per-stage bf16 tile, so four stages of 256-entry tiles fit where the bits path's do not."""
-    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "block_n": 256, "stages": 4, "tiles_per_cta": 4}
+    # one warpgroup: block_n 256 on two is pruned by the fragment_rows constraint (see the test below)
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "block_n": 256, "threads": 128, "stages": 4, "tiles_per_cta": 4}
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations({**cfg, "dequant": "fragment_bits"}, shape, SM90) == []
     assert any("shared memory" in r for r in ix.INDEXER_TOPK.search_space(SM90).violations({**cfg, "dequant": "bits"}, shape, SM90))
+
+
+def _prmt(x: int, y: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode) / __byte_perm on Python ints; selector bit 3 (sign replicate) must be clear."""
+    src = (x & 0xFFFFFFFF) | ((y & 0xFFFFFFFF) << 32)
+    out = 0
+    for n in range(4):
+        nib = (sel >> (4 * n)) & 0xF
+        assert nib < 8, "selector nibble with the sign-replicate bit"
+        out |= ((src >> (8 * nib)) & 0xFF) << (8 * n)
+    return out
+
+
+def _prmt_group(words: list[int], sbyte: int) -> list[int]:
+    """Line-by-line model of tiles.indexer._PRMT_CUDA (csa2_fp4_group_bf16): 4 words -> 16 bf16x2 words."""
+    m32 = 0xFFFFFFFF
+    base = ((sbyte - 1) << 7) & m32
+    b2 = (base * 0x10001) & m32
+    r0, r1, r2, r3 = (base << 16) & m32, (b2 + 0x00C00080) & m32, (b2 + 0x01400100) & m32, (b2 + 0x01C00180) & m32
+    lo0, lo1, hi0, hi1 = _prmt(r0, r1, 0x6420), _prmt(r2, r3, 0x6420), _prmt(r0, r1, 0x7531), _prmt(r2, r3, 0x7531)
+    out = []
+    for w in words:
+        m = w & 0x77777777
+        mh, w4 = m >> 16, (w << 4) & m32
+        l0, l1 = _prmt(lo0, lo1, m & 0xFFFF), _prmt(lo0, lo1, mh)
+        h0 = _prmt(hi0, hi1, m & 0xFFFF) | (_prmt(w, w4, 0x1504) & 0x80808080)
+        h1 = _prmt(hi0, hi1, mh) | (_prmt(w, w4, 0x3726) & 0x80808080)
+        out += [_prmt(l0, h0, 0x5140), _prmt(l0, h0, 0x7362), _prmt(l1, h1, 0x5140), _prmt(l1, h1, 0x7362)]
+    return out
+
+
+def test_prmt_dequant_equals_the_bits_formula():
+    """dequant=prmt's byte-permute tables give the bits path's patterns for every code pair at every scale byte 1..252
+    (so its scores equal the bits kernel's bitwise), and all-zero words at scale byte 0 (the out-of-range fill) give 0."""
+    import random
+
+    rng = random.Random(0)
+    for sbyte in range(1, 253):
+        words = [rng.getrandbits(32) for _ in range(4)]
+        if sbyte % 16 == 1:  # every code at every position at least once
+            words = [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567]
+        got = _prmt_group(words, sbyte)
+        codes = torch.tensor([(w >> (4 * j)) & 0xF for w in words for j in range(8)], dtype=torch.int32)
+        want = (_bits_dequant(codes, torch.full_like(codes, sbyte)).view(torch.int32) >> 16) & 0xFFFF
+        got_vals = [(g >> (16 * h)) & 0xFFFF for g in got for h in range(2)]
+        if sbyte == 1:  # the bits formula's own convention there: code 1 -> +-0 (only all-zero groups use byte 1)
+            want = torch.where((codes & 7) == 1, (codes & 8) << 12, want)
+        assert got_vals == want.tolist(), sbyte
+    assert _prmt_group([0, 0, 0, 0], 0) == [0] * 16
+
+
+def test_prmt_compiles_with_two_ctas_per_sm():
+    """The new Hopper option (not the default until a GPU profile says so): byte-permute dequant, two CTAs per SM."""
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt", "min_ctas": 2, "stages": 3}
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
+    ix.INDEXER_TOPK.build(shape, cfg, SM90)
+    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    assert "csa2_fp4_group_bf16" in src and "__launch_bounds__(512, 2)" in src
+    assert ix.INDEXER_TOPK.default_config(SM90)["dequant"] == "bits"  # unchanged until measured
+
+
+def test_min_ctas_counts_shared_memory_per_sm():
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    space = ix.INDEXER_TOPK.search_space(SM90)
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt", "stages": 4}
+    assert space.violations({**cfg, "min_ctas": 2}, shape, SM90) == []
+    assert any("per SM" in r for r in space.violations({**cfg, "min_ctas": 3}, shape, SM90))
+
+
+def test_fragment_paths_need_one_mtile_per_warpgroup():
+    """block_n 256 on two warpgroups gave each warpgroup's A fragment rows {wg*64 + i*128} but its accumulator rows
+    {wg*128 + i*64} (TileLang's layouts; rel err 0.92 on the H200): pruned, one warpgroup or block_n 128 kept."""
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    space = ix.INDEXER_TOPK.search_space(SM90)
+    bad = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "fragment_bits", "stages": 4, "block_n": 256, "tiles_per_cta": 4}
+    assert any("one 64-row wgmma tile" in r for r in space.violations(bad, shape, SM90))
+    assert any("one 64-row wgmma tile" in r for r in space.violations({**bad, "dequant": "registers"}, shape, SM90))
+    assert space.violations({**bad, "block_n": 128}, shape, SM90) == []
+    assert space.violations({**bad, "threads": 128}, shape, SM90) == []
+    assert space.violations({**bad, "dequant": "bits", "stages": 2}, shape, SM90) == []  # shared-tile A: no fragment
 
 
 def test_bits_dequant_formula_is_exact():
@@ -185,6 +267,10 @@ SCORE_OPTIONS = {
     "lut": {"dequant": "lut", "threads": 128, "stages": 1},
     "registers": {"dequant": "registers"},
     "fragment_bits_st4": {"dequant": "fragment_bits", "stages": 4},  # written in session 3 after the device time was spent
+    "fragment_bits_t128_bn256": {"dequant": "fragment_bits", "threads": 128, "block_n": 256, "stages": 4, "tiles_per_cta": 4},
+    "prmt": {"dequant": "prmt"},
+    "prmt_mc2_st3": {"dequant": "prmt", "min_ctas": 2, "stages": 3},
+    "prmt_mc3": {"dequant": "prmt", "min_ctas": 3, "stages": 2, "tiles_per_cta": 4},
 }
 
 
@@ -206,6 +292,17 @@ def test_bits_scores_equal_shared_scores():
     args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
     _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**ix._SCORE_DEFAULT, "dequant": "bits"})
     _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**ix._SCORE_DEFAULT, "dequant": "shared"})
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_prmt_scores_equal_bits_scores():
+    """dequant=prmt builds the bits path's bf16 patterns by byte permutes: the same K into the same MMA, bitwise."""
+    inputs = ix._indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
+    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+    sm90 = ix._SCORE_DEFAULT_SM90
+    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt", "min_ctas": 2})
+    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "bits"})
     assert torch.equal(a, b)
 
 

@@ -89,9 +89,73 @@ def _dequant_words_bits(kw_s, ks_s, k_deq, block_n: int, W: int):
             k_deq[i, c * 8 + e] = vals[e]
 
 
+# FP4 -> bf16 of one scale group (4 packed words, 32 values) by byte permutes (dequant="prmt").
+# The bits path spends ~12 integer instructions per value (shift, mask, two compares, two selects, add,
+# or, ...): on Hopper those all issue to the 16-lane integer pipe (half the FP32 rate), and the SASS of
+# the bits score kernel has 779 such instructions per thread per 128-entry tile, which at 2 warp
+# instructions per clock per SM is ~3100 cycles per tile: the measured 3300 cycles per tile (0.83 ms).
+# Here the group's 8 bf16 magnitude patterns at its scale (t[0] = 0, t[1] = (s-1) << 7, t[m] = t[1] +
+# (m << 6)) are built once as a byte table (low bytes, high bytes: 2 registers each), and each word
+# becomes 4 table lookups (prmt: 4 nibble-indexed bytes per instruction), 2 sign merges and 4
+# interleaves: ~15 integer instructions per 8 values instead of ~97. Same bit patterns as the bits
+# path (the scores are bitwise equal). Selector nibbles keep bit 3 clear (prmt's sign-replicate flag).
+_PRMT_CUDA = r"""
+__device__ __forceinline__ void csa2_fp4_group_bf16(void* dst_, const void* src_, unsigned sbyte) {
+  const unsigned* src = (const unsigned*)src_;
+  unsigned* dst = (unsigned*)dst_;
+  const unsigned base = (sbyte - 1u) << 7;               // bf16 bits of 0.5 * 2^(s - 127)
+  const unsigned b2 = base * 0x10001u;
+  const unsigned r0 = base << 16;                        // t0 = 0, t1 = base
+  const unsigned r1 = b2 + 0x00C00080u;                  // t2 = base + 0x80, t3 = base + 0xC0
+  const unsigned r2 = b2 + 0x01400100u;                  // t4, t5
+  const unsigned r3 = b2 + 0x01C00180u;                  // t6, t7
+  const unsigned lo0 = __byte_perm(r0, r1, 0x6420), lo1 = __byte_perm(r2, r3, 0x6420);  // low bytes of t0..t7
+  const unsigned hi0 = __byte_perm(r0, r1, 0x7531), hi1 = __byte_perm(r2, r3, 0x7531);  // high bytes
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const unsigned w = src[k];
+    const unsigned m = w & 0x77777777u;                  // magnitude codes: the lookup selectors
+    const unsigned mh = m >> 16;
+    const unsigned w4 = w << 4;
+    const unsigned l0 = __byte_perm(lo0, lo1, m), l1 = __byte_perm(lo0, lo1, mh);
+    // sign of nibble j (bit 4j + 3) to bit 7 of high byte j: from w << 4 (even j) or w (odd j)
+    const unsigned h0 = __byte_perm(hi0, hi1, m) | (__byte_perm(w, w4, 0x1504) & 0x80808080u);
+    const unsigned h1 = __byte_perm(hi0, hi1, mh) | (__byte_perm(w, w4, 0x3726) & 0x80808080u);
+    dst[4 * k + 0] = __byte_perm(l0, h0, 0x5140);      // values 8k + 0 (low half), 8k + 1
+    dst[4 * k + 1] = __byte_perm(l0, h0, 0x7362);
+    dst[4 * k + 2] = __byte_perm(l1, h1, 0x5140);
+    dst[4 * k + 3] = __byte_perm(l1, h1, 0x7362);
+  }
+}
+"""
+
+
+@T.macro
+def _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n: int, W: int):
+    """FP4 words -> scaled bf16 by byte permutes (``_PRMT_CUDA``): one thread per scale group (4 words, 32 values)."""
+    for i, g in T.Parallel(block_n, W // 4):
+        words = T.alloc_local((4,), "int32")
+        vals = T.alloc_local((32,), "bfloat16")
+        for e in T.vectorized(4):  # one 16-byte shared load
+            words[e] = kw_s[i, g * 4 + e]
+        sbyte = T.Cast("uint32", (ks_s[i] >> (g * 8)) & 0xFF)
+        T.call_extern("handle", "csa2_fp4_group_bf16", T.address_of(vals[0]), T.address_of(words[0]), sbyte)
+        for u in T.unroll(4):
+            for e in T.vectorized(8):  # 16-byte stores: 8 bf16 are one unit of the 128-byte swizzle
+                k_deq[i, g * 32 + u * 8 + e] = vals[u * 8 + e]
+
+
 @functools.cache
 def _score_kernel(
-    target: str, block_n: int, threads: int, stages: int, tiles_per_cta: int, dequant: str, gather: bool, pool_block: int = 8
+    target: str,
+    block_n: int,
+    threads: int,
+    stages: int,
+    tiles_per_cta: int,
+    dequant: str,
+    gather: bool,
+    pool_block: int = 8,
+    min_ctas: int = 0,
 ):
     """Build the score kernel (see module docstring); ``gather`` selects the Reindex variant.
 
@@ -130,6 +194,10 @@ def _score_kernel(
         # for a 1M-entry cache). Folding tokens and tiles into x instead cost a dynamic div/mod that TileLang
         # re-derived inside the pipelined loop: the decode score kernel ran 1.27 ms against 0.83 ms before it.
         with T.Kernel(S, T.ceildiv(n_out, span), B, threads=threads) as (s, bx, b):
+            if min_ctas > 0:
+                # __launch_bounds__(threads incl. TileLang's producer, min_ctas): ptxas keeps registers low enough
+                # that min_ctas CTAs fit one SM (64K registers), e.g. <= 64 per thread for 2 x 512 threads
+                T.annotate_min_blocks_per_sm(min_ctas)
             q_s = T.alloc_shared((H, D), "bfloat16")
             w_s = T.alloc_shared((H,), "float32")
             kw_s = T.alloc_shared((block_n, W), "int32")
@@ -141,6 +209,8 @@ def _score_kernel(
                 k_deq = T.alloc_fragment((block_n, D), "bfloat16")
             else:
                 k_deq = T.alloc_shared((block_n, D), "bfloat16")
+            if dequant == "prmt":
+                T.import_source(_PRMT_CUDA)
             if dequant == "lut":
                 # byte -> both nibbles' bf16 bit patterns at unit scale (low half = even element).
                 lut = T.alloc_shared((256,), "uint32")
@@ -169,6 +239,8 @@ def _score_kernel(
                     T.copy(k_scales[b, n0 : n0 + block_n], ks_s, annotations={"disable_tma": True})
                 if dequant == "bits":
                     _dequant_words_bits(kw_s, ks_s, k_deq, block_n, W)
+                elif dequant == "prmt":
+                    _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n, W)
                 elif dequant == "fragment_bits":
                     # the bits path's bf16 patterns, built per value straight into the MMA's A fragment: no bf16 tile
                     # in shared memory (TileLang multi-buffers it per stage), so deeper pipelines and more CTAs fit
@@ -548,7 +620,7 @@ def _score(cfg: Config, arch: Arch, gather: bool, block: int, q, weights, words,
 
 def _build_score(arch: Arch, cfg: Config, gather: bool, block: int):
     common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"])
-    return _score_kernel(*common, cfg["dequant"], gather, block)
+    return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0))
 
 
 def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
@@ -798,9 +870,37 @@ def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
     # TileLang's pipeline multi-buffers every shared tile written inside the loop: the packed
     # words, scales and positions, and the dequantised bf16 tile too (an estimate without that
     # factor let a 253 KiB lut config through to a launch failure on the H200).
-    per_stage = bn * (HEAD_DIM // 2 + 4 + 4) + (bn * HEAD_DIM * 2 if config["dequant"] in ("shared", "lut", "bits") else 0)
+    per_stage = bn * (HEAD_DIM // 2 + 4 + 4) + (bn * HEAD_DIM * 2 if config["dequant"] in ("shared", "lut", "bits", "prmt") else 0)
     need = HEADS * HEAD_DIM * 2 + HEADS * 4 + max(1, config["stages"]) * per_stage + (1024 if config["dequant"] == "lut" else 0)
-    return None if need <= arch.smem_per_block else f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
+    if need > arch.smem_per_block:
+        return f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
+    ctas = config.get("min_ctas", 0)
+    if ctas > 1:
+        if config["dequant"] in ("bits", "prmt"):
+            # Compiled sizes: the warp-specialised lowering multi-buffers only what the producer writes; the
+            # consumer-written bf16 tile is single (bits, block_n 128: 59392 B at 2 stages; prmt: 76800 B at 4).
+            need = HEADS * HEAD_DIM * 2 + 128 + max(1, config["stages"]) * bn * (HEAD_DIM // 2 + 8) + bn * HEAD_DIM * 2
+        if ctas * (need + 1024) > arch.smem_per_sm:  # + the 1 KiB the runtime reserves per CTA
+            return f"min_ctas={ctas} x shared memory {need // 1024} KiB > {arch.smem_per_sm // 1024} KiB per SM"
+    return None
+
+
+def _fragment_rows(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """The register-fragment paths (wgmma RS) need exactly one 64-row wgmma tile per warpgroup when there are two.
+
+    With block_n 256 and two warpgroups TileLang gives the A fragment (k_deq) to each warpgroup as rows
+    {wg*64 + i*128} (its m-tiles interleaved across warpgroups: the generated dequant reads kw_s rows
+    ``((i_1 & 7) >> 2) * 128 + warp * 16``) while the accumulator and the output store use rows
+    {wg*128 + i*64} (``(threadIdx.x >> 7) * 128 + (i_5 >> 1) * 64``): a warpgroup multiplies K rows of the other
+    warpgroup into its own score rows. That is the 0.92 relative error the H200 showed for
+    {"dequant": "fragment_bits", "block_n": 256, "stages": 4, "tiles_per_cta": 4}. One warpgroup, or one m-tile each, has
+    no such mismatch.
+    """
+    config = {**_SCORE_DEFAULT, **config}
+    wgs = config["threads"] // 128
+    if config["dequant"] in ("registers", "fragment_bits") and wgs > 1 and config["block_n"] // wgs > 64:
+        return f"dequant={config['dequant']} with {wgs} warpgroups needs block_n = {64 * wgs} (one 64-row wgmma tile each), got {config['block_n']}"
+    return None
 
 
 def _warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
@@ -817,12 +917,20 @@ def _score_params() -> tuple[Param, ...]:
         Param("stages", (1, 2, 3, 4), "software-pipeline depth of the packed-K loads"),
         Param("tiles_per_cta", (1, 4, 16), "entry tiles per CTA: how finely N is split across CTAs"),
         Param(
+            "min_ctas",
+            (0, 2, 3),
+            "CTAs per SM the compiler must fit (__launch_bounds__ second argument: registers capped at 64K / (ctas x "
+            "threads incl. the producer)); 0 = TileLang's own bound (1)",
+        ),
+        Param(
             "dequant",
-            ("shared", "registers", "lut", "bits", "fragment_bits"),
+            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt"),
             "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
             "by a 256-entry byte -> bf16x2 table into a shared tile, (bits) one thread per packed word "
             "building the scaled bf16 bit patterns by integer arithmetic into a shared tile, or (fragment_bits) "
-            "those bit patterns per value into the A fragment (no bf16 tile: deeper pipelines fit)",
+            "those bit patterns per value into the A fragment (no bf16 tile: deeper pipelines fit), or (prmt) the bits "
+            "path's patterns by byte-permute table lookups, one thread per 32-value scale group (~2 integer "
+            "instructions per value instead of ~12: the integer pipe is the bits kernel's limit)",
         ),
     )
 
@@ -834,21 +942,28 @@ def _select_params() -> tuple[Param, ...]:
     )
 
 
-_SCORE_DEFAULT = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 4, "dequant": "shared"}
+_SCORE_DEFAULT = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 4, "dequant": "shared", "min_ctas": 0}
 _SELECT_DEFAULT = {"select_threads": 1024, "radix_bits": 8}
 # Hopper: word-wise integer dequant (no per-value float chain, one barrier per tile), two
 # consumer warpgroups so 8 warps share the dequant of a 128-entry tile, and 16 tiles (2048
 # entries) per CTA so the 8 KiB query load and the pipeline prologue are paid once per 2048
 # entries, not per 512. On the H200 its score kernel ran 0.84 ms at decode B=64 x 128K against 2.52 ms
 # for the first default (`shared`), level with `lut` (notes/indexer.md, session 2).
-_SCORE_DEFAULT_SM90 = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 16, "dequant": "bits"}
+_SCORE_DEFAULT_SM90 = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 16, "dequant": "bits", "min_ctas": 0}
 
 
 class _ScoreAndSelectTile(Tile):
     """What the two score-then-select tiles share: one search space and one default."""
 
     def search_space(self, arch: Arch) -> SearchSpace:
-        return SearchSpace(_score_params() + _select_params(), (Constraint("smem", _smem_score), Constraint("warpgroups", _warps_fit)))
+        return SearchSpace(
+            _score_params() + _select_params(),
+            (
+                Constraint("smem", _smem_score),
+                Constraint("warpgroups", _warps_fit),
+                Constraint("fragment_rows", _fragment_rows),
+            ),
+        )
 
     def default_config(self, arch: Arch) -> Config:
         if arch.family == "hopper":
