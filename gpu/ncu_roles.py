@@ -1,0 +1,73 @@
+"""Stall samples of a warp-specialised kernel per warp role, from an Nsight Compute SASS export.
+
+    python3 gpu/ncu_roles.py results/sm90/ncu_source_sparse_attn_prefill_s4k_io_staged.csv.gz [--top 8]
+
+Input: ``ncu -i REPORT --page source --csv --print-source sass`` (gpu/session.sh phase ncu-source writes it as
+ncu_source_sass.csv; the results folder keeps it gzipped). Each role of a ws kernel starts with its own
+``setmaxnreg`` (SASS ``USETMAXREG``), and ptxas lays the role branches out one after another, so cutting the
+address-sorted SASS at those instructions splits the samples by role: prologue, then one segment per role
+in code order (for the sparse attention kernel: producer, consumer warpgroup 1, consumer warpgroup 0).
+
+Samples are taken per warp at a fixed interval, so a role's share of the samples is its share of warp time,
+and within a role the stall reasons say what its warps were waiting for. Prints per segment: the samples, the
+top stall reasons, and the instructions with the most samples (with the two instructions before each, which
+name the barrier or load it waits on). Runs anywhere (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import gzip
+import io
+import itertools
+from pathlib import Path
+
+
+def _rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    rows = list(csv.reader(io.StringIO(raw.decode())))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    header = rows[start]
+    data = [r for r in rows[start + 1 :] if len(r) == len(header)]
+    data.sort(key=lambda r: int(r[0], 16))
+    return header, data
+
+
+def _num(text: str) -> float:
+    text = text.replace(",", "").strip()
+    return float(text) if text not in ("", "-") else 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("csv", type=Path, help="ncu --page source --csv --print-source sass export (.csv or .csv.gz)")
+    parser.add_argument("--top", type=int, default=8, help="instructions listed per role")
+    args = parser.parse_args()
+    header, data = _rows(args.csv)
+    samples = next(i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c)
+    reasons = [i for i, c in enumerate(header) if c.startswith("stall_") and "Not Issued" not in c]
+    total = sum(_num(r[samples]) for r in data)
+    cuts = [0] + [i for i, r in enumerate(data) if "USETMAXREG" in r[1]] + [len(data)]
+    print(f"{args.csv.name}: {len(data)} SASS lines, {total:.0f} samples")
+    for lo, hi in itertools.pairwise(cuts):
+        seg = data[lo:hi]
+        n = sum(_num(r[samples]) for r in seg)
+        if not n:
+            continue
+        why = collections.Counter()
+        for r in seg:
+            for i in reasons:
+                why[header[i][len("stall_") :]] += _num(r[i])
+        top_reasons = ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in why.most_common(5) if v)
+        print(f"\n== {seg[0][1].strip()[:48]} ({hi - lo} lines): {100 * n / total:.1f}% of samples | {top_reasons}")
+        order = sorted(range(len(seg)), key=lambda k: -_num(seg[k][samples]))[: args.top]
+        for k in order:
+            before = " ; ".join(r[1].strip()[:40] for r in seg[max(0, k - 2) : k])
+            print(f"  {100 * _num(seg[k][samples]) / n:5.1f}%  {seg[k][1].strip()[:48]:48s} after: {before}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
