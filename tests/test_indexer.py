@@ -286,6 +286,26 @@ def test_score_options_match_reference(tile, option):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape_name", ["decode_b64_n32k", "decode_b1_n128k", "prefill_s4k"])
+def test_two_pass_select_matches_reference(shape_name):
+    """select_algo=two_pass (tiles.radix_select) inside indexer_topk: the same top-k sets as the reference."""
+    arch = get_arch("sm90")
+    tile = ix.INDEXER_TOPK
+    cfg = {**tile.default_config(arch), "select_algo": "two_pass"}
+    for shape in [tile.shape(shape_name), _odd(3, 2, 1000), _odd(2, 1, 77)]:
+        ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
+        assert ev.outcome == OK, f"two_pass {shape.name}: {ev.message}"
+
+
+def test_two_pass_select_is_in_the_search_space():
+    arch = get_arch("sm90")
+    tile = ix.INDEXER_TOPK
+    cfg = {**tile.default_config(arch), "select_algo": "two_pass"}
+    assert tile.search_space(arch).violations(cfg, tile.shape("decode_b64_n128k"), arch) == []
+    assert tile.build(tile.shape("decode_b64_n128k"), cfg, arch)[0]["select_algo"] == "two_pass"
+
+
+@pytest.mark.gpu
 def test_bits_scores_equal_shared_scores():
     """Both paths feed the same exact bf16 K to the same MMA: the score rows must agree bitwise."""
     inputs = ix._indexer_inputs(4, 1, 5000, 11, "cuda", causal=False)

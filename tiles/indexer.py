@@ -37,6 +37,7 @@ import tvm
 
 from model import formats
 from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_positions
+from tiles import radix_select
 from tiles.arch import Arch, get_arch
 from tiles.compare import relative_l2
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
@@ -627,6 +628,12 @@ def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, score
     B, S, N = scores.shape
     dummy_pool = torch.empty(B, S, 1, dtype=torch.int32, device=q.device)  # the contiguous variant reads no pool
     _score(cfg, arch, False, 8, q, weights, words, scales, nvis, dummy_pool, scores)
+    if cfg.get("select_algo", "multipass") == "two_pass":
+        # tiles.radix_select: two passes over each row in global memory, the rest in shared memory
+        radix_select.select_launcher(B * S, N, out.shape[-1], q.device, arch=arch)(
+            scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1)
+        )
+        return
     select = _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)
     parts = resolve_select_split(cfg.get("select_split", 1), B * S, N, out.shape[-1], arch)
     _select_in_parts(select, parts, scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1))
@@ -985,16 +992,26 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         split = Param(
             "select_split", ("auto", *SELECT_SPLITS), "score rows cut into parts: a top-k per part (more CTAs), then of the candidates"
         )
-        return SearchSpace(space.params + (split,), space.constraints)
+        algo = Param(
+            "select_algo",
+            ("multipass", "two_pass"),
+            "top-k select: radix passes over the row in global memory (select_threads, radix_bits, select_split), or "
+            "tiles.radix_select (one histogram and one compaction pass over the row, the rest in shared memory)",
+        )
+        return SearchSpace(space.params + (split, algo), space.constraints)
 
     def default_config(self, arch: Arch) -> Config:
         # auto: as many parts as fill the SMs twice (8 for decode B=64, 1 for prefill), from the H200 profile
-        return {**super().default_config(arch), "select_split": "auto"}
+        return {**super().default_config(arch), "select_split": "auto", "select_algo": "multipass"}
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = {**self.default_config(arch), **config}
         _build_score(arch, cfg, False, 8)
-        _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], 0)
+        if cfg.get("select_algo", "multipass") == "two_pass":
+            parts = radix_select.resolve_parts("auto", shape["B"] * shape["S"], shape["N"], shape["K"], arch)
+            radix_select._kernels(arch, shape["K"], radix_select.check_config({}, shape["K"]), parts)
+        else:
+            _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], 0)
         return (cfg, arch, shape["K"])
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:

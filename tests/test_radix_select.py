@@ -1,0 +1,122 @@
+"""Two-pass radix top-k (tiles/radix_select.py).
+
+CPU: the kernels (plain, parts, merge) compile for sm_90a and sm_80, configs are checked, bad inputs give
+one-line TileErrors, and the auto part count. GPU (marked): every case of ``radix_select.CASES`` against the
+torch reference, exactly (same scores, so the tie rule leaves no freedom), outputs poisoned with 12345 first,
+at the decode shape (64 x 128K), one long row, odd lengths and several configs (parts, threads, digit width,
+capacity small enough to force the in-global fallback).
+"""
+
+import pytest
+import torch
+
+from tiles import radix_select as rs
+from tiles.arch import get_arch
+from tiles.contract import TileError
+
+K = 512
+SM90, SM80 = get_arch("sm90"), get_arch("sm80")
+
+# ---------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
+@pytest.mark.parametrize("parts", [1, 4])
+def test_compiles(arch, parts):
+    first, merge = rs._kernels(arch, K, rs.check_config({}, K), parts)
+    assert first is not None
+    assert (merge is None) == (parts == 1)
+
+
+def test_other_knobs_compile_sm90():
+    cfg = rs.check_config({"threads": 256, "hist_bits": 12, "loads": 4, "cap": 2048, "agg": True}, K)
+    assert rs._kernels(SM90, K, cfg, 2)[0] is not None
+
+
+def test_config_checks():
+    with pytest.raises(TileError, match="unknown radix_select config keys"):
+        rs.check_config({"thread": 512}, K)
+    with pytest.raises(TileError, match="threads=384"):
+        rs.check_config({"threads": 384}, K)
+    with pytest.raises(TileError, match="cap=2048 is smaller than k=4096"):
+        rs.check_config({"cap": 2048}, 4096)
+    assert rs.smem_bytes(rs.DEFAULT_CONFIG) <= SM80.smem_per_block
+
+
+@pytest.mark.parametrize(
+    "scores, n_valid, k, match",
+    [
+        (torch.zeros(4, 100, dtype=torch.float16), torch.zeros(4, dtype=torch.int32), K, "scores must be float32"),
+        (torch.zeros(2, 4, 100), torch.zeros(2, dtype=torch.int32), K, r"scores must be float32 \[R, N\]"),
+        (torch.zeros(4, 100), torch.zeros(4, dtype=torch.int64), K, r"n_valid must be int32 \[4\]"),
+        (torch.zeros(4, 100), torch.zeros(3, dtype=torch.int32), K, r"n_valid must be int32 \[4\]"),
+        (torch.zeros(4, 100), torch.zeros(4, dtype=torch.int32), 0, "k must be a positive int"),
+        (torch.zeros(0, 100), torch.zeros(0, dtype=torch.int32), K, "must have rows and columns"),
+        (torch.zeros(4, 100), torch.zeros(4, dtype=torch.int32), K, "runs on a CUDA GPU"),
+    ],
+)
+def test_bad_inputs_raise(scores, n_valid, k, match):
+    with pytest.raises(TileError, match=match):
+        rs.topk_positions_fast(scores, n_valid, k, arch="sm90")
+
+
+def test_auto_parts():
+    assert rs.resolve_parts("auto", 4096, 8192, K, SM90) == 1  # rows alone fill the GPU
+    assert rs.resolve_parts("auto", 1, 131072, K, SM90) == 8  # slices stay >= MIN_PART * k wide
+    assert rs.resolve_parts("auto", 1, 1000, K, SM90) == 1
+    assert rs.resolve_parts(8, 4096, 8192, K, SM90) == 8  # an explicit setting is kept
+    assert rs.resolve_parts("auto", 64, 131072, K, SM90) == 8  # decode B=64: 512 CTAs
+    assert rs.resolve_parts("auto", 1024, 131072, K, SM90) == 1
+
+
+def test_reference_follows_the_tie_rule():
+    scores = torch.tensor([[1.0, 3.0, 3.0, float("nan"), 2.0, 3.0, 5.0]])
+    got = rs.reference_topk(scores, torch.tensor([6], dtype=torch.int32), 3)  # column 6 is not valid
+    assert got.tolist() == [[1, 2, 5]]
+    got = rs.reference_topk(scores, torch.tensor([2], dtype=torch.int32), 3)
+    assert got.tolist() == [[0, 1, -1]]
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+
+def _run(R: int, N: int, case: str, config: dict, seed: int) -> None:
+    scores, n_valid = rs.make_case(case, R, N, K, seed, "cuda")
+    out = torch.full((R, K), 12345, dtype=torch.int32, device="cuda")  # [R, K] poisoned
+    rs.select_launcher(R, N, K, "cuda", config=config)(scores, n_valid, out)
+    want = rs.reference_topk(scores, n_valid, K)
+    bad = (out != want).any(1)
+    assert not bool(bad.any()), f"{case} R={R} N={N} {config}: rows {bad.nonzero().flatten()[:8].tolist()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", rs.CASES)
+@pytest.mark.parametrize("R, N", [(64, 131072), (1, 131072), (3, 1000), (5, 77), (1, 8191)])
+def test_matches_reference(case, R, N):
+    _run(R, N, case, {}, seed=R + N)
+
+
+CONFIGS = {
+    "parts1": {"parts": 1},
+    "parts8": {"parts": 8},
+    "t256_hb12": {"threads": 256, "hist_bits": 12},
+    "t1024_agg": {"threads": 1024, "agg": True, "loads": 16},
+    "t512_loads32_cap8k": {"threads": 512, "loads": 32, "cap": 8192},
+    "small_cap": {"cap": K},  # most rows overflow the shared candidates: the in-global passes decide
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(CONFIGS), ids=str)
+def test_configs_match_reference(config):
+    for case in rs.CASES:
+        for R, N in [(64, 32768), (3, 1000), (2, 77)]:
+            _run(R, N, case, CONFIGS[config], seed=7 * R + N)
+
+
+@pytest.mark.gpu
+def test_wrapper_and_noncontiguous_scores():
+    scores, n_valid = rs.make_case("ties10", 6, 4000, K, 3, "cuda")
+    wide = torch.stack([scores, scores], dim=2)[..., 0]  # [6, 4000], strided: copied by the wrapper
+    assert torch.equal(rs.topk_positions_fast(wide, n_valid, K), rs.reference_topk(scores, n_valid, K))
+    assert torch.equal(rs.topk_positions_fast(scores, n_valid, 7), rs.reference_topk(scores, n_valid, 7))
