@@ -270,7 +270,7 @@ SCORE_OPTIONS = {
     "fragment_bits_t128_bn256": {"dequant": "fragment_bits", "threads": 128, "block_n": 256, "stages": 4, "tiles_per_cta": 4},
     "prmt": {"dequant": "prmt"},
     "prmt_mc2_st3": {"dequant": "prmt", "min_ctas": 2, "stages": 3},
-    "prmt_mc3": {"dequant": "prmt", "min_ctas": 3, "stages": 2, "tiles_per_cta": 4},
+    "prmt_mc3": {"dequant": "prmt", "min_ctas": 3, "threads": 128, "stages": 2, "tiles_per_cta": 4},
 }
 
 
@@ -295,6 +295,17 @@ def test_two_pass_select_matches_reference(shape_name):
     for shape in [tile.shape(shape_name), _odd(3, 2, 1000), _odd(2, 1, 77)]:
         ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
         assert ev.outcome == OK, f"two_pass {shape.name}: {ev.message}"
+
+
+def test_min_ctas_register_cap_is_a_constraint():
+    """min_ctas 3 at 256 consumer threads leaves ptxas 40 registers: it cannot assemble the kernel, so the space prunes it."""
+    arch = get_arch("sm90")
+    tile = ix.INDEXER_TOPK
+    shape = tile.shape("decode_b64_n128k")
+    bad = {**tile.default_config(arch), "dequant": "prmt", "min_ctas": 3}
+    assert any("registers per thread" in r for r in tile.search_space(arch).violations(bad, shape, arch))
+    ok = {**bad, "threads": 128, "tiles_per_cta": 4}
+    assert not any("registers per thread" in r for r in tile.search_space(arch).violations(ok, shape, arch))
 
 
 def test_two_pass_select_is_in_the_search_space():

@@ -892,6 +892,21 @@ def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
     return None
 
 
+def _register_cap(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """min_ctas CTAs of (consumers + TileLang's producer: 2 x threads) threads must leave ptxas enough registers.
+
+    ptxas caps a thread at 64K / (min_ctas x threads), rounded down to a multiple of 8; the score kernel's wgmma
+    and its dequant need about 48 (min_ctas 3 at 256 consumer threads, a cap of 40, fails to assemble:
+    "Insufficient registers (40) to compile instruction").
+    """
+    config = {**_SCORE_DEFAULT, **config}
+    ctas = config.get("min_ctas", 0)
+    if ctas <= 1:
+        return None
+    cap = (arch.registers_per_sm // (ctas * 2 * config["threads"])) // 8 * 8
+    return None if cap >= 48 else f"min_ctas={ctas} x {2 * config['threads']} threads leaves {cap} registers per thread (< 48)"
+
+
 def _fragment_rows(config: Config, shape: Shape, arch: Arch) -> str | None:
     """The register-fragment paths (wgmma RS) need exactly one 64-row wgmma tile per warpgroup when there are two.
 
@@ -969,6 +984,7 @@ class _ScoreAndSelectTile(Tile):
                 Constraint("smem", _smem_score),
                 Constraint("warpgroups", _warps_fit),
                 Constraint("fragment_rows", _fragment_rows),
+                Constraint("register_cap", _register_cap),
             ),
         )
 
