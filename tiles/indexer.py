@@ -1018,7 +1018,13 @@ class IndexerTopkTile(_ScoreAndSelectTile):
 
     def default_config(self, arch: Arch) -> Config:
         # auto: as many parts as fill the SMs twice (8 for decode B=64, 1 for prefill), from the H200 profile
-        return {**super().default_config(arch), "select_split": "auto", "select_algo": "multipass"}
+        cfg = {**super().default_config(arch), "select_split": "auto", "select_algo": "multipass"}
+        if arch.family == "hopper":
+            # H200, one run (results/sm90/profile_indexer_prmt_two_pass.json): byte-permute dequant, two CTAs per SM
+            # and the two-pass select: decode B=64 x 128K 1.318 -> 0.530 ms per call, prefill 4K 2.253 -> 1.012 ms.
+            # (prmt at 128 threads with min_ctas 3 ran decode at 0.468 ms but was not run at prefill: a tuning choice.)
+            cfg.update(dequant="prmt", min_ctas=2, select_algo="two_pass")
+        return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = {**self.default_config(arch), **config}
