@@ -138,6 +138,23 @@ def test_balanced_consumers_compile_for_sm90(tile, shape_name, consumers):
     assert any("schedule=ws" in r for r in tile.search_space(SM90).violations(pipelined, shape, SM90))
 
 
+@pytest.mark.parametrize(
+    "tile,shape_name", [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k")], ids=["decode", "prefill"]
+)
+def test_wg1_rows_compiles_for_sm90(tile, shape_name):
+    """wg1_rows=16 (GPU checks in GPU_CASES): consumer warpgroup 1 dequantises the last 16 rows of each main block,
+    so both it and the producer arrive on the buffers' ready barriers (256 arrivals); refused with other producers."""
+    shape = tile.shape(shape_name)
+    config = {**tile.default_config(SM90), "wg1_rows": 16}
+    assert tile.search_space(SM90).violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    assert len(re.findall(r"bar_ready(_1)?\[0\]\.init\(256\)", src)) == 2
+    default_src = tile.build(shape, tile.default_config(SM90), SM90).main.get_kernel_source()
+    assert len(re.findall(r"bar_ready(_1)?\[0\]\.init\(128\)", default_src)) == 2
+    for other in ({"produce": "prefetch"}, {"consumers": "balanced"}):
+        assert any("wg1_rows" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
+
+
 def test_ws_only_choices_fall_back_for_other_schedules():
     """{"schedule": "pipelined"} alone is valid: produce and io are the ws schedule's choices and fall back."""
     cfg = sa.DECODE_TILE.with_defaults(SM90, {"schedule": "pipelined"})
@@ -230,6 +247,11 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b64_s1", {"produce": "prefetch"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"produce": "prefetch", "n_split": 4}),  # CTAs that start on a main block
     (sa.DECODE_TILE, "decode_b64_s1", {"n_split": 2, "block_I": 32}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"wg1_rows": 16}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"wg1_rows": 16}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"wg1_rows": 16, "n_split": 4}),  # CTAs that start on a main block
+    (sa.DECODE_TILE, "decode_b64_s1", {"wg1_rows": 16, "block_I": 32}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"wg1_rows": 16}),
     (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "balanced"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced_overlap"}),
@@ -275,6 +297,14 @@ ODD_SHAPES = [
 @pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
 def test_tile_odd_shapes(tile, shape):
     _check(tile, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
+def test_wg1_rows_odd_shapes(shape):
+    """Warpgroup 1's rows with partial blocks (W=37, K=100: its rows past the list are -1), H=128, odd S."""
+    tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
+    _check(tile, shape, {"wg1_rows": 16})
 
 
 @pytest.mark.gpu

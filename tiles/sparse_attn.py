@@ -160,6 +160,7 @@ def sparse_attn_kernel(
     produce: str = "serial",
     io: str = "direct",
     consumers: str = "wg0_scores",
+    wg1_rows: int = 0,
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -173,7 +174,9 @@ def sparse_attn_kernel(
     E4M3 main scales as uint8 [B, Nc, D/16] (see :func:`ws_argument_views`).
     """
     if schedule == "ws":
-        return _sparse_attn_ws(heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io, consumers)
+        return _sparse_attn_ws(
+            heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io, consumers, wg1_rows
+        )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
     REP = H // HB
@@ -358,7 +361,19 @@ def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
 
 
 def _sparse_attn_ws(
-    heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io="direct", consumers="wg0_scores"
+    heads,
+    dim,
+    window,
+    topk,
+    sm_scale,
+    kv_format,
+    n_split,
+    block_I,
+    heads_per_block,
+    produce,
+    io="direct",
+    consumers="wg0_scores",
+    wg1_rows=0,
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -397,6 +412,13 @@ def _sparse_attn_ws(
       (a second phase), and both compute their half of O from the whole P. Both carry the same running max, so
       each keeps its own partial row sum; the two sums meet once at the end. Each warpgroup does half the FLOPs.
     * ``balanced_overlap``: ``balanced`` with P V left in flight; it completes under the next block's QK^T.
+
+    ``wg1_rows`` (0 or 16, FP4 with the batched producer and ``wg0_scores``): rows of each main block that consumer
+    warpgroup 1 gathers and dequantises itself. In Nsight Compute (prefill 4K, io=staged; results/sm90/ncu_roles_*)
+    the producer warp issued ~1150 instructions per block at ~0.2 IPC while warpgroup 0 waited 26% of its time for
+    a filled buffer, and warpgroup 1 waited 67% of its time for P. With 16: warpgroup 1 fills the last 16 rows of
+    block i + 1 while warpgroup 0 computes block i's scores (its loads issued a block ahead), the producer the first
+    48, both arriving on the buffer's ready barrier.
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -413,6 +435,8 @@ def _sparse_attn_ws(
     fp4 = kv_format == "fp4"
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
     prefetch = produce == "prefetch"  # the batched producer with the next main block's loads issued early
+    helped = wg1_rows > 0  # consumer warpgroup 1 fills the last pass of rows of each main block
+    main_passes = tuple(range(BI // ROWS - 1)) if helped else None  # the producer's passes over a main block
     balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
     batched = produce in ("batched", "prefetch")
@@ -477,10 +501,16 @@ def _sparse_attn_ws(
                 raw = T.alloc_local([RAW_WORDS], "int32")  # packed codes of one batch of rows
                 rawsc = T.alloc_local([RAW_SCALES], "uint8")  # their scale bytes
                 vals = T.alloc_local([8], bf16)
+            if helped:  # warpgroup 1's registers for its pass of rows (see _ws_wg1_fill)
+                h_rows_cur = T.alloc_local([1], "int32")
+                h_rows_next = T.alloc_local([1], "int32")
+                h_raw = T.alloc_local([8], "int32")
+                h_rawsc = T.alloc_local([4], "uint8")
+                h_vals = T.alloc_local([8], bf16)
 
             bar_q = T.alloc_barrier(arrive_count=384 if io == "direct" else 256)
-            bar_k0_ready = T.alloc_barrier(arrive_count=128)
-            bar_k1_ready = T.alloc_barrier(arrive_count=128)
+            bar_k0_ready = T.alloc_barrier(arrive_count=256 if helped else 128)  # the producer (and warpgroup 1)
+            bar_k1_ready = T.alloc_barrier(arrive_count=256 if helped else 128)
             bar_k0_free = T.alloc_barrier(arrive_count=256)
             bar_k1_free = T.alloc_barrier(arrive_count=256)
             bar_s_ready = T.alloc_barrier(arrive_count=256)
@@ -592,7 +622,28 @@ def _sparse_attn_ws(
                         T.fence_proxy_async()
                         T.barrier_arrive(bar_q)
                     T.fill(acc_o_r, 0)
+                    if helped:
+                        q = tx - 128
+                        hsrc = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
+                        hregs = _WsRegisters(h_rows_cur, h_rows_next, h_raw, h_rawsc, h_vals)
+                        hdims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc)
+                        last = (BI // ROWS - 1,)
+                        _ws_fetch_rows(hsrc, hdims, h_rows_cur, b_i, s_i, lo, q, last)
+                        _ws_fetch_rows(hsrc, hdims, h_rows_next, b_i, s_i, lo + 1, q, last)
+                        if lo >= NBW:
+                            _ws_issue_main_loads(hsrc, hregs, hdims, b_i, q, last)
+                        # the CTA's first block: both buffers start free
+                        _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo, q, n_blk > 1)
                     for it in T.serial(n_blk):
+                        if helped:  # noqa: SIM102  (a Python flag around a TileLang condition)
+                            # block it + 1 goes to the buffer block it - 1 used: free once both P V of it - 1 are done
+                            if it + 1 < n_blk:
+                                if it % 2 == 0:
+                                    T.barrier_wait(bar_k1_free, (((it + 1) // 2) & 1) ^ 1)
+                                    _ws_wg1_fill(hsrc, hregs, hdims, bufs[1], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
+                                else:
+                                    T.barrier_wait(bar_k0_free, (((it + 1) // 2) & 1) ^ 1)
+                                    _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
                         T.barrier_arrive(bar_s_ready)
                         T.barrier_wait(bar_s_ready, it & 1)
                         for h, d in T.Parallel(HB, D2):
@@ -635,13 +686,13 @@ def _sparse_attn_ws(
                         if prefetch:
                             _ws_produce_prefetch(src, regs, dims, bufs[0], b_i, s_i, blk, p, it + 1 < n_blk)
                         else:
-                            _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4)
+                            _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4, main_passes)
                     else:
                         T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
                         if prefetch:
                             _ws_produce_prefetch(src, regs, dims, bufs[1], b_i, s_i, blk, p, it + 1 < n_blk)
                         else:
-                            _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4)
+                            _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4, main_passes)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -911,24 +962,27 @@ class _WsDims(NamedTuple):
 
 
 @T.macro
-def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p):
+def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
     """Producer thread p's cache rows of block ``blk`` (rows rr * ROWS + p // 8): -1 where the slot is unused,
     past the end of its list, or holds an index outside the cache (masked, never read: the batched
-    kernel is built without TileLang's bounds guards)."""
+    kernel is built without TileLang's bounds guards). ``passes``: the rr to fetch (default all), ``rows[j]``
+    holding the j-th of them."""
     W, K, BI, NBW, ROWS, _, Nw, Nc = dims
     WinIdx, TopkIdx = src.WinIdx, src.TopkIdx
-    for rr in T.unroll(BI // ROWS):
+    if passes is None:
+        passes = tuple(range(BI // ROWS))
+    for j, rr in enumerate(passes):
         r = rr * ROWS + p // 8
         if blk < NBW:
-            rows[rr] = T.if_then_else(blk * BI + r < W, WinIdx[b_i, s_i, T.min(blk * BI + r, W - 1)], -1)
-            rows[rr] = T.if_then_else(rows[rr] < Nw, rows[rr], -1)
+            rows[j] = T.if_then_else(blk * BI + r < W, WinIdx[b_i, s_i, T.min(blk * BI + r, W - 1)], -1)
+            rows[j] = T.if_then_else(rows[j] < Nw, rows[j], -1)
         else:
-            rows[rr] = T.if_then_else((blk - NBW) * BI + r < K, TopkIdx[b_i, s_i, T.min((blk - NBW) * BI + r, K - 1)], -1)
-            rows[rr] = T.if_then_else(rows[rr] < Nc, rows[rr], -1)
+            rows[j] = T.if_then_else((blk - NBW) * BI + r < K, TopkIdx[b_i, s_i, T.min((blk - NBW) * BI + r, K - 1)], -1)
+            rows[j] = T.if_then_else(rows[j] < Nc, rows[j], -1)
 
 
 @T.macro
-def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4):
+def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_passes=None):
     """Fill one KV buffer with block ``blk`` (batched producer), fetching block ``blk + 1``'s rows meanwhile.
 
     Thread p owns rows rr * ROWS + p // 8 and, of each half of a row, the 32 columns from (p % 8) * 32
@@ -982,9 +1036,10 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4):
                                 buf[rr * ROWS + p // 8, c * 32 + w * 8 + v] = vals[v]
         else:
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
-            _ws_issue_main_loads(src, regs, dims, b_i, p)
+            # (main_passes: the passes this warpgroup fills, when consumer warpgroup 1 fills the last one)
+            _ws_issue_main_loads(src, regs, dims, b_i, p, main_passes)
             _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 1, p)
-            _ws_store_main(regs, dims, kv_buf, p)
+            _ws_store_main(regs, dims, kv_buf, p, main_passes)
         # generic-proxy stores must be visible to wgmma's async-proxy reads
         T.fence_proxy_async()
         T.barrier_arrive(bar_ready)
@@ -993,36 +1048,62 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4):
 
 
 @T.macro
-def _ws_issue_main_loads(src, regs, dims, b_i, p):
+def _ws_issue_main_loads(src, regs, dims, b_i, p, passes=None):
     """Load thread p's packed FP4 words and scale bytes of the rows in ``rows_cur`` into ``raw``/``rawsc`` (issue only:
-    nothing reads them here, so all R x 2 x (16 B + 2 B) loads are in flight together)."""
+    nothing reads them here, so all R x 2 x (16 B + 2 B) loads are in flight together). ``passes``: as in
+    :func:`_ws_fetch_rows` (the registers hold only those passes, in order)."""
     MainA, MainB = src.MainA, src.MainB
     rows_cur, raw, rawsc = regs.rows_cur, regs.raw, regs.rawsc
     _, _, BI, _, ROWS, D2, _, _ = dims
     c = p % 8
-    for rr in T.unroll(BI // ROWS):
-        row = T.max(rows_cur[rr], 0)
+    if passes is None:
+        passes = tuple(range(BI // ROWS))
+    for j in range(len(passes)):
+        row = T.max(rows_cur[j], 0)
         for h in T.unroll(2):
             for v in T.vectorized(4):
-                raw[(rr * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
+                raw[(j * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
             for v in T.unroll(2):
-                rawsc[(rr * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
+                rawsc[(j * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
 
 
 @T.macro
-def _ws_store_main(regs, dims, kv_buf, p):
-    """Dequantise ``raw``/``rawsc`` (the rows in ``rows_cur``; an unused row's scale is zeroed) into the KV buffer."""
+def _ws_store_main(regs, dims, kv_buf, p, passes=None):
+    """Dequantise ``raw``/``rawsc`` (the rows in ``rows_cur``; an unused row's scale is zeroed) into the KV buffer.
+    ``passes``: as in :func:`_ws_fetch_rows`."""
     rows_cur, raw, rawsc, vals = regs.rows_cur, regs.raw, regs.rawsc, regs.vals
     _, _, BI, _, ROWS, _, _, _ = dims
     c = p % 8
-    for rr in T.unroll(BI // ROWS):
+    if passes is None:
+        passes = tuple(range(BI // ROWS))
+    for j, rr in enumerate(passes):
         for h, buf in ((0, kv_buf.KV_l), (1, kv_buf.KV_r)):
             for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
-                s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(rr * 2 + h) * 2 + q // 2], "uint32"))
-                s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
-                T.call_extern("handle", "csa2_fp4x8_bf16", T.address_of(vals[0]), raw[(rr * 2 + h) * 4 + q], s2)
+                s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(j * 2 + h) * 2 + q // 2], "uint32"))
+                s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
+                T.call_extern("handle", "csa2_fp4x8_bf16", T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
                 for v in T.vectorized(8):
                     buf[rr * ROWS + p // 8, c * 32 + q * 8 + v] = vals[v]
+
+
+@T.macro
+def _ws_wg1_fill(src, hregs, dims, kv_buf, b_i, s_i, blk, q, more):
+    """Consumer warpgroup 1's share of block ``blk`` (``wg1_rows``): for a main block, dequantise the last pass of
+    rows (rows 48..63; their loads were issued a block earlier) into ``kv_buf``; arrive on its ready barrier in any
+    case (the producer fills window blocks whole); then issue the next block's loads and fetch the rows of the one
+    after. Invariant at entry: ``hregs.rows_cur`` holds this block's rows (and ``raw`` their data for a main block),
+    ``rows_next`` the next block's. ``more``: true when this CTA has a block after ``blk``."""
+    _, _, BI, NBW, ROWS, _, _, _ = dims
+    last = (BI // ROWS - 1,)
+    if blk >= NBW:
+        _ws_store_main(hregs, dims, kv_buf, q, last)
+        T.fence_proxy_async()  # generic-proxy stores must be visible to wgmma's async-proxy reads
+    T.barrier_arrive(kv_buf.ready)
+    hregs.rows_cur[0] = hregs.rows_next[0]
+    if more:
+        if blk + 1 >= NBW:
+            _ws_issue_main_loads(src, hregs, dims, b_i, q, last)
+        _ws_fetch_rows(src, dims, hregs.rows_next, b_i, s_i, blk + 2, q, last)
 
 
 @T.macro
@@ -1100,7 +1181,18 @@ class CompiledAttention:
         target = tilelang.tvm.target.Target(arch.tilelang_target())
         params = {
             k: config[k]
-            for k in ("block_I", "num_stages", "threads", "heads_per_block", "dequant", "schedule", "produce", "io", "consumers")
+            for k in (
+                "block_I",
+                "num_stages",
+                "threads",
+                "heads_per_block",
+                "dequant",
+                "schedule",
+                "produce",
+                "io",
+                "consumers",
+                "wg1_rows",
+            )
             if k in config
         }
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
@@ -1406,6 +1498,10 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         return None
 
     def producer(c, s, a):
+        if int(c.get("wg1_rows", 0)) and (
+            c["schedule"] != "ws" or c.get("produce", "serial") != "batched" or c.get("consumers", "wg0_scores") != "wg0_scores"
+        ):
+            return "wg1_rows fills rows in consumer warpgroup 1's wait for P: schedule=ws, produce=batched, consumers=wg0_scores"
         if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
             return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
         if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
@@ -1482,6 +1578,14 @@ class SparseAttnTile(Tile):
                     "dequant", ("direct", "staged"), "global bytes -> registers -> bf16 smem, or raw bytes -> smem (cp.async) -> bf16 smem"
                 )
             )
+            params.append(
+                Param(
+                    "wg1_rows",
+                    (0, 16),
+                    "rows of each FP4 main block that consumer warpgroup 1 gathers and dequantises in its wait for P "
+                    "(0: the producer warpgroup fills every row)",
+                )
+            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
         return SearchSpace(tuple(params), _constraints(self.kv_format))
@@ -1504,6 +1608,7 @@ class SparseAttnTile(Tile):
         cfg["ptxas_level"] = 10 if arch.family == "hopper" else 0
         if self.kv_format == "fp4":
             cfg["dequant"] = "direct"
+            cfg["wg1_rows"] = 0
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
         return cfg
