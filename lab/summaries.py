@@ -50,6 +50,19 @@ def bench_markdown(paths: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stale(tile_name: str | None, arch_name: str | None, config: dict) -> list[str]:
+    """Search-space parameters a stored winner does not name (``tiles.results.stale_params``); [] for unknown tiles."""
+    from tiles.arch import get_arch
+    from tiles.contract import TileError
+    from tiles.registry import get_tile
+    from tiles.results import stale_params
+
+    try:
+        return stale_params(get_tile(tile_name), get_arch(arch_name), config)
+    except (TileError, ValueError, TypeError):
+        return []
+
+
 def tuning_markdown(paths: list[Path]) -> str:
     """Winners against defaults from ``results/<arch>/<tile>.yaml`` files, with the geometric mean speedup."""
     lines = [
@@ -61,23 +74,32 @@ def tuning_markdown(paths: list[Path]) -> str:
         "| tile | shape | trials | outcomes | default ms | best ms | speedup | winner | date |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    speedups, commands = [], set()
+    speedups, commands, n_stale = [], set(), 0
     for path in sorted(paths):
         doc = yaml.safe_load(path.read_text())
         env = doc.get("environment", {})
-        commands.add(env.get("command"))
         for name, entry in sorted(doc.get("shapes", {}).items()):
+            # an entry kept from an earlier run carries that run's date and command
+            commands.add(entry.get("command", env.get("command")))
+            stale = _stale(doc.get("tile"), doc.get("arch"), entry.get("config", {}))
             sp = entry.get("speedup")
-            if sp:
+            if sp and not stale:
                 speedups.append(sp)
+            n_stale += bool(stale)
             outcomes = ", ".join(f"{k} {v}" for k, v in sorted(entry.get("outcomes", {}).items()))
             cfg = ", ".join(f"{k}={v}" for k, v in sorted(entry.get("config", {}).items()))
+            cfg += f" (**stale**: predates {', '.join(stale)}; the default runs)" if stale else ""
             lines.append(
                 f"| {doc.get('tile')} | {name} | {entry.get('trials')} | {outcomes} | {_f(entry.get('default_ms'), '.4f')}"
-                f" | {_f(entry.get('ms'), '.4f')} | {_f(sp, '.2f')}x | {cfg} | {env.get('date')} |"
+                f" | {_f(entry.get('ms'), '.4f')} | {_f(sp, '.2f')}x | {cfg} | {entry.get('date', env.get('date'))} |"
             )
     if speedups:
         geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-        lines += ["", f"Geometric mean speedup of the winners over the defaults: {geo:.2f}x over {len(speedups)} shapes."]
+        lines += [
+            "",
+            f"Geometric mean speedup of the current winners over the defaults: {geo:.2f}x over {len(speedups)} shape{'s' * (len(speedups) != 1)}.",
+        ]
+    if n_stale:
+        lines += ["", f"{n_stale} stale winners (tuned against an older default and search space) are left out of the mean."]
     lines += ["", "Commands:", ""] + [f"- `{c}`" for c in sorted(c for c in commands if c)]
     return "\n".join(lines) + "\n"

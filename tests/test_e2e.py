@@ -147,4 +147,4 @@ def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
     bench_md = (arch / "bench.md").read_text()
     assert "| toy | s1 | 0.5000 |" in bench_md and "4.0x" in bench_md and "25%" in bench_md
     tuning_md = (arch / "tuning.md").read_text()
-    assert "Geometric mean speedup of the winners over the defaults: 4.00x over 2 shapes" in tuning_md
+    assert "Geometric mean speedup of the current winners over the defaults: 4.00x over 2 shapes" in tuning_md

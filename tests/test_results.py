@@ -68,6 +68,18 @@ def test_export_merges_buckets(written):
     assert shapes["decode_n4k"]["config"] == cfg and shapes["prefill_n1m"]["config"] == other
 
 
+def test_merged_entries_keep_their_own_run(written):
+    """The file-level environment is the latest run's: each entry carries the date and command that made it."""
+    toy, root, path, _ = written
+    later = {**ENV, "date": "2026-02-02T00:00:00Z"}
+    other = {"block": 128, "schedule": "serial", "stages": 1}
+    export_results(toy, SM90, [_summary("prefill_n1m", other, 2.0, 2.0)], "lab tune --later", root, environment=later)
+    data = yaml.safe_load(path.read_text())
+    assert data["environment"]["date"] == later["date"]
+    assert (data["shapes"]["decode_n4k"]["date"], data["shapes"]["decode_n4k"]["command"]) == (ENV["date"], "lab tune --arch sm90")
+    assert (data["shapes"]["prefill_n1m"]["date"], data["shapes"]["prefill_n1m"]["command"]) == (later["date"], "lab tune --later")
+
+
 def test_export_is_atomic(written, monkeypatch):
     toy, root, path, _ = written
     before = path.read_text()

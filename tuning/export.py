@@ -47,6 +47,12 @@ def export_results(
     except ResultsError:
         old = None  # a corrupt file is replaced by this run's results rather than blocking them
     shapes = dict(old["shapes"]) if old else {}
+    if old:
+        # entries kept from an earlier run keep that run's date and command (the file-level block is this run's)
+        for entry in shapes.values():
+            entry.setdefault("date", old.get("environment", {}).get("date"))
+            entry.setdefault("command", old.get("environment", {}).get("command"))
+    env = environment if environment is not None else describe_environment()
     for s in summaries:
         if s.best is None:
             continue
@@ -63,8 +69,9 @@ def export_results(
             "trials": s.trials,
             "outcomes": dict(sorted(s.outcomes.items())),
             "study": s.study,
+            "date": env.get("date"),
+            "command": command,
         }
-    env = environment if environment is not None else describe_environment()
     # Plain scalars only: version objects (torch's TorchVersion) are str subclasses yaml.safe_dump refuses.
     env = {k: v if v is None or type(v) in (int, float, bool) else str(v) for k, v in env.items()}
     env["arch"] = arch.name
