@@ -536,26 +536,14 @@ def _sparse_attn_ws(
                 T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
                 T.barrier_arrive(bar_q)
 
+            if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
+                pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
+                balanced_args = (pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap)
+
             if tx < 128:
                 if balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
-                    _ws_balanced_consumer(
-                        _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev),
-                        _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final),
-                        bufs,
-                        b_i,
-                        s_i,
-                        h0,
-                        bz,
-                        n_blk,
-                        HB,
-                        BI,
-                        D2,
-                        NS,
-                        scale2,
-                        io,
-                        overlap,
-                    )
+                    _ws_balanced_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *balanced_args)
                 else:
                     T.set_max_nreg(240, 1)
                     if io == "staged":
@@ -598,23 +586,7 @@ def _sparse_attn_ws(
             elif tx < 256:
                 if balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
-                    _ws_balanced_consumer(
-                        _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1),
-                        _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final),
-                        bufs,
-                        b_i,
-                        s_i,
-                        h0,
-                        bz,
-                        n_blk,
-                        HB,
-                        BI,
-                        D2,
-                        NS,
-                        scale2,
-                        io,
-                        overlap,
-                    )
+                    _ws_balanced_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *balanced_args)
                 else:
                     T.set_max_nreg(168, 1)
                     if io == "staged":
