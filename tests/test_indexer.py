@@ -361,6 +361,29 @@ def test_ties_and_wrappers():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape_name", ["decode_b64_n32k", "decode_b1_n128k"])
+def test_candidate_pool_two_pass_is_exact(shape_name):
+    """select_algo=two_pass in the candidate pool (k = 2048 of the block maxima, coarse scores: heavy ties, and the
+    newest block forced to +inf): bit-exact against candidate_blocks, like the multipass select."""
+    arch = get_arch("sm90")
+    tile = ix.CANDIDATE_POOL
+    cfg = {**tile.default_config(arch), "select_algo": "two_pass"}
+    for shape in [tile.shape(shape_name), _odd(2, 3, 1001), _odd(1, 1, 5)]:
+        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"two_pass {shape.name}: {ev.message}"
+
+
+def test_candidate_pool_two_pass_builds():
+    """Not the pool's default (untimed at k = 2048), but in its space and compiled through tiles.radix_select."""
+    tile = ix.CANDIDATE_POOL
+    shape = tile.shape("decode_b64_n128k")
+    cfg = {**tile.default_config(SM90), "select_algo": "two_pass"}
+    assert tile.default_config(SM90)["select_algo"] == "multipass"
+    assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
+    assert tile.build(shape, cfg, SM90)[0]["select_algo"] == "two_pass"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.CANDIDATE_POOL], ids=lambda t: t.name)
 def test_65536_query_rows_launch(tile):
     """A 64K prefill has 65536 query rows: grid y stops at 65535, so the score and block-max kernels fold

@@ -99,6 +99,8 @@ def test_default_compiles_for_sm90(tile, shape_name):
     src = kernel.main.get_kernel_source()
     assert "wgmma" in src
     assert (kernel.combine is not None) == (kernel.n_split > 1)
+    if kernel.combine is not None:  # profilers must tell the combine from the attention kernel
+        assert "combine_kernel" in kernel.combine.get_kernel_source() and "main_kernel" in src
     # io=staged: Q arrives in 16-byte vectors per consumer warpgroup, never as 2-byte element copies (the
     # 384-thread copy that Nsight Compute found taking a third of the prefill kernel's stall samples)
     assert tile.default_config(SM90)["io"] == "staged"

@@ -477,6 +477,11 @@ def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
     return first, merge
 
 
+def build_kernels(arch: Arch, k: int, parts: int, config: Config | None = None):
+    """Compile (or fetch) the kernels one select of ``k`` in ``parts`` parts launches, for callers that build ahead."""
+    return _kernels(arch, k, check_config(config or {}, k), parts)
+
+
 def _check_inputs(scores: torch.Tensor, n_valid: torch.Tensor, k: int) -> tuple[int, int]:
     """(R, N) of valid inputs, else a TileError that names the problem."""
     if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or scores.dim() != 2:
