@@ -64,6 +64,12 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
+phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
+  mkdir -p "$OUT/scaling"
+  timeout "${SCALING_S:-150}" python3 gpu/attn_block_scaling.py --out "$OUT/scaling" --config "${SCALING_CONFIG:-{\}}" > "$OUT/scaling.log" 2>&1
+  note "attn-scaling rc=$? $(grep '^fit' "$OUT/scaling.log")"
+}
+
 phase_profile() {  # indexer and compressor: old and new paths, per-kernel CUDA time against the floor (gpu/profile_tiles.py)
   if [ -n "${PROFILE_ARGS:-}" ]; then  # a subset, e.g. PROFILE_ARGS="indexer_topk:decode_b64_n128k"
     # shellcheck disable=SC2086
