@@ -43,6 +43,8 @@ LABELS = {
     "overlap": {"consumers": "balanced_overlap"},  # ... and P V completes under the next block's QK^T
     "overlap_prefetch": {"consumers": "balanced_overlap", "produce": "prefetch"},
     "wg1": {"wg1_rows": 16},  # consumer warpgroup 1 dequantises the last 16 rows of each main block
+    "tpc2": {"tokens_per_cta": 2},  # each CTA runs two (token, head block) items, the producer running ahead
+    "tpc4": {"tokens_per_cta": 4},
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -97,6 +99,16 @@ CHECKS += [
     ("sparse_attn_decode", W37, "wg1"),
     ("sparse_attn_prefill", S777, "wg1"),
 ]
+for _label in ("tpc2", "tpc4"):
+    CHECKS += [
+        ("sparse_attn_prefill", "prefill_s4k", _label),
+        ("sparse_attn_decode", "decode_b128_s2", _label),
+        ("sparse_attn_decode", "decode_b64_s1", _label),
+        ("sparse_attn_decode", H128, _label),
+        ("sparse_attn_decode", W37, _label),
+        ("sparse_attn_prefill", S777, _label),
+        ("sparse_attn_bf16", "prefill_s4k", _label),
+    ]
 for _label in ("balanced", "overlap", "overlap_prefetch"):
     CHECKS += [
         ("sparse_attn_prefill", "prefill_s4k", _label),

@@ -157,6 +157,19 @@ def test_wg1_rows_compiles_for_sm90(tile, shape_name):
         assert any("wg1_rows" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
+@pytest.mark.parametrize("tpc", [2, 4])
+def test_tokens_per_cta_compiles_for_sm90(tpc):
+    """tokens_per_cta (GPU checks in GPU_CASES): each CTA loops over tpc (token, head block) items, the barrier phases
+    running on across them; the grid shrinks by tpc. Refused with the producers and consumers it does not cover."""
+    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
+    config = {**tile.default_config(SM90), "tokens_per_cta": tpc}
+    assert tile.search_space(SM90).violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    assert f"for (int j = 0; j < {tpc}; ++j)" in src and "bar_q[0].wait((j & 1))" in src
+    for other in ({"produce": "prefetch"}, {"consumers": "balanced"}, {"wg1_rows": 16}, {"io": "direct"}):
+        assert any("tokens_per_cta" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
+
+
 def test_ws_only_choices_fall_back_for_other_schedules():
     """{"schedule": "pipelined"} alone is valid: produce and io are the ws schedule's choices and fall back."""
     cfg = sa.DECODE_TILE.with_defaults(SM90, {"schedule": "pipelined"})
@@ -249,6 +262,11 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b64_s1", {"produce": "prefetch"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"produce": "prefetch", "n_split": 4}),  # CTAs that start on a main block
     (sa.DECODE_TILE, "decode_b64_s1", {"n_split": 2, "block_I": 32}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"tokens_per_cta": 2}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"tokens_per_cta": 8}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"tokens_per_cta": 2}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"tokens_per_cta": 4, "n_split": 2}),  # one token per batch: items past S idle
+    (sa.BF16_TILE, "prefill_s4k", {"tokens_per_cta": 4}),
     (sa.DECODE_TILE, "decode_b64_s1", {"wg1_rows": 16}),
     (sa.DECODE_TILE, "decode_b128_s2", {"wg1_rows": 16}),
     (sa.DECODE_TILE, "decode_b128_s2", {"wg1_rows": 16, "n_split": 4}),  # CTAs that start on a main block
@@ -299,6 +317,16 @@ ODD_SHAPES = [
 @pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
 def test_tile_odd_shapes(tile, shape):
     _check(tile, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("tpc", [2, 4])
+def test_tokens_per_cta_odd_shapes(tpc, shape):
+    """Several tokens per CTA with S (x head blocks) not a multiple of it (S=777, S=63), H=128 (two head blocks per
+    token, consecutive items), odd block counts per token (W=37, K=100: the buffer parity runs on across tokens)."""
+    tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
+    _check(tile, shape, {"tokens_per_cta": tpc})
 
 
 @pytest.mark.gpu

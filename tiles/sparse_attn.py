@@ -161,6 +161,7 @@ def sparse_attn_kernel(
     io: str = "direct",
     consumers: str = "wg0_scores",
     wg1_rows: int = 0,
+    tokens_per_cta: int = 1,
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -175,7 +176,20 @@ def sparse_attn_kernel(
     """
     if schedule == "ws":
         return _sparse_attn_ws(
-            heads, dim, window, topk, sm_scale, kv_format, n_split, block_I, heads_per_block, produce, io, consumers, wg1_rows
+            heads,
+            dim,
+            window,
+            topk,
+            sm_scale,
+            kv_format,
+            n_split,
+            block_I,
+            heads_per_block,
+            produce,
+            io,
+            consumers,
+            wg1_rows,
+            tokens_per_cta,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -375,6 +389,7 @@ def _sparse_attn_ws(
     io="direct",
     consumers="wg0_scores",
     wg1_rows=0,
+    tokens_per_cta=1,
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -420,6 +435,12 @@ def _sparse_attn_ws(
     a filled buffer, and warpgroup 1 waited 67% of its time for P. With 16: warpgroup 1 fills the last 16 rows of
     block i + 1 while warpgroup 0 computes block i's scores (its loads issued a block ahead), the producer the first
     48, both arriving on the buffer's ready barrier.
+
+    ``tokens_per_cta`` (1, 2, 4, 8; batched producer, ``wg0_scores``, io=staged): each CTA runs that many consecutive
+    (token, head block) items in turn. At ~205 KiB of shared memory one CTA holds an SM, so a CTA's prologue (Q
+    load, the producer's first gather and dequant) and epilogue (sink, O store) overlap nothing; with several tokens
+    per CTA the producer runs on into the next token's blocks (its index prefetch crosses the boundary) while the
+    consumers finish this one, and buffer and barrier phases run on across tokens.
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -437,6 +458,7 @@ def _sparse_attn_ws(
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
     prefetch = produce == "prefetch"  # the batched producer with the next main block's loads issued early
     helped = wg1_rows > 0  # consumer warpgroup 1 fills the last pass of rows of each main block
+    TPC = tokens_per_cta
     main_passes = tuple(range(BI // ROWS - 1)) if helped else None  # the producer's passes over a main block
     balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
@@ -461,7 +483,7 @@ def _sparse_attn_ws(
         Out: T.Tensor(out_shape, bf16 if NS == 1 else f32),
         LsePart: T.Tensor([B, S, NS, H], f32),
     ):
-        with T.Kernel(S * REP, B, NS, threads=384) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(S * REP, TPC) if TPC > 1 else S * REP, B, NS, threads=384) as (bx, by, bz):
             if batched and fp4:
                 T.import_source(_DEQUANT_CUDA)
             Q_l = T.alloc_shared([HB, D2], bf16)
@@ -537,6 +559,32 @@ def _sparse_attn_ws(
                 T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
                 T.barrier_arrive(bar_q)
 
+            cta = _WsCta(
+                Q,
+                Q_l,
+                Q_r,
+                Out,
+                LsePart,
+                Sink,
+                S_shared,
+                alpha_shared,
+                final_shared,
+                bufs,
+                bar_q,
+                bar_final,
+                bar_s_ready,
+                bar_s_free,
+                b_i,
+                bz,
+                lo,
+                n_blk,
+                HB,
+                BI,
+                D2,
+                NS,
+                scale2,
+                io,
+            )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
                 balanced_args = (pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap)
@@ -547,98 +595,35 @@ def _sparse_attn_ws(
                     _ws_balanced_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *balanced_args)
                 else:
                     T.set_max_nreg(240, 1)
-                    if io == "staged":
-                        T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
-                        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
-                        T.barrier_arrive(bar_q)
-                    T.fill(sumexp, 0)
-                    T.fill(m_i, -(2**30))
-                    T.fill(acc_o_l, 0)
-                    T.barrier_wait(bar_q, 0)
                     sm = _WsSoftmax(
                         Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free
                     )
-                    for it in T.serial(n_blk):
-                        if it % 2 == 0:
-                            _ws_softmax_step(sm, bufs[0], it, HB, BI, D2, scale2)
-                        else:
-                            _ws_softmax_step(sm, bufs[1], it, HB, BI, D2, scale2)
-                    if NS == 1:
-                        for h in T.Parallel(HB):
-                            alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
-                            sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
-                            final_shared[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
+                    if TPC == 1:
+                        _ws_wg0_token(cta, sm, s_i, h0, 0)
                     else:
-                        for h in T.Parallel(HB):
-                            final_shared[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
-                            LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
-                                sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity(f32)
-                            )
-                    T.barrier_arrive(bar_final)
-                    for h, d in T.Parallel(HB, D2):
-                        acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
-                    if NS == 1 and io == "staged":
-                        T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
-                        T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
-                    elif NS == 1:
-                        T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
-                    else:
-                        T.copy(acc_o_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
+                        for j in T.serial(TPC):
+                            if bx * TPC + j < S * REP:
+                                _ws_wg0_token(cta, sm, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif tx < 256:
                 if balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
                     _ws_balanced_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *balanced_args)
                 else:
                     T.set_max_nreg(168, 1)
-                    if io == "staged":
-                        T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(bar_q)
-                    T.fill(acc_o_r, 0)
                     if helped:
                         q = tx - 128
                         hsrc = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                         hregs = _WsRegisters(h_rows_cur, h_rows_next, h_raw, h_rawsc, h_vals)
                         hdims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc)
-                        last = (BI // ROWS - 1,)
-                        _ws_fetch_rows(hsrc, hdims, h_rows_cur, b_i, s_i, lo, q, last)
-                        _ws_fetch_rows(hsrc, hdims, h_rows_next, b_i, s_i, lo + 1, q, last)
-                        if lo >= NBW:
-                            _ws_issue_main_loads(hsrc, hregs, hdims, b_i, q, last)
-                        # the CTA's first block: both buffers start free
-                        _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo, q, n_blk > 1)
-                    for it in T.serial(n_blk):
-                        if helped:  # noqa: SIM102  (a Python flag around a TileLang condition)
-                            # block it + 1 goes to the buffer block it - 1 used: free once both P V of it - 1 are done
-                            if it + 1 < n_blk:
-                                if it % 2 == 0:
-                                    T.barrier_wait(bar_k1_free, (((it + 1) // 2) & 1) ^ 1)
-                                    _ws_wg1_fill(hsrc, hregs, hdims, bufs[1], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
-                                else:
-                                    T.barrier_wait(bar_k0_free, (((it + 1) // 2) & 1) ^ 1)
-                                    _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
-                        T.barrier_arrive(bar_s_ready)
-                        T.barrier_wait(bar_s_ready, it & 1)
-                        for h, d in T.Parallel(HB, D2):
-                            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-                        if it % 2 == 0:
-                            T.gemm(S_shared, KV0_r, acc_o_r)
-                            T.barrier_arrive(bar_k0_free)
-                        else:
-                            T.gemm(S_shared, KV1_r, acc_o_r)
-                            T.barrier_arrive(bar_k1_free)
-                        T.barrier_arrive(bar_s_free)
-                    T.barrier_arrive(bar_final)
-                    T.barrier_wait(bar_final, 0)
-                    for h, d in T.Parallel(HB, D2):
-                        acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
-                    if NS == 1 and io == "staged":
-                        T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
-                        T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
-                    elif NS == 1:
-                        T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2:D])
+                        helper = _WsHelper(hsrc, hregs, hdims, q)
                     else:
-                        T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2:D])
+                        helper = None
+                    if TPC == 1:
+                        _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, 0)
+                    else:
+                        for j in T.serial(TPC):
+                            if bx * TPC + j < S * REP:
+                                _ws_wg1_token(cta, acc_o_r, helper, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif batched:
                 # 240 + 168 + 96 (balanced: 200 + 200 + 104) = 504 registers per thread slot: what the 384-thread
                 # launch allocates (168 x 3)
@@ -647,25 +632,43 @@ def _sparse_attn_ws(
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
                 dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc)
-                _ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
+                if TPC > 1:
+                    # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
+                    # reads a clamped token's rows, never used)
+                    _ws_fetch_rows(src, dims, rows_cur, b_i, (bx * TPC) // REP, lo, p)
+                    for j in T.serial(TPC):
+                        if bx * TPC + j < S * REP:
+                            for it in T.serial(n_blk):
+                                s_cur = (bx * TPC + j) // REP
+                                s_nxt = T.if_then_else(it + 1 < n_blk, s_cur, T.min((bx * TPC + j + 1) // REP, S - 1))
+                                b_nxt = T.if_then_else(it + 1 < n_blk, lo + it + 1, lo)
+                                if (j * n_blk + it) % 2 == 0:
+                                    T.barrier_wait(bar_k0_free, (((j * n_blk + it) // 2) & 1) ^ 1)
+                                    _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
+                                else:
+                                    T.barrier_wait(bar_k1_free, (((j * n_blk + it) // 2) & 1) ^ 1)
+                                    _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
+                else:
+                    _ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
                 if prefetch:  # noqa: SIM102  (a Python flag around a TileLang condition: they cannot be joined with `and`)
                     if lo >= NBW:  # the first block is a main one: its loads go out before the first free buffer
                         _ws_issue_main_loads(src, regs, dims, b_i, p)
                         _ws_fetch_rows(src, dims, rows_next, b_i, s_i, lo + 1, p)
-                for it in T.serial(n_blk):
-                    blk = lo + it
-                    if it % 2 == 0:
-                        T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
-                        if prefetch:
-                            _ws_produce_prefetch(src, regs, dims, bufs[0], b_i, s_i, blk, p, it + 1 < n_blk)
+                if TPC == 1:
+                    for it in T.serial(n_blk):
+                        blk = lo + it
+                        if it % 2 == 0:
+                            T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
+                            if prefetch:
+                                _ws_produce_prefetch(src, regs, dims, bufs[0], b_i, s_i, blk, p, it + 1 < n_blk)
+                            else:
+                                _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4, main_passes)
                         else:
-                            _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4, main_passes)
-                    else:
-                        T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
-                        if prefetch:
-                            _ws_produce_prefetch(src, regs, dims, bufs[1], b_i, s_i, blk, p, it + 1 < n_blk)
-                        else:
-                            _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4, main_passes)
+                            T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
+                            if prefetch:
+                                _ws_produce_prefetch(src, regs, dims, bufs[1], b_i, s_i, blk, p, it + 1 < n_blk)
+                            else:
+                                _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4, main_passes)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -871,6 +874,144 @@ def _ws_balanced_step(half, pair, buf, prev_buf, it, HB, BI2, D2, scale2, overla
         T.barrier_arrive(bar_free)
 
 
+class _WsCta(NamedTuple):
+    """What the ws consumer warpgroups share for the whole CTA: tensors, shared tiles, barriers, the split's block range."""
+
+    Q: Any
+    Q_l: Any
+    Q_r: Any
+    Out: Any
+    LsePart: Any
+    Sink: Any
+    S_shared: Any
+    alpha_shared: Any
+    final_shared: Any
+    bufs: Any  # the two _WsBuffer
+    bar_q: Any
+    bar_final: Any
+    bar_s_ready: Any
+    bar_s_free: Any
+    b_i: Any
+    bz: Any  # the split
+    lo: Any  # its first block
+    n_blk: Any  # its blocks per token
+    HB: int
+    BI: int
+    D2: int
+    NS: int
+    scale2: float
+    io: str
+
+
+class _WsHelper(NamedTuple):
+    """Consumer warpgroup 1's producer registers and sources under ``wg1_rows`` (see :func:`_ws_wg1_fill`)."""
+
+    src: Any
+    regs: Any
+    dims: Any
+    q: Any  # its thread index 0..127
+
+
+@T.macro
+def _ws_wg0_token(cta, sm, s_i, h0, j):
+    """Consumer warpgroup 0 on token ``s_i`` (head block ``h0``), the CTA's ``j``-th: Q_l, the block loop (S, online
+    softmax, left half of O), the sink and the O_l store. Block ``it`` of the token is the CTA's ``j * n_blk + it``-th:
+    buffer and barrier phases run on across the CTA's tokens."""
+    Q, Out, LsePart, Sink, HB, D2, NS, scale2 = cta.Q, cta.Out, cta.LsePart, cta.Sink, cta.HB, cta.D2, cta.NS, cta.scale2
+    b_i, bz, n_blk, final_shared = cta.b_i, cta.bz, cta.n_blk, cta.final_shared
+    Q_l, acc_o_l, sumexp, sumexp_i, alpha, m_i = sm.Q_l, sm.acc_o, sm.sumexp, sm.sumexp_i, sm.alpha, sm.m_i
+    BI = cta.BI
+    if cta.io == "staged":
+        T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
+        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
+        T.barrier_arrive(cta.bar_q)
+    T.fill(sumexp, 0)
+    T.fill(m_i, -(2**30))
+    T.fill(acc_o_l, 0)
+    T.barrier_wait(cta.bar_q, j & 1)
+    for it in T.serial(n_blk):
+        if (j * n_blk + it) % 2 == 0:
+            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2)
+        else:
+            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2)
+    if NS == 1:
+        for h in T.Parallel(HB):
+            alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
+            sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
+            final_shared[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
+    else:
+        for h in T.Parallel(HB):
+            final_shared[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
+            LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
+                sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity("float32")
+            )
+    T.barrier_arrive(cta.bar_final)
+    for h, d in T.Parallel(HB, D2):
+        acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
+    if NS == 1 and cta.io == "staged":
+        T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
+        T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+    elif NS == 1:
+        T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+    else:
+        T.copy(acc_o_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
+
+
+@T.macro
+def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
+    """Consumer warpgroup 1 on token ``s_i``, the CTA's ``j``-th: Q_r, the right half of O += P V per block (P and
+    its rescale from warpgroup 0 through S_shared/alpha_shared), the final scale and the O_r store. ``helper``
+    (``wg1_rows``, one token per CTA only): also fill the last 16 rows of each main block, one block ahead."""
+    Q, Out, HB, D2, NS, b_i, bz, lo, n_blk = cta.Q, cta.Out, cta.HB, cta.D2, cta.NS, cta.b_i, cta.bz, cta.lo, cta.n_blk
+    Q_r, S_shared, alpha_shared, final_shared, bufs = cta.Q_r, cta.S_shared, cta.alpha_shared, cta.final_shared, cta.bufs
+    if cta.io == "staged":
+        T.copy(Q[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2], Q_r)
+        T.fence_proxy_async()
+        T.barrier_arrive(cta.bar_q)
+    T.fill(acc_o_r, 0)
+    if helper is not None:
+        hsrc, hregs, hdims, q = helper
+        last = (hdims.BI // hdims.ROWS - 1,)
+        _ws_fetch_rows(hsrc, hdims, hregs.rows_cur, b_i, s_i, lo, q, last)
+        _ws_fetch_rows(hsrc, hdims, hregs.rows_next, b_i, s_i, lo + 1, q, last)
+        if lo >= hdims.NBW:
+            _ws_issue_main_loads(hsrc, hregs, hdims, b_i, q, last)
+        # the CTA's first block: both buffers start free
+        _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo, q, n_blk > 1)
+    for it in T.serial(n_blk):
+        if helper is not None:  # noqa: SIM102  (a Python flag around a TileLang condition)
+            # block it + 1 goes to the buffer block it - 1 used: free once both P V of it - 1 are done
+            if it + 1 < n_blk:
+                if it % 2 == 0:
+                    T.barrier_wait(bufs[1].free, (((it + 1) // 2) & 1) ^ 1)
+                    _ws_wg1_fill(hsrc, hregs, hdims, bufs[1], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
+                else:
+                    T.barrier_wait(bufs[0].free, (((it + 1) // 2) & 1) ^ 1)
+                    _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
+        T.barrier_arrive(cta.bar_s_ready)
+        T.barrier_wait(cta.bar_s_ready, (j * n_blk + it) & 1)
+        for h, d in T.Parallel(HB, D2):
+            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
+        if (j * n_blk + it) % 2 == 0:
+            T.gemm(S_shared, bufs[0].KV_r, acc_o_r)
+            T.barrier_arrive(bufs[0].free)
+        else:
+            T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
+            T.barrier_arrive(bufs[1].free)
+        T.barrier_arrive(cta.bar_s_free)
+    T.barrier_arrive(cta.bar_final)
+    T.barrier_wait(cta.bar_final, j & 1)
+    for h, d in T.Parallel(HB, D2):
+        acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
+    if NS == 1 and cta.io == "staged":
+        T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
+        T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
+    elif NS == 1:
+        T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
+    else:
+        T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])
+
+
 class _WsBuffer(NamedTuple):
     """One of the ws kernel's two KV buffers: its halves, row-valid flags, and the barriers that hand it over."""
 
@@ -955,15 +1096,19 @@ def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
 
 
 @T.macro
-def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_passes=None):
+def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_passes=None, s_next=None, blk_next=None):
     """Fill one KV buffer with block ``blk`` (batched producer), fetching block ``blk + 1``'s rows meanwhile.
 
     Thread p owns rows rr * ROWS + p // 8 and, of each half of a row, the 32 columns from (p % 8) * 32
     (FP4/FP8) or the four 8-column chunks at 64 u + (p % 8) * 8 (bf16, 128 contiguous bytes per u across
     the row's 8 threads). An unused row (-1) gets zeros (FP4/FP8: its scale is zeroed) or a copy of row 0
-    (bf16 by cp.async); either way its score is -inf, so it adds nothing.
+    (bf16 by cp.async); either way its score is -inf, so it adds nothing. ``s_next``/``blk_next``: the token and
+    block whose rows to fetch next (default: block ``blk + 1`` of the same token; ``tokens_per_cta`` crosses into
+    the next token).
     """
     WinA, WinB, _, MainA, _, _ = src
+    if s_next is None:
+        s_next, blk_next = s_i, blk + 1
     rows_cur, rows_next, raw, rawsc, vals = regs
     KV_l, KV_r, valid, bar_ready = kv_buf.KV_l, kv_buf.KV_r, kv_buf.valid, kv_buf.ready
     _, _, BI, NBW, ROWS, D2, _, _ = dims
@@ -983,7 +1128,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
                 else:
                     T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(MainA[b_i, row, col], "r", 8), 8)
                     T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(MainA[b_i, row, D2 + col], "r", 8), 8)
-        _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 1, p)
+        _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
         T.cp_async_barrier_noinc(bar_ready)
     else:
         if blk < NBW:
@@ -996,7 +1141,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
                             raw[(q * 2 + h) * 8 + v] = WinA[b_i, row, (h * D2 + c * 32) // 4 + v]
                         rawsc[q * 2 + h] = WinB[b_i, row, (h * D2 + c * 32) // 32]
                 if bt == 0:
-                    _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 1, p)
+                    _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
                 for q in T.unroll(R // 2):
                     rr = bt * (R // 2) + q
                     for h, buf in ((0, KV_l), (1, KV_r)):
@@ -1011,7 +1156,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
             # (main_passes: the passes this warpgroup fills, when consumer warpgroup 1 fills the last one)
             _ws_issue_main_loads(src, regs, dims, b_i, p, main_passes)
-            _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 1, p)
+            _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
             _ws_store_main(regs, dims, kv_buf, p, main_passes)
         # generic-proxy stores must be visible to wgmma's async-proxy reads
         T.fence_proxy_async()
@@ -1165,6 +1310,7 @@ class CompiledAttention:
                 "io",
                 "consumers",
                 "wg1_rows",
+                "tokens_per_cta",
             )
             if k in config
         }
@@ -1475,6 +1621,14 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             c["schedule"] != "ws" or c.get("produce", "serial") != "batched" or c.get("consumers", "wg0_scores") != "wg0_scores"
         ):
             return "wg1_rows fills rows in consumer warpgroup 1's wait for P: schedule=ws, produce=batched, consumers=wg0_scores"
+        if int(c.get("tokens_per_cta", 1)) > 1 and (
+            c["schedule"] != "ws"
+            or c.get("produce", "serial") != "batched"
+            or c.get("consumers", "wg0_scores") != "wg0_scores"
+            or int(c.get("wg1_rows", 0))
+            or c.get("io", "direct") != "staged"
+        ):
+            return "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0, io=staged"
         if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
             return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
         if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
@@ -1540,6 +1694,12 @@ class SparseAttnTile(Tile):
                 "P V left in flight under the next block's QK^T)",
             ),
             Param(
+                "tokens_per_cta",
+                (1, 2, 4, 8),
+                "ws (token, head block) items each CTA runs in turn: the producer runs on into the next token while the "
+                "consumers finish this one (one CTA holds an SM, so its prologue and epilogue overlap nothing otherwise)",
+            ),
+            Param(
                 "ptxas_level",
                 (0, 10),
                 "ptxas --register-usage-level (0: its default, 5); TileLang's sparse_mla_fwd_pipelined example compiles with 10",
@@ -1574,6 +1734,7 @@ class SparseAttnTile(Tile):
             cfg = {"schedule": "pipelined", "block_I": 32, "num_stages": 1, "threads": 128, "heads_per_block": 32}
         cfg.setdefault("produce", "serial")
         cfg["consumers"] = "wg0_scores"
+        cfg["tokens_per_cta"] = 1
         # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json)
         cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
@@ -1591,7 +1752,7 @@ class SparseAttnTile(Tile):
         ``config`` picks another schedule without naming them: {"schedule": "pipelined"} alone is a valid config."""
         cfg = {**self.default_config(arch), **config}
         if cfg["schedule"] != "ws":
-            for key, plain in (("produce", "serial"), ("io", "direct"), ("consumers", "wg0_scores")):
+            for key, plain in (("produce", "serial"), ("io", "direct"), ("consumers", "wg0_scores"), ("tokens_per_cta", 1)):
                 cfg[key] = config.get(key, plain)
         return cfg
 
