@@ -373,6 +373,28 @@ def test_candidate_pool_two_pass_is_exact(shape_name):
         assert ev.outcome == OK, f"two_pass {shape.name}: {ev.message}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_name", ["decode_b64_n32k", "decode_b1_n128k"])
+def test_reindex_two_pass_matches_reference(shape_name):
+    """select_algo=two_pass in Reindex: slots mapped back to cache positions through a position map; unused pool
+    blocks (-1) and invisible slots score -inf and are never chosen."""
+    arch = get_arch("sm90")
+    tile = ix.REINDEX_TOPK
+    cfg = {**tile.default_config(arch), "select_algo": "two_pass"}
+    for shape in [tile.shape(shape_name), _odd(3, 2, 4001), _odd(2, 1, 77)]:
+        ev = evaluate(tile, shape, cfg, arch, seed=9, time_it=False)
+        assert ev.outcome == OK, f"two_pass {shape.name}: {ev.message}"
+
+
+def test_reindex_two_pass_builds():
+    tile = ix.REINDEX_TOPK
+    shape = tile.shape("decode_b64_n128k")
+    cfg = {**tile.default_config(SM90), "select_algo": "two_pass"}
+    assert tile.default_config(SM90)["select_algo"] == "multipass"
+    assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
+    assert tile.build(shape, cfg, SM90)[0]["select_algo"] == "two_pass"
+
+
 def test_candidate_pool_two_pass_builds():
     """Not the pool's default (untimed at k = 2048), but in its space and compiled through tiles.radix_select."""
     tile = ix.CANDIDATE_POOL

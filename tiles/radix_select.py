@@ -477,6 +477,17 @@ def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
     return first, merge
 
 
+def remapped_kernel(arch: Arch, k: int, config: Config | None = None):
+    """The one-launch select whose chosen columns are reported through a position map (every column a candidate):
+    ``fn(values [R, L] fp32, n_valid [R] (not read), pos_map [R, L] int32, out [R, k] int32, out_val [R, 1])`` writes
+    ``pos_map[r, c]`` for each chosen column c, in column order, -1 fill. The merge launch of the parts path is this
+    kernel; Reindex uses it to map candidate slots back to cache positions."""
+    cfg = check_config(config or {}, k)
+    return select_kernel(
+        arch.nvcc_arch, k, cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"], parts=1, remap=True, all_valid=True
+    )
+
+
 def build_kernels(arch: Arch, k: int, parts: int, config: Config | None = None):
     """Compile (or fetch) the kernels one select of ``k`` in ``parts`` parts launches, for callers that build ahead."""
     return _kernels(arch, k, check_config(config or {}, k), parts)
