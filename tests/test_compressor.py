@@ -6,6 +6,9 @@ random data (prefill and decode shapes, G not a multiple of the block), outputs 
 two runs bitwise equal; the decode tail state gives the same entry as the whole group.
 """
 
+import itertools
+
+import numpy as np
 import pytest
 import torch
 
@@ -161,3 +164,170 @@ def test_smem_constraint_refuses_what_the_h200_refused():
     bad = {"block_g": 16, "threads": 256, "proj": "tf32x3", "k_chunk": 64, "load": "staged"}
     assert any("shared memory" in r for r in space.violations(bad, shape, arch))
     assert space.violations(tile.default_config(arch), shape, arch) == []
+
+
+# ---------------------------------------------------------------------------------- encode="thresholds" (CPU proofs)
+# The kernel's division-free E2M1 codes against the reference (model.formats: clamp(x / s) then the midpoint
+# comparisons, IEEE fp32 division on the CPU). Each pass "fl(|x| / s) beyond m_k" and each bound "|x| beyond t_k"
+# is monotone in |x|, so the two agree on every fp32 x once they agree on the floats next to t_k: the windows
+# below cover every bound of every scale byte the kernel can produce, which makes the check exhaustive.
+
+E4M3_SCALE_BYTES = range(0x01, 0x7F)  # raw = clamp(max(amax, 6 * 2^-9) / 6, max=448): 2^-9 (0x01) .. 448 (0x7E)
+WINDOW = 64  # floats on each side of every bound
+
+
+def _f32_round(r: float, up: bool) -> float:
+    """The fp32 neighbour of the real ``r`` (exact in float64) in the given direction: RU or RD."""
+    f = np.float32(r)
+    if up and float(f) < r:
+        f = np.nextafter(f, np.float32(np.inf))
+    if not up and float(f) > r:
+        f = np.nextafter(f, np.float32(-np.inf))
+    return float(f)
+
+
+def _bounds(s: float) -> tuple[list[float], float]:
+    """The kernel's t_k and t_neg for scale s (what __fmaf_rd/__fmaf_ru/__fmul_rd compute: exact product, one rounding)."""
+    t = [_f32_round((m + h) * s, up=False) if k % 2 == 0 else _f32_round((m - h) * s, up=True) for k, (m, h) in enumerate(cp.E2M1_BOUNDS)]
+    return t, _f32_round(s * 2.0**-150, up=False)
+
+
+def _window(center: float) -> torch.Tensor:
+    """fp32 values at and next to ``center`` (>= 0): WINDOW floats on each side in bit order, both signs."""
+    bits = int(np.float32(center).view(np.int32))
+    b = torch.arange(max(bits - WINDOW, 0), bits + WINDOW + 1, dtype=torch.int64).to(torch.int32)
+    x = b.view(torch.float32)
+    return torch.cat([x, -x])
+
+
+def _specials() -> torch.Tensor:
+    vals = [
+        0.0,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        3.4028234663852886e38,
+        -3.4028234663852886e38,
+        1e-45,
+        -1e-45,
+        1.1754942e-38,
+    ]
+    rand = torch.randint(-(2**31), 2**31 - 1, (4096,), generator=torch.Generator().manual_seed(7), dtype=torch.int64).to(torch.int32)
+    return torch.cat(
+        [
+            torch.tensor(vals, dtype=torch.float32),
+            rand.view(torch.float32),
+            torch.randn(4096, generator=torch.Generator().manual_seed(8)) * 30,
+        ]
+    )
+
+
+def _code_bounded(x: torch.Tensor, t: list[float], t_neg: float) -> torch.Tensor:
+    """Python mirror of csa2_e2m1_bounded (tiles/compressor.py, _bounds_cuda): the 3-level search."""
+    a = x.abs()
+    tt = torch.tensor(t, dtype=torch.float32)
+    ge4 = a >= tt[3]
+    ge2 = a >= torch.where(ge4, tt[5], tt[1])
+    odd = a > torch.where(ge4, torch.where(ge2, tt[6], tt[4]), torch.where(ge2, tt[2], tt[0]))
+    return (ge4.to(torch.uint8) * 4) | (ge2.to(torch.uint8) * 2) | odd.to(torch.uint8) | ((x < -t_neg).to(torch.uint8) * 8)
+
+
+def test_threshold_encode_equals_reference_for_every_e4m3_scale():
+    for byte in E4M3_SCALE_BYTES:
+        s_t = formats.e4m3_decode(torch.tensor([byte], dtype=torch.uint8))
+        s = float(s_t)
+        t, t_neg = _bounds(s)
+        assert all(a < b for a, b in itertools.pairwise(t)), (byte, t)  # the search needs increasing bounds
+        centers = [*t, t_neg, *(m * s for m, _ in cp.E2M1_BOUNDS)]
+        x = torch.cat([_window(c) for c in centers] + [_specials()])
+        q = torch.clamp(x / s_t, -6.0, 6.0)
+        # Per bound: the kernel's comparison equals the reference's rounded comparison (monotone, so everywhere).
+        for k, (m, _) in enumerate(cp.E2M1_BOUNDS):
+            ref = (q.abs() > m) if k % 2 == 0 else (q.abs() >= m)
+            got = (x.abs() > t[k]) if k % 2 == 0 else (x.abs() >= t[k])
+            assert torch.equal(ref, got), (byte, k)
+        assert torch.equal(q < 0, x < -t_neg), byte
+        assert torch.equal(_code_bounded(x, t, t_neg), formats.e2m1_encode(q)), byte
+
+
+def test_bounds_cuda_matches_the_model():
+    """The generated CUDA spells the same m_k, h_k and rounding directions the Python proof uses."""
+    src = cp._bounds_cuda()
+    for k, (m, h) in enumerate(cp.E2M1_BOUNDS):
+        fn, sign = ("__fmaf_rd", "") if k % 2 == 0 else ("__fmaf_ru", "-")
+        assert f"t[{k}] = {fn}(s, {m!r}f, s * {sign}{h.hex()}f);" in src
+    assert "__fmul_rd(s * 0x1p-126f, 0x1p-24f)" in src
+
+
+def test_e8m0_inverse_multiply_equals_division():
+    """Index cache: x * 2^(127 - b) (the kernel's inverse bits) is x / 2^(b - 127) bit for bit, and the 3-level
+    search on it equals e2m1_encode(clamp(.)) (the clamp changes no code)."""
+    mids = [m for m, _ in cp.E2M1_BOUNDS]
+    for byte in range(1, 255):
+        inv_bits = (254 - byte) << 23 if byte <= 253 else 0x00400000
+        inv = torch.tensor([inv_bits], dtype=torch.int32).view(torch.float32)
+        s = formats.e8m0_decode(torch.tensor([byte], dtype=torch.uint8))
+        assert float(inv) * float(s) == 1.0
+        x = torch.cat([_window(min(m * float(s), 3.4e38)) for m in mids] + [_specials(), _window(float(s) * 2.0**-149)])
+        v = x * inv
+        d = x / s
+        assert torch.equal(torch.isnan(v), torch.isnan(d)), byte
+        assert torch.equal(v[~torch.isnan(v)].view(torch.int32), d[~torch.isnan(d)].view(torch.int32)), byte
+        a = v.abs()
+        ge4 = a >= 1.75
+        ge2 = a >= torch.where(ge4, torch.tensor(3.5), torch.tensor(0.75))
+        odd = a > torch.where(
+            ge4, torch.where(ge2, torch.tensor(5.0), torch.tensor(2.5)), torch.where(ge2, torch.tensor(1.25), torch.tensor(0.25))
+        )
+        code = (ge4.to(torch.uint8) * 4) | (ge2.to(torch.uint8) * 2) | odd.to(torch.uint8) | ((v < 0).to(torch.uint8) * 8)
+        assert torch.equal(code, formats.e2m1_encode(torch.clamp(x / s, -6.0, 6.0))), byte
+
+
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_threshold_encode_compiles_sm90_and_is_in_the_space(ratio):
+    shape = cp.COMPRESSOR.shape(f"prefill_r{ratio}_s4k")
+    space = cp.COMPRESSOR.search_space(SM90)
+    assert "thresholds" in {p.name: p.choices for p in space.params}["encode"]
+    cfg = {**cp.COMPRESSOR.default_config(SM90), "encode": "thresholds"}
+    assert cp.COMPRESSOR.default_config(SM90)["encode"] == "divide"  # the default changes only after a GPU measurement
+    assert space.violations(cfg, shape, SM90) == []
+    kernel = cp.COMPRESSOR.build(shape, cfg, SM90)
+    src = kernel.get_kernel_source()
+    assert "csa2_e2m1_pair_bounded" in src and "__fmaf_rd" in src
+    # No IEEE division left in the FP4 encodes: the only divisions are the pooling's softmax (ratio 2), the
+    # RMSNorm means and the amax / 6 of the scales.
+    assert " / sc" not in src
+
+
+def test_unknown_encode_is_refused():
+    with pytest.raises(TileError, match="unknown encode"):
+        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "bogus")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load", ["direct", "staged"])
+def test_threshold_encode_matches_reference(load):
+    """encode="thresholds" against the torch reference at the tile's shapes and odd shapes (G not a multiple of the block)."""
+    arch = get_arch("sm90")
+    odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002 + r, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
+    names = ("prefill_r2_s4k", "prefill_r1_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64")
+    for shape in [cp.COMPRESSOR.shape(n) for n in names] + odd:
+        cfg = {**cp.COMPRESSOR.default_config(arch), "load": load, "encode": "thresholds"}
+        ev = evaluate(cp.COMPRESSOR, shape, cfg, arch, seed=5, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_name", ["prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64"])
+def test_threshold_encode_equals_divide_bitwise(shape_name):
+    """Same latent and index key, codes by bounds instead of division: all four outputs byte-identical."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    shape = tile.shape(shape_name)
+    inputs = tile.make_inputs(shape, 6, "cuda")
+    inputs["kv"][0, :8] *= 1e-39  # tiny latents (RMSNorm keeps them ~1e-36): the smallest scales and bounds
+    base = tile.default_config(arch)
+    divide = tile.run(tile.build(shape, {**base, "encode": "divide"}, arch), inputs)
+    bounds = tile.run(tile.build(shape, {**base, "encode": "thresholds"}, arch), inputs)
+    for name in divide:
+        assert torch.equal(divide[name], bounds[name]), name

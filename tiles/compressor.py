@@ -69,6 +69,68 @@ def _e2m1_code(v):
     return code | T.if_then_else(v < 0, 8, 0)
 
 
+# ``encode="thresholds"`` (division-free E2M1 codes, exactly the reference's): the midpoints m_k with the
+# half-ulp h_k that decides fl(q) against m_k. fl(q) > m_k (even k, ties stay on the even code m_k) iff
+# q > m_k + h_k (h_k half an ulp above m_k); fl(q) >= m_k (odd k) iff q >= m_k - h_k (half an ulp below;
+# the odd-k midpoints are not powers of two). Both ends of each tie round to the even significand of m_k.
+E2M1_BOUNDS = ((0.25, 2.0**-26), (0.75, 2.0**-25), (1.25, 2.0**-24), (1.75, 2.0**-24), (2.5, 2.0**-23), (3.5, 2.0**-23), (5.0, 2.0**-22))
+ENCODES = ("divide", "thresholds")
+
+
+def _bounds_cuda() -> str:
+    """CUDA of ``encode="thresholds"`` for the main cache (E4M3 scale s, 2^-9 <= s <= 448): two codes per call.
+
+    ``x / s`` passes midpoint k (reference: ``fl(x / s)`` > m_k for even k, >= m_k for odd k, see
+    E2M1_BOUNDS) iff ``|x| > t_k = RD((m_k + h_k) s)`` (even k) or ``|x| >= t_k = RU((m_k - h_k) s)`` (odd k):
+    ``m_k s`` (<= 7 significant bits) and ``h_k s`` (a power of two times s, >= 2^-35) are exact fp32, so one
+    directed-rounding FMA gives the rounded bound, and a real strictly between two neighbouring floats
+    compares with every float like the neighbour on the far side. ``x / s`` rounds to a nonzero negative value
+    iff ``x < -t_neg``, ``t_neg = RD(s 2^-150)`` (``s 2^-126`` is exact, then one rounding). NaN passes
+    nothing (code 0), +-Inf every bound (code 7): the reference's clamp changes no code. The passes are
+    monotone in k, so a 3-level search (k = 3; 1 or 5; 0, 2, 4 or 6) finds the count.
+    tests/test_compressor.py checks the bounds against the reference encode around every bound of every scale.
+    """
+    lines = []
+    for k, (m, h) in enumerate(E2M1_BOUNDS):
+        fn, sign = ("__fmaf_rd", "") if k % 2 == 0 else ("__fmaf_ru", "-")
+        lines.append(f"  t[{k}] = {fn}(s, {m!r}f, s * {sign}{h.hex()}f);")
+    body = "\n".join(lines)
+    return (
+        """
+__device__ __forceinline__ unsigned csa2_e2m1_bounded(float x, const float* t, float t_neg) {
+  const float a = fabsf(x);
+  const bool ge4 = a >= t[3];
+  const bool ge2 = a >= (ge4 ? t[5] : t[1]);
+  const bool odd = a > (ge4 ? (ge2 ? t[6] : t[4]) : (ge2 ? t[2] : t[0]));
+  return (ge4 ? 4u : 0u) | (ge2 ? 2u : 0u) | (odd ? 1u : 0u) | (x < -t_neg ? 8u : 0u);
+}
+// Values 2j and 2j + 1 of a group with E4M3 scale s -> their packed byte (2j in the low nibble).
+__device__ __forceinline__ unsigned csa2_e2m1_pair_bounded(float x0, float x1, float s) {
+  float t[7];
+"""
+        + body
+        + """
+  const float t_neg = __fmul_rd(s * 0x1p-126f, 0x1p-24f);
+  return csa2_e2m1_bounded(x0, t, t_neg) | (csa2_e2m1_bounded(x1, t, t_neg) << 4);
+}
+"""
+    )
+
+
+def _e2m1_code_search(v):
+    """fp32 ``v`` (already divided by its scale, unclamped) -> E2M1 code like :func:`_e2m1_code`, by the 3-level search.
+
+    The clamp to [-6, 6] changes no code (|v| > 6 passes every midpoint either way, NaN none, the sign stays).
+    """
+    a = T.abs(v)
+    ge4 = a >= 1.75
+    ge2 = a >= T.if_then_else(ge4, T.float32(3.5), T.float32(0.75))
+    odd = a > T.if_then_else(
+        ge4, T.if_then_else(ge2, T.float32(5.0), T.float32(2.5)), T.if_then_else(ge2, T.float32(1.25), T.float32(0.25))
+    )
+    return T.if_then_else(ge4, 4, 0) | T.if_then_else(ge2, 2, 0) | T.if_then_else(odd, 1, 0) | T.if_then_else(v < 0, 8, 0)
+
+
 LOAD_CHUNK = 32  # channels per staged kv/gate slab: [2 * block_g, 32] fp32 = 8 KiB per tensor at block_g 32
 
 
@@ -107,13 +169,21 @@ def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
 
 
 @functools.cache
-def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: str, k_chunk: int = 64, load: str = "direct"):
+def _compress_kernel(
+    target: str, ratio: int, block_g: int, threads: int, proj: str, k_chunk: int = 64, load: str = "direct", encode: str = "divide"
+):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
     ``load``: "direct" reads kv/gate with per-thread loads straight into the pooling registers;
     "staged" streams them through shared memory by double-buffered bulk copies (and the Wk
     chunks likewise, for tf32x3), see :func:`_staged_pool`.
+    ``encode``: "divide" codes ``clamp(x / s)`` by IEEE division and seven midpoint comparisons (the
+    reference's expression); "thresholds" gives the same codes without a division: main cache by
+    comparing ``|x|`` with per-scale fp32 bounds (:func:`_e2m1_thresholds`), index cache by multiplying
+    with the exact inverse of its power-of-two scale; both by a 3-level search instead of 7 comparisons.
     """
+    if encode not in ENCODES:
+        raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
     B, G = T.dynamic("B, G")
     S = G * ratio
     R = ROPE // 2
@@ -163,6 +233,8 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
                 gate_s = T.alloc_shared((block_g * ratio, LOAD_CHUNK), "float32") if ratio == 2 else kv_s
             else:
                 kv_s = gate_s = None
+            if encode == "thresholds":
+                T.import_source(_bounds_cuda())
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
@@ -212,9 +284,13 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
                 sbyte_m[i, q] = T.reinterpret(code8, "uint8")
             for i, j in T.Parallel(block_g, D // 2):
                 sc = scale_m[i, j // (MAIN_GROUP // 2)]
-                lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
-                hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
-                bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
+                if encode == "thresholds":
+                    pair = T.call_extern("uint32", "csa2_e2m1_pair_bounded", rot_s[i, 2 * j], rot_s[i, 2 * j + 1], sc)
+                    bytes_m[i, j] = T.Cast("uint8", pair)
+                else:
+                    lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
+                    hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
+                    bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
             # 5. Index-K projection of the rotated latent (fp32 accuracy, see module docstring).
             T.clear(kacc)
             if proj == "tf32x3" and load == "staged":
@@ -280,11 +356,21 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
                 byte = T.Cast("int32", (bits >> 23) & 0xFF) + T.Cast("int32", (bits & 0x7FFFFF) != 0)  # ceil(log2 v) + 127
                 byte = T.min(T.max(byte, 1), 254)
                 sbyte_i[i, q] = T.Cast("uint8", byte)
-                scale_i[i, q] = T.reinterpret(T.Cast("uint32", byte) << 23, "float32")
+                if encode == "thresholds":
+                    # The exact inverse 2^(127 - byte): normal for byte <= 253, the denormal 2^-127 for 254.
+                    # x * 2^-e and x / 2^e are the same real number, so both round to the same fp32.
+                    inv = T.if_then_else(byte <= 253, T.Cast("uint32", 254 - byte) << 23, T.uint32(0x00400000))
+                    scale_i[i, q] = T.reinterpret(inv, "float32")
+                else:
+                    scale_i[i, q] = T.reinterpret(T.Cast("uint32", byte) << 23, "float32")
             for i, j in T.Parallel(block_g, DI // 2):
                 sc = scale_i[i, j // (INDEX_GROUP // 2)]
-                lo = _e2m1_code(T.clamp(k_s[i, 2 * j] / sc, -6.0, 6.0))
-                hi = _e2m1_code(T.clamp(k_s[i, 2 * j + 1] / sc, -6.0, 6.0))
+                if encode == "thresholds":
+                    lo = _e2m1_code_search(k_s[i, 2 * j] * sc)
+                    hi = _e2m1_code_search(k_s[i, 2 * j + 1] * sc)
+                else:
+                    lo = _e2m1_code(T.clamp(k_s[i, 2 * j] / sc, -6.0, 6.0))
+                    hi = _e2m1_code(T.clamp(k_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                 bytes_i[i, j] = T.Cast("uint8", lo | (hi << 4))
             # 7. Stores (rows past G are masked by the copy's bounds).
             T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
@@ -302,7 +388,16 @@ def _compress_kernel(target: str, ratio: int, block_g: int, threads: int, proj: 
 
 def _build(arch: Arch, ratio: int, cfg: Config):
     """The compiled compressor for a full config (see :meth:`CompressorTile.search_space`)."""
-    return _compress_kernel(arch.nvcc_arch, ratio, cfg["block_g"], cfg["threads"], cfg["proj"], cfg["k_chunk"], cfg.get("load", "direct"))
+    return _compress_kernel(
+        arch.nvcc_arch,
+        ratio,
+        cfg["block_g"],
+        cfg["threads"],
+        cfg["proj"],
+        cfg["k_chunk"],
+        cfg.get("load", "direct"),
+        cfg.get("encode", "divide"),
+    )
 
 
 def split_tf32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,6 +561,12 @@ class CompressorTile(Tile):
                 ("direct", "staged"),
                 "kv/gate (and Wk chunks) by per-thread loads into registers, or by double-buffered bulk copies through shared memory",
             ),
+            Param(
+                "encode",
+                ENCODES,
+                "E2M1 codes: IEEE x / s and 7 midpoint comparisons, or the same codes division-free "
+                "(|x| against exact per-scale fp32 bounds; index cache: x times the exact inverse power of two)",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress),))
 
@@ -475,11 +576,11 @@ class CompressorTile(Tile):
         # direct path measured 9% of copy bandwidth at prefill_r2_s64k (notes/indexer.md).
         # Elsewhere: the direct path with the largest tile that fits the per-block shared memory.
         if arch.family == "hopper":
-            cfg = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 32, "load": "staged"}
+            cfg = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 32, "load": "staged", "encode": "divide"}
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
-            cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct"}
+            cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
