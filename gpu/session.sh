@@ -23,8 +23,9 @@ phase_prewarm() {  # compile every tile's default for this GPU in parallel (fill
 
 phase_pytest() {  # every GPU test (PYTEST_ARGS: a subset), 4 workers (compile-bound; 16 workers ran the GPU out of memory)
   # SIGINT at the limit: pytest then still prints its failure report and summary (a plain kill lost both once)
+  # PYTEST_K: a -k expression (spaces allowed; PYTEST_ARGS is split on spaces)
   timeout -s INT -k 30 "${PYTEST_S:-200}" python3 -m pytest -v -m gpu -n "${PYTEST_N:-4}" -p no:cacheprovider -rfE --tb=short \
-    --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-tests} > "$OUT/pytest_gpu.log" 2>&1
+    --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-tests} > "$OUT/pytest_gpu.log" 2>&1
   note "pytest -m gpu rc=$?: $(tail -1 "$OUT/pytest_gpu.log")"
 }
 
@@ -62,6 +63,15 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   mkdir -p "$OUT/attn"
   timeout "${ATTN_S:-300}" python3 gpu/sparse_attn_check.py --out "$OUT/attn" --workers 14 ${ATTN_LABELS:+--labels "$ATTN_LABELS"} > "$OUT/attn.log" 2>&1
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
+}
+
+phase_queued() {  # what session 4 wrote after its device time was spent: checked, then timed against the defaults
+  ATTN_LABELS=${ATTN_LABELS:-default,tpc2,tpc4,fused} phase_attn
+  phase_attn-scaling
+  PROFILE_ARGS=${PROFILE_ARGS:-'candidate_pool:decode_b64_n128k candidate_pool:decode_b64_n128k:{"select_algo":"two_pass"} reindex_topk:decode_b64_n128k reindex_topk:decode_b64_n128k:{"select_algo":"two_pass"} compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"encode":"thresholds"} compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"encode":"thresholds"}'} \
+    phase_profile
+  PYTEST_K=${PYTEST_K:-"tokens_per_cta or fused or two_pass or thresholds"} PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_sparse_attn.py tests/test_indexer.py tests/test_compressor.py"} \
+    phase_pytest
 }
 
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
