@@ -66,7 +66,7 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
 }
 
 phase_queued() {  # what session 4 wrote after its device time was spent: checked, then timed against the defaults
-  ATTN_LABELS=${ATTN_LABELS:-default,tpc2,tpc4,fused} phase_attn
+  ATTN_LABELS=${ATTN_LABELS:-default,tpc2,tpc4,split2,fused,fused_split2} phase_attn
   phase_attn-scaling
   PROFILE_ARGS=${PROFILE_ARGS:-'candidate_pool:decode_b64_n128k candidate_pool:decode_b64_n128k:{"select_algo":"two_pass"} reindex_topk:decode_b64_n128k reindex_topk:decode_b64_n128k:{"select_algo":"two_pass"} compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"encode":"thresholds"} compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"encode":"thresholds"}'} \
     phase_profile

@@ -45,6 +45,9 @@ LABELS = {
     "wg1": {"wg1_rows": 16},  # consumer warpgroup 1 dequantises the last 16 rows of each main block
     "tpc2": {"tokens_per_cta": 2},  # each CTA runs two (token, head block) items, the producer running ahead
     "tpc4": {"tokens_per_cta": 4},
+    # the last split CTA of each token merges the partials (arrival counter): no combine launch
+    "fused": {"combine": "fused"},
+    "fused_split2": {"combine": "fused", "n_split": 2},  # where auto resolves to one split (B=128/S=2)
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -109,6 +112,14 @@ for _label in ("tpc2", "tpc4"):
         ("sparse_attn_prefill", S777, _label),
         ("sparse_attn_bf16", "prefill_s4k", _label),
     ]
+CHECKS += [
+    ("sparse_attn_decode", "decode_b64_s1", "fused"),  # auto: 2 splits, against default (separate) in the same run
+    ("sparse_attn_decode", "decode_b128_s2", "fused_split2"),
+    ("sparse_attn_decode", "decode_b128_s2", "split2"),  # the separate combine at the same split
+    ("sparse_attn_decode", H128, "fused"),
+    ("sparse_attn_decode", W37, "fused"),
+    ("sparse_attn_bf16", "decode_b64_s1", "fused"),
+]
 for _label in ("balanced", "overlap", "overlap_prefetch"):
     CHECKS += [
         ("sparse_attn_prefill", "prefill_s4k", _label),

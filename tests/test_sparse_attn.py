@@ -170,6 +170,69 @@ def test_tokens_per_cta_compiles_for_sm90(tpc):
         assert any("tokens_per_cta" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
+FUSED = {"combine": "fused"}
+H128 = _shape("h128", "decode", B=3, S=2, Nc=5000, Nw=130, H=128)
+W37 = _shape("w37", "decode", B=5, S=1, Nc=700, Nw=38, W=37)
+
+
+@pytest.mark.parametrize(
+    "shape,extra,n_split",
+    [
+        (sa.DECODE_TILE.shape("decode_b64_s1"), {}, 2),
+        (sa.DECODE_TILE.shape("decode_b64_s1"), {"n_split": 4}, 4),
+        (W37, {}, 8),  # auto: 5 tokens fill 8 splits
+        (H128, {"n_split": 2}, 2),
+    ],
+    ids=["b64_s1", "b64_s1_split4", "w37_split8", "h128_split2"],
+)
+def test_fused_combine_compiles_for_sm90(shape, extra, n_split):
+    """combine=fused (GPU checks in GPU_CASES, unmeasured): no combine kernel; each split CTA stores its partial,
+    fences, and thread 0 counts the CTA in with an acq_rel atomic that returns the old value; the last CTA resets the
+    counter and writes bf16 Out itself."""
+    tile = sa.DECODE_TILE
+    config = {**tile.default_config(SM90), **FUSED, **extra}
+    assert tile.search_space(SM90).violations(config, shape, SM90) == []
+    kernel = tile.build(shape, config, SM90)
+    assert kernel.fused and kernel.combine is None and kernel.n_split == n_split
+    src = kernel.main.get_kernel_source()
+    assert "bfloat16_t* __restrict__ Out" in src and "float* __restrict__ OPart" in src and "int* __restrict__ Counter" in src
+    assert src.count("csa2_fence_gpu();") == 2, "each consumer warpgroup fences its partial stores"
+    assert re.search(r"last_shared\[0\] = AtomicAddRet\(\(&\(Counter\[[^;]*\]\)\), 1, 4\);", src), "acq_rel (4) fetch-add"
+    assert re.search(rf"if \(last_shared\[0\] == {n_split - 1}\) \{{\s*Counter\[[^;]*\] = 0;", src), "the last CTA resets"
+    assert "bar_last[0].init(1)" in src and "bar_arrived[0].init(256)" in src
+    assert "__syncthreads();" not in src.split("bar_last[0].wait")[1], "the producer warpgroup has left: no CTA-wide barrier"
+
+
+def test_fused_combine_refused_where_it_does_not_apply():
+    tile, space = sa.DECODE_TILE, sa.DECODE_TILE.search_space(SM90)
+    b64, b128 = tile.shape("decode_b64_s1"), tile.shape("decode_b128_s2")
+    fused = {**tile.default_config(SM90), **FUSED}
+    assert "combine" in space.names() and tile.default_config(SM90)["combine"] == "separate"
+    assert "combine" in sa.BF16_TILE.search_space(SM90).names() and "combine" not in sa.PREFILL_TILE.search_space(SM90).names()
+    assert any("nothing to combine" in r for r in space.violations({**fused, "n_split": 1}, b64, SM90))
+    assert any("nothing to combine" in r for r in space.violations(fused, b128, SM90))  # ws auto: one split at B=128/S=2
+    assert space.violations({**fused, "n_split": 2}, b128, SM90) == []
+    for other in ({"schedule": "pipelined"}, {"tokens_per_cta": 2, "io": "staged"}):
+        assert any("schedule=ws, tokens_per_cta=1" in r for r in space.violations({**fused, **other}, b64, SM90))
+    assert any("wg1_rows=0" in r for r in space.violations({**fused, "wg1_rows": 16}, b64, SM90))
+    with pytest.raises(ValueError, match="combine='fused'"):
+        sa.sparse_attn_kernel(64, 512, 128, 512, SCALE, n_split=1, schedule="ws", combine="fused")
+
+
+def test_fused_counter_allocated_once_and_grown():
+    """The arrival counters: zeroed int32 [B, S, REP] views of one buffer per device, replaced only when a call has
+    more tokens (the kernel leaves them zero, so they are never cleared again)."""
+    kernel = object.__new__(sa.CompiledAttention)
+    kernel.rep, kernel.counters = 2, {}
+    cpu = torch.device("cpu")
+    c1 = kernel.counter(4, 1, cpu)
+    assert c1.shape == (4, 1, 2) and c1.dtype == torch.int32 and not c1.any()
+    buf = kernel.counters[cpu]
+    assert kernel.counter(2, 2, cpu).data_ptr() == buf.data_ptr()  # same size: same buffer
+    c3 = kernel.counter(8, 2, cpu)
+    assert c3.shape == (8, 2, 2) and kernel.counters[cpu].numel() >= 32 and not c3.any()
+
+
 def test_ws_only_choices_fall_back_for_other_schedules():
     """{"schedule": "pipelined"} alone is valid: produce and io are the ws schedule's choices and fall back."""
     cfg = sa.DECODE_TILE.with_defaults(SM90, {"schedule": "pipelined"})
@@ -294,6 +357,14 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "balanced_overlap"}),
     (sa.BF16_TILE, "decode_b128_s2", {"consumers": "balanced"}),
     (sa.BF16_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
+    # combine=fused (not yet run on a GPU): the last split CTA merges the partials
+    (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"combine": "fused", "n_split": 2}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused", "n_split": 4}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused", "n_split": 8}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused", "io": "direct", "produce": "serial"}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused", "consumers": "balanced"}),
+    (sa.BF16_TILE, "decode_b64_s1", {"combine": "fused"}),
 ]
 
 
@@ -344,6 +415,50 @@ def test_balanced_consumers_odd_shapes(consumers, shape):
     """The split S (half a block per warpgroup) with partial blocks (W=37, K=100), H=128, odd S, -1 rows."""
     tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
     _check(tile, shape, {"consumers": consumers})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [s for s in ODD_SHAPES if s.phase == "decode"], ids=lambda s: s.name)
+def test_fused_combine_odd_shapes(shape):
+    """combine=fused at H=128 (two counters per token), W=37 and K=100 (8 splits over 4 blocks: some split CTAs have
+    no block and arrive with lse = -inf); the counters are zero after the two launches of _check, and the output is
+    the separate combine's up to fp32 rounding (the own split is added first, 1 / den is multiplied)."""
+    kernel, inputs = _check(sa.DECODE_TILE, shape, FUSED)
+    assert not kernel.counters[inputs["q"].device].any(), "the last CTA of each token resets its counter"
+    separate = sa.DECODE_TILE.build(shape, {**sa.DECODE_TILE.default_config(SM90), "n_split": kernel.n_split}, SM90)
+    cmp = relative_l2(sa.DECODE_TILE.run(kernel, inputs), sa.DECODE_TILE.run(separate, inputs), 1e-3)
+    assert cmp.ok, str(cmp)
+
+
+@pytest.mark.gpu
+def test_fused_combine_cuda_graph_replays():
+    """A captured launch replays with the counters it left at zero: each replay matches the eager output bitwise, and
+    after new inputs are copied in, the reference."""
+    tile = sa.DECODE_TILE
+    shape = tile.shape("decode_b64_s1")
+    kernel, inputs = _check(tile, shape, FUSED)  # eager first: allocates the counters outside the capture
+    eager = tile.run(kernel, inputs)["out"]
+    outputs = tile.alloc_outputs(kernel, inputs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tile.launch(kernel, inputs, outputs)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tile.launch(kernel, inputs, outputs)
+    for _ in range(3):
+        outputs["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outputs["out"].view(torch.int16), eager.view(torch.int16)), "a replay differs from the eager run"
+        assert not kernel.counters[inputs["q"].device].any()
+    fresh = tile.make_inputs(shape, 1, "cuda")
+    for key, value in fresh.items():
+        inputs[key].copy_(value)
+    graph.replay()
+    cmp = tile.compare(outputs, tile.reference(fresh))
+    assert cmp.ok, str(cmp)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,8 @@ words, 8 codes per load, all inside one 16-wide scale group.
 
 Split-KV (``n_split`` > 1, decode): each split takes a share of the window blocks and of the top-k
 blocks, writes its partial output (normalised by its own sum) and its log2-sum-exp, and a small
-combine kernel merges the splits together with the sink. ``n_split="auto"`` picks the fewest
+combine kernel merges the splits together with the sink (``combine="fused"``, ws only: the last split CTA of
+each token merges them itself, after an arrival counter). ``n_split="auto"`` picks the fewest
 power-of-two splits that give at least two blocks per SM.
 
 Index policy: -1 is skipped (masked: its KV row is written as zeros, so no garbage reaches the GEMM);
@@ -143,6 +144,17 @@ __device__ __forceinline__ void csa2_e4m3x4_bf16(void* dst, int w, unsigned scal
 """
 
 
+# The fused combine's release fence (see _ws_fused_combine). TileLang 0.1.15 has atomics with a memory order
+# (T.atomic_add(..., memory_order=, return_prev=)) but no standalone fence.
+_FUSE_CUDA = r"""
+// Orders this thread's earlier global stores before its later operations at GPU scope (a release fence, cheaper
+// than __threadfence's fence.sc.gpu).
+__device__ __forceinline__ void csa2_fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// Keeps the compiler from moving loads across it (no instruction): bounds the loads in flight, hence the registers.
+__device__ __forceinline__ void csa2_compiler_fence() { asm volatile("" ::: "memory"); }
+"""
+
+
 def sparse_attn_kernel(
     heads: int,
     dim: int,
@@ -162,6 +174,7 @@ def sparse_attn_kernel(
     consumers: str = "wg0_scores",
     wg1_rows: int = 0,
     tokens_per_cta: int = 1,
+    combine: str = "separate",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -173,7 +186,12 @@ def sparse_attn_kernel(
     split normalised by its own sum) and LsePart fp32 [B, S, n_split, H] (log2 domain, -inf = empty).
     ``schedule="ws", produce="batched"`` takes the FP8 window codes as int32 words [B, Nw, D/4] and the
     E4M3 main scales as uint8 [B, Nc, D/16] (see :func:`ws_argument_views`).
+    ``combine="fused"`` (ws, ``n_split > 1``): Out is bf16 [B, S, H, D], then LsePart fp32 [B, S, NS, H],
+    OPart fp32 [B, S, NS, H, D] (scratch) and Counter int32 [B, S, H / heads_per_block] (zero before the launch,
+    left zero after it).
     """
+    if combine == "fused" and (schedule != "ws" or n_split == 1 or tokens_per_cta != 1):
+        raise ValueError("combine='fused' merges split partials in the ws kernel: schedule='ws', n_split > 1, tokens_per_cta=1")
     if schedule == "ws":
         return _sparse_attn_ws(
             heads,
@@ -190,6 +208,7 @@ def sparse_attn_kernel(
             consumers,
             wg1_rows,
             tokens_per_cta,
+            combine,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -390,6 +409,7 @@ def _sparse_attn_ws(
     consumers="wg0_scores",
     wg1_rows=0,
     tokens_per_cta=1,
+    combine="separate",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -441,6 +461,11 @@ def _sparse_attn_ws(
     load, the producer's first gather and dequant) and epilogue (sink, O store) overlap nothing; with several tokens
     per CTA the producer runs on into the next token's blocks (its index prefetch crosses the boundary) while the
     consumers finish this one, and buffer and barrier phases run on across tokens.
+
+    ``combine`` (``n_split > 1``): ``separate`` writes the splits' fp32 partials for :func:`combine_kernel`;
+    ``fused`` also counts each split CTA in on a per-(token, head block) counter, and the last to arrive merges
+    the splits with the sink and writes bf16 Out itself (:func:`_ws_fused_combine`): no second launch. Not yet
+    run on a GPU.
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -463,6 +488,7 @@ def _sparse_attn_ws(
     balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
     batched = produce in ("batched", "prefetch")
+    fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
     main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
@@ -470,22 +496,14 @@ def _sparse_attn_ws(
         win_args = ([B, Nw, D // 4], "int32", [B, Nw, D // 32], "uint8")
         main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "uint8")
 
-    @T.prim_func
-    def main(
-        Q: T.Tensor([B, S, H, D], bf16),
-        WinA: T.Tensor(win_args[0], win_args[1]),
-        WinB: T.Tensor(win_args[2], win_args[3]),
-        WinIdx: T.Tensor([B, S, W], "int32"),
-        MainA: T.Tensor(main_args[0], main_args[1]),
-        MainB: T.Tensor(main_args[2], main_args[3]),
-        TopkIdx: T.Tensor([B, S, K], "int32"),
-        Sink: T.Tensor([H], f32),
-        Out: T.Tensor(out_shape, bf16 if NS == 1 else f32),
-        LsePart: T.Tensor([B, S, NS, H], f32),
-    ):
+    # The kernel body is a macro so that the two signatures below (with and without the fused combine's
+    # scratch and counter) share it; it inlines, the default's generated source is what it was.
+    @T.macro
+    def body(Q, WinA, WinB, WinIdx, MainA, MainB, TopkIdx, Sink, Out, LsePart, OPart, Counter):
+        """The whole CTA; OPart and Counter are None unless ``combine="fused"``."""
         with T.Kernel(T.ceildiv(S * REP, TPC) if TPC > 1 else S * REP, B, NS, threads=384) as (bx, by, bz):
-            if batched and fp4:
-                T.import_source(_DEQUANT_CUDA)
+            if (batched and fp4) or fused:  # one import: the helpers the producer and the fused combine call
+                T.import_source((_DEQUANT_CUDA if batched and fp4 else "") + (_FUSE_CUDA if fused else ""))
             Q_l = T.alloc_shared([HB, D2], bf16)
             Q_r = T.alloc_shared([HB, D2], bf16)
             KV0_l = T.alloc_shared([BI, D2], bf16)
@@ -542,6 +560,11 @@ def _sparse_attn_ws(
             if balanced:
                 bar_max = T.alloc_barrier(arrive_count=256)  # both warpgroups' block row maxima are in rowmax_shared
                 bar_p = T.alloc_barrier(arrive_count=256)  # both halves of P are in S_shared
+            if fused:  # see _ws_fused_combine
+                comb_shared = T.alloc_shared([2, NS + 2, HB], f32, scope="shared")  # per warpgroup: weights, max, denominator
+                last_shared = T.alloc_shared([1], "int32", scope="shared")  # the counter's old value: NS - 1 in the last CTA
+                bar_arrived = T.alloc_barrier(arrive_count=256)  # every consumer thread's partial is stored and fenced
+                bar_last = T.alloc_barrier(arrive_count=1)  # thread 0 has counted the CTA's arrival
             # the two KV buffers, used in turn: block it goes to buffer it % 2
             bufs = (
                 _WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free),
@@ -553,6 +576,9 @@ def _sparse_attn_ws(
             lo = bz * NB // NS
             n_blk = (bz + 1) * NB // NS - lo
             tx = T.get_thread_binding()
+            fuse = None
+            if fused:
+                fuse = _WsFuse(OPart, LsePart, Counter, Sink, Out, comb_shared, last_shared, bar_arrived, bar_last, tx)
 
             if io == "direct":
                 T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
@@ -584,10 +610,11 @@ def _sparse_attn_ws(
                 NS,
                 scale2,
                 io,
+                fuse,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
-                balanced_args = (pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap)
+                balanced_args = (pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse)
 
             if tx < 128:
                 if balanced:
@@ -698,6 +725,42 @@ def _sparse_attn_ws(
                     else:
                         T.barrier_arrive(bar_k1_ready)
 
+    if fused:
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([B, S, H, D], bf16),
+            WinA: T.Tensor(win_args[0], win_args[1]),
+            WinB: T.Tensor(win_args[2], win_args[3]),
+            WinIdx: T.Tensor([B, S, W], "int32"),
+            MainA: T.Tensor(main_args[0], main_args[1]),
+            MainB: T.Tensor(main_args[2], main_args[3]),
+            TopkIdx: T.Tensor([B, S, K], "int32"),
+            Sink: T.Tensor([H], f32),
+            Out: T.Tensor([B, S, H, D], bf16),
+            LsePart: T.Tensor([B, S, NS, H], f32),
+            OPart: T.Tensor([B, S, NS, H, D], f32),
+            Counter: T.Tensor([B, S, REP], "int32"),
+        ):
+            body(Q, WinA, WinB, WinIdx, MainA, MainB, TopkIdx, Sink, Out, LsePart, OPart, Counter)
+
+        return main
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([B, S, H, D], bf16),
+        WinA: T.Tensor(win_args[0], win_args[1]),
+        WinB: T.Tensor(win_args[2], win_args[3]),
+        WinIdx: T.Tensor([B, S, W], "int32"),
+        MainA: T.Tensor(main_args[0], main_args[1]),
+        MainB: T.Tensor(main_args[2], main_args[3]),
+        TopkIdx: T.Tensor([B, S, K], "int32"),
+        Sink: T.Tensor([H], f32),
+        Out: T.Tensor(out_shape, bf16 if NS == 1 else f32),
+        LsePart: T.Tensor([B, S, NS, H], f32),
+    ):
+        body(Q, WinA, WinB, WinIdx, MainA, MainB, TopkIdx, Sink, Out, LsePart, None, None)
+
     return main
 
 
@@ -771,9 +834,9 @@ class _WsPair(NamedTuple):
 
 
 @T.macro
-def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap):
+def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse):
     """Consumer warpgroup ``half.w`` under ``consumers="balanced"`` (or ``"balanced_overlap"``: ``overlap``): Q load,
-    the block loop, the sink and the O store."""
+    the block loop, the sink and the O store (``fuse``: the fused combine's :class:`_WsFuse`, else None)."""
     w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
     Q, Sink, Out, LsePart = pair.Q, pair.Sink, pair.Out, pair.LsePart
     if io == "staged":
@@ -818,8 +881,11 @@ def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2,
         T.copy(Q_own, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
     elif NS == 1:
         T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
-    else:
+    elif fuse is None:
         T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+    else:
+        T.copy(acc_o, fuse.OPart[b_i, s_i, bz, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+        _ws_fused_combine(fuse, w, acc_o, Q_own, b_i, s_i, h0, bz, HB, D2, NS, io)
 
 
 @T.macro
@@ -901,6 +967,7 @@ class _WsCta(NamedTuple):
     NS: int
     scale2: float
     io: str
+    fuse: Any = None  # combine="fused": the _WsFuse of the fused combine
 
 
 class _WsHelper(NamedTuple):
@@ -953,8 +1020,11 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
         T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
     elif NS == 1:
         T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
-    else:
+    elif cta.fuse is None:
         T.copy(acc_o_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
+    else:
+        T.copy(acc_o_l, cta.fuse.OPart[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
+        _ws_fused_combine(cta.fuse, 0, acc_o_l, Q_l, b_i, s_i, h0, bz, HB, D2, NS, cta.io)
 
 
 @T.macro
@@ -1008,8 +1078,102 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
         T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
     elif NS == 1:
         T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
-    else:
+    elif cta.fuse is None:
         T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])
+    else:
+        T.copy(acc_o_r, cta.fuse.OPart[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])
+        _ws_fused_combine(cta.fuse, 1, acc_o_r, Q_r, b_i, s_i, h0, bz, HB, D2, NS, cta.io)
+
+
+class _WsFuse(NamedTuple):
+    """What the fused combine (``combine="fused"``) needs besides a warpgroup's own accumulator."""
+
+    OPart: Any  # fp32 [B, S, NS, H, D]: every split's partial O, normalised by its own sum (global scratch, in L2)
+    LsePart: Any  # fp32 [B, S, NS, H]: every split's log2-sum-exp (-inf: nothing valid)
+    Counter: Any  # int32 [B, S, REP]: split CTAs arrived per (token, head block); 0 between launches
+    Sink: Any  # fp32 [H]
+    Out: Any  # bf16 [B, S, H, D]: the merged output
+    comb_shared: Any  # fp32 [2, NS + 2, HB]: per consumer warpgroup, each split's weight, the max, 1 / denominator
+    last_shared: Any  # int32 [1]: the counter's value before this CTA's arrival
+    bar_arrived: Any  # 256 arrivals: each consumer thread's partial stores are done and fenced
+    bar_last: Any  # 1 arrival: thread 0 has counted the CTA in and left the old value in last_shared
+    tx: Any  # the thread index
+
+
+def _split_max(LsePart, b_i, s_i, h, NS, sink2):
+    """max(sink2, -1e30, lse_0 .. lse_{NS-1}) for head h (a PrimExpr, the splits unrolled): combine_kernel's m."""
+    m = T.max(sink2, -1e30)  # finite even without a sink (-inf), so exp2 never sees -inf - -inf
+    for k in range(NS):
+        m = T.max(m, LsePart[b_i, s_i, k, h])
+    return m
+
+
+def _split_den(comb, w, NS, h, sink2):
+    """exp2(sink2 - m) + w_0 + .. + w_{NS-1} for row h of warpgroup w's weights, in combine_kernel's order."""
+    den = T.exp2(sink2 - comb[w, NS, h])
+    for k in range(NS):
+        den = den + comb[w, k, h]
+    return den
+
+
+@T.macro
+def _ws_fused_combine(fz, w, acc_o, Q_own, b_i, s_i, h0, bz, HB, D2, NS, io):
+    """``combine="fused"``: after consumer warpgroup ``w`` stored its half of this split's partial O (acc_o [HB, D2],
+    still in registers, normalised by the split's own sum; warpgroup 0 also its lse), count the CTA in on the
+    (token, head block)'s arrival counter; the CTA that arrives last merges every split with the sink exactly as
+    :func:`combine_kernel` does, its own split from registers and the others from OPart (written by CTAs that have
+    finished: in L2), and writes bf16 Out [b_i, s_i, h0 : h0 + HB, w D2 : (w + 1) D2]. It resets the counter, so
+    the next launch (a CUDA-graph replay) starts from 0.
+
+    Ordering: each thread's release fence orders its partial stores before its mbarrier arrival; thread 0 waits for
+    all 256, then its acq_rel atomic publishes the CTA's partial at GPU scope (the fence, the CTA barrier and the
+    release form the usual cumulative chain) and, in the last CTA, acquires the others'. The producer warpgroup
+    takes no part (it has finished), so CTA-wide __syncthreads would hang: mbarriers only."""
+    T.call_extern("handle", "csa2_fence_gpu")
+    T.barrier_arrive(fz.bar_arrived)
+    if w == 0:  # noqa: SIM102  (a Python flag around a TileLang condition)
+        if fz.tx == 0:
+            T.barrier_wait(fz.bar_arrived, 0)
+            fz.last_shared[0] = T.atomic_add(fz.Counter[b_i, s_i, h0 // HB], 1, memory_order="acq_rel", return_prev=True)
+            if fz.last_shared[0] == NS - 1:
+                fz.Counter[b_i, s_i, h0 // HB] = 0  # every split has arrived: nothing else touches it this launch
+            T.barrier_arrive(fz.bar_last)
+    T.barrier_wait(fz.bar_last, 0)
+    if fz.last_shared[0] == NS - 1:
+        comb = fz.comb_shared  # warpgroup w's rows: [w, k] split k's weight, [w, NS] the max, [w, NS + 1] 1 / denominator
+        for h in T.Parallel(HB):
+            comb[w, NS, h] = _split_max(fz.LsePart, b_i, s_i, h0 + h, NS, fz.Sink[h0 + h] * LOG2E)
+        for k, h in T.Parallel(NS, HB):
+            comb[w, k, h] = T.exp2(fz.LsePart[b_i, s_i, k, h0 + h] - comb[w, NS, h])
+        # One reciprocal per row, not combine_kernel's acc / den per element: a precise fp32 division has a
+        # slow-path call, and with the 128-register accumulator live it spills (ptxas, 24 bytes). The results are
+        # at most one fp32 rounding apart, far below the bf16 output's.
+        for h in T.Parallel(HB):
+            den = _split_den(comb, w, NS, h, fz.Sink[h0 + h] * LOG2E)
+            comb[w, NS + 1, h] = T.if_then_else(den > 0, 1.0 / den, 0.0)  # no sink, no valid index: zeros
+        # this split first (from registers), then the others in order: acc = sum_k w_k O_k
+        for h, d in T.Parallel(HB, D2):
+            acc_o[h, d] = acc_o[h, d] * comb[w, bz, h]
+        # The other splits in ascending order, a quarter of the columns at a time with a compiler fence between
+        # quarters, so at most 32 loaded registers are live beside the 128 of the accumulator (warpgroup 1 has 168;
+        # loaded all at once, ptxas spilled 8-1200 bytes). Rolled or unrolled over k is ptxas's register allocation,
+        # not design: these picks are spill-free at NS=2, 4, 8 (decode B=64, B=128/S=2, W=37, H=128 at NS=2; io,
+        # produce and balanced variants). Still spilling: H=128 at NS=4 (60 bytes), balanced at NS=4 (8 bytes).
+        for k in (T.unroll if NS == 4 else T.serial)(NS):
+            if k != bz:
+                for c in T.unroll(4, explicit=True):
+                    for h, d in T.Parallel(HB, D2 // 4):
+                        acc_o[h, c * (D2 // 4) + d] = (
+                            acc_o[h, c * (D2 // 4) + d] + fz.OPart[b_i, s_i, k, h0 + h, w * D2 + c * (D2 // 4) + d] * comb[w, k, h]
+                        )
+                    T.call_extern("handle", "csa2_compiler_fence")
+        for h, d in T.Parallel(HB, D2):
+            acc_o[h, d] = acc_o[h, d] * comb[w, NS + 1, h]
+        if io == "staged":  # Q_own is free: both warpgroups' last QK^T completed before bar_arrived
+            T.copy(acc_o, Q_own)
+            T.copy(Q_own, fz.Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+        else:
+            T.copy(acc_o, fz.Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
 
 
 class _WsBuffer(NamedTuple):
@@ -1291,11 +1455,19 @@ _DEFAULT_SCALE = 512**-0.5
 
 
 class CompiledAttention:
-    """The attention kernel (and the combine kernel when split) for one (H, D, W, K, scale, format, config, arch)."""
+    """The attention kernel (and the combine kernel when split) for one (H, D, W, K, scale, format, config, arch).
+
+    ``combine="fused"``: no combine kernel; the attention kernel takes an arrival counter per (token, head block),
+    int32, allocated zeroed once per device and grown when a call has more tokens (the kernel leaves it zero). A
+    counter is shared by every call of this object on that device: calls must not run concurrently on two streams,
+    and a CUDA graph must be captured after one eager call at its largest B * S (the growth allocates)."""
 
     def __init__(self, heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch):
         self.heads, self.dim, self.window, self.topk, self.kv_format = heads, dim, window, topk, kv_format
         self.n_split = int(config.get("n_split", 1))
+        self.fused = config.get("combine", "separate") == "fused"
+        self.rep = heads // int(config.get("heads_per_block", 64))  # head blocks per token: counters per token
+        self.counters: dict[torch.device, torch.Tensor] = {}
         target = tilelang.tvm.target.Target(arch.tilelang_target())
         params = {
             k: config[k]
@@ -1311,6 +1483,7 @@ class CompiledAttention:
                 "consumers",
                 "wg1_rows",
                 "tokens_per_cta",
+                "combine",
             )
             if k in config
         }
@@ -1325,7 +1498,7 @@ class CompiledAttention:
             passes[tilelang.PassConfigKey.TL_PTXAS_REGISTER_USAGE_LEVEL] = int(config["ptxas_level"])
         self.main = tilelang.compile(prim, target=target, pass_configs=passes)
         self.combine = None
-        if self.n_split > 1:
+        if self.n_split > 1 and not self.fused:
             self.combine = tilelang.compile(combine_kernel(heads, dim, self.n_split), target=target, pass_configs=_PASS_CONFIGS)
 
     def __call__(self, q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1340,9 +1513,24 @@ class CompiledAttention:
             return out
         opart = torch.empty(B, S, self.n_split, H, D, dtype=torch.float32, device=q.device)  # [B, S, NS, H, D]
         lse = torch.empty(B, S, self.n_split, H, dtype=torch.float32, device=q.device)  # [B, S, NS, H]
+        if self.fused:
+            counter = self.counter(B, S, q.device)  # [B, S, REP], all zero
+            self.main(q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out, lse, opart, counter)
+            return out
         self.main(q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, opart, lse)
         self.combine(opart, lse, sink, out)
         return out
+
+    def counter(self, B: int, S: int, device: torch.device) -> torch.Tensor:
+        """The fused combine's arrival counters for B x S tokens: a zero int32 [B, S, REP] view of this device's
+        buffer, allocated (zeroed) on first use and replaced by a larger one when B * S outgrows it. Every launch
+        leaves its counters at zero (the last CTA of each token resets its own), so the buffer is never cleared again."""
+        need = B * S * self.rep
+        buf = self.counters.get(device)
+        if buf is None or buf.numel() < need:
+            buf = torch.zeros(max(need, 2 * buf.numel() if buf is not None else need), dtype=torch.int32, device=device)
+            self.counters[device] = buf
+        return buf[:need].view(B, S, self.rep)  # [B, S, REP]
 
 
 def compiled(heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch) -> CompiledAttention:
@@ -1651,7 +1839,18 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         blocks = -(-s["W"] // c["block_I"]) + -(-s["K"] // c["block_I"])
         return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
 
-    return tuple(Constraint(f.__name__, f) for f in (heads, registers, warpgroups, ws_shape, producer, shared, split))
+    def combine(c, s, a):
+        if c.get("combine", "separate") != "fused":
+            return None
+        if c["schedule"] != "ws" or int(c.get("tokens_per_cta", 1)) != 1:
+            return "combine=fused merges the splits in the ws kernel's last split CTA: schedule=ws, tokens_per_cta=1"
+        if int(c.get("wg1_rows", 0)):
+            # warpgroup 1 then holds producer registers besides its accumulator: ptxas spills ~500 bytes
+            return "combine=fused with wg1_rows spills in consumer warpgroup 1 (ptxas): wg1_rows=0"
+        n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
+        return None if n_split > 1 else "combine=fused merges split partials: n_split resolves to 1 here, nothing to combine"
+
+    return tuple(Constraint(f.__name__, f) for f in (heads, registers, warpgroups, ws_shape, producer, shared, split, combine))
 
 
 class SparseAttnTile(Tile):
@@ -1721,6 +1920,14 @@ class SparseAttnTile(Tile):
             )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
+            params.append(
+                Param(
+                    "combine",
+                    ("separate", "fused"),
+                    "merge the splits in a second kernel, or in the ws kernel's last split CTA per token (an arrival "
+                    "counter; no second launch, the partials read back from L2)",
+                )
+            )
         return SearchSpace(tuple(params), _constraints(self.kv_format))
 
     def default_config(self, arch: Arch) -> Config:
@@ -1745,6 +1952,7 @@ class SparseAttnTile(Tile):
             cfg["wg1_rows"] = 0
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
+            cfg["combine"] = "separate"  # "fused" is unmeasured (notes/sparse_attn.md, session 4)
         return cfg
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
