@@ -290,16 +290,26 @@ def test_score_options_match_reference(tile, option):
         assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
 
 
+TWO_PASS_CASES = [
+    # (tile, shapes): indexer_topk (its default since session 4), the candidate pool (k = 2048 block maxima on coarse,
+    # heavily tied scores, the newest block forced to +inf; compared bit-exactly), Reindex (slots mapped back to
+    # cache positions through a position map; unused pool blocks and invisible slots score -inf, never chosen)
+    (ix.INDEXER_TOPK, ["decode_b64_n32k", "decode_b1_n128k", "prefill_s4k", _odd(3, 2, 1000), _odd(2, 1, 77)]),
+    (ix.CANDIDATE_POOL, ["decode_b64_n32k", "decode_b1_n128k", _odd(2, 3, 1001), _odd(1, 1, 5)]),
+    (ix.REINDEX_TOPK, ["decode_b64_n32k", "decode_b1_n128k", _odd(3, 2, 4001), _odd(2, 1, 77)]),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape_name", ["decode_b64_n32k", "decode_b1_n128k", "prefill_s4k"])
-def test_two_pass_select_matches_reference(shape_name):
-    """select_algo=two_pass (tiles.radix_select) inside indexer_topk: the same top-k sets as the reference."""
+@pytest.mark.parametrize("tile,shapes", TWO_PASS_CASES, ids=[t.name for t, _ in TWO_PASS_CASES])
+def test_two_pass_select_matches_reference(tile, shapes):
+    """select_algo=two_pass (tiles.radix_select) in each tile that selects: the reference's result by its rule."""
     arch = get_arch("sm90")
-    tile = ix.INDEXER_TOPK
     cfg = {**tile.default_config(arch), "select_algo": "two_pass"}
-    for shape in [tile.shape(shape_name), _odd(3, 2, 1000), _odd(2, 1, 77)]:
+    for spec in shapes:
+        shape = tile.shape(spec) if isinstance(spec, str) else spec
         ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
-        assert ev.outcome == OK, f"two_pass {shape.name}: {ev.message}"
+        assert ev.outcome == OK, f"two_pass {tile.name} {shape.name}: {ev.message}"
 
 
 def test_min_ctas_register_cap_is_a_constraint():
@@ -358,41 +368,6 @@ def test_ties_and_wrappers():
     inputs["pool_blocks"] = pool
     ref = ix.REINDEX_TOPK.reference(inputs)
     assert ix.compare_topk_sets(got, ref["topk"], ref["scores"]).ok
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape_name", ["decode_b64_n32k", "decode_b1_n128k"])
-def test_candidate_pool_two_pass_is_exact(shape_name):
-    """select_algo=two_pass in the candidate pool (k = 2048 of the block maxima, coarse scores: heavy ties, and the
-    newest block forced to +inf): bit-exact against candidate_blocks, like the multipass select."""
-    arch = get_arch("sm90")
-    tile = ix.CANDIDATE_POOL
-    cfg = {**tile.default_config(arch), "select_algo": "two_pass"}
-    for shape in [tile.shape(shape_name), _odd(2, 3, 1001), _odd(1, 1, 5)]:
-        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
-        assert ev.outcome == OK, f"two_pass {shape.name}: {ev.message}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape_name", ["decode_b64_n32k", "decode_b1_n128k"])
-def test_reindex_two_pass_matches_reference(shape_name):
-    """select_algo=two_pass in Reindex: slots mapped back to cache positions through a position map; unused pool
-    blocks (-1) and invisible slots score -inf and are never chosen."""
-    arch = get_arch("sm90")
-    tile = ix.REINDEX_TOPK
-    cfg = {**tile.default_config(arch), "select_algo": "two_pass"}
-    for shape in [tile.shape(shape_name), _odd(3, 2, 4001), _odd(2, 1, 77)]:
-        ev = evaluate(tile, shape, cfg, arch, seed=9, time_it=False)
-        assert ev.outcome == OK, f"two_pass {shape.name}: {ev.message}"
-
-
-def test_reindex_two_pass_builds():
-    tile = ix.REINDEX_TOPK
-    shape = tile.shape("decode_b64_n128k")
-    cfg = {**tile.default_config(SM90), "select_algo": "two_pass"}
-    assert tile.default_config(SM90)["select_algo"] == "multipass"
-    assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
-    assert tile.build(shape, cfg, SM90)[0]["select_algo"] == "two_pass"
 
 
 def test_candidate_pool_two_pass_builds():
