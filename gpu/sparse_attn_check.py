@@ -53,6 +53,20 @@ H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H":
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
 S777 = ("odd_s777", "prefill", {"B": 1, "S": 777, "Nc": 777, "Nw": 777, "H": 64, "W": 128, "K": 512})
 
+
+def _option_rows(label: str, bf16: tuple[str, ...] = ()) -> list[tuple]:
+    """The rows an FP4 option is checked at: the three registry shapes and the odd ones (H=128, W=37, S=777), plus
+    the bf16 tile at the registry shapes in ``bf16`` where the option applies to bf16 KV too."""
+    return [
+        ("sparse_attn_prefill", "prefill_s4k", label),
+        ("sparse_attn_decode", "decode_b128_s2", label),
+        ("sparse_attn_decode", "decode_b64_s1", label),
+        ("sparse_attn_decode", H128, label),
+        ("sparse_attn_decode", W37, label),
+        ("sparse_attn_prefill", S777, label),
+    ] + [("sparse_attn_bf16", shape, label) for shape in bf16]
+
+
 # (tile, shape name or custom (name, phase, dims), label). Every passing row at a registry shape is also timed.
 CHECKS = [
     ("sparse_attn_prefill", "prefill_s4k", "default"),
@@ -80,57 +94,21 @@ CHECKS = [
     ("sparse_attn_decode", "decode_b128_s2", "regs10"),
     ("sparse_attn_decode", "decode_b64_s1", "regs10"),
     ("sparse_attn_bf16", "prefill_s4k", "regs10"),
-    ("sparse_attn_prefill", "prefill_s4k", "io_staged"),
-    ("sparse_attn_decode", "decode_b128_s2", "io_staged"),
-    ("sparse_attn_decode", "decode_b64_s1", "io_staged"),
-    ("sparse_attn_bf16", "prefill_s4k", "io_staged"),
-    ("sparse_attn_decode", H128, "io_staged"),
-    ("sparse_attn_decode", W37, "io_staged"),
-    ("sparse_attn_prefill", S777, "io_staged"),
-    ("sparse_attn_prefill", "prefill_s4k", "prefetch"),
-    ("sparse_attn_decode", "decode_b128_s2", "prefetch"),
-    ("sparse_attn_decode", "decode_b64_s1", "prefetch"),
-    ("sparse_attn_decode", H128, "prefetch"),
-    ("sparse_attn_decode", W37, "prefetch"),
-    ("sparse_attn_prefill", S777, "prefetch"),
-]
-CHECKS += [
-    ("sparse_attn_prefill", "prefill_s4k", "wg1"),
-    ("sparse_attn_decode", "decode_b128_s2", "wg1"),
-    ("sparse_attn_decode", "decode_b64_s1", "wg1"),
-    ("sparse_attn_decode", H128, "wg1"),
-    ("sparse_attn_decode", W37, "wg1"),
-    ("sparse_attn_prefill", S777, "wg1"),
-]
-for _label in ("tpc2", "tpc4"):
-    CHECKS += [
-        ("sparse_attn_prefill", "prefill_s4k", _label),
-        ("sparse_attn_decode", "decode_b128_s2", _label),
-        ("sparse_attn_decode", "decode_b64_s1", _label),
-        ("sparse_attn_decode", H128, _label),
-        ("sparse_attn_decode", W37, _label),
-        ("sparse_attn_prefill", S777, _label),
-        ("sparse_attn_bf16", "prefill_s4k", _label),
-    ]
-CHECKS += [
+    *_option_rows("io_staged", bf16=("prefill_s4k",)),
+    *_option_rows("prefetch"),  # FP4 only
+    *_option_rows("wg1"),  # FP4 only
+    *_option_rows("tpc2", bf16=("prefill_s4k",)),
+    *_option_rows("tpc4", bf16=("prefill_s4k",)),
     ("sparse_attn_decode", "decode_b64_s1", "fused"),  # auto: 2 splits, against default (separate) in the same run
     ("sparse_attn_decode", "decode_b128_s2", "fused_split2"),
     ("sparse_attn_decode", "decode_b128_s2", "split2"),  # the separate combine at the same split
     ("sparse_attn_decode", H128, "fused"),
     ("sparse_attn_decode", W37, "fused"),
     ("sparse_attn_bf16", "decode_b64_s1", "fused"),
+    *_option_rows("balanced", bf16=("prefill_s4k", "decode_b128_s2")),
+    *_option_rows("overlap", bf16=("prefill_s4k", "decode_b128_s2")),
+    *_option_rows("overlap_prefetch"),  # prefetch is FP4-only
 ]
-for _label in ("balanced", "overlap", "overlap_prefetch"):
-    CHECKS += [
-        ("sparse_attn_prefill", "prefill_s4k", _label),
-        ("sparse_attn_decode", "decode_b128_s2", _label),
-        ("sparse_attn_decode", "decode_b64_s1", _label),
-        ("sparse_attn_decode", H128, _label),
-        ("sparse_attn_decode", W37, _label),
-        ("sparse_attn_prefill", S777, _label),
-    ]
-    if _label != "overlap_prefetch":  # prefetch is FP4-only
-        CHECKS += [("sparse_attn_bf16", "prefill_s4k", _label), ("sparse_attn_bf16", "decode_b128_s2", _label)]
 
 
 def _shape(tile, spec):
