@@ -370,14 +370,16 @@ def test_ties_and_wrappers():
     assert ix.compare_topk_sets(got, ref["topk"], ref["scores"]).ok
 
 
-def test_candidate_pool_two_pass_builds():
-    """Not the pool's default (untimed at k = 2048), but in its space and compiled through tiles.radix_select."""
-    tile = ix.CANDIDATE_POOL
+@pytest.mark.parametrize("tile", [ix.CANDIDATE_POOL, ix.REINDEX_TOPK], ids=lambda t: t.name)
+def test_pool_and_reindex_select_defaults(tile):
+    """Hopper's default is the two-pass select (timed on the H200); other arches keep the multipass select
+    (not timed there); both stay in the space and compile."""
     shape = tile.shape("decode_b64_n128k")
-    cfg = {**tile.default_config(SM90), "select_algo": "two_pass"}
-    assert tile.default_config(SM90)["select_algo"] == "multipass"
+    assert tile.default_config(SM90)["select_algo"] == "two_pass"
+    assert tile.default_config(get_arch("sm80"))["select_algo"] == "multipass"
+    cfg = {**tile.default_config(SM90), "select_algo": "multipass"}
     assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
-    assert tile.build(shape, cfg, SM90)[0]["select_algo"] == "two_pass"
+    assert tile.build(shape, cfg, SM90)[0]["select_algo"] == "multipass"
 
 
 @pytest.mark.gpu

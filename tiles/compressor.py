@@ -575,8 +575,11 @@ class CompressorTile(Tile):
         # 32-wide projection chunks so the two weight stages fit next to the kv/gate slabs; the
         # direct path measured 9% of copy bandwidth at prefill_r2_s64k (notes/indexer.md).
         # Elsewhere: the direct path with the largest tile that fits the per-block shared memory.
+        # encode=thresholds on Hopper: the same bytes without divisions, H200, one run
+        # (results/sm90/profile_pool_reindex_compressor_run1.json): prefill 64K ratio 2 0.426 -> 0.295 ms per call,
+        # ratio 1 0.639 -> 0.490 ms. Not measured elsewhere: the direct path keeps "divide".
         if arch.family == "hopper":
-            cfg = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 32, "load": "staged", "encode": "divide"}
+            cfg = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 32, "load": "staged", "encode": "thresholds"}
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):

@@ -460,12 +460,16 @@ def _sparse_attn_ws(
     (token, head block) items in turn. At ~205 KiB of shared memory one CTA holds an SM, so a CTA's prologue (Q
     load, the producer's first gather and dequant) and epilogue (sink, O store) overlap nothing; with several tokens
     per CTA the producer runs on into the next token's blocks (its index prefetch crosses the boundary) while the
-    consumers finish this one, and buffer and barrier phases run on across tokens.
+    consumers finish this one, and buffer and barrier phases run on across tokens. Measured on the H200 (session 5,
+    results/sm90/sparse_attn_run9_tpc_fused.json): 2 and 4 are 1-4% slower than 1 at every shape. The block-scaling
+    fit (results/sm90/attn_block_scaling.json: 2.76 us per 64-row block per SM + 5.29 us per CTA) says the fixed
+    cost is real; this overlap does not recover it.
 
     ``combine`` (``n_split > 1``): ``separate`` writes the splits' fp32 partials for :func:`combine_kernel`;
     ``fused`` also counts each split CTA in on a per-(token, head block) counter, and the last to arrive merges
-    the splits with the sink and writes bf16 Out itself (:func:`_ws_fused_combine`): no second launch. Not yet
-    run on a GPU.
+    the splits with the sink and writes bf16 Out itself (:func:`_ws_fused_combine`): no second launch. Measured
+    slower than ``separate`` on the H200 (decode B=64/S=1 0.0369 vs 0.0316 ms; results/sm90/
+    sparse_attn_run10_fused_deterministic.json): the merge lengthens the last CTA more than the launch it saves.
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -1120,9 +1124,9 @@ def _split_den(comb, w, NS, h, sink2):
 def _ws_fused_combine(fz, w, acc_o, Q_own, b_i, s_i, h0, bz, HB, D2, NS, io):
     """``combine="fused"``: after consumer warpgroup ``w`` stored its half of this split's partial O (acc_o [HB, D2],
     still in registers, normalised by the split's own sum; warpgroup 0 also its lse), count the CTA in on the
-    (token, head block)'s arrival counter; the CTA that arrives last merges every split with the sink exactly as
-    :func:`combine_kernel` does, its own split from registers and the others from OPart (written by CTAs that have
-    finished: in L2), and writes bf16 Out [b_i, s_i, h0 : h0 + HB, w D2 : (w + 1) D2]. It resets the counter, so
+    (token, head block)'s arrival counter; the CTA that arrives last merges every split with the sink as
+    :func:`combine_kernel` does, every split read from OPart in ascending order (its own too: the result must not
+    depend on which CTA arrives last), and writes bf16 Out [b_i, s_i, h0 : h0 + HB, w D2 : (w + 1) D2]. It resets the counter, so
     the next launch (a CUDA-graph replay) starts from 0.
 
     Ordering: each thread's release fence orders its partial stores before its mbarrier arrival; thread 0 waits for
@@ -1151,22 +1155,20 @@ def _ws_fused_combine(fz, w, acc_o, Q_own, b_i, s_i, h0, bz, HB, D2, NS, io):
         for h in T.Parallel(HB):
             den = _split_den(comb, w, NS, h, fz.Sink[h0 + h] * LOG2E)
             comb[w, NS + 1, h] = T.if_then_else(den > 0, 1.0 / den, 0.0)  # no sink, no valid index: zeros
-        # this split first (from registers), then the others in order: acc = sum_k w_k O_k
-        for h, d in T.Parallel(HB, D2):
-            acc_o[h, d] = acc_o[h, d] * comb[w, bz, h]
-        # The other splits in ascending order, a quarter of the columns at a time with a compiler fence between
-        # quarters, so at most 32 loaded registers are live beside the 128 of the accumulator (warpgroup 1 has 168;
-        # loaded all at once, ptxas spilled 8-1200 bytes). Rolled or unrolled over k is ptxas's register allocation,
-        # not design: these picks are spill-free at NS=2, 4, 8 (decode B=64, B=128/S=2, W=37, H=128 at NS=2; io,
-        # produce and balanced variants). Still spilling: H=128 at NS=4 (60 bytes), balanced at NS=4 (8 bytes).
-        for k in (T.unroll if NS == 4 else T.serial)(NS):
-            if k != bz:
-                for c in T.unroll(4, explicit=True):
-                    for h, d in T.Parallel(HB, D2 // 4):
-                        acc_o[h, c * (D2 // 4) + d] = (
-                            acc_o[h, c * (D2 // 4) + d] + fz.OPart[b_i, s_i, k, h0 + h, w * D2 + c * (D2 // 4) + d] * comb[w, k, h]
-                        )
-                    T.call_extern("handle", "csa2_compiler_fence")
+        # acc = sum_k w_k O_k over every split in ascending k, this CTA's own split read back from OPart too: the
+        # same sequence of roundings whichever split arrives last (taking its own split from registers first made
+        # the result depend on the arrival order: two runs differed in the last bit on the H200, session 5).
+        # A quarter of the columns at a time with a compiler fence between quarters, so at most 32 loaded registers
+        # are live beside the 128 of the accumulator (warpgroup 1 has 168; loaded all at once, ptxas spilled 8-1200
+        # bytes). Rolled over k (ptxas, decode B=64: no spills at 2 and 8 splits, 8 bytes at 4; unrolled at 4: 612).
+        T.clear(acc_o)
+        for k in T.serial(NS):
+            for c in T.unroll(4, explicit=True):
+                for h, d in T.Parallel(HB, D2 // 4):
+                    acc_o[h, c * (D2 // 4) + d] = (
+                        acc_o[h, c * (D2 // 4) + d] + fz.OPart[b_i, s_i, k, h0 + h, w * D2 + c * (D2 // 4) + d] * comb[w, k, h]
+                    )
+                T.call_extern("handle", "csa2_compiler_fence")
         for h, d in T.Parallel(HB, D2):
             acc_o[h, d] = acc_o[h, d] * comb[w, NS + 1, h]
         if io == "staged":  # Q_own is free: both warpgroups' last QK^T completed before bar_arrived
@@ -1952,7 +1954,7 @@ class SparseAttnTile(Tile):
             cfg["wg1_rows"] = 0
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
-            cfg["combine"] = "separate"  # "fused" is unmeasured (notes/sparse_attn.md, session 4)
+            cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
         return cfg
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
