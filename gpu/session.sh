@@ -139,10 +139,16 @@ phase_tune() {
   COLUMNS=200 timeout 30 $LAB tune --arch sm90 --replay "sparse_attn_decode:sm90:decode_b64_s1" > "$OUT/replay.log" 2>&1
 }
 
+phase_e2e-prefill64k() {  # the 64K prefill: CED on torch and tiles (vs torch), then CED vs non-CED on tiles (a torch non-CED 64K prefill takes minutes)
+  E2E_NAME=e2e_ced E2E_PHASES=prefill_ced E2E_CTX=64K E2E_PROMPTS=64K E2E_BATCH=1 E2E_BACKENDS=torch,tiles E2E_CONFIGS=default phase_e2e
+  E2E_NAME=e2e_ced_vs_full E2E_PHASES=prefill E2E_CTX=64K E2E_PROMPTS=64K E2E_BATCH=1 E2E_BACKENDS=tiles E2E_CONFIGS=default phase_e2e
+}
+
 phase_e2e() {
   timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --prefill-ctx "${E2E_PROMPTS:-16K}" --batch "${E2E_BATCH:-1,64}" \
-    --backend "${E2E_BACKENDS:-torch,tiles}" --configs "${E2E_CONFIGS:-tuned,default}" --runs 10 --repeats "${E2E_REPEATS:-1}" --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1
-  note "e2e rc=$?"
+    --backend "${E2E_BACKENDS:-torch,tiles}" --configs "${E2E_CONFIGS:-tuned,default}" --runs 10 --repeats "${E2E_REPEATS:-1}" \
+    --out "$OUT/${E2E_NAME:-e2e}" > "$OUT/${E2E_NAME:-e2e}.log" 2>&1
+  note "e2e ${E2E_NAME:-e2e} rc=$?"
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -28,7 +28,11 @@ def parse_tokens(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="v4.1-flash")
-    parser.add_argument("--phase", default="decode,prefill", help="decode and/or prefill (prefill times CED and non-CED)")
+    parser.add_argument(
+        "--phase",
+        default="decode,prefill",
+        help="decode and/or prefill (prefill times CED and non-CED; prefill_ced or prefill_full: one of them)",
+    )
     parser.add_argument("--ctx", default="8K,32K,128K", help="contexts (decode) and prompt lengths (prefill)")
     parser.add_argument("--prefill-ctx", default=None, help="prompt lengths for prefill when they differ from --ctx")
     parser.add_argument("--batch", default="1,16,64", help="decode batch sizes (prefill runs at batch 1)")
@@ -80,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
             phases.append("decode")
         elif p == "prefill":
             phases += ["prefill", "prefill_full"]
+        elif p in ("prefill_ced", "prefill_full"):  # one of the two: a torch non-CED 64K prefill alone takes minutes
+            phases.append("prefill" if p == "prefill_ced" else p)
         else:
-            raise LabError(f"unknown phase {p!r}: use decode and/or prefill")
+            raise LabError(f"unknown phase {p!r}: use decode, prefill (CED and non-CED), prefill_ced or prefill_full")
     variants = variants_from(args.backend, args.configs)
     contexts, batches = parse_tokens(args.ctx), parse_tokens(args.batch)
     prompts = parse_tokens(args.prefill_ctx) if args.prefill_ctx else contexts
