@@ -108,7 +108,7 @@ def test_prmt_dequant_equals_the_bits_formula():
 
 def test_prmt_compiles_with_two_ctas_per_sm():
     """The Hopper default since the H200 profile (profile_indexer_prmt_two_pass.json): byte-permute dequant, two CTAs
-    per SM, the two-pass select; the reindex tile keeps bits (not timed with prmt yet)."""
+    per SM, the two-pass select; the reindex tile too since its own H200 profile (profile_attn_decode_reindex_prmt.json)."""
     cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt", "min_ctas": 2, "stages": 3}
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
@@ -117,7 +117,8 @@ def test_prmt_compiles_with_two_ctas_per_sm():
     assert "csa2_fp4_group_bf16" in src and "__launch_bounds__(512, 2)" in src
     default = ix.INDEXER_TOPK.default_config(SM90)
     assert (default["dequant"], default["min_ctas"], default["select_algo"]) == ("prmt", 2, "two_pass")
-    assert ix.REINDEX_TOPK.default_config(SM90)["dequant"] == "bits"
+    reindex = ix.REINDEX_TOPK.default_config(SM90)
+    assert (reindex["dequant"], reindex["min_ctas"], reindex["select_algo"]) == ("prmt", 2, "two_pass")
     assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["dequant"] != "prmt"
 
 
@@ -158,7 +159,7 @@ def test_bits_dequant_formula_is_exact():
 def test_hopper_default_uses_the_new_score_path():
     cfg = ix.INDEXER_TOPK.default_config(SM90)
     assert cfg["dequant"] == "prmt" and cfg["tiles_per_cta"] == 16
-    assert ix.REINDEX_TOPK.default_config(SM90)["dequant"] == "bits"
+    assert ix.REINDEX_TOPK.default_config(SM90)["dequant"] == "prmt"
     assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["dequant"] == "shared"
 
 

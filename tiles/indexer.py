@@ -1191,9 +1191,12 @@ class ReindexTopkTile(_ScoreAndSelectTile):
 
     def default_config(self, arch: Arch) -> Config:
         # Hopper: the two-pass select, H200, one run (results/sm90/profile_pool_reindex_compressor_run1.json):
-        # decode B=64 x 16K candidates 0.239 -> 0.163 ms per call (slot -> position map included), top-k sets exact.
-        algo = "two_pass" if arch.family == "hopper" else "multipass"
-        return {**super().default_config(arch), "select_algo": algo}
+        # decode B=64 x 16K candidates 0.239 -> 0.163 ms per call (slot -> position map included), top-k sets exact;
+        # then the indexer's byte-permute dequant at two CTAs per SM (results/sm90/profile_attn_decode_reindex_prmt.json):
+        # score kernel 134.6 -> 78.5 us, 0.163 -> 0.107 ms per call. Elsewhere not measured: multipass, bits.
+        if arch.family != "hopper":
+            return {**super().default_config(arch), "select_algo": "multipass"}
+        return {**super().default_config(arch), "select_algo": "two_pass", "dequant": "prmt", "min_ctas": 2}
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = {**self.default_config(arch), **config}
