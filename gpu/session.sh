@@ -54,6 +54,13 @@ phase_bench-fp4() {  # the FP4 main-KV tiles at bulk_1m (issue 3's figures come 
   bench fp4_dequant_main bulk_1m
 }
 
+phase_bench-indexer() {  # issue 6's tiles at their target shapes, torch in the same run
+  bench indexer_topk decode_b64_n128k,prefill_s4k
+  bench reindex_topk decode_b64_n128k
+  bench candidate_pool decode_b64_n128k
+  bench compressor prefill_r2_s64k,prefill_r1_s64k
+}
+
 phase_bench-decode() {  # the decode-sized tiles only (their targets are in microseconds: timed from CUDA-graph replay)
   bench sparse_attn_decode decode_b64_s1,decode_b128_s2
   bench indexer_topk decode_b64_n128k
@@ -83,7 +90,7 @@ phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gp
 phase_profile() {  # indexer and compressor: old and new paths, per-kernel CUDA time against the floor (gpu/profile_tiles.py)
   if [ -n "${PROFILE_ARGS:-}" ]; then  # a subset, e.g. PROFILE_ARGS="indexer_topk:decode_b64_n128k"
     # shellcheck disable=SC2086
-    timeout "${PROFILE_S:-200}" python3 gpu/profile_tiles.py $PROFILE_ARGS --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1
+    timeout "${PROFILE_S:-200}" python3 gpu/profile_tiles.py $PROFILE_ARGS --compile-jobs 14 --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1
     note "profile rc=$?"
     return
   fi

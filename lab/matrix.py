@@ -50,7 +50,7 @@ class Cell:
 def _resolve(cell: Cell) -> tuple[Tile, Arch, Config, object]:
     tile, arch = get_tile(cell.tile), get_arch(cell.arch)
     shape = tile.shape(cell.shape)
-    return tile, arch, {**tile.default_config(arch), **(cell.config or {})}, shape
+    return tile, arch, tile.with_defaults(arch, cell.config or {}), shape
 
 
 def compile_cell(cell: Cell) -> Cell:
@@ -108,7 +108,7 @@ def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Ce
             if shape_name not in known:
                 continue
             recorded = {"recorded_ms": entry.get("ms"), "recorded_default_ms": entry.get("default_ms")}
-            missing = stale_params(tile, arch, entry["config"])
+            missing = stale_params(tile, arch, entry["config"], entry.get("default_config"))
             if missing:  # tuned before these options existed: run time uses the default (tiles.results.load_winner)
                 recorded["stale"] = ", ".join(missing)
             cells.append(Cell(tile.name, arch.name, shape_name, "tuned", dict(entry["config"]), extra=dict(recorded)))

@@ -50,15 +50,16 @@ def bench_markdown(paths: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _stale(tile_name: str | None, arch_name: str | None, config: dict) -> list[str]:
-    """Search-space parameters a stored winner does not name (``tiles.results.stale_params``); [] for unknown tiles."""
+def _stale(tile_name: str | None, arch_name: str | None, entry: dict) -> list[str]:
+    """What a stored winner predates: search-space parameters it does not name, or the current default
+    (``tiles.results.stale_params``); [] for unknown tiles."""
     from tiles.arch import get_arch
     from tiles.contract import TileError
     from tiles.registry import get_tile
     from tiles.results import stale_params
 
     try:
-        return stale_params(get_tile(tile_name), get_arch(arch_name), config)
+        return stale_params(get_tile(tile_name), get_arch(arch_name), entry.get("config", {}), entry.get("default_config"))
     except (TileError, ValueError, TypeError):
         return []
 
@@ -81,7 +82,7 @@ def tuning_markdown(paths: list[Path]) -> str:
         for name, entry in sorted(doc.get("shapes", {}).items()):
             # an entry kept from an earlier run carries that run's date and command
             commands.add(entry.get("command", env.get("command")))
-            stale = _stale(doc.get("tile"), doc.get("arch"), entry.get("config", {}))
+            stale = _stale(doc.get("tile"), doc.get("arch"), entry)
             sp = entry.get("speedup")
             if sp and not stale:
                 speedups.append(sp)

@@ -43,7 +43,15 @@ def test_stored_winner_cells_pair_each_winner_with_the_default(tmp_path):
         "arch": "sm90",
         "environment": {},
         "shapes": {
-            shape.name: {"phase": shape.phase, "dims": dict(shape.dims), "config": winner, "ms": 0.04, "default_ms": 0.05, "speedup": 1.25},
+            shape.name: {
+                "phase": shape.phase,
+                "dims": dict(shape.dims),
+                "config": winner,
+                "ms": 0.04,
+                "default_ms": 0.05,
+                "speedup": 1.25,
+                "default_config": tile.default_config(arch),
+            },
             "retired_shape": {"phase": "decode", "dims": {"rows": 3, "dim": 512}, "config": winner, "ms": 1.0, "default_ms": 1.0},
         },
     }

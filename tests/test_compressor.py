@@ -7,9 +7,14 @@ two runs bitwise equal; the decode tail state gives the same entry as the whole 
 """
 
 import itertools
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
+import tilelang
 import torch
 
 from model import formats
@@ -19,6 +24,8 @@ from tiles.contract import Shape, TileError
 from tiles.harness import OK, evaluate
 
 SM90 = get_arch("sm90")
+# The one-CTA-per-SM kernel (Hopper's default until ctas_per_sm 2): the base of the tests that vary load, proj or encode
+ONE_CTA = {"ctas_per_sm": 1, "k_chunk": 32, "wk": "hi_lo"}
 
 
 def _args(B=2, S=4, G=2, device="cpu"):
@@ -123,7 +130,7 @@ def test_compressor_matches_reference(proj, load):
     odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
     shapes = [cp.COMPRESSOR.shape(n) for n in ("prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64", "decode_r1_b64")] + odd
     for shape in shapes:
-        cfg = {**cp.COMPRESSOR.default_config(arch), "proj": proj, "load": load}
+        cfg = {**cp.COMPRESSOR.default_config(arch), **ONE_CTA, "proj": proj, "load": load}
         ev = evaluate(cp.COMPRESSOR, shape, cfg, arch, seed=2, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
@@ -314,7 +321,7 @@ def test_threshold_encode_matches_reference(load):
     odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002 + r, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
     names = ("prefill_r2_s4k", "prefill_r1_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64")
     for shape in [cp.COMPRESSOR.shape(n) for n in names] + odd:
-        cfg = {**cp.COMPRESSOR.default_config(arch), "load": load, "encode": "thresholds"}
+        cfg = {**cp.COMPRESSOR.default_config(arch), **ONE_CTA, "load": load, "encode": "thresholds"}
         ev = evaluate(cp.COMPRESSOR, shape, cfg, arch, seed=5, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
@@ -327,8 +334,196 @@ def test_threshold_encode_equals_divide_bitwise(shape_name):
     shape = tile.shape(shape_name)
     inputs = tile.make_inputs(shape, 6, "cuda")
     inputs["kv"][0, :8] *= 1e-39  # tiny latents (RMSNorm keeps them ~1e-36): the smallest scales and bounds
-    base = tile.default_config(arch)
+    base = {**tile.default_config(arch), **ONE_CTA}
     divide = tile.run(tile.build(shape, {**base, "encode": "divide"}, arch), inputs)
     bounds = tile.run(tile.build(shape, {**base, "encode": "thresholds"}, arch), inputs)
     for name in divide:
         assert torch.equal(divide[name], bounds[name]), name
+
+
+# ---------------------------------------------------------------------------------- ctas_per_sm > 1 (several CTAs per SM)
+# The Hopper default is one warp-specialised CTA per SM (384 threads x 168 registers, 228 KB shared memory): HBM idles
+# while it normalises, encodes and projects. ctas_per_sm 2-3 cut registers and shared memory so that CTAs share an SM.
+
+# (ratio, block_g, ctas_per_sm, wk): the builds checked with ptxas.
+MULTI_CTA = [
+    (2, 32, 2, "hi_lo"),
+    (1, 32, 2, "hi_lo"),
+    (2, 16, 3, "hi_lo"),
+    (1, 16, 3, "hi_lo"),
+    (2, 32, 2, "fp32"),
+    (1, 32, 2, "fp32"),
+    (2, 16, 3, "fp32"),
+    (1, 16, 3, "fp32"),
+]
+TL_ROOT = Path(tilelang.__file__).parent
+
+
+def _multi_cta_config(block_g, ctas, wk="hi_lo"):
+    return {**cp.COMPRESSOR.default_config(SM90), "block_g": block_g, "k_chunk": 16, "ctas_per_sm": ctas, "wk": wk}
+
+
+def _dynamic_smem(kernel, threads) -> int:
+    """The dynamic shared memory the host code launches ``kernel`` with (the argument after the block dims)."""
+    try:
+        path = kernel.adapter._host_kernel_source_path  # a kernel loaded from TileLang's cache
+    except AttributeError:
+        path = None
+    host = Path(path).read_text() if path else kernel.get_host_source()
+    vals = [int(v) for v in re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\)", host)]
+    hits = [vals[j + 3] for j in range(len(vals) - 3) if vals[j : j + 3] == [threads, 1, 1]]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+def _ptxas(src: str, tmp_path) -> tuple[int, int]:
+    """(registers, spill bytes) of the kernel source by nvcc -Xptxas -v for sm_90a (TileLang's include paths)."""
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    inc = [f"-I{TL_ROOT / d}" for d in ("src", "src/cuda", "3rdparty/cutlass/include")]
+    cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *inc, str(cu), "-o", str(tmp_path / "k.cubin")]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return regs, spills
+
+
+@pytest.mark.parametrize("ratio, block_g, ctas, wk", MULTI_CTA)
+def test_multi_cta_compiles_sm90_and_fits(ratio, block_g, ctas, wk, tmp_path):
+    """Compiles at the 64K shapes (the same kernel serves every B and G, decode included), launch bounds ask for
+    ``ctas`` CTAs, no producer warpgroup, the shared-memory model equals what the host code launches with, and
+    ptxas keeps the registers within 65536 / (256 x ctas) without spilling."""
+    shape = cp.COMPRESSOR.shape(f"prefill_r{ratio}_s64k")
+    cfg = _multi_cta_config(block_g, ctas, wk)
+    space = cp.COMPRESSOR.search_space(SM90)
+    assert ctas in {p.name: p.choices for p in space.params}["ctas_per_sm"]
+    assert space.violations(cfg, shape, SM90) == []
+    assert space.violations(cfg, cp.COMPRESSOR.shape(f"decode_r{ratio}_b64"), SM90) == []
+    kernel = cp.COMPRESSOR.build(shape, cfg, SM90)
+    src = kernel.get_kernel_source()
+    assert f"__launch_bounds__(256, {ctas})" in src
+    assert "warpgroup_reg_alloc" not in src
+    assert ("wk_lo[" in src) == (wk == "hi_lo")  # wk=fp32 reads Wk itself through the wk_hi argument
+    assert kernel.csa2_wk == wk
+    # The shared-memory model is exact for these builds (it is what refuses the ones that do not fit).
+    smem = _dynamic_smem(kernel, 256)
+    gate = cp.MULTI_CTA_STAGES * 2 * block_g * cp.MULTI_CTA_CHUNK * 4 if ratio == 2 else 0
+    assert smem == block_g * 512 * 4 + gate + 4 * 128 * 16 * 4 + 8 * block_g * 16 + 512
+    assert ctas * (smem + 1024) <= SM90.smem_per_sm
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found: registers and spills not checked")
+    regs, spills = _ptxas(src, tmp_path)
+    assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
+
+
+def test_multi_cta_waits_for_the_early_stores():
+    """The main cache is stored by bulk copies before the projection and its buffers are reused for the Wk stages:
+    a CTA-wide barrier must sit between the electing thread's wait for those stores and the first Wk copy."""
+    src = cp.COMPRESSOR.build(cp.COMPRESSOR.shape("prefill_r2_s64k"), _multi_cta_config(32, 2), SM90).get_kernel_source()
+    store = src.index("tl::tma_store(main_scales_desc")
+    between = src[store : src.index("wk_lo[", store)]
+    wait = between.index("tl::tma_store_wait<0, true>();")
+    assert "__syncthreads();" in between[wait:]
+
+
+def test_multi_cta_constraints_refuse():
+    arch, space = SM90, cp.COMPRESSOR.search_space(SM90)
+    shape = cp.COMPRESSOR.shape("prefill_r2_s64k")
+    base = _multi_cta_config(32, 2)
+    assert any("shared memory" in r for r in space.violations({**base, "k_chunk": 32}, shape, arch))  # 154,112 B compiled
+    assert any("occupancy" in r for r in space.violations({**base, "load": "direct"}, shape, arch))
+    assert any("occupancy" in r for r in space.violations({**base, "threads": 512}, shape, arch))
+    assert any("shared memory" in r for r in space.violations({**base, "ctas_per_sm": 3}, shape, arch))
+    assert any("occupancy" in r for r in space.violations({**base, "block_g": 64}, shape, arch))
+    assert any("Hopper" in r for r in space.violations(base, shape, get_arch("sm80")))
+    # Hopper's default since the H200 profile (profile_compressor_multi_cta_indexer_prmt_rs.json); one CTA elsewhere
+    default = cp.COMPRESSOR.default_config(arch)
+    assert (default["ctas_per_sm"], default["k_chunk"], default["wk"]) == (2, 16, "fp32")
+    assert space.violations(default, shape, arch) == []
+    assert cp.COMPRESSOR.default_config(get_arch("sm80"))["ctas_per_sm"] == 1
+    with pytest.raises(TileError, match="ctas_per_sm"):
+        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "direct", "thresholds", 2)
+    one_cta = {**default, **ONE_CTA}  # the warp-specialised kernel
+    assert space.violations(one_cta, shape, arch) == []
+    assert any("wk=fp32" in r for r in space.violations({**one_cta, "wk": "fp32"}, shape, arch))
+    assert any("k_chunk 16" in r for r in space.violations({**one_cta, "k_chunk": 16}, shape, arch))
+    with pytest.raises(TileError, match="wk="):
+        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "fp32")
+
+
+def test_wk_args():
+    """What the launchers pass as (wk_hi, wk_lo): the split by default, Wk itself (no copy) for wk=fp32."""
+
+    class K:
+        csa2_wk = "fp32"
+
+    w = torch.randn(128, 512)
+    hi, lo = cp._wk_args(object(), w)
+    assert torch.equal(hi + lo, w) and torch.equal(hi, cp.split_tf32(w)[0])
+    a, b = cp._wk_args(K(), w)
+    assert a.data_ptr() == w.data_ptr() and b.data_ptr() == w.data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_g, ctas, wk", [(32, 2, "hi_lo"), (32, 2, "fp32"), (16, 3, "hi_lo")])
+def test_multi_cta_matches_reference(block_g, ctas, wk):
+    """ctas_per_sm > 1 against the torch reference at the tile's shapes (64K included) and odd shapes (G not a
+    multiple of the block). Not byte-compared with the default: its RMSNorm sums the squares in another order."""
+    arch = get_arch("sm90")
+    odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002 + r, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
+    names = ("prefill_r2_s4k", "prefill_r1_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64")
+    cfg = {**cp.COMPRESSOR.default_config(arch), "block_g": block_g, "k_chunk": 16, "ctas_per_sm": ctas, "wk": wk}
+    for shape in [cp.COMPRESSOR.shape(n) for n in names] + odd:
+        ev = evaluate(cp.COMPRESSOR, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+def test_multi_cta_decode_tail_and_repeatable():
+    """ctas_per_sm 2: the decode tail state gives the same entries as the whole group, and two runs at 64K are
+    bitwise equal (a race on the reused shared memory would show as run-to-run differences)."""
+    tile, arch = cp.COMPRESSOR, get_arch("sm90")
+    cfg = {**tile.default_config(arch), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
+    inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
+    rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], 1e-6)
+    full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest, config=cfg)
+    tail = cp.compress(
+        inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, config=cfg, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0]
+    )
+    assert all(torch.equal(a, b) for a, b in zip(full, tail))
+    shape = tile.shape("prefill_r2_s64k")
+    big = tile.make_inputs(shape, 8, "cuda")
+    kernel = tile.build(shape, cfg, arch)
+    first, second = tile.run(kernel, big), tile.run(kernel, big)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_name", ["prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64"])
+def test_multi_cta_wk_fp32_equals_hi_lo_bitwise(shape_name):
+    """wk=fp32 splits Wk in the kernel into the bits split_tf32 gives on the host: all four outputs byte-identical."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    shape = tile.shape(shape_name)
+    inputs = tile.make_inputs(shape, 9, "cuda")
+    base = {**tile.default_config(arch), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
+    split = tile.run(tile.build(shape, {**base, "wk": "hi_lo"}, arch), inputs)
+    whole = tile.run(tile.build(shape, {**base, "wk": "fp32"}, arch), inputs)
+    for name in split:
+        assert torch.equal(split[name], whole[name]), name
+
+
+def test_one_cta_choices_without_ctas_per_sm_get_the_one_cta_kernel():
+    """with_defaults: {"load": "direct"} alone stays a valid config after two CTAs per SM became Hopper's default."""
+    tile, shape = cp.COMPRESSOR, cp.COMPRESSOR.shape("prefill_r2_s64k")
+    space = tile.search_space(SM90)
+    assert tile.with_defaults(SM90, {}) == tile.default_config(SM90)
+    for picked in ({"load": "direct"}, {"proj": "simt"}, {"k_chunk": 32}, {"block_g": 64, "k_chunk": 64}, {"threads": 512}):
+        cfg = tile.with_defaults(SM90, picked)
+        assert cfg["ctas_per_sm"] == 1 and cfg["wk"] == "hi_lo", picked
+        assert cfg["k_chunk"] == picked.get("k_chunk", 32)
+    assert space.violations(tile.with_defaults(SM90, {"load": "direct"}), shape, SM90) == []
+    # naming ctas_per_sm keeps it, so an impossible pick is refused with its reason, not silently changed
+    forced = tile.with_defaults(SM90, {"load": "direct", "ctas_per_sm": 2})
+    assert forced["ctas_per_sm"] == 2 and any("occupancy" in r for r in space.violations(forced, shape, SM90))

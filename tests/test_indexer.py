@@ -34,7 +34,7 @@ def test_default_compiles_sm90(tile):
 
 
 @pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
-@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits", "prmt"])
+@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs"])
 def test_dequant_options_compile_sm90(tile, dequant):
     shape = tile.shapes()[0]
     assert tile.build(shape, {**tile.default_config(SM90), "dequant": dequant}, SM90) is not None
@@ -106,9 +106,196 @@ def test_prmt_dequant_equals_the_bits_formula():
     assert _prmt_group([0, 0, 0, 0], 0) == [0] * 16
 
 
+def _rs_tables(sbyte: int) -> list[int]:
+    """Model of csa2_fp4_table_word (tiles.indexer._PRMT_PAIR_CUDA): lo0, lo1, hi0, hi1 of a scale byte 0..255."""
+    m32 = 0xFFFFFFFF
+    base = ((sbyte - 1) << 7) & m32
+    b2 = (base * 0x10001) & m32
+    r0, r1, r2, r3 = (base << 16) & m32, (b2 + 0x00C00080) & m32, (b2 + 0x01400100) & m32, (b2 + 0x01C00180) & m32
+    return [_prmt(r0, r1, 0x6420), _prmt(r2, r3, 0x6420), _prmt(r0, r1, 0x7531), _prmt(r2, r3, 0x7531)]
+
+
+def _rs_pair(w: int, tables: list[int], k: int) -> int:
+    """Model of csa2_fp4_pair_bf16: bf16x2 of nibbles 2k (low half), 2k + 1 of w from the scale byte's tables."""
+    lo0, lo1, hi0, hi1 = tables
+    m, w4 = w & 0x77777777, (w << 4) & 0xFFFFFFFF
+    sel, sign = (m & 0xFFFF, _prmt(w, w4, 0x1504)) if k < 2 else (m >> 16, _prmt(w, w4, 0x3726))  # prmt reads 16 bits
+    lo, hi = _prmt(lo0, lo1, sel), _prmt(hi0, hi1, sel) | (sign & 0x80808080)
+    return _prmt(lo, hi, 0x7362 if k & 1 else 0x5140)
+
+
+def test_rs_pair_equals_the_prmt_group_path():
+    """prmt_rs's per-register pairs from the shared scale table are the prmt path's bf16 words, for every scale byte."""
+    import random
+
+    rng = random.Random(2)
+    for sbyte in range(256):
+        words = [rng.getrandbits(32) for _ in range(4)]
+        tables = _rs_tables(sbyte)
+        assert [_rs_pair(w, tables, k) for w in words for k in range(4)] == _prmt_group(words, sbyte), sbyte
+
+
+def _wgmma_a_owner(row: int, col: int) -> tuple[int, int]:
+    """(thread of the warpgroup, 16-bit register slot) holding A[row, col] of a 64 x 16k bf16 wgmma RS operand.
+
+    PTX ISA, wgmma .m64nNk16 A register fragment: lane l of warp w holds rows 16w + l / 4 (+ 8) and, per k16 slice,
+    columns 2 (l % 4) + {0, 1} (+ 8); slots a0..a7 = (row, col), (row, col + 1), (row + 8, ..), .., (row + 8, col + 9),
+    a register = slots (2r, 2r + 1). TileLang's local array is these slots slice after slice (k_deq + 8 ki).
+    """
+    warp, g = row // 16, row % 8
+    lane = 4 * g + (col % 8) // 2
+    slot = 8 * (col // 16) + 4 * ((col % 16) // 8) + 2 * ((row % 16) // 8) + col % 2
+    return 32 * warp + lane, slot
+
+
+def test_rs_dim_order_gives_each_thread_one_scale_group():
+    """prmt_rs: in the wgmma A layout each thread's 32 columns of a row are one scale group under _rs_dim (4 packed
+    words, one scale byte), its registers pair two consecutive columns (the pair the kernel writes as one word), and
+    _rs_dim is a permutation of the 128 dims (so with q in the same order every product appears once)."""
+    assert sorted(ix._rs_dim(c) for c in range(128)) == list(range(128))
+    for t in range(128):
+        for row in range(64):
+            cols = [c for c in range(128) if _wgmma_a_owner(row, c)[0] == t]
+            if not cols:
+                continue
+            assert len(cols) == 32
+            dims = sorted(ix._rs_dim(c) for c in cols)
+            assert dims == list(range(dims[0], dims[0] + 32)) and dims[0] % 32 == 0  # one scale group
+    for row in range(64):
+        for c in range(0, 128, 2):  # the pair (c, c + 1) is one register: slots 2r, 2r + 1 of one thread
+            (t0, s0), (t1, s1) = _wgmma_a_owner(row, c), _wgmma_a_owner(row, c + 1)
+            assert t0 == t1 and s0 % 2 == 0 and s1 == s0 + 1
+            assert ix._rs_dim(c + 1) == ix._rs_dim(c) + 1
+
+
+def test_prmt_rs_fragment_emulation_equals_the_reference_dot_products():
+    """CPU emulation of one 64-row tile of the prmt_rs kernel: every thread fills its A registers by the kernel's rule
+    (element (i, c), c even: byte (c // 8) % 4 of word 4t + c // 32, t = (c % 8) // 2, scale byte t, one 32-bit
+    pair), the registers are read back through the wgmma layout, and A @ q_s^T with q_s[h, c] = q[h, _rs_dim(c)]
+    equals the scores' K @ q^T exactly (products and sums in float64 of exact values)."""
+    import random
+
+    rng = random.Random(1)
+    rows = 64
+    words = [[rng.getrandbits(32) for _ in range(16)] for _ in range(rows)]  # [64, 16] packed K
+    sbytes = [[rng.randint(100, 140) for _ in range(4)] for _ in range(rows)]  # [64, 4] E8M0
+    regs = {}  # (thread, slot) -> bf16 bits, written the way the kernel's loop writes them
+    for i in range(rows):
+        for c in range(0, 128, 2):
+            t, j = (c % 8) // 2, c // 8
+            pair = _rs_pair(words[i][4 * t + j // 4], _rs_tables(sbytes[i][t]), j % 4)
+            thread, slot = _wgmma_a_owner(i, c)
+            regs[(thread, slot)], regs[(thread, slot + 1)] = pair & 0xFFFF, pair >> 16
+    frag = torch.tensor([[regs[_wgmma_a_owner(i, c)] for c in range(128)] for i in range(rows)], dtype=torch.int32)
+    a = (frag << 16).view(torch.float32).double()  # [64, 128] what wgmma multiplies, in fragment column order
+    codes = torch.tensor([[(w >> (4 * n)) & 0xF for w in ws for n in range(8)] for ws in words], dtype=torch.int32)
+    scale = torch.tensor(sbytes, dtype=torch.int32).repeat_interleave(32, dim=1)  # [64, 128]
+    k = _bits_dequant(codes, scale).double()  # [64, 128] K in dim order
+    perm = torch.tensor([ix._rs_dim(c) for c in range(128)])
+    assert torch.equal(a, k[:, perm])
+    q = torch.randint(-6, 7, (32, 128)).double() * 0.5  # [32, 128] FP4-like queries
+    assert torch.equal(a @ q[:, perm].T, k @ q.T)
+
+
+def _call_args(src: str, name: str) -> list[str]:
+    """The argument expressions of the last call of ``name`` in the CUDA source (split at top-level commas); the
+    imported helper definitions come first."""
+    i = src.rindex(name + "(") + len(name) + 1
+    args, depth, cur = [], 0, ""
+    for ch in src[i:]:
+        if ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+            continue
+        if ch == ")" and depth == 0:
+            return args + [cur.strip()]
+        depth += (ch in "([") - (ch in ")]")
+        cur += ch
+    raise AssertionError(f"unterminated call of {name}")
+
+
+def _rs_source_reads(src: str, threads: int, producer: int) -> dict:
+    """The generated prmt_rs dequant call, evaluated per consumer thread and A slot (pipeline stage 0):
+    {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)} for the even slots it writes."""
+    import re
+
+    dst, word, tab0, *tabs, k_e = _call_args(src, "csa2_fp4_pair_bf16")
+    var = re.fullmatch(r"\(&\(k_deq\[(\w+)\]\)\)", dst).group(1)
+    word_e = re.fullmatch(r"\(\(int\*\)kw_s\)\[(.*)\]", word).group(1)
+    row_e, shift_e = re.fullmatch(r"\(\(uint\*\)rs_tab\)\[\(\(\(\(\(int\*\)ks_s\)\[(.*)\] >> (.*)\) & 255\) \* 4\)\]", tab0).groups()
+    for e, tab in enumerate(tabs, 1):  # the group's other table words: entries + 1, + 2, + 3 of the same scale byte
+        assert tab == f"((uint*)rs_tab)[({tab0[len('((uint*)rs_tab)[') : -1]} + {e})]", tab
+    extent = int(re.search(rf"for \(int {var} = 0; {var} < (\d+); \+\+{var}\)", src).group(1))
+    exprs = [e.replace("((int)threadIdx.x)", "tx") for e in (word_e, row_e, shift_e, k_e)]
+    out = {}
+    for t in range(threads):
+        for v in range(0, extent, 2):
+            env = {"tx": t + producer, var: v, "t_1": 0}
+            w, r, sh, k = (eval(e, {}, env) for e in exprs)
+            out[(t, v)] = (w // 16, w % 16, r, sh // 8, k)
+    return out
+
+
+@pytest.mark.parametrize(
+    "cfg,gather",
+    [
+        ({"dequant": "prmt_rs", "min_ctas": 2}, False),  # 2 warpgroups x 1 m-tile
+        ({"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 4, "stages": 4}, False),
+        ({"dequant": "prmt_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4}, False),  # 2 m-tiles
+        ({"dequant": "prmt_rs", "min_ctas": 2}, True),  # Reindex: not warp-specialised
+    ],
+    ids=["t256_bn128", "t128_bn64", "t128_bn128", "gather_t256"],
+)
+def test_prmt_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cfg, gather):
+    """The CUDA TileLang generates for the prmt_rs dequant, evaluated for every consumer thread: every (row, word,
+    byte) of the tile is converted exactly once, the scale byte is the word's own group's of the same row, and each
+    thread reads one scale group (4 words) per row: one 16-byte shared load and one table per row and thread."""
+    tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
+    full = {**tile.default_config(SM90), **cfg}
+    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    reads = _rs_source_reads(src, full["threads"], 0 if gather else full["threads"])
+    seen = {}
+    groups = {}
+    for (t, _), (row, word, srow, group, k) in reads.items():
+        assert srow == row and group == word // 4
+        seen[(row, word, k)] = seen.get((row, word, k), 0) + 1
+        groups.setdefault((t, row), set()).add(word // 4)
+    assert set(seen.values()) == {1} and len(seen) == full["block_n"] * 16 * 4
+    assert all(len(g) == 1 for g in groups.values())
+
+
+def test_prmt_rs_compiles_with_register_split():
+    """prmt_rs at the default's occupancy (2 x 512 threads per SM, 64 registers at launch): RS wgmma, no bf16 tile in
+    shared memory, setmaxnreg 24 (producer) / 104 (consumers) so ptxas neither spills nor serialises the wgmmas."""
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt_rs"}
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
+    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    assert "wgmma_rs" in src and "wgmma_ss" not in src and "csa2_fp4_pair_bf16" in src and "csa2_fp4_table_word" in src
+    assert "void* k_deq" not in src and "bfloat16_t k_deq[64];" in src  # a register array, not a shared tile
+    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<104>" in src
+    assert ix._rs_register_split(256, 2) == (24, 104) and ix._rs_register_split(128, 3) == (24, 136)
+    cfg0 = {**cfg, "min_ctas": 0}  # no launch-bound cap: ptxas's own allocation, no setmaxnreg
+    assert "warpgroup_reg_alloc" not in ix._build_score(SM90, cfg0, False, 8).get_kernel_source()
+
+
+def test_prmt_rs_register_constraint():
+    """Two m-tiles per warpgroup (128 threads, block_n 128) need ~128 consumer registers: min_ctas 4 leaves 104 (ptxas:
+    spills + serialised wgmmas), pruned; min_ctas 3 leaves 136, kept. Two warpgroups need one m-tile each."""
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    space = ix.INDEXER_TOPK.search_space(SM90)
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt_rs", "threads": 128, "block_n": 128, "stages": 4}
+    assert any("prmt_rs" in r for r in space.violations({**cfg, "min_ctas": 4}, shape, SM90))
+    assert space.violations({**cfg, "min_ctas": 3}, shape, SM90) == []
+    assert space.violations({**cfg, "block_n": 64, "min_ctas": 4}, shape, SM90) == []
+    wide = {**cfg, "threads": 256, "block_n": 256, "min_ctas": 0, "stages": 2}
+    assert any("one 64-row wgmma tile" in r for r in space.violations(wide, shape, SM90))
+
+
 def test_prmt_compiles_with_two_ctas_per_sm():
-    """The Hopper default since the H200 profile (profile_indexer_prmt_two_pass.json): byte-permute dequant, two CTAs
-    per SM, the two-pass select; the reindex tile too since its own H200 profile (profile_attn_decode_reindex_prmt.json)."""
+    """prmt at two CTAs per SM (the Hopper default from profile_indexer_prmt_two_pass.json until prmt_rs replaced it,
+    profile_compressor_multi_cta_indexer_prmt_rs.json); the reindex tile's default (profile_attn_decode_reindex_prmt.json:
+    its prmt_rs ran slower)."""
     cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt", "min_ctas": 2, "stages": 3}
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
@@ -116,7 +303,7 @@ def test_prmt_compiles_with_two_ctas_per_sm():
     src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
     assert "csa2_fp4_group_bf16" in src and "__launch_bounds__(512, 2)" in src
     default = ix.INDEXER_TOPK.default_config(SM90)
-    assert (default["dequant"], default["min_ctas"], default["select_algo"]) == ("prmt", 2, "two_pass")
+    assert (default["dequant"], default["min_ctas"], default["select_algo"]) == ("prmt_rs", 2, "two_pass")
     reindex = ix.REINDEX_TOPK.default_config(SM90)
     assert (reindex["dequant"], reindex["min_ctas"], reindex["select_algo"]) == ("prmt", 2, "two_pass")
     assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["dequant"] != "prmt"
@@ -158,7 +345,7 @@ def test_bits_dequant_formula_is_exact():
 
 def test_hopper_default_uses_the_new_score_path():
     cfg = ix.INDEXER_TOPK.default_config(SM90)
-    assert cfg["dequant"] == "prmt" and cfg["tiles_per_cta"] == 16
+    assert cfg["dequant"] == "prmt_rs" and cfg["tiles_per_cta"] == 16
     assert ix.REINDEX_TOPK.default_config(SM90)["dequant"] == "prmt"
     assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["dequant"] == "shared"
 
@@ -262,6 +449,18 @@ def test_tile_matches_reference(tile):
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
 
+# dequant=prmt_rs (prmt lookups into the wgmma A fragment, K and q in the _rs_dim order), at the default's occupancy and
+# at the smaller-CTA shapes the tuner liked for prmt; written without device time (session 5), compiled for sm_90a.
+PRMT_RS_OPTIONS = {
+    "mc2": {"dequant": "prmt_rs", "min_ctas": 2},
+    "mc2_st4": {"dequant": "prmt_rs", "min_ctas": 2, "stages": 4},
+    "t128_bn64_mc4": {"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 4, "stages": 4},
+    "t128_bn64_mc3": {"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 3, "stages": 3, "tiles_per_cta": 4},
+    "t128_bn128_mc3": {"dequant": "prmt_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4},
+    "mc0": {"dequant": "prmt_rs", "min_ctas": 0},
+}
+
+
 # Every score-path option, the pre-sm90-default path included: scores by relative L2, top-k
 # sets exact up to the tie rule (evaluate also requires two runs bitwise equal).
 SCORE_OPTIONS = {
@@ -277,6 +476,7 @@ SCORE_OPTIONS = {
     "prmt": {"dequant": "prmt"},
     "prmt_mc2_st3": {"dequant": "prmt", "min_ctas": 2, "stages": 3},
     "prmt_mc3": {"dequant": "prmt", "min_ctas": 3, "threads": 128, "stages": 2, "tiles_per_cta": 4},
+    **{f"prmt_rs_{name}": cfg for name, cfg in PRMT_RS_OPTIONS.items()},
 }
 
 
@@ -351,6 +551,32 @@ def test_prmt_scores_equal_bits_scores():
     _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt", "min_ctas": 2})
     _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "bits"})
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(PRMT_RS_OPTIONS), ids=str)
+def test_prmt_rs_matches_reference(option):
+    """dequant=prmt_rs on indexer_topk at the real decode shape and odd ones (partial tiles, n_visible < top-k, empty
+    rows): scores by relative L2 and top-k sets against the reference (evaluate: poisoned outputs, two runs bitwise
+    equal). Its scores are not bitwise the prmt kernel's: the wgmma sums the permuted dims in another order."""
+    arch = get_arch("sm90")
+    cfg = {**ix.INDEXER_TOPK.default_config(arch), **PRMT_RS_OPTIONS[option]}
+    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
+        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
+        assert ev.outcome == OK, f"prmt_rs {option} {shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+def test_prmt_rs_scores_close_to_prmt_scores():
+    """Same K values and products as the prmt kernel, other summation order: equal to ~1 ulp of the row scale."""
+    inputs = ix._indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
+    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+    sm90 = ix._SCORE_DEFAULT_SM90
+    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt_rs", "min_ctas": 2})
+    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt", "min_ctas": 2})
+    assert torch.equal(torch.isinf(a), torch.isinf(b))
+    fin = torch.isfinite(b)
+    assert float((a[fin] - b[fin]).norm() / b[fin].norm().clamp(min=1e-30)) < 1e-6
 
 
 @pytest.mark.gpu

@@ -18,10 +18,19 @@ SM90 = get_arch("sm90")
 ENV = {"date": "2026-01-01T00:00:00Z", "gpu": "test", "torch": "x"}
 
 
-def _summary(shape: str, config: dict, ms: float, default_ms: float):
+def _summary(shape: str, config: dict, ms: float, default_ms: float, default: dict | None = None):
+    """A tuning.study.StudySummary stand-in; ``default``: the default config the study timed."""
     best = SimpleNamespace(params=config, user_attrs={"ms": ms, "tflops": None, "gbps": 100.0})
     return SimpleNamespace(
-        shape=shape, best=best, best_ms=ms, default_ms=default_ms, speedup=default_ms / ms, trials=9, outcomes={"ok": 9}, study="s"
+        shape=shape,
+        best=best,
+        best_ms=ms,
+        default_ms=default_ms,
+        speedup=default_ms / ms,
+        trials=9,
+        outcomes={"ok": 9},
+        study="s",
+        default=default,
     )
 
 
@@ -29,7 +38,8 @@ def _summary(shape: str, config: dict, ms: float, default_ms: float):
 def written(tmp_path):
     toy = ScaleToy()
     cfg = {"block": 256, "schedule": "ws", "stages": 3}
-    path = export_results(toy, SM90, [_summary("decode_n4k", cfg, 1.0, 1.5)], "lab tune --arch sm90", tmp_path, environment=ENV)
+    summary = _summary("decode_n4k", cfg, 1.0, 1.5, toy.default_config(SM90))
+    path = export_results(toy, SM90, [summary], "lab tune --arch sm90", tmp_path, environment=ENV)
     return toy, tmp_path, path, cfg
 
 
@@ -141,9 +151,32 @@ def test_a_winner_tuned_before_a_new_option_is_stale(tmp_path):
     # a winner from before `produce` existed (and the later `io`, `ptxas_level`): a pipelined schedule
     old = {k: v for k, v in tile.default_config(SM90).items() if k not in ("produce", "io", "ptxas_level")}
     old["schedule"] = "pipelined"
-    export_results(tile, SM90, [_summary("decode_b64_s1", old, 0.2, 0.3)], "lab tune --arch sm90", tmp_path, environment=ENV)
+    summary = _summary("decode_b64_s1", old, 0.2, 0.3, tile.default_config(SM90))
+    export_results(tile, SM90, [summary], "lab tune --arch sm90", tmp_path, environment=ENV)
     shape = tile.shape("decode_b64_s1")
     config, source = load_winner(tile.name, SM90, shape, root=tmp_path)
     assert config == tile.default_config(SM90)
     assert source.startswith("default (stale:") and "predates io, produce, ptxas_level" in source
     assert load_winner(tile.name, SM90, shape, root=tmp_path, allow_stale=True)[0] == old
+
+
+@pytest.mark.parametrize("timed_against", ["current", "another", "unrecorded"])
+def test_a_winner_timed_against_another_default_is_stale(tmp_path, timed_against):
+    """A winner beat the default of its day; once the default changes (or the entry predates recording it) it has
+    not been shown to beat the current one: the default runs, and the source says why."""
+    from tiles.registry import get_tile
+
+    tile = get_tile("fp4_quant_main")
+    shape = tile.shapes()[0]
+    winner = {**tile.default_config(SM90), "threads": 128}
+    timed = {"current": tile.default_config(SM90), "another": {**tile.default_config(SM90), "threads": 512}, "unrecorded": None}
+    summary = _summary(shape.name, winner, 1.0, 1.5, timed[timed_against])
+    export_results(tile, SM90, [summary], "lab tune", tmp_path, environment=ENV)
+    config, source = load_winner(tile.name, SM90, shape, root=tmp_path)
+    if timed_against == "current":
+        assert config == winner and source.startswith("tuned:")
+    else:
+        assert config == tile.default_config(SM90)
+        assert source.startswith("default (stale:") and "predates the current default" in source
+    stored = yaml.safe_load(results_path(tile.name, "sm90", tmp_path).read_text())["shapes"][shape.name]
+    assert stored["default_config"] == timed[timed_against]

@@ -157,6 +157,20 @@ def test_wg1_rows_compiles_for_sm90(tile, shape_name):
         assert any("wg1_rows" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
+def test_early_handoff_compiles_for_sm90():
+    """handoff=before_pv (GPU checks in GPU_CASES): warpgroup 0 fences its P stores for the async proxy and hands P to
+    warpgroup 1 before its own P V; the default hands it over after. Refused outside ws + wg0_scores."""
+    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
+    config = {**tile.default_config(SM90), "handoff": "before_pv"}
+    assert tile.search_space(SM90).violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    assert "tl::fence_proxy_async();\n        bar_s_ready[0].arrive();" in src
+    default_src = tile.build(shape, tile.default_config(SM90), SM90).main.get_kernel_source()
+    assert "tl::fence_proxy_async();\n        bar_s_ready[0].arrive();" not in default_src
+    for other in ({"consumers": "balanced"}, {"schedule": "pipelined"}):
+        assert any("handoff" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
+
+
 @pytest.mark.parametrize("tpc", [2, 4])
 def test_tokens_per_cta_compiles_for_sm90(tpc):
     """tokens_per_cta (GPU checks in GPU_CASES): each CTA loops over tpc (token, head block) items, the barrier phases
@@ -357,6 +371,12 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "balanced_overlap"}),
     (sa.BF16_TILE, "decode_b128_s2", {"consumers": "balanced"}),
     (sa.BF16_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
+    # handoff=before_pv: P handed to warpgroup 1 before warpgroup 0's own P V
+    (sa.DECODE_TILE, "decode_b64_s1", {"handoff": "before_pv"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"handoff": "before_pv", "n_split": 4}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"handoff": "before_pv"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"handoff": "before_pv", "tokens_per_cta": 2}),
+    (sa.BF16_TILE, "prefill_s4k", {"handoff": "before_pv"}),
     # combine=fused (not yet run on a GPU): the last split CTA merges the partials
     (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"combine": "fused", "n_split": 2}),

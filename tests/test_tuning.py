@@ -113,7 +113,9 @@ def test_transfer_seeding_from_nearer_archs(tmp_path):
 
     def summary(cfg):
         best = SimpleNamespace(params=cfg, user_attrs={"ms": 1.0})
-        return SimpleNamespace(shape="decode_n4k", best=best, best_ms=1.0, default_ms=1.0, speedup=1.0, trials=1, outcomes={}, study="s")
+        return SimpleNamespace(
+            shape="decode_n4k", best=best, best_ms=1.0, default_ms=1.0, speedup=1.0, trials=1, outcomes={}, study="s", default=None
+        )
 
     export_results(toy, get_arch("sm80"), [summary(far)], "x", root, environment=env)
     export_results(toy, get_arch("sm100"), [summary(near)], "x", root, environment=env)

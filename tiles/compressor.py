@@ -75,6 +75,7 @@ def _e2m1_code(v):
 # the odd-k midpoints are not powers of two). Both ends of each tie round to the even significand of m_k.
 E2M1_BOUNDS = ((0.25, 2.0**-26), (0.75, 2.0**-25), (1.25, 2.0**-24), (1.75, 2.0**-24), (2.5, 2.0**-23), (3.5, 2.0**-23), (5.0, 2.0**-22))
 ENCODES = ("divide", "thresholds")
+WK_LOADS = ("hi_lo", "fp32")  # how the index-K weight reaches the SM (see _compress_kernel)
 
 
 def _bounds_cuda() -> str:
@@ -135,32 +136,35 @@ LOAD_CHUNK = 32  # channels per staged kv/gate slab: [2 * block_g, 32] fp32 = 8 
 
 
 @T.macro
-def _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio: int, block_g: int):
+def _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio: int, block_g: int, chunk: int = LOAD_CHUNK, stages: int = 2):
     """Pooled latent of ``block_g`` groups into ``rot_s`` fp32 [block_g, 512], slab by slab.
 
     ``kv``/``gate`` fp32 [B, S, 512] in global memory; ``kv_s``/``gate_s`` fp32
-    [ratio * block_g, LOAD_CHUNK] shared staging. Rows past the last group are zero-filled by
-    the bulk copy (their results are never stored). The arithmetic is the "direct" path's,
+    [ratio * block_g, chunk] shared staging, ``stages`` deep. Rows past the last group are zero-filled by
+    the bulk copy (TMA, or cp.async with source size 0; their results are never stored). The arithmetic is the "direct" path's,
     expression for expression, so both give bit-identical latents.
     """
-    for dc in T.Pipelined(D // LOAD_CHUNK, num_stages=2):
-        T.copy(kv[b, g0 * ratio : (g0 + block_g) * ratio, dc * LOAD_CHUNK : (dc + 1) * LOAD_CHUNK], kv_s)
+    for dc in T.Pipelined(D // chunk, num_stages=stages):
+        T.copy(kv[b, g0 * ratio : (g0 + block_g) * ratio, dc * chunk : (dc + 1) * chunk], kv_s)
         if ratio == 2:
-            T.copy(gate[b, g0 * 2 : (g0 + block_g) * 2, dc * LOAD_CHUNK : (dc + 1) * LOAD_CHUNK], gate_s)
-        for i, d in T.Parallel(block_g, LOAD_CHUNK):
+            T.copy(gate[b, g0 * 2 : (g0 + block_g) * 2, dc * chunk : (dc + 1) * chunk], gate_s)
+        for i, d in T.Parallel(block_g, chunk):
             if ratio == 1:
-                rot_s[i, dc * LOAD_CHUNK + d] = kv_s[i, d]
+                rot_s[i, dc * chunk + d] = kv_s[i, d]
             else:
                 x0, x1 = gate_s[2 * i, d], gate_s[2 * i + 1, d]
                 m = T.max(x0, x1)
                 e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
                 tot = e0 + e1
-                rot_s[i, dc * LOAD_CHUNK + d] = (e0 / tot) * kv_s[2 * i, d] + (e1 / tot) * kv_s[2 * i + 1, d]
+                rot_s[i, dc * chunk + d] = (e0 / tot) * kv_s[2 * i, d] + (e1 / tot) * kv_s[2 * i + 1, d]
 
 
 @T.macro
 def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
-    """Columns ``kc * k_chunk ..`` of the latent -> TF32 high part + fp32 remainder (exact split)."""
+    """Columns ``kc * k_chunk ..`` of ``rot_s`` [block_g, *] -> TF32 high part + fp32 remainder (exact split).
+
+    Used for the latent and (``wk="fp32"``) for the staged Wk chunk [128, k_chunk]: the same bits as :func:`split_tf32`.
+    """
     for i, kk in T.Parallel(block_g, k_chunk):
         x = rot_s[i, kc * k_chunk + kk]
         xh = T.reinterpret(T.reinterpret(x, "uint32") & T.uint32(0xFFFFE000), "float32")
@@ -168,9 +172,45 @@ def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
         a_lo[i, kk] = x - xh
 
 
+MULTI_CTA_CHUNK, MULTI_CTA_STAGES = 16, 3  # ctas_per_sm > 1: kv/gate slab width and pipeline depth
+NORM_LANES = 8  # ctas_per_sm > 1: threads per latent row in the RMSNorm sum of squares (one shuffle reduction)
+
+
+@T.macro
+def _rmsnorm_in_smem(rot_s, w_s, part, ss, inv_s, eps, block_g: int):
+    """RMSNorm of the pooled latent in place in ``rot_s`` fp32 [block_g, 512] (``w_s`` fp32 [512]).
+
+    ``part`` fragment fp32 [block_g, NORM_LANES], ``ss`` fragment fp32 [block_g], ``inv_s`` shared fp32
+    [block_g]. The latent is not held in registers (the default path keeps it as a 64-float fragment per
+    thread; at 2-3 CTAs per SM a thread has at most 128 or 85 registers), and each row's sum of squares is NORM_LANES
+    per-thread partial sums (float4 reads, a quarter-warp per 128 contiguous bytes: no bank conflicts)
+    folded by one shuffle reduction, instead of one 128-thread all-reduce with its barriers per row.
+    """
+    for i, t in T.Parallel(block_g, NORM_LANES):
+        part[i, t] = 0.0
+        for e in T.serial(D // (4 * NORM_LANES)):
+            for v in T.serial(4):
+                x = rot_s[i, e * 4 * NORM_LANES + t * 4 + v]
+                part[i, t] += x * x
+    T.reduce_sum(part, ss, dim=1)
+    for i in T.Parallel(block_g):
+        inv_s[i] = T.rsqrt(ss[i] / D + eps[0])
+    for i, d in T.Parallel(block_g, D):
+        rot_s[i, d] = rot_s[i, d] * inv_s[i] * w_s[d]
+
+
 @functools.cache
 def _compress_kernel(
-    target: str, ratio: int, block_g: int, threads: int, proj: str, k_chunk: int = 64, load: str = "direct", encode: str = "divide"
+    target: str,
+    ratio: int,
+    block_g: int,
+    threads: int,
+    proj: str,
+    k_chunk: int = 64,
+    load: str = "direct",
+    encode: str = "divide",
+    ctas_per_sm: int = 1,
+    wk: str = "hi_lo",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -181,9 +221,23 @@ def _compress_kernel(
     reference's expression); "thresholds" gives the same codes without a division: main cache by
     comparing ``|x|`` with per-scale fp32 bounds (:func:`_e2m1_thresholds`), index cache by multiplying
     with the exact inverse of its power-of-two scale; both by a 3-level search instead of 7 comparisons.
+    ``ctas_per_sm`` > 1 (staged tf32x3 only): several CTAs share an SM, so that one CTA's kv/gate stream
+    overlaps another's post-pooling compute (with one CTA per SM, HBM idles through norm, encodes and
+    projection) and each scheduler has 4+ warps to hide latency instead of 2. For that the kernel gives up
+    the producer warpgroup (its setmaxnreg split assumes the whole register file: the bulk copies are
+    issued by all threads, ``MULTI_CTA_STAGES`` deep), keeps the latent in shared memory only
+    (:func:`_rmsnorm_in_smem`), stores the main cache before the projection so its buffers can hold the Wk
+    stages, and uses narrower kv/gate slabs; ``_smem_compress``/``_occupancy_compress`` say what fits.
+    ``wk`` (with ctas_per_sm > 1): "hi_lo" streams the host-split TF32 high part and remainder of Wk (512 KiB
+    from L2 per CTA); "fp32" streams Wk itself through the ``wk_hi`` argument (``wk_lo`` unread, 256 KiB per
+    CTA) and splits each chunk in shared memory: the same operands bit for bit (:func:`split_tf32`).
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
+    if ctas_per_sm > 1 and (load != "staged" or proj != "tf32x3"):
+        raise TileError(f"ctas_per_sm {ctas_per_sm} is built for load=staged, proj=tf32x3 (got {load}, {proj})")
+    if wk not in WK_LOADS or (wk == "fp32" and ctas_per_sm == 1):
+        raise TileError(f"wk={wk!r}: use one of {', '.join(WK_LOADS)}; 'fp32' only with ctas_per_sm > 1")
     B, G = T.dynamic("B, G")
     S = G * ratio
     R = ROPE // 2
@@ -206,8 +260,15 @@ def _compress_kernel(
     ):
         with T.Kernel(T.ceildiv(G, block_g), B, threads=threads) as (bx, b):
             g0 = bx * block_g
-            lat = T.alloc_fragment((block_g, D), "float32")
-            sq = T.alloc_fragment((block_g, D), "float32")
+            multi_cta = ctas_per_sm > 1
+            if multi_cta:
+                # __launch_bounds__(threads, ctas_per_sm): ptxas keeps registers to 65536 / (threads * ctas_per_sm).
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
+                part = T.alloc_fragment((block_g, NORM_LANES), "float32")
+                inv_s = T.alloc_shared((block_g,), "float32")
+            else:
+                lat = T.alloc_fragment((block_g, D), "float32")
+                sq = T.alloc_fragment((block_g, D), "float32")
             ss = T.alloc_fragment((block_g,), "float32")
             rot_s = T.alloc_shared((block_g, D), "float32")
             w_s = T.alloc_shared((D,), "float32")
@@ -228,9 +289,14 @@ def _compress_kernel(
             a_lo = T.alloc_shared((block_g, k_chunk), "float32")
             b_hi = T.alloc_shared((DI, k_chunk), "float32")
             b_lo = T.alloc_shared((DI, k_chunk), "float32")
+            if wk == "fp32":
+                w_st = T.alloc_shared((DI, k_chunk), "float32")
+            # ctas_per_sm > 1: half-width slabs, three stages (ratio 2: 3 x 8 KiB of kv+gate instead of 2 x 16 KiB), for
+            # the shared-memory budget; two stay in flight while one is pooled.
+            chunk, stages = (MULTI_CTA_CHUNK, MULTI_CTA_STAGES) if multi_cta else (LOAD_CHUNK, 2)
             if load == "staged":
-                kv_s = T.alloc_shared((block_g * ratio, LOAD_CHUNK), "float32")
-                gate_s = T.alloc_shared((block_g * ratio, LOAD_CHUNK), "float32") if ratio == 2 else kv_s
+                kv_s = T.alloc_shared((block_g * ratio, chunk), "float32")
+                gate_s = T.alloc_shared((block_g * ratio, chunk), "float32") if ratio == 2 else kv_s
             else:
                 kv_s = gate_s = None
             if encode == "thresholds":
@@ -243,9 +309,10 @@ def _compress_kernel(
                 # Bulk async copies of channel slabs, double-buffered: the kv/gate stream (the
                 # kernel's HBM traffic) is in flight while the previous slab is pooled, instead
                 # of each thread waiting on its own scalar loads (see _staged_pool).
-                _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g)
-                for i, d in T.Parallel(block_g, D):
-                    lat[i, d] = rot_s[i, d]
+                _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages)
+                if not multi_cta:
+                    for i, d in T.Parallel(block_g, D):
+                        lat[i, d] = rot_s[i, d]
             else:
                 for i, d in T.Parallel(block_g, D):
                     g = T.min(g0 + i, G - 1)
@@ -258,11 +325,14 @@ def _compress_kernel(
                         tot = e0 + e1
                         lat[i, d] = (e0 / tot) * kv[b, 2 * g, d] + (e1 / tot) * kv[b, 2 * g + 1, d]
             # 2. RMSNorm.
-            for i, d in T.Parallel(block_g, D):
-                sq[i, d] = lat[i, d] * lat[i, d]
-            T.reduce_sum(sq, ss, dim=1)
-            for i, d in T.Parallel(block_g, D):
-                rot_s[i, d] = lat[i, d] * T.rsqrt(ss[i] / D + eps[0]) * w_s[d]
+            if multi_cta:
+                _rmsnorm_in_smem(rot_s, w_s, part, ss, inv_s, eps, block_g)
+            else:
+                for i, d in T.Parallel(block_g, D):
+                    sq[i, d] = lat[i, d] * lat[i, d]
+                T.reduce_sum(sq, ss, dim=1)
+                for i, d in T.Parallel(block_g, D):
+                    rot_s[i, d] = lat[i, d] * T.rsqrt(ss[i] / D + eps[0]) * w_s[d]
             # 3. RoPE on the last 64 dims, interleaved pairs; each pair is read and written by one thread.
             for i, p in T.Parallel(block_g, R):
                 g = T.min(g0 + i, G - 1)
@@ -291,9 +361,25 @@ def _compress_kernel(
                     lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
                     hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                     bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
+            if multi_cta:
+                # Stored now, not at the end: bytes_m's shared memory is then free for the Wk stages.
+                T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
+                T.copy(sbyte_m, main_scales[b, g0 : g0 + block_g, :])
+                # The allocator reuses bytes_m/sbyte_m for b_lo/a_hi right after these bulk stores, but only
+                # the electing thread waits for the stores to have read shared memory: everyone waits for it.
+                T.sync_threads()
             # 5. Index-K projection of the rotated latent (fp32 accuracy, see module docstring).
             T.clear(kacc)
-            if proj == "tf32x3" and load == "staged":
+            if wk == "fp32":
+                # Half the L2 -> SM bytes of "hi_lo": the chunk of Wk itself, split here like the latent.
+                for kc in T.Pipelined(D // k_chunk, num_stages=2):
+                    T.copy(wk_hi[:, kc * k_chunk : (kc + 1) * k_chunk], w_st)
+                    _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g, k_chunk)
+                    _split_tf32_tile(w_st, b_hi, b_lo, 0, DI, k_chunk)
+                    T.gemm(a_lo, b_hi, kacc, transpose_B=True)
+                    T.gemm(a_hi, b_lo, kacc, transpose_B=True)
+                    T.gemm(a_hi, b_hi, kacc, transpose_B=True)
+            elif proj == "tf32x3" and load == "staged":
                 # The weight chunks by async copies, double-buffered, so the L2 -> SM stream of Wk (512 KiB
                 # hi + lo per CTA) overlaps the split and the MMAs instead of stalling each chunk.
                 for kc in T.Pipelined(D // k_chunk, num_stages=2):
@@ -373,12 +459,18 @@ def _compress_kernel(
                     hi = _e2m1_code(T.clamp(k_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                 bytes_i[i, j] = T.Cast("uint8", lo | (hi << 4))
             # 7. Stores (rows past G are masked by the copy's bounds).
-            T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
-            T.copy(sbyte_m, main_scales[b, g0 : g0 + block_g, :])
+            if not multi_cta:
+                T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
+                T.copy(sbyte_m, main_scales[b, g0 : g0 + block_g, :])
             T.copy(bytes_i, idx_packed[b, g0 : g0 + block_g, :])
             T.copy(sbyte_i, idx_scales[b, g0 : g0 + block_g, :])
 
-    return tilelang.compile(compress, target=tvm.target.Target({"kind": "cuda", "arch": target}))
+    # ctas_per_sm > 1: no warp specialisation (no producer warpgroup whose setmaxnreg would assume the whole
+    # register file); the staged copies are issued by the same threads, num_stages ahead.
+    pass_configs = {"tl.disable_warp_specialized": True} if ctas_per_sm > 1 else None
+    kernel = tilelang.compile(compress, target=tvm.target.Target({"kind": "cuda", "arch": target}), pass_configs=pass_configs)
+    kernel.csa2_wk = wk  # what the launchers pass as (wk_hi, wk_lo): see _wk_args
+    return kernel
 
 
 # --------------------------------------------------------------------------------------
@@ -397,7 +489,18 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg["k_chunk"],
         cfg.get("load", "direct"),
         cfg.get("encode", "divide"),
+        cfg.get("ctas_per_sm", 1),
+        cfg.get("wk", "hi_lo"),
     )
+
+
+def _wk_args(kernel, wk: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's (wk_hi, wk_lo) arguments for fp32 ``wk`` [128, 512]: the TF32 split, or (``wk="fp32"``) Wk itself
+    in the first slot (the kernel splits it; the second slot is not read). ``split``: a cached :func:`split_tf32`."""
+    if getattr(kernel, "csa2_wk", "hi_lo") == "fp32":
+        w = wk.float().contiguous()
+        return w, w
+    return split if split is not None else split_tf32(wk)
 
 
 def split_tf32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,9 +593,9 @@ def compress(
     cfg = _pick_config(COMPRESSOR, shape, arch, config)
     kv = kv[:, : G * ratio].contiguous()
     gate = kv if ratio == 1 else gate[:, : G * ratio].contiguous()  # ratio 1 reads no gate
-    wk_hi, wk_lo = split_tf32(wk)
     eps_t = torch.full((1,), eps, dtype=torch.float32, device=dev)  # a fill, not a host copy: capturable
     kernel = _build(arch, ratio, cfg)
+    wk_hi, wk_lo = _wk_args(kernel, wk)
     kernel(kv, gate, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(), wk_hi, wk_lo, k_norm_weight.contiguous(), eps_t, *outs)
     return outs
 
@@ -555,7 +658,7 @@ class CompressorTile(Tile):
             Param("block_g", (16, 32, 64), "groups (cache entries) per CTA"),
             Param("threads", (128, 256, 512), "threads per CTA"),
             Param("proj", ("tf32x3", "simt"), "index-K projection: three TF32 tensor-core products, or fp32 FMA"),
-            Param("k_chunk", (32, 64), "K chunk of the projection staged through shared memory"),
+            Param("k_chunk", (16, 32, 64), "K chunk of the projection staged through shared memory"),
             Param(
                 "load",
                 ("direct", "staged"),
@@ -567,8 +670,21 @@ class CompressorTile(Tile):
                 "E2M1 codes: IEEE x / s and 7 midpoint comparisons, or the same codes division-free "
                 "(|x| against exact per-scale fp32 bounds; index cache: x times the exact inverse power of two)",
             ),
+            Param(
+                "ctas_per_sm",
+                (1, 2, 3),
+                "CTAs resident per SM: 1 = the warp-specialised kernel (one CTA fills the SM); 2-3 = no producer "
+                "warpgroup, registers and shared memory cut so that several CTAs share the SM and one CTA's kv/gate "
+                "stream overlaps another's norm/encode/projection (staged tf32x3, 256 threads, k_chunk 16)",
+            ),
+            Param(
+                "wk",
+                WK_LOADS,
+                "index-K weight from L2: the host-split TF32 high part + remainder (512 KiB per CTA), or (ctas_per_sm > 1) "
+                "fp32 Wk split in shared memory (256 KiB per CTA, the same operands)",
+            ),
         )
-        return SearchSpace(params, (Constraint("smem", _smem_compress),))
+        return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
     def default_config(self, arch: Arch) -> Config:
         # Hopper: the staged loads (bulk copies, double-buffered) with 32 groups per CTA and
@@ -578,19 +694,42 @@ class CompressorTile(Tile):
         # encode=thresholds on Hopper: the same bytes without divisions, H200, one run
         # (results/sm90/profile_pool_reindex_compressor_run1.json): prefill 64K ratio 2 0.426 -> 0.295 ms per call,
         # ratio 1 0.639 -> 0.490 ms. Not measured elsewhere: the direct path keeps "divide".
+        # Then two CTAs per SM with Wk read once in fp32, H200, one run against the previous default
+        # (results/sm90/profile_compressor_multi_cta_indexer_prmt_rs.json): ratio 2 0.294 -> 0.250 ms, ratio 1
+        # 0.491 -> 0.375 ms (hi_lo Wk ran ratio 2 at 0.241 ms but was not run at ratio 1: a tuning choice).
         if arch.family == "hopper":
-            cfg = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 32, "load": "staged", "encode": "thresholds"}
+            cfg = {
+                "block_g": 32,
+                "threads": 256,
+                "proj": "tf32x3",
+                "k_chunk": 16,
+                "load": "staged",
+                "encode": "thresholds",
+                "ctas_per_sm": 2,
+                "wk": "fp32",
+            }
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
+            cfg.update(ctas_per_sm=1, wk="hi_lo")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
 
-    def build(self, shape: Shape, config: Config, arch: Arch):
+    def with_defaults(self, arch: Arch, config: Config) -> Config:
+        """``config`` over the default. A config that picks a one-CTA choice (direct loads, simt, other threads,
+        block_g or k_chunk) without naming ``ctas_per_sm`` gets the one-CTA kernel (ctas_per_sm 1, Wk hi/lo, k_chunk
+        32 unless named), as it did before two CTAs per SM became Hopper's default: {"load": "direct"} alone is valid."""
         cfg = {**self.default_config(arch), **config}
-        return _build(arch, shape["ratio"], cfg)
+        multi_cta_ok = cfg["load"] == "staged" and cfg["proj"] == "tf32x3" and cfg["threads"] == 256
+        multi_cta_ok = multi_cta_ok and cfg["block_g"] in (16, 32) and cfg["k_chunk"] == MULTI_CTA_CHUNK
+        if "ctas_per_sm" not in config and cfg.get("ctas_per_sm", 1) > 1 and not multi_cta_ok:
+            cfg.update(ctas_per_sm=1, wk=config.get("wk", "hi_lo"), k_chunk=config.get("k_chunk", 32))
+        return cfg
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        return _build(arch, shape["ratio"], self.with_defaults(arch, config))
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         B, S, ratio = shape["B"], shape["S"], shape["ratio"]
@@ -630,12 +769,13 @@ class CompressorTile(Tile):
             inputs["wk_hi"], inputs["wk_lo"] = split_tf32(inputs["wk"])
             inputs["eps"] = torch.tensor([flash().norm_eps], dtype=torch.float32, device=kv.device)
         gate = kv if ratio == 1 else inputs["gate"]
+        wk_hi, wk_lo = _wk_args(kernel, inputs["wk"], (inputs["wk_hi"], inputs["wk_lo"]))  # fp32 wk: no copy
         args = (
             inputs["norm_weight"],
             inputs["cos"],
             inputs["sin"],
-            inputs["wk_hi"],
-            inputs["wk_lo"],
+            wk_hi,
+            wk_lo,
             inputs["k_norm_weight"],
             inputs["eps"],
         )
@@ -672,11 +812,46 @@ def _rope() -> RopeConfig:
     )
 
 
+def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """``ctas_per_sm`` > 1, ``k_chunk`` 16 and ``wk`` fp32 exist for the builds checked with ptxas (sm_90a).
+
+    256 threads x 2 CTAs leave 128 registers a thread (ptxas: 88-90 at block_g 32, no spills), x 3 CTAs 85 (56 at
+    block_g 16); the staged kv/gate path and the pipelined tf32x3 projection are the code it was cut from, and
+    k_chunk 16 is what makes the Wk stages small enough (k_chunk 32 asked for 154,112 B at block_g 32, ratio 2).
+    The shared memory itself is judged by :func:`_smem_compress`.
+    """
+    config = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64, "load": "direct", **config}  # partial: judged with defaults
+    n = config.get("ctas_per_sm", 1)
+    if n == 1:
+        # The new values came with ctas_per_sm > 1 and were compiled and checked only there.
+        if config.get("wk", "hi_lo") == "fp32":
+            return "wk=fp32 exists only with ctas_per_sm > 1"
+        return "k_chunk 16 exists only with ctas_per_sm > 1" if config["k_chunk"] == 16 else None
+    if arch.family != "hopper":
+        return f"ctas_per_sm {n} is built and checked for Hopper (sm_90a) only"
+    want = {"load": ("staged",), "proj": ("tf32x3",), "threads": (256,), "k_chunk": (16,), "block_g": (16, 32)}
+    wrong = [f"{k}={config[k]!r}" for k, ok in want.items() if config[k] not in ok]
+    if wrong:
+        return f"ctas_per_sm {n} needs load=staged, proj=tf32x3, threads=256, k_chunk=16, block_g 16 or 32 (got {', '.join(wrong)})"
+    return None
+
+
 def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     config = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64, "load": "direct", **config}  # partial: judged with defaults
     bg, kc = config["block_g"], config["k_chunk"]
     staged = config["load"] == "staged"
     ratio = shape.dims.get("ratio", 2)  # unknown ratio: count the larger ratio-2 staging
+    n = config.get("ctas_per_sm", 1)
+    if n > 1:
+        # Fitted to the compiled kernels (sm_90a, TileLang 0.1.15, k_chunk 16, either wk; exact at block_g 32 ratio
+        # 2/1 = 115,200/102,912 B, block_g 16 = 74,240/68,096 B, no static shared memory; tests/test_compressor.py
+        # checks it against the launch): rot_s, the gate slabs (the kv slabs share bytes with the Wk stages), four
+        # Wk-sized stages, a_lo and the small per-group arrays. Every CTA also costs the 1 KiB the hardware reserves
+        # per block. Other k_chunk values are refused by _occupancy_compress.
+        gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if ratio == 2 else 0
+        need = bg * D * 4 + gate_slabs + 4 * DI * kc * 4 + 8 * bg * kc + 512
+        budget = arch.smem_per_sm // n - 1024
+        return None if need <= budget else f"shared memory {need} B > {budget} B per CTA at {n} CTAs per SM"
     need = (
         bg * D * 4
         + D * 4

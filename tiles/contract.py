@@ -161,6 +161,10 @@ class Tile:
         """What a careful engineer would pick by hand for this arch family."""
         raise NotImplementedError
 
+    def with_defaults(self, arch: Arch, config: Config) -> Config:
+        """``config`` over the default (a tile whose default choices depend on each other overrides this)."""
+        return {**self.default_config(arch), **config}
+
     def support_reason(self, arch: Arch) -> str | None:
         """None when the tile compiles for ``arch``, else why not."""
         return self.unsupported.get(arch.name)

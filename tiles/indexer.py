@@ -146,6 +146,115 @@ def _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n: int, W: int):
                 k_deq[i, g * 32 + u * 8 + e] = vals[u * 8 + e]
 
 
+# dequant="prmt_rs": the prmt lookups straight into the wgmma A fragment (RS form), no bf16 tile in shared memory.
+# Why: after prmt the SS kernel writes a 32 KiB bf16 tile per 128 entries to shared memory and wgmma reads it back
+# (~64 KiB of shared traffic per tile, ~500 cycles per SM at 128 B/clk), behind two named barriers per tile.
+# The A fragment of a 64-row wgmma (bf16, k16 slices) gives lane l of a warp rows 16w + l/4 (+8) and, in every
+# 8-column block j, the column pair 2 (l % 4) + {0, 1}. The dot product over the 128 dims does not care which dim
+# sits in which column as long as q uses the same order, so the kernel stores K and q with fragment column c holding
+# dim ``_rs_dim(c)`` = 32 (c % 8 // 2) + 2 (c // 8) + c % 2: quad lane t then holds dims 32t .. 32t + 31 of its rows,
+# i.e. exactly one scale group = 4 packed words (one 16-byte shared load) and one scale byte, and its fragment
+# register j is byte j % 4 of word 4t + j // 4 turned into a bf16 pair by the prmt tables (one interleaving prmt per
+# register). The scores sum the same exact products, in another order (so not bitwise the prmt kernel's scores).
+# The group's four table words (lo0, lo1, hi0, hi1: the prmt path's byte tables) depend only on the scale byte, so they
+# come from a 256 x 16-byte shared table built once per CTA (csa2_fp4_table_word, the prmt path's arithmetic): one
+# 16-byte load per row and thread instead of ~10 integer instructions (178 -> 159 per thread per 128-entry tile).
+# csa2_fp4_pair_bf16(dst, w, lo0, lo1, hi0, hi1, k) stores the bf16 bits of nibbles 2k (low half) and 2k + 1 (high
+# half) of w as one 32-bit word at dst. All but the last prmt depends on (w) or (w, k / 2) only, so nvcc shares it
+# between the 4 registers of a word (pure expressions, the loop fully unrolled). One 32-bit store, not two 16-bit
+# halves: with halves nvcc rebuilt each register by a shift and a prmt (64 extra integer instructions per tile).
+_PRMT_PAIR_CUDA = r"""
+// prmt.b32 as opaque asm: with __byte_perm nvcc knows a selector's top 16 bits are unused and re-masked each word
+// for each use (w & 0x7777 for the low nibbles, (w & 0x77770000) >> 16 for the high ones): 2 extra integer
+// instructions per word. Not volatile, so equal lookups are still shared.
+__device__ __forceinline__ unsigned csa2_prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+// word e (0: lo0, 1: lo1, 2: hi0, 3: hi1) of scale byte sbyte's tables, as csa2_fp4_group_bf16 builds them
+__device__ __forceinline__ unsigned csa2_fp4_table_word(int sbyte, int e) {
+  const unsigned base = ((unsigned)sbyte - 1u) << 7;     // bf16 bits of 0.5 * 2^(s - 127)
+  const unsigned b2 = base * 0x10001u;
+  const unsigned r0 = base << 16, r1 = b2 + 0x00C00080u, r2 = b2 + 0x01400100u, r3 = b2 + 0x01C00180u;
+  const unsigned sel = (e & 2) ? 0x7531 : 0x6420;        // high or low bytes of t0..t7
+  return (e & 1) ? __byte_perm(r2, r3, sel) : __byte_perm(r0, r1, sel);
+}
+__device__ __forceinline__ void csa2_fp4_pair_bf16(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,
+                                                   unsigned hi1, int k) {
+  const unsigned w = (unsigned)w_;
+  const unsigned m = w & 0x77777777u;                    // magnitude codes: the lookup selectors
+  const unsigned w4 = w << 4;
+  unsigned l, h;
+  if (k < 2) {                                           // nibbles 0..3
+    l = csa2_prmt(lo0, lo1, m);
+    h = csa2_prmt(hi0, hi1, m) | (__byte_perm(w, w4, 0x1504) & 0x80808080u);
+  } else {                                               // nibbles 4..7
+    unsigned mh;
+    asm("shr.b32 %0, %1, 16;" : "=r"(mh) : "r"(m));     // opaque too: else nvcc re-masks w for it
+    l = csa2_prmt(lo0, lo1, mh);
+    h = csa2_prmt(hi0, hi1, mh) | (__byte_perm(w, w4, 0x3726) & 0x80808080u);
+  }
+  *(unsigned*)dst = __byte_perm(l, h, (k & 1) ? 0x7362 : 0x5140);
+}
+"""
+
+
+RS_PRODUCER_REGS = 24  # setmaxnreg floor: TileLang's producer only waits on mbarriers, loads scales and issues TMA
+REGISTERS_PER_SM = 65536  # sm_80 .. sm_120 alike (tiles.arch registers_per_sm); the kernel builder sees only the target
+
+
+def _rs_register_split(threads: int, min_ctas: int) -> tuple[int, int]:
+    """(producer, consumer) registers per thread for dequant="prmt_rs" at ``min_ctas`` CTAs of 2 x ``threads``.
+
+    ``__launch_bounds__`` gives every thread of the CTA the same cap, 64K / (min_ctas x 2 x threads) rounded down to
+    8: 64 for the 2 x 256-thread default at 2 CTAs per SM. The RS consumers hold the A fragment (32 registers per
+    64-row m-tile) and the accumulator (16), and at that cap ptxas spilled and serialised the wgmmas (C7512:
+    "wgmma.mma_async instructions are serialized due to insufficient register resources"); TileLang's producer needs
+    ~24. setmaxnreg moves the difference: the producer warpgroups drop to 24, the consumers take the rest (104 at
+    the default cap; 0 spills, one wgmma wait per tile in the SASS). Used only for min_ctas > 1, where the cap binds.
+    """
+    cap = REGISTERS_PER_SM // (max(1, min_ctas) * 2 * threads) // 8 * 8
+    return RS_PRODUCER_REGS, min(240, (2 * cap - RS_PRODUCER_REGS) // 8 * 8)
+
+
+def _rs_dim(c):
+    """K dim held in A-fragment column ``c`` (0..127) by dequant="prmt_rs": quad lane (c % 8) // 2 gets one scale group."""
+    return 32 * ((c % 8) // 2) + 2 * (c // 8) + c % 2
+
+
+@T.macro
+def _load_q_rs(q, q_s, b, s, H: int, D: int):
+    """q [B, S, H, D] bf16 -> q_s [H, D] with column c holding dim ``_rs_dim(c)``: the order prmt_rs gives K."""
+    for h, c in T.Parallel(H, D):
+        q_s[h, c] = q[b, s, h, _rs_dim(c)]
+
+
+@T.macro
+def _build_rs_tables(tab):
+    """tab uint32 [256, 4]: the prmt byte tables (lo0, lo1, hi0, hi1) of every scale byte, once per CTA."""
+    for v, e in T.Parallel(256, 4):
+        tab[v, e] = T.call_extern("uint32", "csa2_fp4_table_word", v, e)
+
+
+@T.macro
+def _dequant_fragment_prmt(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
+    """Packed words ``kw_s`` int32 [block_n, D / 8] + scales ``ks_s`` int32 [block_n] -> A fragment ``k_deq`` bf16
+    [block_n, D] in the ``_rs_dim`` column order (``tab``: ``_build_rs_tables``).
+
+    Element (i, c) with c even writes the 32-bit pair (i, c), (i, c + 1). That pair is one A register in whatever
+    layout TileLang picks: wgmma's RS operand is 32-bit registers of two consecutive-k bf16 of one row (low half the
+    lower k) and TileLang hands ``k_deq`` to it as ``uint32_t*``, so elements c, c + 1 are adjacent in the thread's
+    array. Which thread holds which pair only decides speed: with the wgmma layout one group per row and thread.
+    """
+    for i, c in T.Parallel(block_n, D):
+        if c % 2 == 0:
+            t, j = (c % 8) // 2, c // 8  # scale group, and the 8-column block (byte j % 4 of word 4t + j // 4)
+            sb = (ks_s[i] >> (t * 8)) & 0xFF
+            tables = (tab[sb, 0], tab[sb, 1], tab[sb, 2], tab[sb, 3])  # one 16-byte load per row (nvcc merges them)
+            T.call_extern("handle", "csa2_fp4_pair_bf16", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], *tables, j % 4)
+
+
 @functools.cache
 def _score_kernel(
     target: str,
@@ -199,6 +308,11 @@ def _score_kernel(
                 # __launch_bounds__(threads incl. TileLang's producer, min_ctas): ptxas keeps registers low enough
                 # that min_ctas CTAs fit one SM (64K registers), e.g. <= 64 per thread for 2 x 512 threads
                 T.annotate_min_blocks_per_sm(min_ctas)
+                if dequant == "prmt_rs" and min_ctas > 1:
+                    # the A fragment lives in the consumers' registers: move the producer's share to them (setmaxnreg)
+                    producer_regs, consumer_regs = _rs_register_split(threads, min_ctas)
+                    T.annotate_producer_reg_dealloc(producer_regs)
+                    T.annotate_consumer_reg_alloc(consumer_regs)
             q_s = T.alloc_shared((H, D), "bfloat16")
             w_s = T.alloc_shared((H,), "float32")
             kw_s = T.alloc_shared((block_n, W), "int32")
@@ -206,19 +320,26 @@ def _score_kernel(
             pos_s = T.alloc_shared((block_n,), "int32")
             acc = T.alloc_fragment((block_n, H), "float32")
             row = T.alloc_fragment((block_n,), "float32")
-            if dequant in ("registers", "fragment_bits"):
+            if dequant in ("registers", "fragment_bits", "prmt_rs"):
                 k_deq = T.alloc_fragment((block_n, D), "bfloat16")
             else:
                 k_deq = T.alloc_shared((block_n, D), "bfloat16")
             if dequant == "prmt":
                 T.import_source(_PRMT_CUDA)
+            if dequant == "prmt_rs":
+                T.import_source(_PRMT_PAIR_CUDA)
+                rs_tab = T.alloc_shared((256, 4), "uint32")
+                _build_rs_tables(rs_tab)
             if dequant == "lut":
                 # byte -> both nibbles' bf16 bit patterns at unit scale (low half = even element).
                 lut = T.alloc_shared((256,), "uint32")
                 for v in T.Parallel(256):
                     lut[v] = _e2m1_bf16_bits(v & 0xF) | (_e2m1_bf16_bits(v >> 4) << 16)
             nvis = n_visible[b, s]
-            T.copy(q[b, s, :, :], q_s)
+            if dequant == "prmt_rs":
+                _load_q_rs(q, q_s, b, s, H, D)
+            else:
+                T.copy(q[b, s, :, :], q_s)
             T.copy(weights[b, s, :], w_s)
             for t in T.Pipelined(tiles_per_cta, num_stages=stages):
                 n0 = (bx * tiles_per_cta + t) * block_n
@@ -242,6 +363,8 @@ def _score_kernel(
                     _dequant_words_bits(kw_s, ks_s, k_deq, block_n, W)
                 elif dequant == "prmt":
                     _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n, W)
+                elif dequant == "prmt_rs":
+                    _dequant_fragment_prmt(kw_s, ks_s, rs_tab, k_deq, block_n, D)
                 elif dequant == "fragment_bits":
                     # the bits path's bf16 patterns, built per value straight into the MMA's A fragment: no bf16 tile
                     # in shared memory (TileLang multi-buffers it per stage), so deeper pipelines and more CTAs fit
@@ -262,8 +385,14 @@ def _score_kernel(
                     for i, d in T.Parallel(block_n, D):
                         k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
                 T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, h in T.Parallel(block_n, H):
-                    acc[i, h] = T.max(acc[i, h], 0.0) * w_s[h]
+                if dequant == "prmt_rs":
+                    # ReLU as x + |x| = 2 max(x, 0) (exact) on the FMA pipe: FMNMX issues to the integer/ALU pipe, which
+                    # the dequant saturates. Times w / 2: the same product up to power-of-two scaling.
+                    for i, h in T.Parallel(block_n, H):
+                        acc[i, h] = (acc[i, h] + T.abs(acc[i, h])) * (w_s[h] * 0.5)
+                else:
+                    for i, h in T.Parallel(block_n, H):
+                        acc[i, h] = T.max(acc[i, h], 0.0) * w_s[h]
                 T.reduce_sum(acc, row, dim=1)
                 for i in T.Parallel(block_n):
                     j = n0 + i
@@ -523,7 +652,7 @@ def _pick_config(tile: Tile, shape: Shape, arch: Arch, config: Config | None) ->
             config = tile.default_config(arch)
         else:
             config, _ = load_winner(tile.name, arch, shape, default=tile.default_config(arch))
-    full = {**tile.default_config(arch), **config}
+    full = tile.with_defaults(arch, config)
     reasons = tile.search_space(arch).violations(full, shape, arch)
     if reasons:
         raise TileError(f"{tile.name}: config {config} is not usable here: {'; '.join(reasons)}")
@@ -889,7 +1018,8 @@ def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
     # words, scales and positions, and the dequantised bf16 tile too (an estimate without that
     # factor let a 253 KiB lut config through to a launch failure on the H200).
     per_stage = bn * (HEAD_DIM // 2 + 4 + 4) + (bn * HEAD_DIM * 2 if config["dequant"] in ("shared", "lut", "bits", "prmt") else 0)
-    need = HEADS * HEAD_DIM * 2 + HEADS * 4 + max(1, config["stages"]) * per_stage + (1024 if config["dequant"] == "lut" else 0)
+    tables = {"lut": 1024, "prmt_rs": 4096}.get(config["dequant"], 0)  # lut: byte -> bf16x2; prmt_rs: scale -> prmt tables
+    need = HEADS * HEAD_DIM * 2 + HEADS * 4 + max(1, config["stages"]) * per_stage + tables
     if need > arch.smem_per_block:
         return f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
     ctas = config.get("min_ctas", 0)
@@ -931,9 +1061,27 @@ def _fragment_rows(config: Config, shape: Shape, arch: Arch) -> str | None:
     """
     config = {**_SCORE_DEFAULT, **config}
     wgs = config["threads"] // 128
-    if config["dequant"] in ("registers", "fragment_bits") and wgs > 1 and config["block_n"] // wgs > 64:
+    if config["dequant"] in ("registers", "fragment_bits", "prmt_rs") and wgs > 1 and config["block_n"] // wgs > 64:
         return f"dequant={config['dequant']} with {wgs} warpgroups needs block_n = {64 * wgs} (one 64-row wgmma tile each), got {config['block_n']}"
     return None
+
+
+def _rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """dequant="prmt_rs" under min_ctas: the consumers' setmaxnreg share must hold the A fragment and accumulator.
+
+    A consumer thread holds 32 A + 16 accumulator registers per 64-row m-tile of its warpgroup, plus ~32 of
+    addresses and tables (ptxas, sm_90a: 74 registers for one m-tile, 122 for two, with no cap). Below that ptxas
+    spills and serialises the wgmmas (C7512), e.g. 128 threads, block_n 128, min_ctas 4 (104 registers).
+    """
+    config = {**_SCORE_DEFAULT, **config}
+    if config["dequant"] != "prmt_rs" or config.get("min_ctas", 0) <= 1:
+        return None
+    mtiles = max(1, config["block_n"] // (config["threads"] // 128) // 64)
+    need = 32 + 48 * mtiles
+    have = _rs_register_split(config["threads"], config["min_ctas"])[1]
+    if have >= need:
+        return None
+    return f"prmt_rs: {mtiles} m-tiles per warpgroup need ~{need} registers, min_ctas={config['min_ctas']} leaves {have}"
 
 
 def _warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
@@ -951,19 +1099,22 @@ def _score_params() -> tuple[Param, ...]:
         Param("tiles_per_cta", (1, 4, 16), "entry tiles per CTA: how finely N is split across CTAs"),
         Param(
             "min_ctas",
-            (0, 2, 3),
+            (0, 2, 3, 4),
             "CTAs per SM the compiler must fit (__launch_bounds__ second argument: registers capped at 64K / (ctas x "
             "threads incl. the producer)); 0 = TileLang's own bound (1)",
         ),
         Param(
             "dequant",
-            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt"),
+            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs"),
             "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
             "by a 256-entry byte -> bf16x2 table into a shared tile, (bits) one thread per packed word "
             "building the scaled bf16 bit patterns by integer arithmetic into a shared tile, or (fragment_bits) "
             "those bit patterns per value into the A fragment (no bf16 tile: deeper pipelines fit), or (prmt) the bits "
             "path's patterns by byte-permute table lookups, one thread per 32-value scale group (~2 integer "
-            "instructions per value instead of ~12: the integer pipe is the bits kernel's limit)",
+            "instructions per value instead of ~12: the integer pipe is the bits kernel's limit), or (prmt_rs) the prmt "
+            "lookups straight into the A fragment (wgmma RS: no bf16 tile, no per-tile barrier; K and q in a permuted dim "
+            "order so each thread dequantises whole scale groups; setmaxnreg moves the producer's registers to the "
+            "consumers under min_ctas)",
         ),
     )
 
@@ -1010,6 +1161,7 @@ class _ScoreAndSelectTile(Tile):
                 Constraint("warpgroups", _warps_fit),
                 Constraint("fragment_rows", _fragment_rows),
                 Constraint("register_cap", _register_cap),
+                Constraint("rs_registers", _rs_registers),
             ),
         )
 
@@ -1043,6 +1195,10 @@ class IndexerTopkTile(_ScoreAndSelectTile):
             # and the two-pass select: decode B=64 x 128K 1.318 -> 0.530 ms per call, prefill 4K 2.253 -> 1.012 ms.
             # (prmt at 128 threads with min_ctas 3 ran decode at 0.468 ms but was not run at prefill: a tuning choice.)
             cfg.update(dequant="prmt", min_ctas=2, select_algo="two_pass")
+            # Then the prmt decode straight into wgmma's A registers (results/sm90/
+            # profile_compressor_multi_cta_indexer_prmt_rs.json, same run as prmt): decode B=64 x 128K 0.527 -> 0.376 ms
+            # per call, prefill 4K 1.005 -> 0.712 ms.
+            cfg.update(dequant="prmt_rs")
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -90,10 +91,21 @@ def nearest_entry(data: dict, shape: Shape, max_distance: float = MAX_TRANSFER_D
     return best
 
 
-def stale_params(tile, arch: Arch, config: Config) -> list[str]:
+_NOT_CHECKED = object()
+CURRENT_DEFAULT = "the current default"  # what a winner timed against another default config predates
+
+
+def stale_params(tile, arch: Arch, config: Config, tuned_default: Any = _NOT_CHECKED) -> list[str]:
     """The parameters of ``tile``'s current search space that a stored ``config`` does not name: a winner
-    tuned before they existed, which won nothing over them (empty when the config is current)."""
-    return sorted(set(tile.search_space(arch).names()) - set(config))
+    tuned before they existed, which won nothing over them (empty when the config is current).
+
+    ``tuned_default``: the default config the winner was timed against (a results entry's ``default_config``;
+    None for entries written before it was recorded). Unless it is the tile's current default, the list also
+    holds :data:`CURRENT_DEFAULT`: the winner never ran against the default it would replace."""
+    stale = sorted(set(tile.search_space(arch).names()) - set(config))
+    if tuned_default is not _NOT_CHECKED and tuned_default != tile.default_config(arch):
+        stale.append(CURRENT_DEFAULT)
+    return stale
 
 
 def _registered(tile_name: str):
@@ -135,7 +147,7 @@ def load_winner(
         return dict(default), "default"
     bucket, entry = hit
     config = dict(entry["config"])
-    missing = stale_params(tile, arch, config) if tile is not None else []
+    missing = stale_params(tile, arch, config, entry.get("default_config")) if tile is not None else []
     if missing and not allow_stale:
         return dict(default), f"default (stale: {path}#{bucket} predates {', '.join(missing)})"
     if tile is not None:

@@ -175,6 +175,7 @@ def sparse_attn_kernel(
     wg1_rows: int = 0,
     tokens_per_cta: int = 1,
     combine: str = "separate",
+    handoff: str = "after_pv",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -209,6 +210,7 @@ def sparse_attn_kernel(
             wg1_rows,
             tokens_per_cta,
             combine,
+            handoff,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -410,6 +412,7 @@ def _sparse_attn_ws(
     wg1_rows=0,
     tokens_per_cta=1,
     combine="separate",
+    handoff="after_pv",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -615,6 +618,7 @@ def _sparse_attn_ws(
                 scale2,
                 io,
                 fuse,
+                handoff == "before_pv",
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
@@ -769,8 +773,12 @@ def _sparse_attn_ws(
 
 
 @T.macro
-def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2):
-    """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V."""
+def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False):
+    """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V.
+
+    ``early_p`` (``handoff="before_pv"``): P and alpha go to warpgroup 1 before this warpgroup's P V instead of
+    after it, so both halves of P V run together and the buffer frees one P V earlier; the shared-memory stores
+    are fenced for the async proxy first (warpgroup 1's wgmma reads them)."""
     Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
     KV_l, KV_r, valid, bar_ready, bar_free = buf
     T.barrier_wait(bar_ready, (it // 2) & 1)
@@ -796,8 +804,13 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
     T.copy(alpha, alpha_shared)
     T.copy(acc_s, S_shared)
-    T.gemm(S_shared, KV_l, acc_o)
-    T.barrier_arrive(bar_s_ready)
+    if early_p:
+        T.fence_proxy_async()
+        T.barrier_arrive(bar_s_ready)
+        T.gemm(S_shared, KV_l, acc_o)
+    else:
+        T.gemm(S_shared, KV_l, acc_o)
+        T.barrier_arrive(bar_s_ready)
     T.barrier_arrive(bar_free)
 
 
@@ -972,6 +985,7 @@ class _WsCta(NamedTuple):
     scale2: float
     io: str
     fuse: Any = None  # combine="fused": the _WsFuse of the fused combine
+    early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
 
 
 class _WsHelper(NamedTuple):
@@ -1002,9 +1016,9 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     T.barrier_wait(cta.bar_q, j & 1)
     for it in T.serial(n_blk):
         if (j * n_blk + it) % 2 == 0:
-            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2)
+            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p)
         else:
-            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2)
+            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p)
     if NS == 1:
         for h in T.Parallel(HB):
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -1486,6 +1500,7 @@ class CompiledAttention:
                 "wg1_rows",
                 "tokens_per_cta",
                 "combine",
+                "handoff",
             )
             if k in config
         }
@@ -1819,6 +1834,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             or c.get("io", "direct") != "staged"
         ):
             return "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0, io=staged"
+        if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
+            return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
         if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
             return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
         if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
@@ -1901,6 +1918,12 @@ class SparseAttnTile(Tile):
                 "consumers finish this one (one CTA holds an SM, so its prologue and epilogue overlap nothing otherwise)",
             ),
             Param(
+                "handoff",
+                ("after_pv", "before_pv"),
+                "ws, wg0_scores: when warpgroup 0 hands P to warpgroup 1, after its own half of P V (the two halves run "
+                "one after the other) or before it (both at once; the KV buffer frees a P V earlier)",
+            ),
+            Param(
                 "ptxas_level",
                 (0, 10),
                 "ptxas --register-usage-level (0: its default, 5); TileLang's sparse_mla_fwd_pipelined example compiles with 10",
@@ -1944,6 +1967,7 @@ class SparseAttnTile(Tile):
         cfg.setdefault("produce", "serial")
         cfg["consumers"] = "wg0_scores"
         cfg["tokens_per_cta"] = 1
+        cfg["handoff"] = "after_pv"
         # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json)
         cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
@@ -1962,7 +1986,14 @@ class SparseAttnTile(Tile):
         ``config`` picks another schedule without naming them: {"schedule": "pipelined"} alone is a valid config."""
         cfg = {**self.default_config(arch), **config}
         if cfg["schedule"] != "ws":
-            for key, plain in (("produce", "serial"), ("io", "direct"), ("consumers", "wg0_scores"), ("tokens_per_cta", 1)):
+            plain_choices = (
+                ("produce", "serial"),
+                ("io", "direct"),
+                ("consumers", "wg0_scores"),
+                ("tokens_per_cta", 1),
+                ("handoff", "after_pv"),
+            )
+            for key, plain in plain_choices:
                 cfg[key] = config.get(key, plain)
         return cfg
 

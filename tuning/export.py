@@ -65,6 +65,7 @@ def export_results(
             "tflops": _round(s.best.user_attrs.get("tflops"), 4),
             "gbps": _round(s.best.user_attrs.get("gbps"), 4),
             "default_ms": _round(s.default_ms),
+            "default_config": {k: s.default[k] for k in sorted(s.default)} if s.default is not None else None,
             "speedup": _round(s.speedup, 4),
             "trials": s.trials,
             "outcomes": dict(sorted(s.outcomes.items())),

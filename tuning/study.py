@@ -81,6 +81,7 @@ class StudySummary:
     compile_only: bool = False
     ran: int = 0  # trials this process finished (compiled or timed) in this run
     wall_s: float = 0.0
+    default: dict | None = None  # the default config default_ms timed (a winner stops counting when the default changes)
 
     @property
     def best_ms(self) -> float | None:
@@ -220,7 +221,9 @@ def summarize(study: optuna.Study, tile: Tile, shape: Shape, default: Config, co
     best = None if compile_only or not ok else min(ok, key=lambda t: t.value)
     dkey = config_key(default)
     default_ms = next((t.user_attrs.get("ms") for t in ok if t.user_attrs.get("config_key") == dkey), None)
-    return StudySummary(tile.name, shape.name, study.study_name, len(done), dict(outcomes), best, default_ms, compile_only)
+    summary = StudySummary(tile.name, shape.name, study.study_name, len(done), dict(outcomes), best, default_ms, compile_only)
+    summary.default = dict(default)
+    return summary
 
 
 # --- running one study ----------------------------------------------------------------------

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         require_present(arch)
     except ArchError as exc:
         raise LabError(f"{exc}; `lab bench` times on a GPU (use `lab check --compile-only` to only compile)") from None
-    config = {**tile.default_config(arch), **overrides}
+    config = tile.with_defaults(arch, overrides)
     for shape in shapes:
         bad = tile.search_space(arch).violations(config, shape, arch)
         if bad:
