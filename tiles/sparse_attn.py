@@ -473,6 +473,10 @@ def _sparse_attn_ws(
     the splits with the sink and writes bf16 Out itself (:func:`_ws_fused_combine`): no second launch. Measured
     slower than ``separate`` on the H200 (decode B=64/S=1 0.0369 vs 0.0316 ms; results/sm90/
     sparse_attn_run10_fused_deterministic.json): the merge lengthens the last CTA more than the launch it saves.
+
+    ``handoff`` (``wg0_scores``): ``after_pv`` hands P to warpgroup 1 once warpgroup 0's own half of P V has
+    completed; ``before_pv`` before it (see :func:`_ws_softmax_step`). Measured on the H200 (results/sm90/
+    sparse_attn_run11_early_handoff.json): no gain with FP4 KV, 6% at bf16 decode B=128/S=2.
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
