@@ -527,3 +527,172 @@ def test_one_cta_choices_without_ctas_per_sm_get_the_one_cta_kernel():
     # naming ctas_per_sm keeps it, so an impossible pick is refused with its reason, not silently changed
     forced = tile.with_defaults(SM90, {"load": "direct", "ctas_per_sm": 2})
     assert forced["ctas_per_sm"] == 2 and any("occupancy" in r for r in space.violations(forced, shape, SM90))
+
+
+# ---------------------------------------------------------------------------------- the flat kernel at one CTA per SM, Wk pipeline depth, ratio-1 kv load
+# schedule="flat" runs the kernel of ctas_per_sm > 1 at one CTA per SM so that block_g 64 (rot_s 128 KiB) fits: one pass
+# over Wk per 64 groups. wk_stages keeps more Wk chunks (L2 round trips) in flight; kv_load="whole" (ratio 1) copies the
+# block's kv rows into rot_s at once instead of 32 slab round trips.
+
+# (ratio, block_g, ctas_per_sm, wk, wk_stages, kv_load): the builds checked with ptxas.
+FLAT_BUILDS = [
+    (1, 64, 1, "fp32", 2, "slabs"),
+    (2, 64, 1, "fp32", 2, "slabs"),
+    (1, 64, 1, "fp32", 4, "whole"),
+    (2, 64, 1, "fp32", 4, "slabs"),
+    (1, 64, 1, "hi_lo", 3, "slabs"),
+    (1, 32, 2, "fp32", 3, "whole"),
+]
+
+
+def _flat_config(block_g, ctas, wk="fp32", wk_stages=2, kv_load="slabs"):
+    """A flat-kernel config over the Hopper default (staged tf32x3, 256 threads, k_chunk 16, thresholds)."""
+    cfg = {**cp.COMPRESSOR.default_config(SM90), "block_g": block_g, "ctas_per_sm": ctas, "wk": wk}
+    return {**cfg, "schedule": "flat", "wk_stages": wk_stages, "kv_load": kv_load}
+
+
+@pytest.mark.parametrize("ratio, block_g, ctas, wk, stages, kv_load", FLAT_BUILDS)
+def test_flat_compiles_sm90_and_fits(ratio, block_g, ctas, wk, stages, kv_load, tmp_path):
+    """Compiles at the 64K shape (the same kernel serves decode), no producer warpgroup, the Wk pipeline is ``stages``
+    deep, the shared-memory model equals the launch, and ptxas keeps the registers within the occupancy, no spills."""
+    shape = cp.COMPRESSOR.shape(f"prefill_r{ratio}_s64k")
+    cfg = _flat_config(block_g, ctas, wk, stages, kv_load)
+    space = cp.COMPRESSOR.search_space(SM90)
+    assert space.violations(cfg, shape, SM90) == []
+    assert space.violations(cfg, cp.COMPRESSOR.shape(f"decode_r{ratio}_b64"), SM90) == []
+    kernel = cp.COMPRESSOR.build(shape, cfg, SM90)
+    src = kernel.get_kernel_source()
+    assert f"__launch_bounds__(256, {ctas})" in src
+    assert "warpgroup_reg_alloc" not in src
+    assert f"cp_async_wait<{stages - 1}>" in src  # the Wk loop waits with stages - 1 chunks still in flight
+    if kv_load == "whole":
+        assert "kv_s" not in src and "gate_s" not in src  # no slab buffer: kv goes straight into rot_s
+    smem = _dynamic_smem(kernel, 256)
+    assert smem == cp._smem_flat(cfg, ratio)
+    assert ctas * (smem + 1024) <= SM90.smem_per_sm and smem <= SM90.smem_per_block
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found: registers and spills not checked")
+    regs, spills = _ptxas(src, tmp_path)
+    assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
+
+
+def test_flat_block_g64_waits_for_the_early_stores():
+    """Same reuse as at two CTAs per SM (main cache stored before the projection, its buffers reused for the Wk stages)."""
+    src = cp.COMPRESSOR.build(cp.COMPRESSOR.shape("prefill_r2_s64k"), _flat_config(64, 1), SM90).get_kernel_source()
+    store = src.index("tl::tma_store(main_scales_desc")
+    between = src[store : src.index("wk_hi[", store)]
+    wait = between.index("tl::tma_store_wait<0, true>();")
+    assert "__syncthreads();" in between[wait:]
+
+
+def test_flat_constraints_refuse():
+    space, shape = cp.COMPRESSOR.search_space(SM90), cp.COMPRESSOR.shape("prefill_r2_s64k")
+    r1 = cp.COMPRESSOR.shape("prefill_r1_s64k")
+    params = {p.name: p.choices for p in space.params}
+    assert params["schedule"] == ("ws", "flat") and params["wk_stages"] == (2, 3, 4) and params["kv_load"] == ("slabs", "whole")
+
+    def why(cfg, sh=shape):
+        return " | ".join(space.violations(cfg, sh, SM90))
+
+    assert "shared memory" in why(_flat_config(64, 2))  # rot_s alone is 128 KiB: block_g 64 is one CTA per SM
+    assert "occupancy" in why({**_flat_config(32, 2), "schedule": "ws"})  # several CTAs are always the flat kernel
+    assert "ratio 1 only" in why(_flat_config(64, 1, kv_load="whole"))
+    assert "occupancy" in why(_flat_config(16, 1))
+    assert "occupancy" in why({**_flat_config(64, 1), "k_chunk": 32})
+    assert "shared memory" in why(_flat_config(32, 2, wk_stages=3))  # ratio 2: 123,392 B > 115,712 B
+    assert "shared memory" in why(_flat_config(32, 2, wk_stages=4), r1)  # 119,296 B
+    assert "shared memory" in why(_flat_config(32, 2, wk="hi_lo", wk_stages=3), r1)  # hi_lo stages cost two tiles
+    assert why(_flat_config(32, 2, wk_stages=3, kv_load="whole"), r1) == ""  # 111,104 B: still two CTAs per SM
+    assert why(_flat_config(64, 1, wk_stages=4)) == ""  # 215,552 B
+    one_cta = {**cp.COMPRESSOR.default_config(SM90), **ONE_CTA}
+    assert "flat kernel" in why({**one_cta, "wk_stages": 3})
+    assert "flat kernel" in why({**one_cta, "kv_load": "whole"}, r1)
+    assert any("Hopper" in r for r in space.violations(_flat_config(64, 1), shape, get_arch("sm80")))
+    with pytest.raises(TileError, match="'whole' only at ratio 1"):
+        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "whole")
+    with pytest.raises(TileError, match="only in the flat kernel"):
+        cp._compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 3)
+    with pytest.raises(TileError, match="unknown schedule"):
+        cp._compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "bogus")
+
+
+def test_flat_with_defaults():
+    """{"schedule": "flat", "block_g": 64} alone: the flat kernel at one CTA per SM with the default's k_chunk and wk;
+    the new keys alone keep the default's two CTAs per SM; a config without them builds the same kernel as before."""
+    tile, r1 = cp.COMPRESSOR, cp.COMPRESSOR.shape("prefill_r1_s64k")
+    space = tile.search_space(SM90)
+    cfg = tile.with_defaults(SM90, {"schedule": "flat", "block_g": 64})
+    assert (cfg["ctas_per_sm"], cfg["k_chunk"], cfg["wk"]) == (1, 16, "fp32")
+    assert space.violations(cfg, r1, SM90) == []
+    cfg = tile.with_defaults(SM90, {"wk_stages": 3, "kv_load": "whole"})
+    assert cfg["ctas_per_sm"] == 2 and space.violations(cfg, r1, SM90) == []
+    assert cp._schedule(tile.default_config(SM90)) == "flat" and cp._schedule(ONE_CTA) == "ws"
+    # The default names none of the new keys: it is built exactly as before they existed.
+    default = tile.default_config(SM90)
+    assert not {"schedule", "wk_stages", "kv_load"} & set(default)
+    assert tile.build(r1, default, SM90) is tile.build(r1, {**default, "schedule": "flat", "wk_stages": 2, "kv_load": "slabs"}, SM90)
+
+
+# Configs run on the GPU: (label, block_g, ctas, wk, wk_stages, kv_load).
+FLAT_GPU = [
+    ("bg64", 64, 1, "fp32", 2, "slabs"),
+    ("bg64_st4", 64, 1, "fp32", 4, "slabs"),
+    ("bg64_hilo_st3", 64, 1, "hi_lo", 3, "slabs"),
+    ("bg64_st4_whole", 64, 1, "fp32", 4, "whole"),
+    ("mc2_st3_whole", 32, 2, "fp32", 3, "whole"),
+]
+ODD = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002 + r, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
+
+
+def _flat_shapes(kv_load):
+    """The tile's 64K, 4K and decode shapes and odd ones (G not a multiple of the block); kv_load=whole: ratio 1 only."""
+    names = ("prefill_r2_s4k", "prefill_r1_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64")
+    shapes = [cp.COMPRESSOR.shape(n) for n in names] + ODD
+    return [s for s in shapes if kv_load == "slabs" or s["ratio"] == 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, block_g, ctas, wk, stages, kv_load", FLAT_GPU, ids=[c[0] for c in FLAT_GPU])
+def test_flat_matches_reference(label, block_g, ctas, wk, stages, kv_load):
+    """Against the torch reference (fp4-near-exact rule), and against the Hopper default (two CTAs, block_g 32):
+    the main cache byte-identical (same latent arithmetic: the same RMSNorm lanes, RoPE and encode); at block_g 32
+    all four outputs (wk_stages and kv_load change where bytes come from, not the arithmetic). At block_g 64 the
+    index key's k_norm sums its squares over another fragment layout, so the index cache may differ by a code step."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = _flat_config(block_g, ctas, wk, stages, kv_load)
+    for shape in _flat_shapes(kv_load):
+        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 11, "cuda")
+        base = tile.run(tile.build(shape, tile.default_config(arch), arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        same = ("main_packed", "main_scales") if block_g == 64 else tuple(base)
+        for name in same:
+            assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, block_g, ctas, wk, stages, kv_load", FLAT_GPU, ids=[c[0] for c in FLAT_GPU])
+def test_flat_decode_tail_and_repeatable(label, block_g, ctas, wk, stages, kv_load):
+    """The decode tail state (ratio 2) gives the same entries as the whole group, and two runs at 64K are bitwise
+    equal (a race on the reused shared memory or the deeper pipelines would show as run-to-run differences)."""
+    tile, arch = cp.COMPRESSOR, get_arch("sm90")
+    cfg = _flat_config(block_g, ctas, wk, stages, kv_load)
+    if kv_load == "slabs":
+        inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
+        rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], 1e-6)
+        full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest, config=cfg)
+        tail = cp.compress(
+            inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, config=cfg, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0]
+        )
+        assert all(torch.equal(a, b) for a, b in zip(full, tail))
+        names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+        assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
+        if kv_load == "whole" and shape["ratio"] == 2:
+            continue
+        big = tile.make_inputs(shape, 8, "cuda")
+        kernel = tile.build(shape, cfg, arch)
+        first, second = tile.run(kernel, big), tile.run(kernel, big)
+        for name in first:
+            assert torch.equal(first[name], second[name]), f"{shape.name}: {name}"

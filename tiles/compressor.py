@@ -76,6 +76,8 @@ def _e2m1_code(v):
 E2M1_BOUNDS = ((0.25, 2.0**-26), (0.75, 2.0**-25), (1.25, 2.0**-24), (1.75, 2.0**-24), (2.5, 2.0**-23), (3.5, 2.0**-23), (5.0, 2.0**-22))
 ENCODES = ("divide", "thresholds")
 WK_LOADS = ("hi_lo", "fp32")  # how the index-K weight reaches the SM (see _compress_kernel)
+SCHEDULES = ("ws", "flat")  # producer warpgroup (one CTA per SM) or none (see _compress_kernel)
+KV_LOADS = ("slabs", "whole")  # ratio 1: kv through 16-channel slabs, or the block's rows in one copy (see _compress_kernel)
 
 
 def _bounds_cuda() -> str:
@@ -211,6 +213,9 @@ def _compress_kernel(
     encode: str = "divide",
     ctas_per_sm: int = 1,
     wk: str = "hi_lo",
+    schedule: str = "ws",
+    wk_stages: int = 2,
+    kv_load: str = "slabs",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -231,13 +236,30 @@ def _compress_kernel(
     ``wk`` (with ctas_per_sm > 1): "hi_lo" streams the host-split TF32 high part and remainder of Wk (512 KiB
     from L2 per CTA); "fp32" streams Wk itself through the ``wk_hi`` argument (``wk_lo`` unread, 256 KiB per
     CTA) and splits each chunk in shared memory: the same operands bit for bit (:func:`split_tf32`).
+    ``schedule`` (one CTA per SM): "ws" is the warp-specialised kernel; "flat" is the kernel of ctas_per_sm > 1 at one
+    CTA per SM, for ``block_g`` 64: twice the groups per pass over Wk (half the Wk bytes from L2 and half the Wk splits
+    per group) where rot_s (128 KiB) no longer fits two CTAs. ctas_per_sm > 1 is always "flat".
+    ``wk_stages`` (flat kernel): depth of the Wk chunk pipeline; each chunk is an L2 round trip, so 2 stages (one
+    chunk in flight) make the projection loop latency-bound; 3-4 keep 2-3 chunks in flight (8 KiB of shared memory per
+    extra stage with wk=fp32, 16 KiB with hi_lo).
+    ``kv_load`` (flat kernel, ratio 1): "slabs" streams kv through 16-channel slabs (2 KiB per slab at block_g 32:
+    32 HBM round trips per CTA, two in flight); "whole" copies the block's kv rows straight into rot_s (ratio 1 pools
+    nothing), all in flight at once: one round trip, and no slab buffers.
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
-    if ctas_per_sm > 1 and (load != "staged" or proj != "tf32x3"):
-        raise TileError(f"ctas_per_sm {ctas_per_sm} is built for load=staged, proj=tf32x3 (got {load}, {proj})")
-    if wk not in WK_LOADS or (wk == "fp32" and ctas_per_sm == 1):
-        raise TileError(f"wk={wk!r}: use one of {', '.join(WK_LOADS)}; 'fp32' only with ctas_per_sm > 1")
+    if schedule not in SCHEDULES:
+        raise TileError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    # The flat kernel: no producer warpgroup. Several CTAs per SM need it; one CTA may pick it (schedule="flat").
+    flat = ctas_per_sm > 1 or schedule == "flat"
+    if flat and (load != "staged" or proj != "tf32x3"):
+        raise TileError(f"ctas_per_sm {ctas_per_sm}, schedule {schedule} is built for load=staged, proj=tf32x3 (got {load}, {proj})")
+    if (wk_stages != 2 or kv_load != "slabs") and not flat:
+        raise TileError(f"wk_stages {wk_stages} / kv_load {kv_load!r} exist only in the flat kernel (ctas_per_sm > 1 or schedule=flat)")
+    if kv_load not in KV_LOADS or (kv_load == "whole" and ratio != 1):
+        raise TileError(f"kv_load={kv_load!r}: use one of {', '.join(KV_LOADS)}; 'whole' only at ratio 1 (ratio 2 pools pairs)")
+    if wk not in WK_LOADS or (wk == "fp32" and not flat):
+        raise TileError(f"wk={wk!r}: use one of {', '.join(WK_LOADS)}; 'fp32' only with the flat kernel (ctas_per_sm > 1 or schedule=flat)")
     B, G = T.dynamic("B, G")
     S = G * ratio
     R = ROPE // 2
@@ -260,8 +282,7 @@ def _compress_kernel(
     ):
         with T.Kernel(T.ceildiv(G, block_g), B, threads=threads) as (bx, b):
             g0 = bx * block_g
-            multi_cta = ctas_per_sm > 1
-            if multi_cta:
+            if flat:
                 # __launch_bounds__(threads, ctas_per_sm): ptxas keeps registers to 65536 / (threads * ctas_per_sm).
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
                 part = T.alloc_fragment((block_g, NORM_LANES), "float32")
@@ -291,9 +312,9 @@ def _compress_kernel(
             b_lo = T.alloc_shared((DI, k_chunk), "float32")
             if wk == "fp32":
                 w_st = T.alloc_shared((DI, k_chunk), "float32")
-            # ctas_per_sm > 1: half-width slabs, three stages (ratio 2: 3 x 8 KiB of kv+gate instead of 2 x 16 KiB), for
+            # The flat kernel: half-width slabs, three stages (ratio 2: 3 x 8 KiB of kv+gate instead of 2 x 16 KiB), for
             # the shared-memory budget; two stay in flight while one is pooled.
-            chunk, stages = (MULTI_CTA_CHUNK, MULTI_CTA_STAGES) if multi_cta else (LOAD_CHUNK, 2)
+            chunk, stages = (MULTI_CTA_CHUNK, MULTI_CTA_STAGES) if flat else (LOAD_CHUNK, 2)
             if load == "staged":
                 kv_s = T.alloc_shared((block_g * ratio, chunk), "float32")
                 gate_s = T.alloc_shared((block_g * ratio, chunk), "float32") if ratio == 2 else kv_s
@@ -309,8 +330,13 @@ def _compress_kernel(
                 # Bulk async copies of channel slabs, double-buffered: the kv/gate stream (the
                 # kernel's HBM traffic) is in flight while the previous slab is pooled, instead
                 # of each thread waiting on its own scalar loads (see _staged_pool).
-                _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages)
-                if not multi_cta:
+                if kv_load == "whole":
+                    # Ratio 1 pools nothing: the block's rows straight into rot_s, every load in flight at once (one HBM
+                    # round trip instead of 32 slab round trips two deep); rows past G are zero-filled by the copy.
+                    T.copy(kv[b, g0 : g0 + block_g, :], rot_s)
+                else:
+                    _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages)
+                if not flat:
                     for i, d in T.Parallel(block_g, D):
                         lat[i, d] = rot_s[i, d]
             else:
@@ -325,7 +351,7 @@ def _compress_kernel(
                         tot = e0 + e1
                         lat[i, d] = (e0 / tot) * kv[b, 2 * g, d] + (e1 / tot) * kv[b, 2 * g + 1, d]
             # 2. RMSNorm.
-            if multi_cta:
+            if flat:
                 _rmsnorm_in_smem(rot_s, w_s, part, ss, inv_s, eps, block_g)
             else:
                 for i, d in T.Parallel(block_g, D):
@@ -361,7 +387,7 @@ def _compress_kernel(
                     lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
                     hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                     bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
-            if multi_cta:
+            if flat:
                 # Stored now, not at the end: bytes_m's shared memory is then free for the Wk stages.
                 T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
                 T.copy(sbyte_m, main_scales[b, g0 : g0 + block_g, :])
@@ -372,7 +398,7 @@ def _compress_kernel(
             T.clear(kacc)
             if wk == "fp32":
                 # Half the L2 -> SM bytes of "hi_lo": the chunk of Wk itself, split here like the latent.
-                for kc in T.Pipelined(D // k_chunk, num_stages=2):
+                for kc in T.Pipelined(D // k_chunk, num_stages=wk_stages):
                     T.copy(wk_hi[:, kc * k_chunk : (kc + 1) * k_chunk], w_st)
                     _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g, k_chunk)
                     _split_tf32_tile(w_st, b_hi, b_lo, 0, DI, k_chunk)
@@ -382,7 +408,7 @@ def _compress_kernel(
             elif proj == "tf32x3" and load == "staged":
                 # The weight chunks by async copies, double-buffered, so the L2 -> SM stream of Wk (512 KiB
                 # hi + lo per CTA) overlaps the split and the MMAs instead of stalling each chunk.
-                for kc in T.Pipelined(D // k_chunk, num_stages=2):
+                for kc in T.Pipelined(D // k_chunk, num_stages=wk_stages):
                     T.copy(wk_hi[:, kc * k_chunk : (kc + 1) * k_chunk], b_hi)
                     T.copy(wk_lo[:, kc * k_chunk : (kc + 1) * k_chunk], b_lo)
                     _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g, k_chunk)
@@ -459,15 +485,15 @@ def _compress_kernel(
                     hi = _e2m1_code(T.clamp(k_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                 bytes_i[i, j] = T.Cast("uint8", lo | (hi << 4))
             # 7. Stores (rows past G are masked by the copy's bounds).
-            if not multi_cta:
+            if not flat:
                 T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
                 T.copy(sbyte_m, main_scales[b, g0 : g0 + block_g, :])
             T.copy(bytes_i, idx_packed[b, g0 : g0 + block_g, :])
             T.copy(sbyte_i, idx_scales[b, g0 : g0 + block_g, :])
 
-    # ctas_per_sm > 1: no warp specialisation (no producer warpgroup whose setmaxnreg would assume the whole
-    # register file); the staged copies are issued by the same threads, num_stages ahead.
-    pass_configs = {"tl.disable_warp_specialized": True} if ctas_per_sm > 1 else None
+    # The flat kernel (ctas_per_sm > 1 or schedule=flat): no warp specialisation (no producer warpgroup whose
+    # setmaxnreg would assume the whole register file); the staged copies are issued by the same threads, num_stages ahead.
+    pass_configs = {"tl.disable_warp_specialized": True} if flat else None
     kernel = tilelang.compile(compress, target=tvm.target.Target({"kind": "cuda", "arch": target}), pass_configs=pass_configs)
     kernel.csa2_wk = wk  # what the launchers pass as (wk_hi, wk_lo): see _wk_args
     return kernel
@@ -491,7 +517,16 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("encode", "divide"),
         cfg.get("ctas_per_sm", 1),
         cfg.get("wk", "hi_lo"),
+        _schedule(cfg),
+        cfg.get("wk_stages", 2),
+        cfg.get("kv_load", "slabs"),
     )
+
+
+def _schedule(cfg: Config) -> str:
+    """The kernel's schedule: "flat" (no producer warpgroup) whenever several CTAs share an SM, else the config's
+    ``schedule`` ("ws", the warp-specialised one-CTA kernel, unless named)."""
+    return "flat" if cfg.get("ctas_per_sm", 1) > 1 else cfg.get("schedule", "ws")
 
 
 def _wk_args(kernel, wk: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -683,6 +718,19 @@ class CompressorTile(Tile):
                 "index-K weight from L2: the host-split TF32 high part + remainder (512 KiB per CTA), or (ctas_per_sm > 1) "
                 "fp32 Wk split in shared memory (256 KiB per CTA, the same operands)",
             ),
+            Param(
+                "schedule",
+                SCHEDULES,
+                "one CTA per SM: the warp-specialised kernel, or the flat kernel of ctas_per_sm > 1 (for block_g 64: "
+                "one pass over Wk per 64 groups, half the Wk bytes and splits per group); ctas_per_sm > 1 is flat",
+            ),
+            Param("wk_stages", (2, 3, 4), "flat kernel: Wk chunks (L2 round trips) in flight + 1 in the projection loop"),
+            Param(
+                "kv_load",
+                KV_LOADS,
+                "flat kernel, ratio 1: kv through 16-channel slabs (32 HBM round trips per CTA), or the block's rows "
+                "straight into the latent buffer in one copy",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -720,12 +768,18 @@ class CompressorTile(Tile):
     def with_defaults(self, arch: Arch, config: Config) -> Config:
         """``config`` over the default. A config that picks a one-CTA choice (direct loads, simt, other threads,
         block_g or k_chunk) without naming ``ctas_per_sm`` gets the one-CTA kernel (ctas_per_sm 1, Wk hi/lo, k_chunk
-        32 unless named), as it did before two CTAs per SM became Hopper's default: {"load": "direct"} alone is valid."""
+        32 unless named), as it did before two CTAs per SM became Hopper's default: {"load": "direct"} alone is valid.
+        With ``schedule="flat"`` named (e.g. {"schedule": "flat", "block_g": 64}) it gets the flat kernel at one CTA per
+        SM and keeps the default's k_chunk 16 and wk."""
         cfg = {**self.default_config(arch), **config}
         multi_cta_ok = cfg["load"] == "staged" and cfg["proj"] == "tf32x3" and cfg["threads"] == 256
         multi_cta_ok = multi_cta_ok and cfg["block_g"] in (16, 32) and cfg["k_chunk"] == MULTI_CTA_CHUNK
         if "ctas_per_sm" not in config and cfg.get("ctas_per_sm", 1) > 1 and not multi_cta_ok:
-            cfg.update(ctas_per_sm=1, wk=config.get("wk", "hi_lo"), k_chunk=config.get("k_chunk", 32))
+            if cfg.get("schedule") == "flat":
+                # The flat kernel at one CTA per SM (e.g. block_g 64): the default's flat-kernel choices stay.
+                cfg.update(ctas_per_sm=1)
+            else:
+                cfg.update(ctas_per_sm=1, wk=config.get("wk", "hi_lo"), k_chunk=config.get("k_chunk", 32))
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
@@ -813,27 +867,58 @@ def _rope() -> RopeConfig:
 
 
 def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
-    """``ctas_per_sm`` > 1, ``k_chunk`` 16 and ``wk`` fp32 exist for the builds checked with ptxas (sm_90a).
+    """The flat kernel (``ctas_per_sm`` > 1, or ``schedule="flat"`` at one CTA per SM) and its values (``k_chunk`` 16,
+    ``wk`` fp32, ``wk_stages`` 3-4, ``kv_load`` whole) exist for the builds checked with ptxas (sm_90a).
 
-    256 threads x 2 CTAs leave 128 registers a thread (ptxas: 88-90 at block_g 32, no spills), x 3 CTAs 85 (56 at
-    block_g 16); the staged kv/gate path and the pipelined tf32x3 projection are the code it was cut from, and
-    k_chunk 16 is what makes the Wk stages small enough (k_chunk 32 asked for 154,112 B at block_g 32, ratio 2).
-    The shared memory itself is judged by :func:`_smem_compress`.
+    256 threads x 2 CTAs leave 128 registers a thread (ptxas: 88-102 at block_g 32, no spills), x 3 CTAs 85 (56-77 at
+    block_g 16); one flat CTA of block_g 64 took 102-150, no spills. The staged kv/gate path and the pipelined tf32x3
+    projection are the code it was cut from, and k_chunk 16 is what makes the Wk stages small enough (k_chunk 32 asked
+    for 154,112 B at block_g 32, ratio 2). The shared memory itself is judged by :func:`_smem_compress`.
     """
     config = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64, "load": "direct", **config}  # partial: judged with defaults
     n = config.get("ctas_per_sm", 1)
-    if n == 1:
-        # The new values came with ctas_per_sm > 1 and were compiled and checked only there.
+    schedule = config.get("schedule", "flat" if n > 1 else "ws")
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule!r}"
+    if n > 1 and schedule != "flat":
+        return f"ctas_per_sm {n} is the flat kernel (no producer warpgroup): schedule=ws exists only at one CTA per SM"
+    kv_load = config.get("kv_load", "slabs")
+    if kv_load == "whole" and shape.dims.get("ratio") != 1:
+        return "kv_load=whole exists for ratio 1 only (ratio 2 pools pairs of tokens through the slabs)"
+    if schedule == "ws":
+        # The new values came with the flat kernel and were compiled and checked only there.
         if config.get("wk", "hi_lo") == "fp32":
-            return "wk=fp32 exists only with ctas_per_sm > 1"
-        return "k_chunk 16 exists only with ctas_per_sm > 1" if config["k_chunk"] == 16 else None
+            return "wk=fp32 exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
+        if config.get("wk_stages", 2) != 2 or kv_load != "slabs":
+            return "wk_stages 3-4 and kv_load=whole exist only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
+        return "k_chunk 16 exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)" if config["k_chunk"] == 16 else None
     if arch.family != "hopper":
-        return f"ctas_per_sm {n} is built and checked for Hopper (sm_90a) only"
-    want = {"load": ("staged",), "proj": ("tf32x3",), "threads": (256,), "k_chunk": (16,), "block_g": (16, 32)}
+        return f"ctas_per_sm {n} (the flat kernel) is built and checked for Hopper (sm_90a) only"
+    # block_g 64 only at one CTA per SM (its rot_s alone is 128 KiB); 16 only at 3 (what was compiled and checked).
+    groups = (16, 32) if n > 1 else (32, 64)
+    want = {"load": ("staged",), "proj": ("tf32x3",), "threads": (256,), "k_chunk": (16,), "block_g": groups}
     wrong = [f"{k}={config[k]!r}" for k, ok in want.items() if config[k] not in ok]
     if wrong:
-        return f"ctas_per_sm {n} needs load=staged, proj=tf32x3, threads=256, k_chunk=16, block_g 16 or 32 (got {', '.join(wrong)})"
+        g = " or ".join(map(str, groups))
+        return f"ctas_per_sm {n} (flat) needs load=staged, proj=tf32x3, threads=256, k_chunk=16, block_g {g} (got {', '.join(wrong)})"
     return None
+
+
+def _smem_flat(config: Config, ratio: int) -> int:
+    """Dynamic shared memory of the flat kernel (B), fitted to the compiled kernels (sm_90a, TileLang 0.1.15, k_chunk 16,
+    no static shared memory; tests/test_compressor.py checks it against the launch of every build in FLAT_BUILDS).
+
+    rot_s, the gate slabs (the kv slabs share bytes with the Wk stages), four Wk-sized stages, a_lo and the small
+    per-group arrays: exact at block_g 32 ratio 2/1 = 115,200/102,912 B and block_g 16 = 74,240/68,096 B. Each Wk
+    stage past two adds one [128, k_chunk] fp32 tile (wk=fp32: the raw chunk) or two (hi_lo: both halves); block_g 64
+    adds 2 KiB of the allocator's packing (174,592 B at ratio 1, 199,168 B at ratio 2). kv_load=whole changes nothing:
+    the kv slabs it drops shared their bytes with the Wk stages.
+    """
+    bg, kc = config["block_g"], config["k_chunk"]
+    gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if ratio == 2 else 0
+    need = bg * D * 4 + gate_slabs + 4 * DI * kc * 4 + 8 * bg * kc + 512
+    per_stage = DI * kc * 4 * (1 if config.get("wk", "hi_lo") == "fp32" else 2)
+    return need + (config.get("wk_stages", 2) - 2) * per_stage + (2048 if bg == 64 else 0)
 
 
 def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
@@ -842,15 +927,11 @@ def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     staged = config["load"] == "staged"
     ratio = shape.dims.get("ratio", 2)  # unknown ratio: count the larger ratio-2 staging
     n = config.get("ctas_per_sm", 1)
-    if n > 1:
-        # Fitted to the compiled kernels (sm_90a, TileLang 0.1.15, k_chunk 16, either wk; exact at block_g 32 ratio
-        # 2/1 = 115,200/102,912 B, block_g 16 = 74,240/68,096 B, no static shared memory; tests/test_compressor.py
-        # checks it against the launch): rot_s, the gate slabs (the kv slabs share bytes with the Wk stages), four
-        # Wk-sized stages, a_lo and the small per-group arrays. Every CTA also costs the 1 KiB the hardware reserves
-        # per block. Other k_chunk values are refused by _occupancy_compress.
-        gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if ratio == 2 else 0
-        need = bg * D * 4 + gate_slabs + 4 * DI * kc * 4 + 8 * bg * kc + 512
-        budget = arch.smem_per_sm // n - 1024
+    if n > 1 or config.get("schedule") == "flat":
+        # Every CTA also costs the 1 KiB the hardware reserves per block. Other k_chunk values are refused by
+        # _occupancy_compress.
+        need = _smem_flat(config, ratio)
+        budget = min(arch.smem_per_sm // n - 1024, arch.smem_per_block)
         return None if need <= budget else f"shared memory {need} B > {budget} B per CTA at {n} CTAs per SM"
     need = (
         bg * D * 4
