@@ -34,7 +34,7 @@ def test_default_compiles_sm90(tile):
 
 
 @pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
-@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs"])
+@pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs"])
 def test_dequant_options_compile_sm90(tile, dequant):
     shape = tile.shapes()[0]
     assert tile.build(shape, {**tile.default_config(SM90), "dequant": dequant}, SM90) is not None
@@ -292,6 +292,192 @@ def test_prmt_rs_register_constraint():
     assert any("one 64-row wgmma tile" in r for r in space.violations(wide, shape, SM90))
 
 
+def _bf16_value(bits: int) -> float:
+    """bf16 bit pattern (16 bits) -> its exact value (subnormals included)."""
+    import struct
+
+    return struct.unpack(">f", struct.pack(">I", (bits & 0xFFFF) << 16))[0]
+
+
+def _bf16_bits_exact(x: float) -> int:
+    """The bf16 bits of ``x``, which must be a bf16 (else the multiply it came from rounded): +-inf past the range."""
+    import math
+    import struct
+
+    if math.isinf(x) or abs(x) >= 2.0**128:  # a product of two bf16 whose value needs >= 2^128 rounds (RN) to inf
+        return 0x7F80 | (0x8000 if x < 0 else 0)
+    f32 = struct.unpack(">I", struct.pack(">f", x))[0]
+    assert f32 & 0xFFFF == 0 and struct.unpack(">f", struct.pack(">I", f32))[0] == x, f"{x!r} is not a bf16: rounded"
+    return f32 >> 16
+
+
+def _mul_bf16x2(a: int, b: int) -> int:
+    """mul.rn.bf16x2 on bit patterns, for products that are exact (asserted) or overflow: no rounding is modelled."""
+    lo = _bf16_bits_exact(_bf16_value(a) * _bf16_value(b))
+    hi = _bf16_bits_exact(_bf16_value(a >> 16) * _bf16_value(b >> 16))
+    return lo | (hi << 16)
+
+
+def _fma_pair(w: int, sbyte: int, k: int) -> int:
+    """Line-by-line model of csa2_fp4_pair_fma (tiles.indexer._FMA_PAIR_CUDA): bf16x2 of nibbles k, k + 4 of w."""
+    m32 = 0xFFFFFFFF
+    m1 = ((min(sbyte, 128) + 126) * 0x00800080) & m32  # bf16x2 2^(min(s, 128) - 1)
+    m2 = ((max(sbyte, 128) - 1) * 0x00800080) & m32  # bf16x2 2^(max(s, 128) - 128)
+    ww = w if k < 2 else ((w * (1 << 24)) >> 32)  # __umulhi(w, 2^24)
+    x = ww & (0x00F000F0 if k & 1 else 0x000F000F)
+    u = ((x * (0x104 if k & 1 else 0x1040)) & m32) & 0x81C081C0
+    return _mul_bf16x2(_mul_bf16x2(u, m1), m2)
+
+
+# every code at every nibble position, plus random words
+_ALL_CODE_WORDS = [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567, 0x3F1E2D0C, 0xC0D1E2F3]
+
+
+def _fma_group_values(words: list[int], sbyte: int) -> list[int]:
+    """bf16 bits of the group's 8 x len(words) values (word-major, nibble order) as fma_rs builds them."""
+    vals = {}
+    for u, w in enumerate(words):
+        for k in range(4):
+            pair = _fma_pair(w, sbyte, k)
+            vals[(u, k)], vals[(u, k + 4)] = pair & 0xFFFF, pair >> 16
+    return [vals[(u, n)] for u in range(len(words)) for n in range(8)]
+
+
+def test_fma_rs_decode_is_exact_for_every_code_and_scale_byte():
+    """dequant=fma_rs (IMAD bit placement, two bf16 multiplies): for every scale byte 0..254 (the compressor writes
+    1..254, out-of-range rows read 0) and every code at every nibble position, each multiply is exact (asserted by the
+    model) and the bf16 equals the reference value (model.formats, fp32 -> bf16, inf where it overflows); and equals
+    prmt_rs's A operand bit for bit on the bits formula's range 2..252 (prmt_rs rounds code +-1 to +-0 at byte 1)."""
+    import random
+
+    from model import formats
+
+    rng = random.Random(7)
+    for sbyte in range(255):
+        words = _ALL_CODE_WORDS + [rng.getrandbits(32) for _ in range(2)]
+        got = _fma_group_values(words, sbyte)
+        packed = torch.tensor([[(w >> (8 * b)) & 0xFF for w in words for b in range(4)]], dtype=torch.uint8)  # [1, 32]
+        ref = formats.fp4_dequantize(packed, torch.tensor([[sbyte, sbyte]], dtype=torch.uint8), 32, "e8m0")
+        want = (ref.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF).view(-1).tolist()
+        assert got == want, sbyte
+        if 2 <= sbyte <= 252:
+            prmt = []
+            for g in range(0, len(words), 4):
+                prmt += [(v >> (16 * h)) & 0xFFFF for v in _prmt_group(words[g : g + 4], sbyte) for h in range(2)]
+            assert got == prmt, sbyte
+    assert _fma_group_values([0, 0, 0, 0], 0) == [0] * 32  # zero-filled out-of-range rows
+
+
+def test_fma_rs_dim_order_pairs_nibble_k_with_k_plus_4_of_one_word():
+    """fma_rs: _rs_fma_dim is a permutation; under the wgmma A layout each thread's 32 columns of a row are one scale
+    group, and each A register (c, c + 1) holds dims d, d + 4: nibbles k and k + 4 of one packed word (bits 4k and
+    4k + 16, the two bf16 halves' distance), which is what csa2_fp4_pair_fma writes."""
+    assert sorted(ix._rs_fma_dim(c) for c in range(128)) == list(range(128))
+    for t in range(128):
+        for row in range(64):
+            cols = [c for c in range(128) if _wgmma_a_owner(row, c)[0] == t]
+            if cols:
+                dims = sorted(ix._rs_fma_dim(c) for c in cols)
+                assert dims == list(range(dims[0], dims[0] + 32)) and dims[0] % 32 == 0
+    for c in range(0, 128, 2):
+        d = ix._rs_fma_dim(c)
+        assert ix._rs_fma_dim(c + 1) == d + 4 and d % 8 < 4  # nibble k of word d // 8 and nibble k + 4
+
+
+def test_fma_rs_fragment_emulation_equals_the_reference_dot_products():
+    """CPU emulation of one 64-row tile of the fma_rs kernel: each thread fills its A registers by the kernel's rule
+    (element (i, c), c even: word 4t + j // 4 with t = (c % 8) // 2, j = c // 8, nibbles j % 4 and j % 4 + 4, scale
+    byte t), read back through the wgmma layout: A == K[:, perm] bit for bit and A @ q_s^T == K @ q^T exactly."""
+    import random
+
+    rng = random.Random(3)
+    rows = 64
+    words = [[rng.getrandbits(32) for _ in range(16)] for _ in range(rows)]  # [64, 16]
+    # both sides of 128 (one bf16 multiply or two), spread <= 32 binades so the float64 sums below stay exact
+    sbytes = [[rng.choice([110, 120, 127, 128, 129, 135, 141]) for _ in range(4)] for _ in range(rows)]  # [64, 4]
+    regs = {}
+    for i in range(rows):
+        for c in range(0, 128, 2):
+            t, j = (c % 8) // 2, c // 8
+            pair = _fma_pair(words[i][4 * t + j // 4], sbytes[i][t], j % 4)
+            thread, slot = _wgmma_a_owner(i, c)
+            regs[(thread, slot)], regs[(thread, slot + 1)] = pair & 0xFFFF, pair >> 16
+    frag = torch.tensor([[regs[_wgmma_a_owner(i, c)] for c in range(128)] for i in range(rows)], dtype=torch.int32)
+    a = (frag << 16).view(torch.float32).double()  # [64, 128] in fragment column order
+    codes = torch.tensor([[(w >> (4 * n)) & 0xF for w in ws for n in range(8)] for ws in words], dtype=torch.int32)
+    scale = torch.tensor(sbytes, dtype=torch.int32).repeat_interleave(32, dim=1)  # [64, 128]
+    k = _bits_dequant(codes, scale).double()  # [64, 128] K in dim order
+    perm = torch.tensor([ix._rs_fma_dim(c) for c in range(128)])
+    assert torch.equal(a, k[:, perm])
+    q = torch.randint(-6, 7, (32, 128)).double() * 0.5  # [32, 128]
+    assert torch.equal(a @ q[:, perm].T, k @ q.T)
+
+
+def _fma_source_reads(src: str, threads: int, producer: int) -> dict:
+    """The generated fma_rs dequant call evaluated per consumer thread and A slot (pipeline stage 0):
+    {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)} for the even slots it writes."""
+    import re
+
+    dst, word, sbyte, k_e = _call_args(src, "csa2_fp4_pair_fma")
+    var = re.fullmatch(r"\(&\(k_deq\[(\w+)\]\)\)", dst).group(1)
+    word_e = re.fullmatch(r"\(\(int\*\)kw_s\)\[(.*)\]", word).group(1)
+    row_e, shift_e = re.fullmatch(r"\(\(\(\(int\*\)ks_s\)\[(.*)\] >> (.*)\) & 255\)", sbyte).groups()
+    extent = int(re.search(rf"for \(int {var} = 0; {var} < (\d+); \+\+{var}\)", src).group(1))
+    exprs = [e.replace("((int)threadIdx.x)", "tx") for e in (word_e, row_e, shift_e, k_e)]
+    out = {}
+    for t in range(threads):
+        for v in range(0, extent, 2):
+            env = {"tx": t + producer, var: v, "t_1": 0}
+            w, r, sh, k = (eval(e, {}, env) for e in exprs)
+            out[(t, v)] = (w // 16, w % 16, r, sh // 8, k)
+    return out
+
+
+@pytest.mark.parametrize(
+    "cfg,gather",
+    [
+        ({"dequant": "fma_rs", "min_ctas": 2}, False),
+        ({"dequant": "fma_rs", "threads": 128, "block_n": 64, "min_ctas": 4, "stages": 4}, False),
+        ({"dequant": "fma_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4}, False),
+        ({"dequant": "fma_rs", "min_ctas": 2}, True),
+    ],
+    ids=["t256_bn128", "t128_bn64", "t128_bn128", "gather_t256"],
+)
+def test_fma_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cfg, gather):
+    """The CUDA TileLang generates for the fma_rs dequant, evaluated for every consumer thread: every (row, word, k) of
+    the tile converted exactly once (k: nibbles k and k + 4), with the scale byte of the word's own group and row, one
+    scale group per thread and row; the pair's fragment slot is the one the emulation above fills."""
+    tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
+    full = {**tile.default_config(SM90), **cfg}
+    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    assert "csa2_fp4_table_word" not in src and "rs_tab" not in src  # no table: the scale is two bf16 multiplies
+    reads = _fma_source_reads(src, full["threads"], 0 if gather else full["threads"])
+    seen, groups = {}, {}
+    for (t, _), (row, word, srow, group, k) in reads.items():
+        assert srow == row and group == word // 4
+        seen[(row, word, k)] = seen.get((row, word, k), 0) + 1
+        groups.setdefault((t, row), set()).add(word // 4)
+    assert set(seen.values()) == {1} and len(seen) == full["block_n"] * 16 * 4
+    assert all(len(g) == 1 for g in groups.values())
+
+
+def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
+    """fma_rs at the default's occupancy: RS wgmma, setmaxnreg 24 / 104, no shared table (4 KiB less than prmt_rs),
+    q loaded in the _rs_fma_dim order; the same register and fragment-row constraints as prmt_rs."""
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    space = ix.INDEXER_TOPK.search_space(SM90)
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "fma_rs"}
+    assert space.violations(cfg, shape, SM90) == []
+    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    assert "wgmma_rs" in src and "wgmma_ss" not in src and "mul.rn.bf16x2" in src and "csa2_fp4_pair_bf16" not in src
+    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<104>" in src
+    two_mtiles = {**cfg, "threads": 128, "block_n": 128, "stages": 4}
+    assert any("fma_rs" in r for r in space.violations({**two_mtiles, "min_ctas": 4}, shape, SM90))  # ptxas: 16 B spill
+    assert space.violations({**two_mtiles, "min_ctas": 3}, shape, SM90) == []
+    wide = {**cfg, "block_n": 256, "min_ctas": 0, "tiles_per_cta": 4}
+    assert any("one 64-row wgmma tile" in r for r in space.violations(wide, shape, SM90))
+
+
 def test_prmt_compiles_with_two_ctas_per_sm():
     """prmt at two CTAs per SM (the Hopper default from profile_indexer_prmt_two_pass.json until prmt_rs replaced it,
     profile_compressor_multi_cta_indexer_prmt_rs.json); the reindex tile's default (profile_attn_decode_reindex_prmt.json:
@@ -459,6 +645,9 @@ PRMT_RS_OPTIONS = {
     "t128_bn128_mc3": {"dequant": "prmt_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4},
     "mc0": {"dequant": "prmt_rs", "min_ctas": 0},
 }
+# dequant=fma_rs (prmt_rs's fragment built by IMAD bit placement + two bf16 multiplies), the same configs; written without
+# device time (session 5), compiled for sm_90a.
+FMA_RS_OPTIONS = {name: {**cfg, "dequant": "fma_rs"} for name, cfg in PRMT_RS_OPTIONS.items()}
 
 
 # Every score-path option, the pre-sm90-default path included: scores by relative L2, top-k
@@ -477,6 +666,7 @@ SCORE_OPTIONS = {
     "prmt_mc2_st3": {"dequant": "prmt", "min_ctas": 2, "stages": 3},
     "prmt_mc3": {"dequant": "prmt", "min_ctas": 3, "threads": 128, "stages": 2, "tiles_per_cta": 4},
     **{f"prmt_rs_{name}": cfg for name, cfg in PRMT_RS_OPTIONS.items()},
+    **{f"fma_rs_{name}": cfg for name, cfg in FMA_RS_OPTIONS.items()},
 }
 
 
@@ -577,6 +767,49 @@ def test_prmt_rs_scores_close_to_prmt_scores():
     assert torch.equal(torch.isinf(a), torch.isinf(b))
     fin = torch.isfinite(b)
     assert float((a[fin] - b[fin]).norm() / b[fin].norm().clamp(min=1e-30)) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(FMA_RS_OPTIONS), ids=str)
+def test_fma_rs_matches_reference(option):
+    """dequant=fma_rs on indexer_topk at the real decode shape and odd ones, as test_prmt_rs_matches_reference: scores
+    by relative L2 and top-k sets against the reference, poisoned outputs, two runs bitwise equal."""
+    arch = get_arch("sm90")
+    cfg = {**ix.INDEXER_TOPK.default_config(arch), **FMA_RS_OPTIONS[option]}
+    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
+        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
+        assert ev.outcome == OK, f"fma_rs {option} {shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+def test_fma_rs_scores_close_to_prmt_rs_scores():
+    """The same A operands as prmt_rs (bit for bit, tests above) in another dim order inside the MMA: ~1 ulp apart."""
+    inputs = ix._indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
+    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+    sm90 = ix._SCORE_DEFAULT_SM90
+    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "fma_rs", "min_ctas": 2})
+    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt_rs", "min_ctas": 2})
+    assert torch.equal(torch.isinf(a), torch.isinf(b))
+    fin = torch.isfinite(b)
+    assert float((a[fin] - b[fin]).norm() / b[fin].norm().clamp(min=1e-30)) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dequant", ["fma_rs", "prmt_rs"])
+def test_rs_wide_scale_bytes_match_reference(dequant):
+    """Scale bytes 96..160 (K up to 6 x 2^33): fma_rs's second bf16 multiply (bytes > 128), the subnormal code-1 input of
+    its first one, and prmt_rs on the same data, against the reference scores and top-k sets."""
+    from tiles.compare import relative_l2
+
+    inputs = ix._indexer_inputs(4, 2, 3000, 19, "cuda", causal=False)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    inputs["k_scales"] = torch.randint(96, 161, inputs["k_scales"].shape, generator=gen, device="cuda").to(torch.uint8)
+    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+    cfg = {**ix._SCORE_DEFAULT_SM90, "dequant": dequant, "min_ctas": 2}
+    out, scores = ix.indexer_topk(*args, 512, return_scores=True, config=cfg)
+    ref = ix._reference_scores(inputs)
+    assert relative_l2({"scores": scores}, {"scores": ref}, ix.SCORE_RTOL).ok
+    assert ix.compare_topk_sets(out, topk_positions(ref, 512), ref).ok
 
 
 @pytest.mark.gpu

@@ -255,6 +255,78 @@ def _dequant_fragment_prmt(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
             T.call_extern("handle", "csa2_fp4_pair_bf16", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], *tables, j % 4)
 
 
+# dequant="fma_rs": prmt_rs's A fragment built with half its integer work moved to the FMA pipe.
+# Why: prmt_rs spends ~1.9 integer-ALU instructions per FP4 value (lookups, sign merges, interleaves), and on Hopper
+# the ALU pipe issues at half the rate of the FMA pipe, where IMAD and the packed bf16 multiply issue. Here:
+# * Pairing. A register pairs nibbles k and k + 4 of a word (bits 4k and 4k + 16: the two bf16 halves' distance), not
+#   2k and 2k + 1 as prmt_rs does, so both halves need the same bit moves and one integer multiply does both.
+# * Unit-scale bf16 by an integer multiply (IMAD). E2M1 magnitude bits e1 e0 m placed at bf16 bits 8..6 read as the bf16
+#   e2m1 x 2^-126 (exponent field e, mantissa m; e = 0 is the bf16 subnormal m x 2^-127, i.e. code 1 = 0.5 x 2^-126).
+#   x = nibble pair (isolated by one AND) times 2^6 + 2^12 puts the magnitude at 6..8 and the sign at 15 (plus copies
+#   at 9 and 12..14 that one more AND clears): 2 ALU + 1 IMAD per register. Nibbles 2, 3, 6, 7 come from w >> 8.
+# * Scale by packed bf16 multiplies (mul.rn.bf16x2, FMA pipe): times m1 = 2^(min(s, 128) - 1), then m2 = 2^(max(s, 128)
+#   - 128). Both factors are powers of two inside bf16's normal range and every product is a bf16 (v x 2^(s - 127) for
+#   scale bytes 0..252; at 253, 254 the values past bf16's range become inf, as the reference's fp32 ones do), so
+#   nothing rounds; bf16 multiplies have no flush-to-zero mode (PTX: subnormal inputs and results are supported), so
+#   the subnormal code-1 input is read exactly. Two multiplies because one factor cannot exceed 2^127: a single one
+#   covers scale bytes <= 128 only (skipping the second behind a warp vote made TileLang move the scale loads into
+#   the consumers, with two named barriers per tile).
+# The A operands equal prmt_rs's bit for bit for scale bytes 2..252 (and 0 with the zero words of an out-of-range row);
+# at byte 1 code +-1 is the exact +-2^-127 where prmt_rs has +-0 (byte 1 only scales all-zero groups). K and q use the
+# column order ``_rs_fma_dim``; the products are prmt_rs's, summed by the same MMA in another dim order.
+# Cost (sm_90a SASS, per consumer thread and 128-entry tile at the default's config): 119 ALU-pipe of 363 instructions
+# against prmt_rs's 159 of 310. It can only win where the ALU pipe, not instruction issue, limits the kernel.
+_FMA_PAIR_CUDA = r"""
+__device__ __forceinline__ unsigned csa2_mul_bf16x2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// dst <- bf16x2 of nibbles k (low half) and k + 4 (high half) of w times 2^(sbyte - 127), k = 0..3
+__device__ __forceinline__ void csa2_fp4_pair_fma(void* dst, int w_, int sbyte, int k) {
+  const unsigned s = (unsigned)sbyte;
+  const unsigned m1 = ((s < 128u ? s : 128u) + 126u) * 0x00800080u;      // bf16x2 2^(min(s, 128) - 1)
+  const unsigned m2 = ((s > 128u ? s : 128u) - 1u) * 0x00800080u;        // bf16x2 2^(max(s, 128) - 128)
+  // nibbles 2, 3, 6, 7 -> 0, 1, 4, 5: w >> 8 as the high word of w x 2^24 (IMAD.HI, FMA pipe; a shift is ALU)
+  const unsigned w = k < 2 ? (unsigned)w_ : __umulhi((unsigned)w_, 1u << 24);
+  const unsigned x = w & ((k & 1) ? 0x00F000F0u : 0x000F000Fu);          // nibble pair at bits 4(k & 1) + {0, 16}
+  const unsigned u = (x * ((k & 1) ? 0x104u : 0x1040u)) & 0x81C081C0u;   // magnitude -> 8..6, sign -> 15 (IMAD, AND)
+  *(unsigned*)dst = csa2_mul_bf16x2(csa2_mul_bf16x2(u, m1), m2);
+}
+"""
+
+
+def _rs_fma_dim(c):
+    """K dim held in A-fragment column ``c`` (0..127) by dequant="fma_rs": quad lane t = (c % 8) // 2 gets scale group t,
+    column block j = c // 8 word j // 4 of it, and the register's halves (c even, c + 1) nibbles j % 4 and j % 4 + 4."""
+    return 32 * ((c % 8) // 2) + 8 * (c // 32) + (c // 8) % 4 + 4 * (c % 2)
+
+
+@T.macro
+def _load_q_rs_fma(q, q_s, b, s, H: int, D: int):
+    """q [B, S, H, D] bf16 -> q_s [H, D] with column c holding dim ``_rs_fma_dim(c)``: the order fma_rs gives K."""
+    for h, c in T.Parallel(H, D):
+        q_s[h, c] = q[b, s, h, _rs_fma_dim(c)]
+
+
+@T.macro
+def _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n: int, D: int):
+    """Packed words ``kw_s`` int32 [block_n, D / 8] + scales ``ks_s`` int32 [block_n] -> A fragment ``k_deq`` bf16
+    [block_n, D] in the ``_rs_fma_dim`` column order (``_FMA_PAIR_CUDA``; no table).
+
+    As in ``_dequant_fragment_prmt``, element (i, c) with c even writes the 32-bit pair (i, c), (i, c + 1), one wgmma A
+    register whatever thread TileLang gives it to; with the wgmma layout a thread holds one scale group per row.
+    """
+    for i, c in T.Parallel(block_n, D):
+        if c % 2 == 0:
+            t, j = (c % 8) // 2, c // 8  # scale group; column block j: word 4t + j // 4, nibbles j % 4 and j % 4 + 4
+            sb = (ks_s[i] >> (t * 8)) & 0xFF
+            T.call_extern("handle", "csa2_fp4_pair_fma", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], sb, j % 4)
+
+
+RS_DEQUANTS = ("prmt_rs", "fma_rs")  # the A fragment built in the consumers' registers, q in a permuted dim order
+
+
 @functools.cache
 def _score_kernel(
     target: str,
@@ -308,7 +380,7 @@ def _score_kernel(
                 # __launch_bounds__(threads incl. TileLang's producer, min_ctas): ptxas keeps registers low enough
                 # that min_ctas CTAs fit one SM (64K registers), e.g. <= 64 per thread for 2 x 512 threads
                 T.annotate_min_blocks_per_sm(min_ctas)
-                if dequant == "prmt_rs" and min_ctas > 1:
+                if dequant in RS_DEQUANTS and min_ctas > 1:
                     # the A fragment lives in the consumers' registers: move the producer's share to them (setmaxnreg)
                     producer_regs, consumer_regs = _rs_register_split(threads, min_ctas)
                     T.annotate_producer_reg_dealloc(producer_regs)
@@ -320,7 +392,7 @@ def _score_kernel(
             pos_s = T.alloc_shared((block_n,), "int32")
             acc = T.alloc_fragment((block_n, H), "float32")
             row = T.alloc_fragment((block_n,), "float32")
-            if dequant in ("registers", "fragment_bits", "prmt_rs"):
+            if dequant in ("registers", "fragment_bits", *RS_DEQUANTS):
                 k_deq = T.alloc_fragment((block_n, D), "bfloat16")
             else:
                 k_deq = T.alloc_shared((block_n, D), "bfloat16")
@@ -330,6 +402,8 @@ def _score_kernel(
                 T.import_source(_PRMT_PAIR_CUDA)
                 rs_tab = T.alloc_shared((256, 4), "uint32")
                 _build_rs_tables(rs_tab)
+            if dequant == "fma_rs":
+                T.import_source(_FMA_PAIR_CUDA)
             if dequant == "lut":
                 # byte -> both nibbles' bf16 bit patterns at unit scale (low half = even element).
                 lut = T.alloc_shared((256,), "uint32")
@@ -338,6 +412,8 @@ def _score_kernel(
             nvis = n_visible[b, s]
             if dequant == "prmt_rs":
                 _load_q_rs(q, q_s, b, s, H, D)
+            elif dequant == "fma_rs":
+                _load_q_rs_fma(q, q_s, b, s, H, D)
             else:
                 T.copy(q[b, s, :, :], q_s)
             T.copy(weights[b, s, :], w_s)
@@ -365,6 +441,8 @@ def _score_kernel(
                     _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n, W)
                 elif dequant == "prmt_rs":
                     _dequant_fragment_prmt(kw_s, ks_s, rs_tab, k_deq, block_n, D)
+                elif dequant == "fma_rs":
+                    _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n, D)
                 elif dequant == "fragment_bits":
                     # the bits path's bf16 patterns, built per value straight into the MMA's A fragment: no bf16 tile
                     # in shared memory (TileLang multi-buffers it per stage), so deeper pipelines and more CTAs fit
@@ -385,7 +463,7 @@ def _score_kernel(
                     for i, d in T.Parallel(block_n, D):
                         k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
                 T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if dequant == "prmt_rs":
+                if dequant in RS_DEQUANTS:
                     # ReLU as x + |x| = 2 max(x, 0) (exact) on the FMA pipe: FMNMX issues to the integer/ALU pipe, which
                     # the dequant saturates. Times w / 2: the same product up to power-of-two scaling.
                     for i, h in T.Parallel(block_n, H):
@@ -1061,27 +1139,27 @@ def _fragment_rows(config: Config, shape: Shape, arch: Arch) -> str | None:
     """
     config = {**_SCORE_DEFAULT, **config}
     wgs = config["threads"] // 128
-    if config["dequant"] in ("registers", "fragment_bits", "prmt_rs") and wgs > 1 and config["block_n"] // wgs > 64:
+    if config["dequant"] in ("registers", "fragment_bits", *RS_DEQUANTS) and wgs > 1 and config["block_n"] // wgs > 64:
         return f"dequant={config['dequant']} with {wgs} warpgroups needs block_n = {64 * wgs} (one 64-row wgmma tile each), got {config['block_n']}"
     return None
 
 
 def _rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
-    """dequant="prmt_rs" under min_ctas: the consumers' setmaxnreg share must hold the A fragment and accumulator.
+    """dequant="prmt_rs" / "fma_rs" under min_ctas: the consumers' setmaxnreg share must hold the A fragment and accumulator.
 
     A consumer thread holds 32 A + 16 accumulator registers per 64-row m-tile of its warpgroup, plus ~32 of
     addresses and tables (ptxas, sm_90a: 74 registers for one m-tile, 122 for two, with no cap). Below that ptxas
     spills and serialises the wgmmas (C7512), e.g. 128 threads, block_n 128, min_ctas 4 (104 registers).
     """
     config = {**_SCORE_DEFAULT, **config}
-    if config["dequant"] != "prmt_rs" or config.get("min_ctas", 0) <= 1:
+    if config["dequant"] not in RS_DEQUANTS or config.get("min_ctas", 0) <= 1:
         return None
     mtiles = max(1, config["block_n"] // (config["threads"] // 128) // 64)
     need = 32 + 48 * mtiles
     have = _rs_register_split(config["threads"], config["min_ctas"])[1]
     if have >= need:
         return None
-    return f"prmt_rs: {mtiles} m-tiles per warpgroup need ~{need} registers, min_ctas={config['min_ctas']} leaves {have}"
+    return f"{config['dequant']}: {mtiles} m-tiles per warpgroup need ~{need} registers, min_ctas={config['min_ctas']} leaves {have}"
 
 
 def _warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
@@ -1105,7 +1183,7 @@ def _score_params() -> tuple[Param, ...]:
         ),
         Param(
             "dequant",
-            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs"),
+            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs"),
             "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
             "by a 256-entry byte -> bf16x2 table into a shared tile, (bits) one thread per packed word "
             "building the scaled bf16 bit patterns by integer arithmetic into a shared tile, or (fragment_bits) "
@@ -1114,7 +1192,9 @@ def _score_params() -> tuple[Param, ...]:
             "instructions per value instead of ~12: the integer pipe is the bits kernel's limit), or (prmt_rs) the prmt "
             "lookups straight into the A fragment (wgmma RS: no bf16 tile, no per-tile barrier; K and q in a permuted dim "
             "order so each thread dequantises whole scale groups; setmaxnreg moves the producer's registers to the "
-            "consumers under min_ctas)",
+            "consumers under min_ctas), or (fma_rs) prmt_rs's A fragment with half the integer work on the FMA pipe: "
+            "nibble bits placed at bf16 positions by an integer multiply (code x 2^-126) and the E8M0 scale applied by "
+            "two packed bf16 multiplies (~1 integer instruction per value instead of ~1.9, no table)",
         ),
     )
 
