@@ -72,12 +72,10 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
-phase_queued() {  # what session 4 wrote after its device time was spent: checked, then timed against the defaults
-  ATTN_LABELS=${ATTN_LABELS:-default,tpc2,tpc4,split2,fused,fused_split2} phase_attn
-  phase_attn-scaling
-  PROFILE_ARGS=${PROFILE_ARGS:-'candidate_pool:decode_b64_n128k candidate_pool:decode_b64_n128k:{"select_algo":"two_pass"} reindex_topk:decode_b64_n128k reindex_topk:decode_b64_n128k:{"select_algo":"two_pass"} compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"encode":"thresholds"} compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"encode":"thresholds"}'} \
+phase_queued() {  # what session 5 wrote after its device time was spent: checked, then timed against the defaults
+  PROFILE_ARGS=${PROFILE_ARGS:-'compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"wk":"hi_lo"} compressor:prefill_r1_s64k:{"wk_stages":3,"kv_load":"whole"} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64,"wk_stages":4,"kv_load":"whole"} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64,"wk":"hi_lo","wk_stages":3} compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"schedule":"flat","block_g":64} compressor:prefill_r2_s64k:{"schedule":"flat","block_g":64,"wk_stages":4} compressor:prefill_r2_s64k:{"schedule":"flat","block_g":64,"wk":"hi_lo","wk_stages":3} indexer_topk:decode_b64_n128k indexer_topk:decode_b64_n128k:{"dequant":"fma_rs","min_ctas":2} indexer_topk:decode_b64_n128k:{"dequant":"fma_rs","min_ctas":2,"stages":4} indexer_topk:decode_b64_n128k:{"dequant":"fma_rs","threads":128,"block_n":64,"min_ctas":4,"stages":4} indexer_topk:prefill_s4k indexer_topk:prefill_s4k:{"dequant":"fma_rs","min_ctas":2}'} \
     phase_profile
-  PYTEST_K=${PYTEST_K:-"tokens_per_cta or fused or two_pass or thresholds"} PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_sparse_attn.py tests/test_indexer.py tests/test_compressor.py"} \
+  PYTEST_K=${PYTEST_K:-"flat or fma_rs or wide_scale or staged_equals_direct"} PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_indexer.py tests/test_compressor.py"} \
     phase_pytest
 }
 
