@@ -417,12 +417,15 @@ def test_multi_cta_compiles_sm90_and_fits(ratio, block_g, ctas, wk, tmp_path):
     assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
 
 
-def test_multi_cta_waits_for_the_early_stores():
-    """The main cache is stored by bulk copies before the projection and its buffers are reused for the Wk stages:
-    a CTA-wide barrier must sit between the electing thread's wait for those stores and the first Wk copy."""
-    src = cp.COMPRESSOR.build(cp.COMPRESSOR.shape("prefill_r2_s64k"), _multi_cta_config(32, 2), SM90).get_kernel_source()
+@pytest.mark.parametrize("schedule", ["two_ctas", "flat_bg64"])
+def test_the_early_main_cache_stores_are_waited_for(schedule):
+    """The main cache is stored by bulk copies before the projection and its buffers are reused for the Wk stages
+    (two CTAs per SM, and the flat kernel at block_g 64): a CTA-wide barrier must sit between the electing thread's
+    wait for those stores and the first Wk copy."""
+    config, first_wk = {"two_ctas": (_multi_cta_config(32, 2), "wk_lo["), "flat_bg64": (_flat_config(64, 1), "wk_hi[")}[schedule]
+    src = cp.COMPRESSOR.build(cp.COMPRESSOR.shape("prefill_r2_s64k"), config, SM90).get_kernel_source()
     store = src.index("tl::tma_store(main_scales_desc")
-    between = src[store : src.index("wk_lo[", store)]
+    between = src[store : src.index(first_wk, store)]
     wait = between.index("tl::tma_store_wait<0, true>();")
     assert "__syncthreads();" in between[wait:]
 
@@ -574,15 +577,6 @@ def test_flat_compiles_sm90_and_fits(ratio, block_g, ctas, wk, stages, kv_load, 
         pytest.skip("nvcc not found: registers and spills not checked")
     regs, spills = _ptxas(src, tmp_path)
     assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
-
-
-def test_flat_block_g64_waits_for_the_early_stores():
-    """Same reuse as at two CTAs per SM (main cache stored before the projection, its buffers reused for the Wk stages)."""
-    src = cp.COMPRESSOR.build(cp.COMPRESSOR.shape("prefill_r2_s64k"), _flat_config(64, 1), SM90).get_kernel_source()
-    store = src.index("tl::tma_store(main_scales_desc")
-    between = src[store : src.index("wk_hi[", store)]
-    wait = between.index("tl::tma_store_wait<0, true>();")
-    assert "__syncthreads();" in between[wait:]
 
 
 def test_flat_constraints_refuse():

@@ -743,52 +743,32 @@ def test_prmt_scores_equal_bits_scores():
     assert torch.equal(a, b)
 
 
+RS_OPTIONS = {**{f"prmt_rs-{k}": v for k, v in PRMT_RS_OPTIONS.items()}, **{f"fma_rs-{k}": v for k, v in FMA_RS_OPTIONS.items()}}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", list(PRMT_RS_OPTIONS), ids=str)
-def test_prmt_rs_matches_reference(option):
-    """dequant=prmt_rs on indexer_topk at the real decode shape and odd ones (partial tiles, n_visible < top-k, empty
-    rows): scores by relative L2 and top-k sets against the reference (evaluate: poisoned outputs, two runs bitwise
-    equal). Its scores are not bitwise the prmt kernel's: the wgmma sums the permuted dims in another order."""
+@pytest.mark.parametrize("option", list(RS_OPTIONS), ids=str)
+def test_rs_matches_reference(option):
+    """dequant=prmt_rs / fma_rs on indexer_topk at the real decode shape and odd ones (partial tiles, n_visible < top-k,
+    empty rows): scores by relative L2 and top-k sets against the reference (evaluate: poisoned outputs, two runs
+    bitwise equal). Their scores are not bitwise the prmt kernel's: the wgmma sums the permuted dims in another order."""
     arch = get_arch("sm90")
-    cfg = {**ix.INDEXER_TOPK.default_config(arch), **PRMT_RS_OPTIONS[option]}
+    cfg = {**ix.INDEXER_TOPK.default_config(arch), **RS_OPTIONS[option]}
     for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
         ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
-        assert ev.outcome == OK, f"prmt_rs {option} {shape.name}: {ev.message}"
+        assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
 
 
 @pytest.mark.gpu
-def test_prmt_rs_scores_close_to_prmt_scores():
-    """Same K values and products as the prmt kernel, other summation order: equal to ~1 ulp of the row scale."""
+@pytest.mark.parametrize("dequant, against", [("prmt_rs", "prmt"), ("fma_rs", "prmt_rs")])
+def test_rs_scores_close_to_the_shared_memory_path(dequant, against):
+    """Same K values and products as ``against`` (prmt_rs and fma_rs build the same A operands, bit for bit, CPU
+    tests), other summation order inside the MMA: equal to ~1 ulp of the row scale."""
     inputs = ix._indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
     args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
     sm90 = ix._SCORE_DEFAULT_SM90
-    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt_rs", "min_ctas": 2})
-    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt", "min_ctas": 2})
-    assert torch.equal(torch.isinf(a), torch.isinf(b))
-    fin = torch.isfinite(b)
-    assert float((a[fin] - b[fin]).norm() / b[fin].norm().clamp(min=1e-30)) < 1e-6
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("option", list(FMA_RS_OPTIONS), ids=str)
-def test_fma_rs_matches_reference(option):
-    """dequant=fma_rs on indexer_topk at the real decode shape and odd ones, as test_prmt_rs_matches_reference: scores
-    by relative L2 and top-k sets against the reference, poisoned outputs, two runs bitwise equal."""
-    arch = get_arch("sm90")
-    cfg = {**ix.INDEXER_TOPK.default_config(arch), **FMA_RS_OPTIONS[option]}
-    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
-        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
-        assert ev.outcome == OK, f"fma_rs {option} {shape.name}: {ev.message}"
-
-
-@pytest.mark.gpu
-def test_fma_rs_scores_close_to_prmt_rs_scores():
-    """The same A operands as prmt_rs (bit for bit, tests above) in another dim order inside the MMA: ~1 ulp apart."""
-    inputs = ix._indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
-    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-    sm90 = ix._SCORE_DEFAULT_SM90
-    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "fma_rs", "min_ctas": 2})
-    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt_rs", "min_ctas": 2})
+    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": dequant, "min_ctas": 2})
+    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": against, "min_ctas": 2})
     assert torch.equal(torch.isinf(a), torch.isinf(b))
     fin = torch.isfinite(b)
     assert float((a[fin] - b[fin]).norm() / b[fin].norm().clamp(min=1e-30)) < 1e-6
