@@ -135,6 +135,15 @@ def test_compressor_matches_reference(proj, load):
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
 
+def _outputs_bitwise_equal(shape, inputs, config_a, config_b) -> None:
+    """Two compressor configs on the same inputs write byte-identical caches (all four outputs)."""
+    tile, arch = cp.COMPRESSOR, get_arch("sm90")
+    a = tile.run(tile.build(shape, config_a, arch), inputs)
+    b = tile.run(tile.build(shape, config_b, arch), inputs)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape_name", ["prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64"])
 @pytest.mark.parametrize("block_g, k_chunk", [(32, 32), (16, 32)])
@@ -145,10 +154,7 @@ def test_staged_equals_direct_bitwise(shape_name, block_g, k_chunk):
     inputs = tile.make_inputs(shape, 4, "cuda")
     base = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk}
     assert tile.search_space(arch).violations({**base, "load": "staged"}, shape, arch) == []
-    direct = tile.run(tile.build(shape, {**base, "load": "direct"}, arch), inputs)
-    staged = tile.run(tile.build(shape, {**base, "load": "staged"}, arch), inputs)
-    for name in direct:
-        assert torch.equal(direct[name], staged[name]), name
+    _outputs_bitwise_equal(shape, inputs, {**base, "load": "direct"}, {**base, "load": "staged"})
 
 
 @pytest.mark.gpu
@@ -335,10 +341,7 @@ def test_threshold_encode_equals_divide_bitwise(shape_name):
     inputs = tile.make_inputs(shape, 6, "cuda")
     inputs["kv"][0, :8] *= 1e-39  # tiny latents (RMSNorm keeps them ~1e-36): the smallest scales and bounds
     base = {**tile.default_config(arch), **ONE_CTA}
-    divide = tile.run(tile.build(shape, {**base, "encode": "divide"}, arch), inputs)
-    bounds = tile.run(tile.build(shape, {**base, "encode": "thresholds"}, arch), inputs)
-    for name in divide:
-        assert torch.equal(divide[name], bounds[name]), name
+    _outputs_bitwise_equal(shape, inputs, {**base, "encode": "divide"}, {**base, "encode": "thresholds"})
 
 
 # ---------------------------------------------------------------------------------- ctas_per_sm > 1 (several CTAs per SM)
@@ -482,12 +485,10 @@ def test_multi_cta_matches_reference(block_g, ctas, wk):
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
 
-@pytest.mark.gpu
-def test_multi_cta_decode_tail_and_repeatable():
-    """ctas_per_sm 2: the decode tail state gives the same entries as the whole group, and two runs at 64K are
-    bitwise equal (a race on the reused shared memory would show as run-to-run differences)."""
-    tile, arch = cp.COMPRESSOR, get_arch("sm90")
-    cfg = {**tile.default_config(arch), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
+def _decode_tail_entries_equal(cfg) -> tuple:
+    """Compress decode_r2_b64 whole and with its first position given as the tail state of an unfinished group:
+    asserts the same entries, returns (the caches, the inputs)."""
+    tile = cp.COMPRESSOR
     inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
     rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], 1e-6)
     full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest, config=cfg)
@@ -495,12 +496,26 @@ def test_multi_cta_decode_tail_and_repeatable():
         inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, config=cfg, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0]
     )
     assert all(torch.equal(a, b) for a, b in zip(full, tail))
-    shape = tile.shape("prefill_r2_s64k")
+    return full, inputs
+
+
+def _two_runs_bitwise_equal(shape, cfg) -> None:
+    """Two runs of ``cfg`` at ``shape`` on the same inputs give the same bytes (a race would show here)."""
+    tile, arch = cp.COMPRESSOR, get_arch("sm90")
     big = tile.make_inputs(shape, 8, "cuda")
     kernel = tile.build(shape, cfg, arch)
     first, second = tile.run(kernel, big), tile.run(kernel, big)
     for name in first:
-        assert torch.equal(first[name], second[name]), name
+        assert torch.equal(first[name], second[name]), f"{shape.name}: {name}"
+
+
+@pytest.mark.gpu
+def test_multi_cta_decode_tail_and_repeatable():
+    """ctas_per_sm 2: the decode tail state gives the same entries as the whole group, and two runs at 64K are
+    bitwise equal (a race on the reused shared memory would show as run-to-run differences)."""
+    cfg = {**cp.COMPRESSOR.default_config(get_arch("sm90")), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
+    _decode_tail_entries_equal(cfg)
+    _two_runs_bitwise_equal(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg)
 
 
 @pytest.mark.gpu
@@ -511,10 +526,7 @@ def test_multi_cta_wk_fp32_equals_hi_lo_bitwise(shape_name):
     shape = tile.shape(shape_name)
     inputs = tile.make_inputs(shape, 9, "cuda")
     base = {**tile.default_config(arch), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
-    split = tile.run(tile.build(shape, {**base, "wk": "hi_lo"}, arch), inputs)
-    whole = tile.run(tile.build(shape, {**base, "wk": "fp32"}, arch), inputs)
-    for name in split:
-        assert torch.equal(split[name], whole[name]), name
+    _outputs_bitwise_equal(shape, inputs, {**base, "wk": "hi_lo"}, {**base, "wk": "fp32"})
 
 
 def test_one_cta_choices_without_ctas_per_sm_get_the_one_cta_kernel():
@@ -670,23 +682,13 @@ def test_flat_matches_reference(label, block_g, ctas, wk, stages, kv_load):
 def test_flat_decode_tail_and_repeatable(label, block_g, ctas, wk, stages, kv_load):
     """The decode tail state (ratio 2) gives the same entries as the whole group, and two runs at 64K are bitwise
     equal (a race on the reused shared memory or the deeper pipelines would show as run-to-run differences)."""
-    tile, arch = cp.COMPRESSOR, get_arch("sm90")
+    tile = cp.COMPRESSOR
     cfg = _flat_config(block_g, ctas, wk, stages, kv_load)
     if kv_load == "slabs":
-        inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
-        rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], 1e-6)
-        full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest, config=cfg)
-        tail = cp.compress(
-            inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, config=cfg, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0]
-        )
-        assert all(torch.equal(a, b) for a, b in zip(full, tail))
+        full, inputs = _decode_tail_entries_equal(cfg)
         names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
         assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
     for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
         if kv_load == "whole" and shape["ratio"] == 2:
             continue
-        big = tile.make_inputs(shape, 8, "cuda")
-        kernel = tile.build(shape, cfg, arch)
-        first, second = tile.run(kernel, big), tile.run(kernel, big)
-        for name in first:
-            assert torch.equal(first[name], second[name]), f"{shape.name}: {name}"
+        _two_runs_bitwise_equal(shape, cfg)

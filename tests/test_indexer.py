@@ -214,6 +214,35 @@ def _call_args(src: str, name: str) -> list[str]:
     raise AssertionError(f"unterminated call of {name}")
 
 
+def _per_thread_reads(src: str, var: str, exprs: tuple, threads: int, producer: int) -> dict:
+    """Evaluate a generated dequant call's index expressions (packed word, scale row, scale shift, k) for every consumer
+    thread and even fragment slot ``var`` of its loop (pipeline stage 0):
+    {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)}."""
+    import re
+
+    extent = int(re.search(rf"for \(int {var} = 0; {var} < (\d+); \+\+{var}\)", src).group(1))
+    exprs = [e.replace("((int)threadIdx.x)", "tx") for e in exprs]
+    out = {}
+    for t in range(threads):
+        for v in range(0, extent, 2):
+            env = {"tx": t + producer, var: v, "t_1": 0}
+            w, r, sh, k = (eval(e, {}, env) for e in exprs)
+            out[(t, v)] = (w // 16, w % 16, r, sh // 8, k)
+    return out
+
+
+def _assert_every_pair_once_one_group_per_thread(reads: dict, block_n: int) -> None:
+    """``reads`` (from :func:`_per_thread_reads`): every (row, packed word, k) of a ``block_n``-row tile is converted
+    exactly once, with the scale byte of its own row and group, and each thread reads one scale group per row."""
+    seen, groups = {}, {}
+    for (t, _), (row, word, srow, group, k) in reads.items():
+        assert srow == row and group == word // 4
+        seen[(row, word, k)] = seen.get((row, word, k), 0) + 1
+        groups.setdefault((t, row), set()).add(word // 4)
+    assert set(seen.values()) == {1} and len(seen) == block_n * 16 * 4
+    assert all(len(g) == 1 for g in groups.values())
+
+
 def _rs_source_reads(src: str, threads: int, producer: int) -> dict:
     """The generated prmt_rs dequant call, evaluated per consumer thread and A slot (pipeline stage 0):
     {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)} for the even slots it writes."""
@@ -225,15 +254,7 @@ def _rs_source_reads(src: str, threads: int, producer: int) -> dict:
     row_e, shift_e = re.fullmatch(r"\(\(uint\*\)rs_tab\)\[\(\(\(\(\(int\*\)ks_s\)\[(.*)\] >> (.*)\) & 255\) \* 4\)\]", tab0).groups()
     for e, tab in enumerate(tabs, 1):  # the group's other table words: entries + 1, + 2, + 3 of the same scale byte
         assert tab == f"((uint*)rs_tab)[({tab0[len('((uint*)rs_tab)[') : -1]} + {e})]", tab
-    extent = int(re.search(rf"for \(int {var} = 0; {var} < (\d+); \+\+{var}\)", src).group(1))
-    exprs = [e.replace("((int)threadIdx.x)", "tx") for e in (word_e, row_e, shift_e, k_e)]
-    out = {}
-    for t in range(threads):
-        for v in range(0, extent, 2):
-            env = {"tx": t + producer, var: v, "t_1": 0}
-            w, r, sh, k = (eval(e, {}, env) for e in exprs)
-            out[(t, v)] = (w // 16, w % 16, r, sh // 8, k)
-    return out
+    return _per_thread_reads(src, var, (word_e, row_e, shift_e, k_e), threads, producer)
 
 
 @pytest.mark.parametrize(
@@ -254,14 +275,7 @@ def test_prmt_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(c
     full = {**tile.default_config(SM90), **cfg}
     src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
     reads = _rs_source_reads(src, full["threads"], 0 if gather else full["threads"])
-    seen = {}
-    groups = {}
-    for (t, _), (row, word, srow, group, k) in reads.items():
-        assert srow == row and group == word // 4
-        seen[(row, word, k)] = seen.get((row, word, k), 0) + 1
-        groups.setdefault((t, row), set()).add(word // 4)
-    assert set(seen.values()) == {1} and len(seen) == full["block_n"] * 16 * 4
-    assert all(len(g) == 1 for g in groups.values())
+    _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
 
 
 def test_prmt_rs_compiles_with_register_split():
@@ -422,15 +436,7 @@ def _fma_source_reads(src: str, threads: int, producer: int) -> dict:
     var = re.fullmatch(r"\(&\(k_deq\[(\w+)\]\)\)", dst).group(1)
     word_e = re.fullmatch(r"\(\(int\*\)kw_s\)\[(.*)\]", word).group(1)
     row_e, shift_e = re.fullmatch(r"\(\(\(\(int\*\)ks_s\)\[(.*)\] >> (.*)\) & 255\)", sbyte).groups()
-    extent = int(re.search(rf"for \(int {var} = 0; {var} < (\d+); \+\+{var}\)", src).group(1))
-    exprs = [e.replace("((int)threadIdx.x)", "tx") for e in (word_e, row_e, shift_e, k_e)]
-    out = {}
-    for t in range(threads):
-        for v in range(0, extent, 2):
-            env = {"tx": t + producer, var: v, "t_1": 0}
-            w, r, sh, k = (eval(e, {}, env) for e in exprs)
-            out[(t, v)] = (w // 16, w % 16, r, sh // 8, k)
-    return out
+    return _per_thread_reads(src, var, (word_e, row_e, shift_e, k_e), threads, producer)
 
 
 @pytest.mark.parametrize(
@@ -452,13 +458,7 @@ def test_fma_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cf
     src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
     assert "csa2_fp4_table_word" not in src and "rs_tab" not in src  # no table: the scale is two bf16 multiplies
     reads = _fma_source_reads(src, full["threads"], 0 if gather else full["threads"])
-    seen, groups = {}, {}
-    for (t, _), (row, word, srow, group, k) in reads.items():
-        assert srow == row and group == word // 4
-        seen[(row, word, k)] = seen.get((row, word, k), 0) + 1
-        groups.setdefault((t, row), set()).add(word // 4)
-    assert set(seen.values()) == {1} and len(seen) == full["block_n"] * 16 * 4
-    assert all(len(g) == 1 for g in groups.values())
+    _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
 
 
 def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
