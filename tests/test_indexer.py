@@ -264,8 +264,9 @@ def _rs_source_reads(src: str, threads: int, producer: int) -> dict:
         ({"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 4, "stages": 4}, False),
         ({"dequant": "prmt_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4}, False),  # 2 m-tiles
         ({"dequant": "prmt_rs", "min_ctas": 2}, True),  # Reindex: not warp-specialised
+        ({"dequant": "prmt_rs", "min_ctas": 2, "epilogue": "hoisted"}, False),  # the dequant is untouched by the epilogue
     ],
-    ids=["t256_bn128", "t128_bn64", "t128_bn128", "gather_t256"],
+    ids=["t256_bn128", "t128_bn64", "t128_bn128", "gather_t256", "t256_bn128_hoisted"],
 )
 def test_prmt_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cfg, gather):
     """The CUDA TileLang generates for the prmt_rs dequant, evaluated for every consumer thread: every (row, word,
@@ -478,6 +479,67 @@ def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
     assert any("one 64-row wgmma tile" in r for r in space.violations(wide, shape, SM90))
 
 
+HOISTED_BUILDS = {
+    "prmt_rs_mc2": ({"dequant": "prmt_rs", "min_ctas": 2}, False),
+    "prmt_rs_t128_bn64_mc4": ({"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 4, "stages": 4}, False),
+    "prmt_rs_t128_bn128_mc3": ({"dequant": "prmt_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4}, False),
+    "fma_rs_mc2": ({"dequant": "fma_rs", "min_ctas": 2}, False),
+    "gather_prmt_rs_mc2": ({"dequant": "prmt_rs", "min_ctas": 2}, True),
+}
+
+
+def _tile_loop(src: str) -> str:
+    """The CUDA of the (consumer) tile loop: from its header to the end of the kernel (it is the kernel's last loop)."""
+    return src[max(src.rindex("for (int t = 0;"), src.rfind("for (int t_1 = 0;")) :]
+
+
+@pytest.mark.parametrize("name", list(HOISTED_BUILDS))
+def test_hoisted_epilogue_keeps_per_cta_work_out_of_the_tile_loop(name):
+    """epilogue=hoisted: w / 2 is loaded into registers once per CTA (no w_s, no weights read or 0.5 multiply inside
+    the tile loop), the stores index the CTA's pinned output pointer (no int64 index of ``out`` in the loop), and the
+    q_s / table writes of every thread are behind a CTA barrier before the consumers' branch. per_tile, the same
+    config, has all three inside the loop (the check would see them)."""
+    cfg, gather = HOISTED_BUILDS[name]
+    tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
+    full = {**tile.default_config(SM90), **cfg, "epilogue": "hoisted"}
+    assert tile.search_space(SM90).violations(full, tile.shapes()[0], SM90) == []
+    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    loop = _tile_loop(src)
+    assert "void* w_s" not in src and "float w_half[8];" in src and "csa2_pin_ptr(" in src
+    assert "weights" not in loop and "0x1p-1f" not in loop and "out[" not in loop and "out_cta)[" in loop
+    head = src[: src.index("tl::warpgroup_reg_dealloc")] if not gather else src[: src.index("for (int t = 0;")]
+    assert head.rindex("__syncthreads();") > head.rindex("q_s)")  # after the last q_s write, before any consumer read
+    old = _tile_loop(ix._build_score(SM90, {**full, "epilogue": "per_tile"}, gather, 8).get_kernel_source())
+    assert "((float*)w_s)" in old and "0x1p-1f" in old and "out[" in old
+
+
+def test_hoisted_epilogue_is_an_rs_only_search_space_option():
+    """In both score tiles' search spaces, pruned for the shared-tile dequants (their epilogue keeps the TMA'd w_s),
+    refused by the kernel builder there too; not in any default (the defaults build the per_tile kernel)."""
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    for tile in (ix.INDEXER_TOPK, ix.REINDEX_TOPK):
+        space = tile.search_space(SM90)
+        assert {p.name: p.choices for p in space.params}["epilogue"] == ("per_tile", "hoisted")
+        assert "epilogue" not in tile.default_config(SM90)
+        base = tile.default_config(SM90)
+        for dequant in ix.RS_DEQUANTS:
+            assert space.violations({**base, "dequant": dequant, "min_ctas": 2, "epilogue": "hoisted"}, shape, SM90) == []
+        assert any("epilogue" in r for r in space.violations({**base, "dequant": "prmt", "epilogue": "hoisted"}, shape, SM90))
+        assert space.violations({**base, "dequant": "prmt", "epilogue": "per_tile"}, shape, SM90) == []
+    with pytest.raises(ValueError, match="hoisted"):
+        ix._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "bits", False, 8, 0, "hoisted")
+
+
+@pytest.mark.parametrize("shape_name", ["decode_b64_n128k", "decode_b1_n128k", "prefill_s4k"])
+def test_hoisted_epilogue_builds_at_the_indexer_shapes(shape_name):
+    """The default config with epilogue=hoisted, prmt_rs and fma_rs: score and select kernels for sm_90a."""
+    shape = ix.INDEXER_TOPK.shape(shape_name)
+    for dequant in ix.RS_DEQUANTS:
+        cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": dequant, "epilogue": "hoisted"}
+        assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
+        assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
+
+
 def test_prmt_compiles_with_two_ctas_per_sm():
     """prmt at two CTAs per SM (the Hopper default from profile_indexer_prmt_two_pass.json until prmt_rs replaced it,
     profile_compressor_multi_cta_indexer_prmt_rs.json); the reindex tile's default (profile_attn_decode_reindex_prmt.json:
@@ -667,6 +729,8 @@ SCORE_OPTIONS = {
     "prmt_mc3": {"dequant": "prmt", "min_ctas": 3, "threads": 128, "stages": 2, "tiles_per_cta": 4},
     **{f"prmt_rs_{name}": cfg for name, cfg in PRMT_RS_OPTIONS.items()},
     **{f"fma_rs_{name}": cfg for name, cfg in FMA_RS_OPTIONS.items()},
+    "prmt_rs_mc2_hoisted": {**PRMT_RS_OPTIONS["mc2"], "epilogue": "hoisted"},
+    "fma_rs_mc2_hoisted": {**FMA_RS_OPTIONS["mc2"], "epilogue": "hoisted"},
 }
 
 
@@ -790,6 +854,48 @@ def test_rs_wide_scale_bytes_match_reference(dequant):
     ref = ix._reference_scores(inputs)
     assert relative_l2({"scores": scores}, {"scores": ref}, ix.SCORE_RTOL).ok
     assert ix.compare_topk_sets(out, topk_positions(ref, 512), ref).ok
+
+
+# epilogue=hoisted (w / 2 and the output row pointer once per CTA; written without device time, compiled for sm_90a):
+# every prmt_rs config above and the fma_rs ones the tuner is likely to try.
+HOISTED_OPTIONS = {
+    **{f"prmt_rs-{k}": {**v, "epilogue": "hoisted"} for k, v in PRMT_RS_OPTIONS.items()},
+    **{f"fma_rs-{k}": {**FMA_RS_OPTIONS[k], "epilogue": "hoisted"} for k in ("mc2", "mc2_st4", "t128_bn64_mc4")},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(HOISTED_OPTIONS), ids=str)
+def test_hoisted_epilogue_scores_bitwise_equal_per_tile(option):
+    """Code motion only: the scores (and so the top-k) are bit for bit those of the same config with
+    epilogue=per_tile, on indexer_topk (decode B=64 x 128K, partial last tiles, rows with n_visible 300 and 0) and on
+    reindex_topk's gathered variant (unused pool blocks, invisible slots)."""
+    per_tile = {**HOISTED_OPTIONS[option], "epilogue": "per_tile"}
+    for B, S, N in [(64, 1, 131072), (3, 2, 1000), (2, 1, 77)]:
+        inputs = ix._indexer_inputs(B, S, N, 29, "cuda", causal=False)
+        args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+        out_h, sc_h = ix.indexer_topk(*args, 512, return_scores=True, config=HOISTED_OPTIONS[option])
+        out_p, sc_p = ix.indexer_topk(*args, 512, return_scores=True, config=per_tile)
+        assert torch.equal(sc_h.view(torch.int32), sc_p.view(torch.int32)), f"indexer_topk B={B} S={S} N={N}"
+        assert torch.equal(out_h, out_p)
+        gen = torch.Generator(device="cuda").manual_seed(31)
+        pool = ix._random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
+        out_h, sc_h = ix.reindex_topk(*args, pool, 8, 512, config=HOISTED_OPTIONS[option], return_scores=True)
+        out_p, sc_p = ix.reindex_topk(*args, pool, 8, 512, config=per_tile, return_scores=True)
+        assert torch.equal(sc_h.view(torch.int32), sc_p.view(torch.int32)), f"reindex_topk B={B} S={S} N={N}"
+        assert torch.equal(out_h, out_p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(HOISTED_OPTIONS), ids=str)
+def test_hoisted_epilogue_matches_reference(option):
+    """epilogue=hoisted on indexer_topk against the reference, as test_rs_matches_reference (evaluate: poisoned outputs,
+    two runs bitwise equal), at the real decode shape and odd ones."""
+    arch = get_arch("sm90")
+    cfg = {**ix.INDEXER_TOPK.default_config(arch), **HOISTED_OPTIONS[option]}
+    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
+        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
+        assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
 
 
 @pytest.mark.gpu

@@ -325,6 +325,50 @@ def _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n: int, D: int):
 
 
 RS_DEQUANTS = ("prmt_rs", "fma_rs")  # the A fragment built in the consumers' registers, q in a permuted dim order
+EPILOGUES = ("per_tile", "hoisted")  # where the score kernel's per-CTA constants (w / 2, the output row) are built
+
+
+# epilogue="hoisted" (RS dequants): the tile loop's fixed work that does not change within a CTA, done once per CTA.
+# Why: the RS score kernel is issue/ALU-bound, and of prmt_rs's 310 SASS instructions per consumer thread and tile ~150
+# are not dequant work. per_tile's epilogue reloads w from shared memory (4 LDS.64) and halves it (8 FMUL) every tile
+# (w_s is written by TMA, so nvcc cannot keep it in registers), and each of the 2 stores rebuilds the int64 index of
+# (b, s, j) (~16 instructions each). Here:
+# * w / 2 goes to a register fragment (8 floats per thread: the accumulator's columns) once, straight from global
+#   memory: no w_s, no TMA of it, no mbarrier wait on it in the first tile.
+# * The CTA's part of its output row is a buffer of its own (a pointer built once); a store indexes it by the
+#   32-bit t * block_n + row. nvcc's address sinking (CodeGenPrepare) moved that pointer's int64 arithmetic back next
+#   to each store inside the loop; an empty asm that "redefines" it (csa2_pin_ptr) hides its origin, so it stays one
+#   64-bit register. (Through the global window: a generic pointer made the stores generic ST instead of STG.)
+# * Not done: the wgmma descriptors. T.gemm emits initialize_wgmma_descriptor and desc + offset per k-step inside the
+#   loop and ptxas rebuilds each UR pair per HGMMA (~20 uniform instructions per tile); only a hand-written wgmma
+#   would change that, and T.gemm is what lays out the A fragment and the accumulator for the rest of the kernel.
+# Exactness: the same fp32 operations on the same values, in the same order ((acc + |acc|) * (w * 0.5), the head sum,
+# the 4-lane shuffle sum); checked on the SASS (notes), and on the GPU by tests/test_indexer.py (bitwise vs per_tile).
+_PIN_CUDA = r"""
+__device__ __forceinline__ void* csa2_pin_ptr(void* p) {
+  size_t g = __cvta_generic_to_global(p);  // through the global window: the stores stay STG, not generic ST
+  asm("" : "+l"(g));
+  return __cvta_global_to_generic(g);
+}
+"""
+
+
+@T.macro
+def _load_half_weights(weights, w_half, b, s, H: int):
+    """weights [B, S, H] fp32 -> ``w_half`` [H] (a register fragment laid out like the accumulator's columns): w / 2."""
+    for h in T.Parallel(H):
+        w_half[h] = weights[b, s, h] * 0.5
+
+
+@T.macro
+def _store_row_hoisted(out_cta, row, pos_s, off, n_left, vis_left, block_n: int, gather: bool):
+    """row [block_n] -> out_cta[off + i] (``out_cta`` [span]: the CTA's part of its output row) for off + i < n_left,
+    -inf where not visible (off + i >= vis_left, or pos_s[i] < 0 with ``gather``). ``n_left``, ``vis_left`` are per CTA,
+    so per tile only ``off`` = t * block_n changes (per_tile rebuilds the int64 index of (b, s, j) every tile)."""
+    for i in T.Parallel(block_n):
+        if off + i < n_left:
+            visible = pos_s[i] >= 0 if gather else off + i < vis_left
+            out_cta[off + i] = T.if_then_else(visible, row[i], -T.infinity("float32"))
 
 
 @functools.cache
@@ -338,12 +382,18 @@ def _score_kernel(
     gather: bool,
     pool_block: int = 8,
     min_ctas: int = 0,
+    epilogue: str = "per_tile",
 ):
     """Build the score kernel (see module docstring); ``gather`` selects the Reindex variant.
+
+    ``epilogue`` (RS dequants only): "per_tile" reloads the weights from shared memory, halves them and rebuilds the
+    output address in every tile; "hoisted" does that once per CTA (see the comment above ``_PIN_CUDA``).
 
     Dims B, S, N (and the pool width P) are dynamic, so one compiled kernel serves every
     decode step as the cache grows.
     """
+    if epilogue not in EPILOGUES or (epilogue == "hoisted" and dequant not in RS_DEQUANTS):
+        raise ValueError(f"epilogue={epilogue!r} with dequant={dequant!r}: 'hoisted' is built for {RS_DEQUANTS} only")
     H, D = HEADS, HEAD_DIM
     W = D // 8  # int32 words per packed entry (8 nibbles each)
     B, S, N, P = T.dynamic("B, S, N, P")
@@ -385,8 +435,12 @@ def _score_kernel(
                     producer_regs, consumer_regs = _rs_register_split(threads, min_ctas)
                     T.annotate_producer_reg_dealloc(producer_regs)
                     T.annotate_consumer_reg_alloc(consumer_regs)
+            hoisted = epilogue == "hoisted"
             q_s = T.alloc_shared((H, D), "bfloat16")
-            w_s = T.alloc_shared((H,), "float32")
+            if hoisted:
+                w_half = T.alloc_fragment((H,), "float32")  # w / 2 of the heads a thread's accumulator columns hold
+            else:
+                w_s = T.alloc_shared((H,), "float32")
             kw_s = T.alloc_shared((block_n, W), "int32")
             ks_s = T.alloc_shared((block_n,), "int32")
             pos_s = T.alloc_shared((block_n,), "int32")
@@ -398,12 +452,13 @@ def _score_kernel(
                 k_deq = T.alloc_shared((block_n, D), "bfloat16")
             if dequant == "prmt":
                 T.import_source(_PRMT_CUDA)
+            pin = _PIN_CUDA if hoisted else ""  # one import_source per kernel: TileLang refuses a second one
             if dequant == "prmt_rs":
-                T.import_source(_PRMT_PAIR_CUDA)
+                T.import_source(_PRMT_PAIR_CUDA + pin)
                 rs_tab = T.alloc_shared((256, 4), "uint32")
                 _build_rs_tables(rs_tab)
             if dequant == "fma_rs":
-                T.import_source(_FMA_PAIR_CUDA)
+                T.import_source(_FMA_PAIR_CUDA + pin)
             if dequant == "lut":
                 # byte -> both nibbles' bf16 bit patterns at unit scale (low half = even element).
                 lut = T.alloc_shared((256,), "uint32")
@@ -416,7 +471,16 @@ def _score_kernel(
                 _load_q_rs_fma(q, q_s, b, s, H, D)
             else:
                 T.copy(q[b, s, :, :], q_s)
-            T.copy(weights[b, s, :], w_s)
+            if hoisted:
+                # Every thread wrote q_s (and rs_tab) above and the consumers read them in the loop. per_tile gets this
+                # barrier from TileLang ahead of the weights' TMA load; without that load TileLang placed none.
+                T.sync_threads()
+                _load_half_weights(weights, w_half, b, s, H)
+                # this CTA's span of its output row as a buffer of its own: the int64 (b, s, j) index is built once
+                out_ptr = T.call_extern("handle", "csa2_pin_ptr", T.access_ptr(out[b, s, bx * span], "w", span))
+                out_cta = T.make_tensor_from_addr(out_ptr, (span,), "float32")
+            else:
+                T.copy(weights[b, s, :], w_s)
             for t in T.Pipelined(tiles_per_cta, num_stages=stages):
                 n0 = (bx * tiles_per_cta + t) * block_n
                 if gather:
@@ -463,7 +527,10 @@ def _score_kernel(
                     for i, d in T.Parallel(block_n, D):
                         k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
                 T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if dequant in RS_DEQUANTS:
+                if hoisted:
+                    for i, h in T.Parallel(block_n, H):
+                        acc[i, h] = (acc[i, h] + T.abs(acc[i, h])) * w_half[h]  # per_tile's product, w / 2 hoisted
+                elif dequant in RS_DEQUANTS:
                     # ReLU as x + |x| = 2 max(x, 0) (exact) on the FMA pipe: FMNMX issues to the integer/ALU pipe, which
                     # the dequant saturates. Times w / 2: the same product up to power-of-two scaling.
                     for i, h in T.Parallel(block_n, H):
@@ -472,13 +539,16 @@ def _score_kernel(
                     for i, h in T.Parallel(block_n, H):
                         acc[i, h] = T.max(acc[i, h], 0.0) * w_s[h]
                 T.reduce_sum(acc, row, dim=1)
-                for i in T.Parallel(block_n):
-                    j = n0 + i
-                    if j < n_out:
-                        if gather:
-                            out[b, s, j] = T.if_then_else(pos_s[i] >= 0, row[i], -T.infinity("float32"))
-                        else:
-                            out[b, s, j] = T.if_then_else(j < nvis, row[i], -T.infinity("float32"))
+                if hoisted:
+                    _store_row_hoisted(out_cta, row, pos_s, t * block_n, n_out - bx * span, nvis - bx * span, block_n, gather)
+                else:
+                    for i in T.Parallel(block_n):
+                        j = n0 + i
+                        if j < n_out:
+                            if gather:
+                                out[b, s, j] = T.if_then_else(pos_s[i] >= 0, row[i], -T.infinity("float32"))
+                            else:
+                                out[b, s, j] = T.if_then_else(j < nvis, row[i], -T.infinity("float32"))
 
     return tilelang.compile(score, target=tvm.target.Target(_target_dict(target)))
 
@@ -828,7 +898,10 @@ def _score(cfg: Config, arch: Arch, gather: bool, block: int, q, weights, words,
 
 def _build_score(arch: Arch, cfg: Config, gather: bool, block: int):
     common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"])
-    return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0))
+    epilogue = cfg.get("epilogue", "per_tile")
+    if epilogue == "per_tile":  # the call (and functools.cache key) of before the option: the same kernel object
+        return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0))
+    return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), epilogue)
 
 
 def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
@@ -1162,6 +1235,14 @@ def _rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
     return f"{config['dequant']}: {mtiles} m-tiles per warpgroup need ~{need} registers, min_ctas={config['min_ctas']} leaves {have}"
 
 
+def _epilogue_fits(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """epilogue="hoisted" is built for the RS dequants only (their weights and store live in the consumer registers)."""
+    config = {**_SCORE_DEFAULT, **config}
+    if config.get("epilogue", "per_tile") == "hoisted" and config["dequant"] not in RS_DEQUANTS:
+        return f"epilogue=hoisted needs dequant in {list(RS_DEQUANTS)}, got {config['dequant']}"
+    return None
+
+
 def _warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
     config = {**_SCORE_DEFAULT, **config}
     # FullRow splits the entry tile across warpgroups: each needs at least 64 rows for wgmma.
@@ -1195,6 +1276,13 @@ def _score_params() -> tuple[Param, ...]:
             "consumers under min_ctas), or (fma_rs) prmt_rs's A fragment with half the integer work on the FMA pipe: "
             "nibble bits placed at bf16 positions by an integer multiply (code x 2^-126) and the E8M0 scale applied by "
             "two packed bf16 multiplies (~1 integer instruction per value instead of ~1.9, no table)",
+        ),
+        Param(
+            "epilogue",
+            EPILOGUES,
+            "RS dequants only: (per_tile) every tile reloads the weights from shared memory, halves them and rebuilds "
+            "the int64 output index of each store; (hoisted) w / 2 in registers and the CTA's output-row pointer built "
+            "once per CTA (the same products and sums, bitwise: code motion only)",
         ),
     )
 
@@ -1242,6 +1330,7 @@ class _ScoreAndSelectTile(Tile):
                 Constraint("fragment_rows", _fragment_rows),
                 Constraint("register_cap", _register_cap),
                 Constraint("rs_registers", _rs_registers),
+                Constraint("epilogue", _epilogue_fits),
             ),
         )
 
