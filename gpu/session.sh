@@ -97,11 +97,10 @@ phase_profile() {  # indexer and compressor: old and new paths, per-kernel CUDA 
     'indexer_topk:decode_b64_n128k:{"dequant":"lut","threads":128,"stages":1,"tiles_per_cta":4,"select_threads":512}' \
     indexer_topk:decode_b64_n128k \
     'indexer_topk:decode_b64_n128k:{"dequant":"fragment_bits","stages":4}' \
-    'indexer_topk:decode_b64_n128k:{"dequant":"fragment_bits","stages":4,"block_n":256,"tiles_per_cta":4}' \
     'indexer_topk:decode_b64_n128k:{"dequant":"bits","threads":128,"tiles_per_cta":16}' \
     'compressor:prefill_r2_s64k:{"load":"direct","k_chunk":64}' compressor:prefill_r2_s64k \
     'compressor:prefill_r1_s64k:{"load":"direct","k_chunk":64}' compressor:prefill_r1_s64k \
-    --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1
+    --compile-jobs 14 --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1
   note "profile rc=$?"
 }
 

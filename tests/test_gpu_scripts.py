@@ -1,0 +1,46 @@
+"""The GPU session's queued specs are valid on the CPU: a typo must not cost a device call.
+
+Device time is scarce (one batched call per session), so every ``TILE:SHAPE[:CONFIG_JSON]`` that
+``gpu/session.sh`` hands to ``gpu/profile_tiles.py`` is parsed, validated (tile, shape, config keys) and checked
+against the tile's constraints for sm90 here, with the config merged over the default as the profiler does.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiles.arch import get_arch
+from tiles.registry import all_tiles, get_tile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "gpu"))
+
+import profile_tiles  # gpu/ is not a package: imported from the path above
+
+
+def _session_specs() -> list[str]:
+    """Every TILE:SHAPE[:JSON] token of the profile lists in gpu/session.sh (the phases ``profile`` and ``queued``)."""
+    text = (ROOT / "gpu" / "session.sh").read_text()
+    bodies = [re.search(rf"^phase_{phase}\(\) {{.*?^}}", text, re.DOTALL | re.MULTILINE).group(0) for phase in ("profile", "queued")]
+    names = "|".join(sorted(all_tiles(), key=len, reverse=True))
+    return [m.group(0) for body in bodies for m in re.finditer(rf"\b(?:{names}):[a-z0-9_]+(?::\{{[^'\s]*\}})?", body)]
+
+
+SPECS = _session_specs()
+
+
+def test_the_session_has_profile_specs():
+    assert len(SPECS) >= 20  # the queued and the default profile lists
+
+
+@pytest.mark.parametrize("text", SPECS)
+def test_session_profile_spec_is_valid_for_sm90(text):
+    spec = profile_tiles.parse_spec(text)
+    profile_tiles.validate([spec])
+    tile, arch = get_tile(spec.tile), get_arch("sm90")
+    config = tile.with_defaults(arch, spec.config)
+    assert tile.search_space(arch).violations(config, tile.shape(spec.shape), arch) == [], text
