@@ -25,7 +25,7 @@ from tiles.harness import OK, evaluate
 
 SM90 = get_arch("sm90")
 # The one-CTA-per-SM kernel (Hopper's default until ctas_per_sm 2): the base of the tests that vary load, proj or encode
-ONE_CTA = {"ctas_per_sm": 1, "k_chunk": 32, "wk": "hi_lo"}
+ONE_CTA = {"ctas_per_sm": 1, "k_chunk": 32, "wk": "hi_lo", "schedule": "ws"}
 
 
 def _args(B=2, S=4, G=2, device="cpu"):
@@ -633,10 +633,12 @@ def test_flat_with_defaults():
     cfg = tile.with_defaults(SM90, {"wk_stages": 3, "kv_load": "whole"})
     assert cfg["ctas_per_sm"] == 2 and space.violations(cfg, r1, SM90) == []
     assert cp._schedule(tile.default_config(SM90)) == "flat" and cp._schedule(ONE_CTA) == "ws"
-    # The default names none of the new keys: it is built exactly as before they existed.
+    # The default names the new keys (the tuner's first trial must be the default) with the values that build
+    # exactly the kernel of a config without them.
     default = tile.default_config(SM90)
-    assert not {"schedule", "wk_stages", "kv_load"} & set(default)
-    assert tile.build(r1, default, SM90) is tile.build(r1, {**default, "schedule": "flat", "wk_stages": 2, "kv_load": "slabs"}, SM90)
+    assert (default["schedule"], default["wk_stages"], default["kv_load"]) == ("flat", 2, "slabs")
+    without = {k: v for k, v in default.items() if k not in ("schedule", "wk_stages", "kv_load")}
+    assert tile.build(r1, default, SM90) is tile.build(r1, without, SM90)
 
 
 # Configs run on the GPU: (label, block_g, ctas, wk, wk_stages, kv_load).

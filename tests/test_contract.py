@@ -162,3 +162,16 @@ def test_relative_l2_zero_reference_uses_absolute_error():
     zero = torch.zeros(8)
     assert relative_l2({"y": zero.clone()}, {"y": zero}, tol=0).ok
     assert not relative_l2({"y": zero + 1.0}, {"y": zero}, tol=1e-3).ok
+
+
+@pytest.mark.parametrize("arch_name", ["sm80", "sm86", "sm89", "sm90", "sm100"])
+def test_every_default_names_every_parameter(arch_name):
+    """The tuner enqueues the default as its first trial: a parameter the default does not name would be sampled
+    there, so the "default" trial would not be the default and the study would lose its baseline (default_ms)."""
+    arch = get_arch(arch_name)
+    for name, tile in registry.all_tiles().items():
+        if tile.support_reason(arch):
+            continue
+        default = tile.default_config(arch)
+        assert set(tile.search_space(arch).names()) <= set(default), (name, arch_name)
+        assert tile.with_defaults(arch, {}) == default, (name, arch_name)

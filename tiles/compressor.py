@@ -755,31 +755,36 @@ class CompressorTile(Tile):
                 "encode": "thresholds",
                 "ctas_per_sm": 2,
                 "wk": "fp32",
+                "schedule": "flat",  # what two CTAs per SM run (no producer warpgroup)
+                "wk_stages": 2,
+                "kv_load": "slabs",
             }
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
-            cfg.update(ctas_per_sm=1, wk="hi_lo")
+            cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
         """``config`` over the default. A config that picks a one-CTA choice (direct loads, simt, other threads,
-        block_g or k_chunk) without naming ``ctas_per_sm`` gets the one-CTA kernel (ctas_per_sm 1, Wk hi/lo, k_chunk
-        32 unless named), as it did before two CTAs per SM became Hopper's default: {"load": "direct"} alone is valid.
+        block_g or k_chunk, schedule="ws") without naming ``ctas_per_sm`` gets the one-CTA kernel (ctas_per_sm 1,
+        Wk hi/lo, k_chunk 32 unless named), as it did before two CTAs per SM became Hopper's default: {"load":
+        "direct"} alone is valid.
         With ``schedule="flat"`` named (e.g. {"schedule": "flat", "block_g": 64}) it gets the flat kernel at one CTA per
         SM and keeps the default's k_chunk 16 and wk."""
         cfg = {**self.default_config(arch), **config}
         multi_cta_ok = cfg["load"] == "staged" and cfg["proj"] == "tf32x3" and cfg["threads"] == 256
         multi_cta_ok = multi_cta_ok and cfg["block_g"] in (16, 32) and cfg["k_chunk"] == MULTI_CTA_CHUNK
+        multi_cta_ok = multi_cta_ok and cfg.get("schedule", "flat") == "flat"
         if "ctas_per_sm" not in config and cfg.get("ctas_per_sm", 1) > 1 and not multi_cta_ok:
-            if cfg.get("schedule") == "flat":
+            if config.get("schedule") == "flat":
                 # The flat kernel at one CTA per SM (e.g. block_g 64): the default's flat-kernel choices stay.
                 cfg.update(ctas_per_sm=1)
             else:
-                cfg.update(ctas_per_sm=1, wk=config.get("wk", "hi_lo"), k_chunk=config.get("k_chunk", 32))
+                cfg.update(ctas_per_sm=1, wk=config.get("wk", "hi_lo"), k_chunk=config.get("k_chunk", 32), schedule="ws")
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):

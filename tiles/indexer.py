@@ -1308,14 +1308,30 @@ def _select_params() -> tuple[Param, ...]:
     )
 
 
-_SCORE_DEFAULT = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 4, "dequant": "shared", "min_ctas": 0}
+_SCORE_DEFAULT = {
+    "block_n": 128,
+    "threads": 256,
+    "stages": 2,
+    "tiles_per_cta": 4,
+    "dequant": "shared",
+    "min_ctas": 0,
+    "epilogue": "per_tile",
+}
 _SELECT_DEFAULT = {"select_threads": 1024, "radix_bits": 8}
 # Hopper: word-wise integer dequant (no per-value float chain, one barrier per tile), two
 # consumer warpgroups so 8 warps share the dequant of a 128-entry tile, and 16 tiles (2048
 # entries) per CTA so the 8 KiB query load and the pipeline prologue are paid once per 2048
 # entries, not per 512. On the H200 its score kernel ran 0.84 ms at decode B=64 x 128K against 2.52 ms
 # for the first default (`shared`), level with `lut` (notes/indexer.md, session 2).
-_SCORE_DEFAULT_SM90 = {"block_n": 128, "threads": 256, "stages": 2, "tiles_per_cta": 16, "dequant": "bits", "min_ctas": 0}
+_SCORE_DEFAULT_SM90 = {
+    "block_n": 128,
+    "threads": 256,
+    "stages": 2,
+    "tiles_per_cta": 16,
+    "dequant": "bits",
+    "min_ctas": 0,
+    "epilogue": "per_tile",
+}
 
 
 class _ScoreAndSelectTile(Tile):
