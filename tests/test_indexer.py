@@ -809,15 +809,25 @@ def test_prmt_scores_equal_bits_scores():
 
 RS_OPTIONS = {**{f"prmt_rs-{k}": v for k, v in PRMT_RS_OPTIONS.items()}, **{f"fma_rs-{k}": v for k, v in FMA_RS_OPTIONS.items()}}
 
+# epilogue=hoisted (w / 2 and the output row pointer once per CTA; written without device time, compiled for sm_90a):
+# every prmt_rs config above and the fma_rs ones the tuner is likely to try.
+HOISTED_OPTIONS = {
+    **{f"prmt_rs-{k}": {**v, "epilogue": "hoisted"} for k, v in PRMT_RS_OPTIONS.items()},
+    **{f"fma_rs-{k}": {**FMA_RS_OPTIONS[k], "epilogue": "hoisted"} for k in ("mc2", "mc2_st4", "t128_bn64_mc4")},
+}
+# Checked against the reference together: each RS dequant, and each with the hoisted epilogue.
+RS_REFERENCE_OPTIONS = {**RS_OPTIONS, **{f"hoisted-{k}": v for k, v in HOISTED_OPTIONS.items()}}
+
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", list(RS_OPTIONS), ids=str)
+@pytest.mark.parametrize("option", list(RS_REFERENCE_OPTIONS), ids=str)
 def test_rs_matches_reference(option):
-    """dequant=prmt_rs / fma_rs on indexer_topk at the real decode shape and odd ones (partial tiles, n_visible < top-k,
-    empty rows): scores by relative L2 and top-k sets against the reference (evaluate: poisoned outputs, two runs
-    bitwise equal). Their scores are not bitwise the prmt kernel's: the wgmma sums the permuted dims in another order."""
+    """dequant=prmt_rs / fma_rs (with either epilogue) on indexer_topk at the real decode shape and odd ones (partial
+    tiles, n_visible < top-k, empty rows): scores by relative L2 and top-k sets against the reference (evaluate:
+    poisoned outputs, two runs bitwise equal). Their scores are not bitwise the prmt kernel's: the wgmma sums the
+    permuted dims in another order."""
     arch = get_arch("sm90")
-    cfg = {**ix.INDEXER_TOPK.default_config(arch), **RS_OPTIONS[option]}
+    cfg = {**ix.INDEXER_TOPK.default_config(arch), **RS_REFERENCE_OPTIONS[option]}
     for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
         ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
         assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
@@ -856,14 +866,6 @@ def test_rs_wide_scale_bytes_match_reference(dequant):
     assert ix.compare_topk_sets(out, topk_positions(ref, 512), ref).ok
 
 
-# epilogue=hoisted (w / 2 and the output row pointer once per CTA; written without device time, compiled for sm_90a):
-# every prmt_rs config above and the fma_rs ones the tuner is likely to try.
-HOISTED_OPTIONS = {
-    **{f"prmt_rs-{k}": {**v, "epilogue": "hoisted"} for k, v in PRMT_RS_OPTIONS.items()},
-    **{f"fma_rs-{k}": {**FMA_RS_OPTIONS[k], "epilogue": "hoisted"} for k in ("mc2", "mc2_st4", "t128_bn64_mc4")},
-}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("option", list(HOISTED_OPTIONS), ids=str)
 def test_hoisted_epilogue_scores_bitwise_equal_per_tile(option):
@@ -884,18 +886,6 @@ def test_hoisted_epilogue_scores_bitwise_equal_per_tile(option):
         out_p, sc_p = ix.reindex_topk(*args, pool, 8, 512, config=per_tile, return_scores=True)
         assert torch.equal(sc_h.view(torch.int32), sc_p.view(torch.int32)), f"reindex_topk B={B} S={S} N={N}"
         assert torch.equal(out_h, out_p)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("option", list(HOISTED_OPTIONS), ids=str)
-def test_hoisted_epilogue_matches_reference(option):
-    """epilogue=hoisted on indexer_topk against the reference, as test_rs_matches_reference (evaluate: poisoned outputs,
-    two runs bitwise equal), at the real decode shape and odd ones."""
-    arch = get_arch("sm90")
-    cfg = {**ix.INDEXER_TOPK.default_config(arch), **HOISTED_OPTIONS[option]}
-    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
-        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
-        assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
 
 
 @pytest.mark.gpu
