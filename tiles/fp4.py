@@ -860,7 +860,7 @@ class FP4QuantTile(Tile):
         return fp4_default_config(self.scale_format)
 
     def build(self, shape: Shape, config: Config, arch: Arch):
-        c = {**self.default_config(arch), **config}
+        c = self.with_defaults(arch, config)
         return _quant_kernel(shape["dim"], self.scale_format, "bfloat16", c, arch)
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
@@ -901,7 +901,7 @@ class FP4DequantTile(FP4QuantTile):
         return fp4_default_config(self.scale_format, quantise=False)
 
     def build(self, shape: Shape, config: Config, arch: Arch):
-        c = {**self.default_config(arch), **config}
+        c = self.with_defaults(arch, config)
         return _dequant_kernel(shape["dim"], self.scale_format, "bfloat16", c, arch)
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
@@ -950,7 +950,7 @@ def pick_config(tile: Tile, shape: Shape, arch: Arch, config: Config | None) -> 
     """The config to run: the caller's (validated), else a stored tuned winner when the results store has one, else the default."""
     if config is None:
         config = _tuned_config(tile, shape, arch)
-    full = {**tile.default_config(arch), **(config or {})}
+    full = tile.with_defaults(arch, config or {})
     if config is None and tile.search_space(arch).violations(full, shape, arch):
         full["groups_per_thread"] = 1  # a row width the default vector does not divide
     reasons = tile.search_space(arch).violations(full, shape, arch)

@@ -1387,7 +1387,7 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
-        cfg = {**self.default_config(arch), **config}
+        cfg = self.with_defaults(arch, config)
         _build_score(arch, cfg, False, 8)
         if cfg.get("select_algo", "multipass") == "two_pass":
             _build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"])
@@ -1450,7 +1450,7 @@ class CandidatePoolTile(Tile):
         return {"block_threads": 256, **_SELECT_DEFAULT, "select_algo": algo}
 
     def build(self, shape: Shape, config: Config, arch: Arch):
-        cfg = {**self.default_config(arch), **config}
+        cfg = self.with_defaults(arch, config)
         nb = -(-shape["N"] // shape["block"])
         k = min(shape["P"], nb)
         _block_max_kernel(arch.nvcc_arch, shape["block"], cfg["block_threads"])
@@ -1540,7 +1540,7 @@ class ReindexTopkTile(_ScoreAndSelectTile):
         return {**super().default_config(arch), "select_algo": "two_pass", "dequant": "prmt", "min_ctas": 2}
 
     def build(self, shape: Shape, config: Config, arch: Arch):
-        cfg = {**self.default_config(arch), **config}
+        cfg = self.with_defaults(arch, config)
         blk = shape["block"]
         _build_score(arch, cfg, True, blk)
         if cfg["select_algo"] == "two_pass":

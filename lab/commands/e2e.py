@@ -26,6 +26,11 @@ def parse_tokens(text: str) -> list[int]:
     return out
 
 
+# --phase names -> the runs of lab.e2e.run (prefill = CED, prefill_full = every layer over every token); one of the
+# two prefills alone exists because a torch non-CED 64K prefill takes minutes
+PHASE_RUNS = {"decode": ["decode"], "prefill": ["prefill", "prefill_full"], "prefill_ced": ["prefill"], "prefill_full": ["prefill_full"]}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="v4.1-flash")
     parser.add_argument(
@@ -80,14 +85,9 @@ def run(args: argparse.Namespace) -> int:
         raise LabError(str(exc)) from None
     phases = []
     for p in [x.strip() for x in args.phase.split(",") if x.strip()]:
-        if p == "decode":
-            phases.append("decode")
-        elif p == "prefill":
-            phases += ["prefill", "prefill_full"]
-        elif p in ("prefill_ced", "prefill_full"):  # one of the two: a torch non-CED 64K prefill alone takes minutes
-            phases.append("prefill" if p == "prefill_ced" else p)
-        else:
+        if p not in PHASE_RUNS:
             raise LabError(f"unknown phase {p!r}: use decode, prefill (CED and non-CED), prefill_ced or prefill_full")
+        phases += PHASE_RUNS[p]
     variants = variants_from(args.backend, args.configs)
     contexts, batches = parse_tokens(args.ctx), parse_tokens(args.batch)
     prompts = parse_tokens(args.prefill_ctx) if args.prefill_ctx else contexts
