@@ -62,7 +62,7 @@ def main() -> int:
     for k in TOPKS:
         dims = {"B": 1, "S": 4096, "Nc": 4096, "Nw": 4096, "H": 64, "W": 128, "K": k, "D": 512}
         shape = Shape(f"prefill_s4k_k{k}", "prefill", dims)
-        kernel = tile.build(shape, {**tile.default_config(arch), **override}, arch)
+        kernel = tile.build(shape, tile.with_defaults(arch, override), arch)
         inputs = tile.make_inputs(shape, seed=11)
         cmp = tile.compare(tile.run(kernel, inputs), tile.reference(inputs))  # outputs NaN-poisoned by run()
         row = {"K": k, "check": "ok" if cmp.ok else "WRONG", "detail": str(cmp)}

@@ -22,7 +22,7 @@ def main() -> int:
     override = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     arch, tile = detect(), get_tile(tile_name)
     shape = tile.shape(shape_name)
-    kernel = tile.build(shape, {**tile.default_config(arch), **override}, arch)
+    kernel = tile.build(shape, tile.with_defaults(arch, override), arch)
     inputs = tile.make_inputs(shape, seed=3)
     outputs = tile.alloc_outputs(kernel, inputs)
     for _ in range(3):

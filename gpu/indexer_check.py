@@ -94,7 +94,7 @@ def _compile_one(job):
     tile = get_tile(tile_name)
     t0 = time.perf_counter()
     try:
-        tile.build(_shape(tile, spec), {**tile.default_config(get_arch("sm90")), **config}, get_arch("sm90"))
+        tile.build(_shape(tile, spec), tile.with_defaults(get_arch("sm90"), config), get_arch("sm90"))
         return f"{tile_name} {config} compiled in {time.perf_counter() - t0:.1f}s"
     except Exception as exc:  # noqa: BLE001 - every failure is a reported outcome
         return f"{tile_name} {config} COMPILE ERROR {type(exc).__name__}: {str(exc)[-400:]}"

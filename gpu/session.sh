@@ -111,11 +111,11 @@ phase_fp4() {  # FP4 tiles: structural sweep at bulk_1m (old and new mappings / 
   note "fp4 rc=$?"
 }
 
-phase_ncu() {  # Nsight Compute on the attention prefill default: where the warps stall (if ncu is installed)
+phase_ncu() {  # Nsight Compute on the attention prefill default (NCU_CONFIG: a JSON override): where the warps stall (if ncu is installed)
   if ! command -v ncu > /dev/null; then note "ncu: not installed"; return; fi
   timeout "${NCU_S:-120}" ncu --kernel-name regex:main --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-    python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" > "$OUT/ncu.log" 2>&1
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
+    python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" "${NCU_CONFIG:-{\}}" > "$OUT/${NCU_NAME:-ncu}.log" 2>&1
   note "ncu rc=$?"
 }
 

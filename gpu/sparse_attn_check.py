@@ -49,6 +49,8 @@ LABELS = {
     "fused": {"combine": "fused"},
     "fused_split2": {"combine": "fused", "n_split": 2},  # where auto resolves to one split (B=128/S=2)
     "early": {"handoff": "before_pv"},  # warpgroup 0 hands P to warpgroup 1 before its own half of P V
+    "lanes_col": {"lanes": "column"},  # producer lanes of a quarter-warp on 8 rows: no bank conflicts on the KV stores
+    "lanes_col_early": {"lanes": "column", "handoff": "before_pv"},
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -101,6 +103,8 @@ CHECKS = [
     *_option_rows("tpc2", bf16=("prefill_s4k",)),
     *_option_rows("tpc4", bf16=("prefill_s4k",)),
     *_option_rows("early", bf16=("prefill_s4k", "decode_b128_s2")),
+    *_option_rows("lanes_col", bf16=("prefill_s4k", "decode_b128_s2")),
+    *_option_rows("lanes_col_early", bf16=("prefill_s4k", "decode_b128_s2")),
     ("sparse_attn_decode", "decode_b64_s1", "fused"),  # auto: 2 splits, against default (separate) in the same run
     ("sparse_attn_decode", "decode_b128_s2", "fused_split2"),
     ("sparse_attn_decode", "decode_b128_s2", "split2"),  # the separate combine at the same split

@@ -175,3 +175,19 @@ def test_every_default_names_every_parameter(arch_name):
         default = tile.default_config(arch)
         assert set(tile.search_space(arch).names()) <= set(default), (name, arch_name)
         assert tile.with_defaults(arch, {}) == default, (name, arch_name)
+
+
+@pytest.mark.parametrize("arch_name", ["sm80", "sm86", "sm89", "sm90", "sm100"])
+def test_every_candidate_is_a_valid_config_that_differs_from_the_default(arch_name):
+    """A tile's tuning candidates (Tile.candidates) are seeded only if the arch's constraints accept them: one they
+    reject would be dropped silently, so every candidate must be valid where it is offered, and not the default."""
+    arch = get_arch(arch_name)
+    for name, tile in registry.all_tiles().items():
+        if tile.support_reason(arch):
+            continue
+        space, default = tile.search_space(arch), tile.default_config(arch)
+        for shape in tile.shapes():
+            for partial, why in tile.candidates(arch, shape):
+                config = tile.with_defaults(arch, partial)
+                assert space.violations(config, shape, arch) == [], (name, shape.name, why)
+                assert config != default, (name, shape.name, why)

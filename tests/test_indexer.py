@@ -37,7 +37,7 @@ def test_default_compiles_sm90(tile):
 @pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs"])
 def test_dequant_options_compile_sm90(tile, dequant):
     shape = tile.shapes()[0]
-    assert tile.build(shape, {**tile.default_config(SM90), "dequant": dequant}, SM90) is not None
+    assert tile.build(shape, tile.with_defaults(SM90, {"dequant": dequant}), SM90) is not None
 
 
 def _bits_dequant(codes: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def test_fragment_bits_holds_no_bf16_tile_in_shared_memory():
     """dequant=fragment_bits builds the same bf16 patterns into the wgmma A fragment: the shared-memory budget counts
     no per-stage bf16 tile, so four stages of 256-entry tiles fit where the bits path's do not."""
     # one warpgroup: block_n 256 on two is pruned by the fragment_rows constraint (see the test below)
-    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "block_n": 256, "threads": 128, "stages": 4, "tiles_per_cta": 4}
+    cfg = ix.INDEXER_TOPK.with_defaults(SM90, {"block_n": 256, "threads": 128, "stages": 4, "tiles_per_cta": 4, "epilogue": "per_tile"})
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations({**cfg, "dequant": "fragment_bits"}, shape, SM90) == []
     assert any("shared memory" in r for r in ix.INDEXER_TOPK.search_space(SM90).violations({**cfg, "dequant": "bits"}, shape, SM90))
@@ -520,12 +520,16 @@ def test_hoisted_epilogue_is_an_rs_only_search_space_option():
     for tile in (ix.INDEXER_TOPK, ix.REINDEX_TOPK):
         space = tile.search_space(SM90)
         assert {p.name: p.choices for p in space.params}["epilogue"] == ("per_tile", "hoisted")
-        assert tile.default_config(SM90)["epilogue"] == "per_tile"
         base = tile.default_config(SM90)
         for dequant in ix.RS_DEQUANTS:
             assert space.violations({**base, "dequant": dequant, "min_ctas": 2, "epilogue": "hoisted"}, shape, SM90) == []
         assert any("epilogue" in r for r in space.violations({**base, "dequant": "prmt", "epilogue": "hoisted"}, shape, SM90))
         assert space.violations({**base, "dequant": "prmt", "epilogue": "per_tile"}, shape, SM90) == []
+    # the indexer's Hopper default hoists (profile_queued_session6.json); the reindex default (prmt) cannot
+    assert ix.INDEXER_TOPK.default_config(SM90)["epilogue"] == "hoisted"
+    assert ix.REINDEX_TOPK.default_config(SM90)["epilogue"] == "per_tile"
+    assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["epilogue"] == "per_tile"
+    assert ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "prmt"})["epilogue"] == "per_tile"
     with pytest.raises(ValueError, match="hoisted"):
         ix._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "bits", False, 8, 0, "hoisted")
 
@@ -544,7 +548,7 @@ def test_prmt_compiles_with_two_ctas_per_sm():
     """prmt at two CTAs per SM (the Hopper default from profile_indexer_prmt_two_pass.json until prmt_rs replaced it,
     profile_compressor_multi_cta_indexer_prmt_rs.json); the reindex tile's default (profile_attn_decode_reindex_prmt.json:
     its prmt_rs ran slower)."""
-    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt", "min_ctas": 2, "stages": 3}
+    cfg = ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "prmt", "min_ctas": 2, "stages": 3})
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
     ix.INDEXER_TOPK.build(shape, cfg, SM90)
@@ -560,7 +564,7 @@ def test_prmt_compiles_with_two_ctas_per_sm():
 def test_min_ctas_counts_shared_memory_per_sm():
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     space = ix.INDEXER_TOPK.search_space(SM90)
-    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt", "stages": 4}
+    cfg = ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "prmt", "stages": 4})
     assert space.violations({**cfg, "min_ctas": 2}, shape, SM90) == []
     assert any("per SM" in r for r in space.violations({**cfg, "min_ctas": 3}, shape, SM90))
 
@@ -570,7 +574,7 @@ def test_fragment_paths_need_one_mtile_per_warpgroup():
     {wg*128 + i*64} (TileLang's layouts; rel err 0.92 on the H200): pruned, one warpgroup or block_n 128 kept."""
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     space = ix.INDEXER_TOPK.search_space(SM90)
-    bad = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "fragment_bits", "stages": 4, "block_n": 256, "tiles_per_cta": 4}
+    bad = ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "fragment_bits", "stages": 4, "block_n": 256, "tiles_per_cta": 4})
     assert any("one 64-row wgmma tile" in r for r in space.violations(bad, shape, SM90))
     assert any("one 64-row wgmma tile" in r for r in space.violations({**bad, "dequant": "registers"}, shape, SM90))
     assert space.violations({**bad, "block_n": 128}, shape, SM90) == []
@@ -699,13 +703,21 @@ def test_tile_matches_reference(tile):
 
 # dequant=prmt_rs (prmt lookups into the wgmma A fragment, K and q in the _rs_dim order), at the default's occupancy and
 # at the smaller-CTA shapes the tuner liked for prmt; written without device time (session 5), compiled for sm_90a.
-PRMT_RS_OPTIONS = {
-    "mc2": {"dequant": "prmt_rs", "min_ctas": 2},
-    "mc2_st4": {"dequant": "prmt_rs", "min_ctas": 2, "stages": 4},
-    "t128_bn64_mc4": {"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 4, "stages": 4},
-    "t128_bn64_mc3": {"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 3, "stages": 3, "tiles_per_cta": 4},
-    "t128_bn128_mc3": {"dequant": "prmt_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4},
-    "mc0": {"dequant": "prmt_rs", "min_ctas": 0},
+PRMT_RS_OPTIONS = {  # per_tile named: the epilogue these configs were written (and measured) with
+    "mc2": {"dequant": "prmt_rs", "min_ctas": 2, "epilogue": "per_tile"},
+    "mc2_st4": {"dequant": "prmt_rs", "min_ctas": 2, "stages": 4, "epilogue": "per_tile"},
+    "t128_bn64_mc4": {"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 4, "stages": 4, "epilogue": "per_tile"},
+    "t128_bn64_mc3": {
+        "dequant": "prmt_rs",
+        "threads": 128,
+        "block_n": 64,
+        "min_ctas": 3,
+        "stages": 3,
+        "tiles_per_cta": 4,
+        "epilogue": "per_tile",
+    },
+    "t128_bn128_mc3": {"dequant": "prmt_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4, "epilogue": "per_tile"},
+    "mc0": {"dequant": "prmt_rs", "min_ctas": 0, "epilogue": "per_tile"},
 }
 # dequant=fma_rs (prmt_rs's fragment built by IMAD bit placement + two bf16 multiplies), the same configs; written without
 # device time (session 5), compiled for sm_90a.
@@ -739,7 +751,7 @@ SCORE_OPTIONS = {
 @pytest.mark.parametrize("option", list(SCORE_OPTIONS), ids=str)
 def test_score_options_match_reference(tile, option):
     arch = get_arch("sm90")
-    cfg = {**tile.default_config(arch), **SCORE_OPTIONS[option]}
+    cfg = tile.with_defaults(arch, SCORE_OPTIONS[option])
     for shape in [tile.shape("decode_b64_n32k"), _odd(3, 2, 1000), _odd(2, 1, 77)]:
         ev = evaluate(tile, shape, cfg, arch, seed=3, time_it=False)
         assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
@@ -772,7 +784,7 @@ def test_min_ctas_register_cap_is_a_constraint():
     arch = get_arch("sm90")
     tile = ix.INDEXER_TOPK
     shape = tile.shape("decode_b64_n128k")
-    bad = {**tile.default_config(arch), "dequant": "prmt", "min_ctas": 3}
+    bad = tile.with_defaults(arch, {"dequant": "prmt", "min_ctas": 3})
     assert any("registers per thread" in r for r in tile.search_space(arch).violations(bad, shape, arch))
     ok = {**bad, "threads": 128, "tiles_per_cta": 4}
     assert not any("registers per thread" in r for r in tile.search_space(arch).violations(ok, shape, arch))

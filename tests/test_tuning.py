@@ -28,7 +28,7 @@ from tiles.arch import ArchError, get_arch
 from tuning import study as study_mod
 from tuning.export import export_results
 from tuning.replay import replay
-from tuning.space import config_key, similarity_order
+from tuning.space import config_key, seed_configs, similarity_order
 from tuning.study import TuneError, TuneOptions, counts_toward_budget, open_storage, tune, uses_budget
 
 SM90 = get_arch("sm90")
@@ -126,6 +126,25 @@ def test_transfer_seeding_from_nearer_archs(tmp_path):
     trials = _study(opts, s.study).trials
     assert [t.user_attrs["source"] for t in trials[:3]] == ["default", "transfer:sm100", "transfer:sm80"]
     assert trials[1].params == near and trials[2].params == far
+
+
+class _CandidateToy(toys.ScaleToy):
+    """ScaleToy with two candidates: one its constraints accept, one they reject."""
+
+    def candidates(self, arch, shape):
+        return [({"schedule": "ws", "stages": 3}, "ws measured faster"), ({"block": 512, "stages": 3}, "too much shared memory")]
+
+
+def test_tile_candidates_are_seeded_after_the_default(tmp_path):
+    """A tile's candidates join the seeds merged over the default, with their reason as the source; one the arch's
+    constraints reject is dropped before it compiles."""
+    tile, shape = _CandidateToy(), toys.TOY_SHAPES[0]
+    assert tile.search_space(SM90).violations({"block": 512, "schedule": "pipelined", "stages": 3}, shape, SM90)
+    seeds = seed_configs(tile, shape, SM90, tmp_path / "results")
+    assert seeds == [
+        ({"block": 128, "schedule": "pipelined", "stages": 2}, "default"),
+        ({"block": 128, "schedule": "ws", "stages": 3}, "candidate: ws measured faster"),
+    ]
 
 
 def test_faults_hangs_and_wrong_results_never_end_the_study(tmp_path):

@@ -768,6 +768,18 @@ class CompressorTile(Tile):
                 return cfg
         return cfg
 
+    def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
+        """Ratio 1 on Hopper: the flat kernel with 64 groups per CTA and the block's kv rows in one copy beat the
+        default there (results/sm90/profile_queued_session6.json, same run: 0.327 / 0.349 vs 0.377 ms at
+        prefill_r1_s64k); at ratio 2 block_g 64 was 2% slower and kv_load=whole does not exist. Not a default, which
+        serves both ratios."""
+        if arch.family != "hopper" or shape.dims.get("ratio") != 1:
+            return []
+        return [
+            ({"schedule": "flat", "block_g": 64, "kv_load": "whole", "wk_stages": 4}, "r1 64K 0.327 vs 0.377 ms (H200)"),
+            ({"kv_load": "whole", "wk_stages": 3}, "r1 64K 0.349 vs 0.377 ms (H200)"),
+        ]
+
     def with_defaults(self, arch: Arch, config: Config) -> Config:
         """``config`` over the default. A config that picks a one-CTA choice (direct loads, simt, other threads,
         block_g or k_chunk, schedule="ws") without naming ``ctas_per_sm`` gets the one-CTA kernel (ctas_per_sm 1,

@@ -165,6 +165,12 @@ class Tile:
         """``config`` over the default (a tile whose default choices depend on each other overrides this)."""
         return {**self.default_config(arch), **config}
 
+    def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
+        """Structural configs worth one trial each before the tuner samples: partial configs (merged over the default
+        by :meth:`with_defaults`), each with the measurement that suggests it, e.g. an option that beat the default at
+        this shape in a profile run but is not the default because it loses elsewhere. None by default."""
+        return []
+
     def support_reason(self, arch: Arch) -> str | None:
         """None when the tile compiles for ``arch``, else why not."""
         return self.unsupported.get(arch.name)

@@ -176,6 +176,7 @@ def sparse_attn_kernel(
     tokens_per_cta: int = 1,
     combine: str = "separate",
     handoff: str = "after_pv",
+    lanes: str = "row",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -211,6 +212,7 @@ def sparse_attn_kernel(
             tokens_per_cta,
             combine,
             handoff,
+            lanes,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -413,6 +415,7 @@ def _sparse_attn_ws(
     tokens_per_cta=1,
     combine="separate",
     handoff="after_pv",
+    lanes="row",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -477,6 +480,18 @@ def _sparse_attn_ws(
     ``handoff`` (``wg0_scores``): ``after_pv`` hands P to warpgroup 1 once warpgroup 0's own half of P V has
     completed; ``before_pv`` before it (see :func:`_ws_softmax_step`). Measured on the H200 (results/sm90/
     sparse_attn_run11_early_handoff.json): no gain with FP4 KV, 6% at bf16 decode B=128/S=2.
+
+    ``lanes`` is which of a block's (row, 32-column slice) pairs each producer lane owns (:func:`_lane_row`):
+
+    * ``row``: the 8 lanes of a quarter-warp share a row, lane c its columns 32 c .. 32 c + 31 of each half. The KV
+      buffers are 128-byte swizzled for wgmma (64-column atoms, 16-byte chunk k of row r at k ^ (r % 8)), so at one
+      store the 8 lanes hit only two chunk positions of their row: a 4-way bank conflict on every 16-byte store of
+      dequantised values. Nsight Compute (prefill 4K, io=staged; results/sm90/ncu_source_*io_staged.csv.gz) counted 4x
+      the ideal wavefronts on each such STS.128: 63M excess of the kernel's 164M shared-memory wavefronts, with
+      L1/TEX throughput at 79% of peak (results/sm90/ncu_sparse_attn_prefill_s4k_session6.txt).
+    * ``column``: the 8 lanes of a quarter-warp take 8 consecutive rows (row r % 8 all different) at the same columns,
+      so the swizzle spreads their stores over all 32 banks. Each lane still loads 16 contiguous bytes per row half;
+      a warp's load touches 8 rows x 64 B instead of 4 rows x 128 B (the same sectors).
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -653,7 +668,7 @@ def _sparse_attn_ws(
                         q = tx - 128
                         hsrc = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                         hregs = _WsRegisters(h_rows_cur, h_rows_next, h_raw, h_rawsc, h_vals)
-                        hdims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc)
+                        hdims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes)
                         helper = _WsHelper(hsrc, hregs, hdims, q)
                     else:
                         helper = None
@@ -670,7 +685,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes)
                 if TPC > 1:
                     # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
                     # reads a clamped token's rows, never used)
@@ -711,7 +726,7 @@ def _sparse_attn_ws(
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
-                c = p % 8
+                c = _lane_col(p, lanes)
                 for it in T.serial(n_blk):
                     blk = lo + it
                     if it % 2 == 0:
@@ -719,7 +734,7 @@ def _sparse_attn_ws(
                     else:
                         T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
                     for rr in T.serial(BI // ROWS):
-                        r = rr * ROWS + p // 8
+                        r = rr * ROWS + _lane_row(p, lanes)
                         if blk < NBW:
                             pos = blk * BI + r
                             row_local[0] = T.if_then_else(pos < W, WinIdx[b_i, s_i, T.min(pos, W - 1)], -1)
@@ -1257,20 +1272,31 @@ class _WsDims(NamedTuple):
     D2: int
     Nw: Any
     Nc: Any
+    lanes: str  # producer lane -> (row, column slice) map: _lane_row, _lane_col
+
+
+def _lane_row(p, lanes):
+    """Row (within a pass of 16) of producer lane p (0..127): see ``lanes`` in :func:`_sparse_attn_ws`."""
+    return p // 8 if lanes == "row" else p % 8 + 8 * (p // 64)
+
+
+def _lane_col(p, lanes):
+    """32-column slice (0..7, of each half of a row) of producer lane p: see ``lanes`` in :func:`_sparse_attn_ws`."""
+    return p % 8 if lanes == "row" else (p // 8) % 8
 
 
 @T.macro
 def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
-    """Producer thread p's cache rows of block ``blk`` (rows rr * ROWS + p // 8): -1 where the slot is unused,
+    """Producer thread p's cache rows of block ``blk`` (rows rr * ROWS + _lane_row(p)): -1 where the slot is unused,
     past the end of its list, or holds an index outside the cache (masked, never read: the batched
     kernel is built without TileLang's bounds guards). ``passes``: the rr to fetch (default all), ``rows[j]``
     holding the j-th of them."""
-    W, K, BI, NBW, ROWS, _, Nw, Nc = dims
+    W, K, BI, NBW, ROWS, _, Nw, Nc, lanes = dims
     WinIdx, TopkIdx = src.WinIdx, src.TopkIdx
     if passes is None:
         passes = tuple(range(BI // ROWS))
     for j, rr in enumerate(passes):
-        r = rr * ROWS + p // 8
+        r = rr * ROWS + _lane_row(p, lanes)
         if blk < NBW:
             rows[j] = T.if_then_else(blk * BI + r < W, WinIdx[b_i, s_i, T.min(blk * BI + r, W - 1)], -1)
             rows[j] = T.if_then_else(rows[j] < Nw, rows[j], -1)
@@ -1283,9 +1309,8 @@ def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
 def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_passes=None, s_next=None, blk_next=None):
     """Fill one KV buffer with block ``blk`` (batched producer), fetching block ``blk + 1``'s rows meanwhile.
 
-    Thread p owns rows rr * ROWS + p // 8 and, of each half of a row, the 32 columns from (p % 8) * 32
-    (FP4/FP8) or the four 8-column chunks at 64 u + (p % 8) * 8 (bf16, 128 contiguous bytes per u across
-    the row's 8 threads). An unused row (-1) gets zeros (FP4/FP8: its scale is zeroed) or a copy of row 0
+    Thread p owns rows rr * ROWS + _lane_row(p) and, of each half of a row, the 32 columns from c * 32
+    (FP4/FP8) or the four 8-column chunks at 64 u + c * 8 (bf16), c = _lane_col(p). An unused row (-1) gets zeros (FP4/FP8: its scale is zeroed) or a copy of row 0
     (bf16 by cp.async); either way its score is -inf, so it adds nothing. ``s_next``/``blk_next``: the token and
     block whose rows to fetch next (default: block ``blk + 1`` of the same token; ``tokens_per_cta`` crosses into
     the next token).
@@ -1295,14 +1320,14 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         s_next, blk_next = s_i, blk + 1
     rows_cur, rows_next, raw, rawsc, vals = regs
     KV_l, KV_r, valid, bar_ready = kv_buf.KV_l, kv_buf.KV_r, kv_buf.valid, kv_buf.ready
-    _, _, BI, NBW, ROWS, D2, _, _ = dims
+    _, _, BI, NBW, ROWS, D2, _, _, lanes = dims
     R = BI // ROWS
-    c = p % 8
+    c, lr = _lane_col(p, lanes), _lane_row(p, lanes)
     for rr in T.unroll(R):
-        valid[rr * ROWS + p // 8] = rows_cur[rr] >= 0
+        valid[rr * ROWS + lr] = rows_cur[rr] >= 0
     if not fp4:
         for rr in T.unroll(R):
-            r = rr * ROWS + p // 8
+            r = rr * ROWS + lr
             row = T.max(rows_cur[rr], 0)
             for u in T.unroll(4):
                 col = 64 * u + c * 8
@@ -1335,7 +1360,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
                             T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[0]), raw[(q * 2 + h) * 8 + 2 * w], s2)
                             T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[4]), raw[(q * 2 + h) * 8 + 2 * w + 1], s2)
                             for v in T.vectorized(8):
-                                buf[rr * ROWS + p // 8, c * 32 + w * 8 + v] = vals[v]
+                                buf[rr * ROWS + lr, c * 32 + w * 8 + v] = vals[v]
         else:
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
             # (main_passes: the passes this warpgroup fills, when consumer warpgroup 1 fills the last one)
@@ -1356,8 +1381,8 @@ def _ws_issue_main_loads(src, regs, dims, b_i, p, passes=None):
     :func:`_ws_fetch_rows` (the registers hold only those passes, in order)."""
     MainA, MainB = src.MainA, src.MainB
     rows_cur, raw, rawsc = regs.rows_cur, regs.raw, regs.rawsc
-    _, _, BI, _, ROWS, D2, _, _ = dims
-    c = p % 8
+    _, _, BI, _, ROWS, D2, _, _, lanes = dims
+    c = _lane_col(p, lanes)
     if passes is None:
         passes = tuple(range(BI // ROWS))
     for j in range(len(passes)):
@@ -1374,8 +1399,8 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
     """Dequantise ``raw``/``rawsc`` (the rows in ``rows_cur``; an unused row's scale is zeroed) into the KV buffer.
     ``passes``: as in :func:`_ws_fetch_rows`."""
     rows_cur, raw, rawsc, vals = regs.rows_cur, regs.raw, regs.rawsc, regs.vals
-    _, _, BI, _, ROWS, _, _, _ = dims
-    c = p % 8
+    _, _, BI, _, ROWS, _, _, _, lanes = dims
+    c, lr = _lane_col(p, lanes), _lane_row(p, lanes)
     if passes is None:
         passes = tuple(range(BI // ROWS))
     for j, rr in enumerate(passes):
@@ -1385,7 +1410,7 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
                 s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
                 T.call_extern("handle", "csa2_fp4x8_bf16", T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
                 for v in T.vectorized(8):
-                    buf[rr * ROWS + p // 8, c * 32 + q * 8 + v] = vals[v]
+                    buf[rr * ROWS + lr, c * 32 + q * 8 + v] = vals[v]
 
 
 @T.macro
@@ -1395,7 +1420,7 @@ def _ws_wg1_fill(src, hregs, dims, kv_buf, b_i, s_i, blk, q, more):
     case (the producer fills window blocks whole); then issue the next block's loads and fetch the rows of the one
     after. Invariant at entry: ``hregs.rows_cur`` holds this block's rows (and ``raw`` their data for a main block),
     ``rows_next`` the next block's. ``more``: true when this CTA has a block after ``blk``."""
-    _, _, BI, NBW, ROWS, _, _, _ = dims
+    _, _, BI, NBW, ROWS, _, _, _, _ = dims
     last = (BI // ROWS - 1,)
     if blk >= NBW:
         _ws_store_main(hregs, dims, kv_buf, q, last)
@@ -1421,7 +1446,7 @@ def _ws_produce_prefetch(src, regs, dims, kv_buf, b_i, s_i, blk, p, more):
     ``more``: a boolean expression, true when this CTA has a block after ``blk`` (something to prefetch).
     """
     rows_cur, rows_next = regs.rows_cur, regs.rows_next
-    _, _, BI, NBW, ROWS, _, _, _ = dims
+    _, _, BI, NBW, ROWS, _, _, _, lanes = dims
     R = BI // ROWS
     if blk < NBW:
         _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, True)  # ends with rows_cur = rows of blk + 1
@@ -1430,7 +1455,7 @@ def _ws_produce_prefetch(src, regs, dims, kv_buf, b_i, s_i, blk, p, more):
             _ws_fetch_rows(src, dims, rows_next, b_i, s_i, blk + 2, p)
     else:
         for rr in T.unroll(R):
-            kv_buf.valid[rr * ROWS + p // 8] = rows_cur[rr] >= 0
+            kv_buf.valid[rr * ROWS + _lane_row(p, lanes)] = rows_cur[rr] >= 0
         _ws_store_main(regs, dims, kv_buf, p)
         T.fence_proxy_async()  # generic-proxy stores must be visible to wgmma's async-proxy reads
         T.barrier_arrive(kv_buf.ready)
@@ -1505,6 +1530,7 @@ class CompiledAttention:
                 "tokens_per_cta",
                 "combine",
                 "handoff",
+                "lanes",
             )
             if k in config
         }
@@ -1840,6 +1866,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0, io=staged"
         if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
             return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
+        if c.get("lanes", "row") != "row" and c["schedule"] != "ws":
+            return "lanes=column maps the ws producer warpgroup's lanes: schedule=ws"
         if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
             return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
         if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
@@ -1928,6 +1956,12 @@ class SparseAttnTile(Tile):
                 "one after the other) or before it (both at once; the KV buffer frees a P V earlier)",
             ),
             Param(
+                "lanes",
+                ("row", "column"),
+                "ws producer lanes: a quarter-warp's 8 lanes store one row (4-way bank conflicts on the 128-byte-swizzled "
+                "KV buffer) or the same columns of 8 rows (conflict-free)",
+            ),
+            Param(
                 "ptxas_level",
                 (0, 10),
                 "ptxas --register-usage-level (0: its default, 5); TileLang's sparse_mla_fwd_pipelined example compiles with 10",
@@ -1972,6 +2006,7 @@ class SparseAttnTile(Tile):
         cfg["consumers"] = "wg0_scores"
         cfg["tokens_per_cta"] = 1
         cfg["handoff"] = "after_pv"
+        cfg["lanes"] = "row"
         # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json)
         cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
@@ -1996,6 +2031,7 @@ class SparseAttnTile(Tile):
                 ("consumers", "wg0_scores"),
                 ("tokens_per_cta", 1),
                 ("handoff", "after_pv"),
+                ("lanes", "row"),
             )
             for key, plain in plain_choices:
                 cfg[key] = config.get(key, plain)
@@ -2077,12 +2113,33 @@ class SparseAttnPrefill(SparseAttnTile):
     phase = "prefill"
     splits = False
 
+    def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
+        """Hopper: the options within ~1% of the default at prefill 4K on the H200 (noise-level: the tuner decides)."""
+        if arch.family != "hopper":
+            return []
+        return [
+            ({"produce": "prefetch"}, "prefill 4K 1.01x in the session-5 tuning run (H200)"),
+            ({"lanes": "column", "handoff": "before_pv"}, "prefill 4K 1.010 vs 1.021 ms (sparse_attn_run12_lanes_column.json)"),
+        ]
+
 
 class SparseAttnBf16(SparseAttnTile):
     name = "sparse_attn_bf16"
     description = "sparse gather attention with bf16 KV (window + main) and sink, decode and prefill"
     kv_format = "bf16"
     phase = "any"
+
+    def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
+        """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200."""
+        if arch.family != "hopper" or shape.phase != "decode":
+            return []
+        return [
+            ({"handoff": "before_pv"}, "bf16 decode B=128/S=2 0.0599 vs 0.0636 ms (sparse_attn_run11_early_handoff.json)"),
+            (
+                {"handoff": "before_pv", "lanes": "column"},
+                "bf16 decode B=128/S=2 0.0623 vs 0.0644 ms (sparse_attn_run12_lanes_column.json)",
+            ),
+        ]
 
 
 DECODE_TILE, PREFILL_TILE, BF16_TILE = SparseAttnDecode(), SparseAttnPrefill(), SparseAttnBf16()

@@ -48,8 +48,9 @@ def seed_configs(tile: Tile, shape: Shape, arch: Arch, root: Path | None = None)
     """Configs to enqueue first, in order, with where each came from.
 
     The default, then the stored winner for ``arch`` itself (an earlier run), then the stored
-    winners of the other archs in :func:`similarity_order`. Configs this arch's constraints
-    reject are dropped before anything compiles; repeats are dropped.
+    winners of the other archs in :func:`similarity_order`, then the tile's own candidates for
+    this shape (:meth:`Tile.candidates`). Configs this arch's constraints reject are dropped
+    before anything compiles; repeats are dropped.
     """
     space = tile.search_space(arch)
     seeds: list[tuple[Config, str]] = [(dict(tile.default_config(arch)), "default")]
@@ -62,6 +63,10 @@ def seed_configs(tile: Tile, shape: Shape, arch: Arch, root: Path | None = None)
             continue  # a bad file for another arch must not stop tuning this one; `lab check` reports it
         if source != "default" and not space.violations(config, shape, arch):
             seeds.append((config, f"transfer:{other.name}" if other.name != arch.name else "stored"))
+    for partial, why in tile.candidates(arch, shape):
+        config = tile.with_defaults(arch, partial)
+        if not space.violations(config, shape, arch):
+            seeds.append((config, f"candidate: {why}"))
     unique, seen = [], set()
     for config, source in seeds:
         if config_key(config) not in seen:
