@@ -123,6 +123,7 @@ phase_ncu-source() {  # per-instruction stall sampling of a tile (default: the a
   # NCU_TILE / NCU_SHAPE / NCU_CONFIG (a JSON override of the default config) / NCU_KERNEL (kernel name regex)
   if ! command -v ncu > /dev/null; then note "ncu: not installed"; return; fi
   timeout "${NCU_S:-120}" ncu --kernel-name "regex:${NCU_KERNEL:-main}" --launch-skip 1 --launch-count 1 --section WarpStateStats --section SourceCounters \
+    --section SpeedOfLight --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section Occupancy \
     -o /tmp/attn_src -f python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" "${NCU_CONFIG:-{\}}" > "$OUT/ncu_source_run.log" 2>&1
   note "ncu-source rc=$?"
   ncu -i /tmp/attn_src.ncu-rep --page details > "$OUT/ncu_source_details.log" 2>&1
