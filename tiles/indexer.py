@@ -1070,12 +1070,12 @@ def _launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, po
     B, S, C = scores.shape
     _score(cfg, arch, True, block, q, weights, words, scales, nvis, pool, scores)
     if cfg.get("select_algo", "multipass") == "two_pass":
-        # slot -> cache position (an unused block's slots map to negative positions; their scores are -inf, never chosen)
-        R, P = B * S, pool.shape[-1]
-        offsets = torch.arange(block, dtype=torch.int32, device=q.device)  # [block]
-        pos_map = (pool.view(R, P, 1) * block + offsets).view(R, P * block)  # [R, P * block]
+        # slot c -> cache position pool[c // block] * block + c % block, in the select's output (an unused block's
+        # slots map to negative positions; their scores are -inf, never chosen)
+        R = B * S
         dummy = torch.empty(R, 1, dtype=torch.float32, device=q.device)
-        radix_select.remapped_kernel(arch, out.shape[-1])(scores.view(R, C), nvis.view(R), pos_map, out.view(R, -1), dummy)
+        select = radix_select.remapped_kernel(arch, out.shape[-1], block=block)
+        select(scores.view(R, C), nvis.view(R), pool.view(R, -1), out.view(R, -1), dummy)
         return
     select = _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], block)
     n_cand = torch.full((B * S,), C, dtype=torch.int32, device=q.device)
@@ -1562,7 +1562,7 @@ class ReindexTopkTile(_ScoreAndSelectTile):
         blk = shape["block"]
         _build_score(arch, cfg, True, blk)
         if cfg["select_algo"] == "two_pass":
-            radix_select.remapped_kernel(arch, shape["K"])
+            radix_select.remapped_kernel(arch, shape["K"], block=blk)
         else:
             _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], blk)
         return (cfg, arch, shape["K"], blk)

@@ -259,20 +259,21 @@ struct ToShared {
 
 // Final output of one row (part): position p is written as pos_base + p, or as map[p] when map is given
 // (merge stage: candidate slot -> cache position); the value too when val is given (parts stage).
+template <int MB>  // the map's columns per entry (see select_kernel's remap_block): a constant, so p / MB is a shift
 struct ToOutput {
   int* out;
   float* val;
-  const int* map;
+  const int* map;  // the row's position map, or null: positions are pos_base + column
   int pos_base;
   __device__ __forceinline__ void operator()(int o, unsigned k, int p) const {
-    out[o] = map ? map[p] : pos_base + p;
+    out[o] = map ? map[p / MB] * MB + p % MB : pos_base + p;
     if (val) val[o] = value_of(k);
   }
 };
 
 // The whole select of one row (part) by one CTA; see tiles/radix_select.py for the algorithm.
-template <int THREADS, int HB, int E, int CAP, bool AGG>
-__device__ void topk_cta(const float* row, int n, int k, ToOutput dst, int* hist, unsigned* skey, int* spos, int* scratch) {
+template <int THREADS, int HB, int E, int CAP, bool AGG, class Dst>
+__device__ void topk_cta(const float* row, int n, int k, Dst dst, int* hist, unsigned* skey, int* spos, int* scratch) {
   constexpr int NB = 1 << HB;
   constexpr int WARPS = THREADS / 32;
   int* wsum = scratch;          // WARPS
@@ -317,16 +318,16 @@ __device__ void topk_cta(const float* row, int n, int k, ToOutput dst, int* hist
 
 // Launch glue for one CTA: row r (part p of parts) of values [R, L], columns < n_valid.
 // Out row r has parts * k slots: part p writes slots [p * k, (p + 1) * k).
-template <int THREADS, int HB, int E, int CAP, bool AGG>
+template <int THREADS, int HB, int E, int CAP, bool AGG, int MB>
 __device__ void select_row(const float* values, long long L, int r, int p, int parts, int n_valid, int k, int* out,
-                           float* out_val, int emit_values, const int* map, int remap, long long map_stride, int* hist,
+                           float* out_val, int emit_values, const int* map, int remap_block, long long map_stride, int* hist,
                            unsigned* skey, int* spos, int* scratch) {
   const long long n_row = max(0LL, min((long long)n_valid, L));
   const long long width = (L + parts - 1) / parts;
   const long long base = (long long)p * width;
   const long long n = max(0LL, min(n_row - base, width));
   const long long o = ((long long)r * parts + p) * k;
-  ToOutput dst{out + o, emit_values ? out_val + o : nullptr, remap ? map + (long long)r * map_stride : nullptr, (int)base};
+  ToOutput<MB> dst{out + o, emit_values ? out_val + o : nullptr, remap_block ? map + (long long)r * map_stride : nullptr, (int)base};
   topk_cta<THREADS, HB, E, CAP, AGG>(values + (long long)r * L + base, (int)n, k, dst, hist, skey, spos, scratch);
 }
 
@@ -387,15 +388,16 @@ def select_kernel(
     agg: bool = False,
     parts: int = 1,
     emit_values: bool = False,
-    remap: bool = False,
+    remap_block: int = 0,
     all_valid: bool = False,
 ):
     """Build the select kernel for one config and ``target`` (an nvcc arch such as ``"sm_90a"``).
 
     Arguments of the compiled kernel:
         values fp32 [R, L]; n_valid int32 [R] (columns >= n_valid[r] are not candidates; ignored with
-        ``all_valid``); pos_map int32 [R, M] (with ``remap`` the chosen column c is reported as
-        ``pos_map[r, c]``, else M may be 1 and it is not read); out int32 [R, parts * k] (part p of
+        ``all_valid``); pos_map int32 [R, M] (with ``remap_block`` b > 0 the chosen column c is reported as
+        ``pos_map[r, c // b] * b + c % b``: b = 1 maps each column, b = 8 maps Reindex's candidate slots through the
+        pool's block ids; with 0 M may be 1 and it is not read); out int32 [R, parts * k] (part p of
         row r writes its ascending positions, global within the row, to ``[p * k, (p + 1) * k)``,
         -1 fill); out_val fp32 [R, V] (with ``emit_values`` V = parts * k and the chosen values
         land beside their positions, -inf fill; else V may be 1 and it is not written).
@@ -404,7 +406,7 @@ def select_kernel(
     R, L, M, V = T.dynamic("R, L, M, V")
     nb = 1 << hist_bits
     warps = threads // 32
-    fn = f"csa2_rs::select_row<{threads}, {hist_bits}, {loads}, {cap}, {'true' if agg else 'false'}>"
+    fn = f"csa2_rs::select_row<{threads}, {hist_bits}, {loads}, {cap}, {'true' if agg else 'false'}, {max(remap_block, 1)}>"
     out_w = parts * k
 
     @T.prim_func
@@ -436,7 +438,7 @@ def select_kernel(
                 T.address_of(out_val[0, 0]),
                 int(emit_values),
                 T.address_of(pos_map[0, 0]),
-                int(remap),
+                remap_block,
                 T.Cast("int64", M),
                 T.address_of(hist[0]),
                 T.address_of(skey[0]),
@@ -473,19 +475,19 @@ def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
     if parts == 1:
         return select_kernel(arch.nvcc_arch, k, *knobs), None
     first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True)
-    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap=True, all_valid=True)
+    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True)
     return first, merge
 
 
-def remapped_kernel(arch: Arch, k: int, config: Config | None = None):
+def remapped_kernel(arch: Arch, k: int, config: Config | None = None, block: int = 1):
     """The one-launch select whose chosen columns are reported through a position map (every column a candidate):
-    ``fn(values [R, L] fp32, n_valid [R] (not read), pos_map [R, L] int32, out [R, k] int32, out_val [R, 1])`` writes
-    ``pos_map[r, c]`` for each chosen column c, in column order, -1 fill. The merge launch of the parts path is this
-    kernel; Reindex uses it to map candidate slots back to cache positions."""
+    ``fn(values [R, L] fp32, n_valid [R] (not read), pos_map [R, L / block] int32, out [R, k] int32, out_val [R, 1])``
+    writes ``pos_map[r, c // block] * block + c % block`` for each chosen column c, in column order, -1 fill. The
+    merge launch of the parts path is this kernel with block 1; Reindex passes its pool's block ids with block 8, so
+    candidate slots map back to cache positions without a per-call map."""
     cfg = check_config(config or {}, k)
-    return select_kernel(
-        arch.nvcc_arch, k, cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"], parts=1, remap=True, all_valid=True
-    )
+    knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
+    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True)
 
 
 def build_kernels(arch: Arch, k: int, parts: int, config: Config | None = None):
