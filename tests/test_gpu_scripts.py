@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "gpu"))
 
 import profile_tiles  # gpu/ is not a package: imported from the path above
+import sparse_attn_check
 
 
 def _session_specs() -> list[str]:
@@ -44,3 +45,20 @@ def test_session_profile_spec_is_valid_for_sm90(text):
     tile, arch = get_tile(spec.tile), get_arch("sm90")
     config = tile.with_defaults(arch, spec.config)
     assert tile.search_space(arch).violations(config, tile.shape(spec.shape), arch) == [], text
+
+
+@pytest.mark.parametrize("row", sparse_attn_check.CHECKS, ids=lambda r: f"{r[0]}-{r[1] if isinstance(r[1], str) else r[1][0]}-{r[2]}")
+def test_attention_check_row_is_valid_for_sm90(row):
+    """Every (tile, shape, label) gpu/sparse_attn_check.py compiles, checks and times: the label exists and its
+    config, merged over the default as the script does, passes sm90's constraints at that shape."""
+    tile_name, spec, label = row
+    tile, arch = get_tile(tile_name), get_arch("sm90")
+    config = tile.with_defaults(arch, sparse_attn_check.LABELS[label])
+    assert tile.search_space(arch).violations(config, sparse_attn_check._shape(tile, spec), arch) == [], row
+
+
+def test_queued_attention_labels_exist():
+    """The attention labels gpu/session.sh names (ATTN_LABELS defaults in its phases) are labels of the check script."""
+    text = (ROOT / "gpu" / "session.sh").read_text()
+    named = {label for m in re.finditer(r"ATTN_LABELS(?::-|=)([a-z0-9_,]+)", text) for label in m.group(1).split(",")}
+    assert named <= set(sparse_attn_check.LABELS), named - set(sparse_attn_check.LABELS)
