@@ -1401,8 +1401,15 @@ class IndexerTopkTile(_ScoreAndSelectTile):
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
         """Hopper: four stages with the hoisted epilogue (results/sm90/profile_queued_session6.json: decode B=64 x
-        128K 0.348 vs 0.354 ms with two; not run at prefill)."""
-        return [({"stages": 4}, "decode B=64 x 128K 0.348 vs 0.354 ms (H200)")] if arch.family == "hopper" else []
+        128K 0.348 vs 0.354 ms with two; not run at prefill), and the prefill 4K winner of session 6's tuning run
+        (results/sm90/indexer_topk.yaml: 256-entry tiles on one consumer warpgroup, the per-tile fixed work spread over
+        twice the entries), not yet run at decode."""
+        if arch.family != "hopper":
+            return []
+        return [
+            ({"stages": 4}, "decode B=64 x 128K 0.348 vs 0.354 ms (H200)"),
+            ({"block_n": 256, "threads": 128, "stages": 1}, "prefill 4K 0.586 vs 0.663 ms (H200 tuning run)"),
+        ]
 
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = self.with_defaults(arch, config)
