@@ -72,11 +72,13 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
-phase_queued() {  # what session 5 wrote after its device time was spent: checked, then timed against the defaults (PROFILE_S 200 s)
-  PROFILE_ARGS=${PROFILE_ARGS:-'compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"wk":"hi_lo"} compressor:prefill_r1_s64k:{"wk_stages":3,"kv_load":"whole"} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64,"wk_stages":4,"kv_load":"whole"} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64,"wk":"hi_lo","wk_stages":3} compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"schedule":"flat","block_g":64} compressor:prefill_r2_s64k:{"schedule":"flat","block_g":64,"wk_stages":4} compressor:prefill_r2_s64k:{"schedule":"flat","block_g":64,"wk":"hi_lo","wk_stages":3} indexer_topk:decode_b64_n128k indexer_topk:decode_b64_n128k:{"dequant":"fma_rs","min_ctas":2} indexer_topk:decode_b64_n128k:{"dequant":"fma_rs","min_ctas":2,"stages":4} indexer_topk:decode_b64_n128k:{"dequant":"fma_rs","threads":128,"block_n":64,"min_ctas":4,"stages":4} indexer_topk:prefill_s4k indexer_topk:prefill_s4k:{"dequant":"fma_rs","min_ctas":2} indexer_topk:decode_b64_n128k:{"epilogue":"hoisted"} indexer_topk:decode_b64_n128k:{"epilogue":"hoisted","stages":4} indexer_topk:decode_b64_n128k:{"dequant":"fma_rs","min_ctas":2,"epilogue":"hoisted"} indexer_topk:prefill_s4k:{"epilogue":"hoisted"} reindex_topk:decode_b64_n128k reindex_topk:decode_b64_n128k:{"dequant":"prmt_rs","epilogue":"hoisted"}'} \
+phase_queued() {  # what session 6 wrote after its device time was spent: checked, then timed against the defaults
+  # wg0_overlap=qk_ahead (notes/sparse_attn.md, session 6: expected slower with two KV buffers; measure it) and the
+  # indexer's prefill winner at decode (a tuning candidate), then their GPU tests
+  ATTN_LABELS=${ATTN_LABELS:-default,qk_ahead,qk_ahead_early} phase_attn
+  PROFILE_ARGS=${PROFILE_ARGS:-'indexer_topk:decode_b64_n128k indexer_topk:decode_b64_n128k:{"block_n":256,"threads":128,"stages":1}'} \
     phase_profile
-  PYTEST_K=${PYTEST_K:-"flat or fma_rs or wide_scale or staged_equals_direct or hoisted"} PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_indexer.py tests/test_compressor.py"} \
-    phase_pytest
+  PYTEST_K=${PYTEST_K:-"qk_ahead"} PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_sparse_attn.py"} phase_pytest
 }
 
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)

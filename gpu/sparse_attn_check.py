@@ -51,6 +51,8 @@ LABELS = {
     "early": {"handoff": "before_pv"},  # warpgroup 0 hands P to warpgroup 1 before its own half of P V
     "lanes_col": {"lanes": "column"},  # producer lanes of a quarter-warp on 8 rows: no bank conflicts on the KV stores
     "lanes_col_early": {"lanes": "column", "handoff": "before_pv"},
+    "qk_ahead": {"wg0_overlap": "qk_ahead"},  # warpgroup 0 issues block i+1's QK^T before block i's softmax
+    "qk_ahead_early": {"wg0_overlap": "qk_ahead", "handoff": "before_pv"},
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -105,6 +107,8 @@ CHECKS = [
     *_option_rows("early", bf16=("prefill_s4k", "decode_b128_s2")),
     *_option_rows("lanes_col", bf16=("prefill_s4k", "decode_b128_s2")),
     *_option_rows("lanes_col_early", bf16=("prefill_s4k", "decode_b128_s2")),
+    *_option_rows("qk_ahead", bf16=("prefill_s4k", "decode_b128_s2")),
+    *_option_rows("qk_ahead_early", bf16=("prefill_s4k", "decode_b128_s2")),
     ("sparse_attn_decode", "decode_b64_s1", "fused"),  # auto: 2 splits, against default (separate) in the same run
     ("sparse_attn_decode", "decode_b128_s2", "fused_split2"),
     ("sparse_attn_decode", "decode_b128_s2", "split2"),  # the separate combine at the same split
@@ -137,7 +141,7 @@ def _compile_job(job):
     try:
         tile = get_tile(tile_name)
         arch = get_arch("sm90")
-        tile.build(_shape(tile, spec), {**tile.default_config(arch), **override}, arch)
+        tile.build(_shape(tile, spec), tile.with_defaults(arch, override), arch)
         return i, time.time() - t0, None
     except Exception as exc:  # noqa: BLE001 - reported in the table, never fatal
         return i, time.time() - t0, "".join(traceback.format_exception_only(type(exc), exc)).strip()[-400:]
@@ -198,7 +202,7 @@ def main() -> int:
     def kernel_for(tile, shape, override):
         key = (tile.name, shape.name, tuple(sorted(override.items())))
         if key not in kernels:
-            kernels[key] = tile.build(shape, {**tile.default_config(arch), **override}, arch)
+            kernels[key] = tile.build(shape, tile.with_defaults(arch, override), arch)
         return kernels[key]
 
     # --- correctness ------------------------------------------------------------------------
@@ -208,7 +212,7 @@ def main() -> int:
             continue
         tile = get_tile(tile_name)
         shape = _shape(tile, spec)
-        row = {"kind": "check", "tile": tile_name, "shape": shape.name, "label": label, "config": {**tile.default_config(arch), **override}}
+        row = {"kind": "check", "tile": tile_name, "shape": shape.name, "label": label, "config": tile.with_defaults(arch, override)}
         if i in compile_err:
             rows.append({**row, "outcome": "compile_error", "message": compile_err[i]})
             continue
