@@ -1524,12 +1524,12 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
     KV_l, KV_r, valid, bar_ready = kv_buf.KV_l, kv_buf.KV_r, kv_buf.valid, kv_buf.ready
     _, _, BI, NBW, ROWS, D2, _, _, lanes = dims
     R = BI // ROWS
-    c, lr = _lane_col(p, lanes), _lane_row(p, lanes)
+    c = _lane_col(p, lanes)
     for rr in T.unroll(R):
-        valid[rr * ROWS + lr] = rows_cur[rr] >= 0
+        valid[rr * ROWS + _lane_row(p, lanes)] = rows_cur[rr] >= 0
     if not fp4:
         for rr in T.unroll(R):
-            r = rr * ROWS + lr
+            r = rr * ROWS + _lane_row(p, lanes)
             row = T.max(rows_cur[rr], 0)
             for u in T.unroll(4):
                 col = 64 * u + c * 8
@@ -1562,7 +1562,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
                             T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[0]), raw[(q * 2 + h) * 8 + 2 * w], s2)
                             T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[4]), raw[(q * 2 + h) * 8 + 2 * w + 1], s2)
                             for v in T.vectorized(8):
-                                buf[rr * ROWS + lr, c * 32 + w * 8 + v] = vals[v]
+                                buf[rr * ROWS + _lane_row(p, lanes), c * 32 + w * 8 + v] = vals[v]
         else:
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
             # (main_passes: the passes this warpgroup fills, when consumer warpgroup 1 fills the last one)
@@ -1602,7 +1602,7 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
     ``passes``: as in :func:`_ws_fetch_rows`."""
     rows_cur, raw, rawsc, vals = regs.rows_cur, regs.raw, regs.rawsc, regs.vals
     _, _, BI, _, ROWS, _, _, _, lanes = dims
-    c, lr = _lane_col(p, lanes), _lane_row(p, lanes)
+    c = _lane_col(p, lanes)
     if passes is None:
         passes = tuple(range(BI // ROWS))
     for j, rr in enumerate(passes):
@@ -1612,7 +1612,7 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
                 s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
                 T.call_extern("handle", "csa2_fp4x8_bf16", T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
                 for v in T.vectorized(8):
-                    buf[rr * ROWS + lr, c * 32 + q * 8 + v] = vals[v]
+                    buf[rr * ROWS + _lane_row(p, lanes), c * 32 + q * 8 + v] = vals[v]
 
 
 @T.macro
