@@ -135,6 +135,13 @@ def test_compressor_matches_reference(proj, load):
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
 
+def _gpu_inputs(shape_name: str, seed: int):
+    """(sm90, the compressor, its shape ``shape_name``, fresh inputs of that shape on the GPU from ``seed``)."""
+    tile = cp.COMPRESSOR
+    shape = tile.shape(shape_name)
+    return get_arch("sm90"), tile, shape, tile.make_inputs(shape, seed, "cuda")
+
+
 def _outputs_bitwise_equal(shape, inputs, config_a, config_b) -> None:
     """Two compressor configs on the same inputs write byte-identical caches (all four outputs)."""
     tile, arch = cp.COMPRESSOR, get_arch("sm90")
@@ -149,9 +156,7 @@ def _outputs_bitwise_equal(shape, inputs, config_a, config_b) -> None:
 @pytest.mark.parametrize("block_g, k_chunk", [(32, 32), (16, 32)])
 def test_staged_equals_direct_bitwise(shape_name, block_g, k_chunk):
     """The staged loads change where kv/gate come from, not the arithmetic: caches byte-identical."""
-    arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    shape = tile.shape(shape_name)
-    inputs = tile.make_inputs(shape, 4, "cuda")
+    arch, tile, shape, inputs = _gpu_inputs(shape_name, 4)
     base = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk}
     assert tile.search_space(arch).violations({**base, "load": "staged"}, shape, arch) == []
     _outputs_bitwise_equal(shape, inputs, {**base, "load": "direct"}, {**base, "load": "staged"})
@@ -336,9 +341,7 @@ def test_threshold_encode_matches_reference(load):
 @pytest.mark.parametrize("shape_name", ["prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64"])
 def test_threshold_encode_equals_divide_bitwise(shape_name):
     """Same latent and index key, codes by bounds instead of division: all four outputs byte-identical."""
-    arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    shape = tile.shape(shape_name)
-    inputs = tile.make_inputs(shape, 6, "cuda")
+    arch, tile, shape, inputs = _gpu_inputs(shape_name, 6)
     inputs["kv"][0, :8] *= 1e-39  # tiny latents (RMSNorm keeps them ~1e-36): the smallest scales and bounds
     base = {**tile.default_config(arch), **ONE_CTA}
     _outputs_bitwise_equal(shape, inputs, {**base, "encode": "divide"}, {**base, "encode": "thresholds"})
@@ -392,21 +395,28 @@ def _ptxas(src: str, tmp_path) -> tuple[int, int]:
     return regs, spills
 
 
-@pytest.mark.parametrize("ratio, block_g, ctas, wk", MULTI_CTA)
-def test_multi_cta_compiles_sm90_and_fits(ratio, block_g, ctas, wk, tmp_path):
-    """Compiles at the 64K shapes (the same kernel serves every B and G, decode included), launch bounds ask for
-    ``ctas`` CTAs, no producer warpgroup, the shared-memory model equals what the host code launches with, and
-    ptxas keeps the registers within 65536 / (256 x ctas) without spilling."""
-    shape = cp.COMPRESSOR.shape(f"prefill_r{ratio}_s64k")
-    cfg = _multi_cta_config(block_g, ctas, wk)
+def _build_without_producer(ratio: int, cfg: dict, ctas: int):
+    """Build ``cfg`` at the 64K prefill shape of ``ratio`` after checking the space accepts it there and at decode (the
+    same kernel serves both); assert it launches ``ctas`` CTAs per SM and has no producer warpgroup. (kernel, source)."""
     space = cp.COMPRESSOR.search_space(SM90)
-    assert ctas in {p.name: p.choices for p in space.params}["ctas_per_sm"]
+    shape = cp.COMPRESSOR.shape(f"prefill_r{ratio}_s64k")
     assert space.violations(cfg, shape, SM90) == []
     assert space.violations(cfg, cp.COMPRESSOR.shape(f"decode_r{ratio}_b64"), SM90) == []
     kernel = cp.COMPRESSOR.build(shape, cfg, SM90)
     src = kernel.get_kernel_source()
     assert f"__launch_bounds__(256, {ctas})" in src
     assert "warpgroup_reg_alloc" not in src
+    return kernel, src
+
+
+@pytest.mark.parametrize("ratio, block_g, ctas, wk", MULTI_CTA)
+def test_multi_cta_compiles_sm90_and_fits(ratio, block_g, ctas, wk, tmp_path):
+    """Compiles at the 64K shapes (the same kernel serves every B and G, decode included), launch bounds ask for
+    ``ctas`` CTAs, no producer warpgroup, the shared-memory model equals what the host code launches with, and
+    ptxas keeps the registers within 65536 / (256 x ctas) without spilling."""
+    cfg = _multi_cta_config(block_g, ctas, wk)
+    assert ctas in {p.name: p.choices for p in cp.COMPRESSOR.search_space(SM90).params}["ctas_per_sm"]
+    kernel, src = _build_without_producer(ratio, cfg, ctas)
     assert ("wk_lo[" in src) == (wk == "hi_lo")  # wk=fp32 reads Wk itself through the wk_hi argument
     assert kernel.csa2_wk == wk
     # The shared-memory model is exact for these builds (it is what refuses the ones that do not fit).
@@ -522,9 +532,7 @@ def test_multi_cta_decode_tail_and_repeatable():
 @pytest.mark.parametrize("shape_name", ["prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64"])
 def test_multi_cta_wk_fp32_equals_hi_lo_bitwise(shape_name):
     """wk=fp32 splits Wk in the kernel into the bits split_tf32 gives on the host: all four outputs byte-identical."""
-    arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    shape = tile.shape(shape_name)
-    inputs = tile.make_inputs(shape, 9, "cuda")
+    arch, tile, shape, inputs = _gpu_inputs(shape_name, 9)
     base = {**tile.default_config(arch), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
     _outputs_bitwise_equal(shape, inputs, {**base, "wk": "hi_lo"}, {**base, "wk": "fp32"})
 
@@ -570,15 +578,8 @@ def _flat_config(block_g, ctas, wk="fp32", wk_stages=2, kv_load="slabs"):
 def test_flat_compiles_sm90_and_fits(ratio, block_g, ctas, wk, stages, kv_load, tmp_path):
     """Compiles at the 64K shape (the same kernel serves decode), no producer warpgroup, the Wk pipeline is ``stages``
     deep, the shared-memory model equals the launch, and ptxas keeps the registers within the occupancy, no spills."""
-    shape = cp.COMPRESSOR.shape(f"prefill_r{ratio}_s64k")
     cfg = _flat_config(block_g, ctas, wk, stages, kv_load)
-    space = cp.COMPRESSOR.search_space(SM90)
-    assert space.violations(cfg, shape, SM90) == []
-    assert space.violations(cfg, cp.COMPRESSOR.shape(f"decode_r{ratio}_b64"), SM90) == []
-    kernel = cp.COMPRESSOR.build(shape, cfg, SM90)
-    src = kernel.get_kernel_source()
-    assert f"__launch_bounds__(256, {ctas})" in src
-    assert "warpgroup_reg_alloc" not in src
+    kernel, src = _build_without_producer(ratio, cfg, ctas)
     assert f"cp_async_wait<{stages - 1}>" in src  # the Wk loop waits with stages - 1 chunks still in flight
     if kv_load == "whole":
         assert "kv_s" not in src and "gate_s" not in src  # no slab buffer: kv goes straight into rot_s
