@@ -72,15 +72,6 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
-phase_queued() {  # what session 6 wrote after its device time was spent: checked, then timed against the defaults
-  # wg0_overlap=qk_ahead and kv_buffers=3 (notes/sparse_attn.md, session 6: estimates say no FP4 gain; measure them,
-  # bi32 isolates the block-size effect), the indexer's prefill winner at decode (a tuning candidate), then GPU tests
-  ATTN_LABELS=${ATTN_LABELS:-default,qk_ahead,qk_ahead_early,bi32,kvbuf3,kvbuf3_ahead} phase_attn
-  PROFILE_ARGS=${PROFILE_ARGS:-'indexer_topk:decode_b64_n128k indexer_topk:decode_b64_n128k:{"block_n":256,"threads":128,"stages":1}'} \
-    phase_profile
-  PYTEST_K=${PYTEST_K:-"qk_ahead or kv_buffers"} PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_sparse_attn.py"} phase_pytest
-}
-
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
   mkdir -p "$OUT/scaling"
   timeout "${SCALING_S:-150}" python3 gpu/attn_block_scaling.py --out "$OUT/scaling" --config "${SCALING_CONFIG:-{\}}" > "$OUT/scaling.log" 2>&1

@@ -51,13 +51,7 @@ LABELS = {
     "early": {"handoff": "before_pv"},  # warpgroup 0 hands P to warpgroup 1 before its own half of P V
     "lanes_col": {"lanes": "column"},  # producer lanes of a quarter-warp on 8 rows: no bank conflicts on the KV stores
     "lanes_col_early": {"lanes": "column", "handoff": "before_pv"},
-    "qk_ahead": {"wg0_overlap": "qk_ahead"},  # warpgroup 0 issues block i+1's QK^T before block i's softmax
-    "qk_ahead_early": {"wg0_overlap": "qk_ahead", "handoff": "before_pv"},
-    # three 32-row KV buffers (block g in buffer g % 3): the producer keeps a step of slack under qk_ahead; bi32 is the
-    # two-buffer baseline at the same block size (block_I alone doubles the block count)
-    "bi32": {"block_I": 32},
-    "kvbuf3": {"kv_buffers": 3, "block_I": 32},
-    "kvbuf3_ahead": {"kv_buffers": 3, "block_I": 32, "wg0_overlap": "qk_ahead"},
+    "bi32": {"block_I": 32},  # 32-row KV blocks: twice the blocks per token (the block-size effect alone)
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -112,11 +106,7 @@ CHECKS = [
     *_option_rows("early", bf16=("prefill_s4k", "decode_b128_s2")),
     *_option_rows("lanes_col", bf16=("prefill_s4k", "decode_b128_s2")),
     *_option_rows("lanes_col_early", bf16=("prefill_s4k", "decode_b128_s2")),
-    *_option_rows("qk_ahead", bf16=("prefill_s4k", "decode_b128_s2")),
-    *_option_rows("qk_ahead_early", bf16=("prefill_s4k", "decode_b128_s2")),
     *_option_rows("bi32", bf16=("prefill_s4k",)),
-    *_option_rows("kvbuf3", bf16=("prefill_s4k",)),
-    *_option_rows("kvbuf3_ahead", bf16=("prefill_s4k",)),
     ("sparse_attn_decode", "decode_b64_s1", "fused"),  # auto: 2 splits, against default (separate) in the same run
     ("sparse_attn_decode", "decode_b128_s2", "fused_split2"),
     ("sparse_attn_decode", "decode_b128_s2", "split2"),  # the separate combine at the same split

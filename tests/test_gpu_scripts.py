@@ -22,20 +22,41 @@ sys.path.insert(0, str(ROOT / "gpu"))
 import profile_tiles  # gpu/ is not a package: imported from the path above
 import sparse_attn_check
 
+# The phases whose profile lists are parsed: ``profile`` (its default list) always, ``queued`` (the next session's
+# list, when one is written) where gpu/session.sh defines it.
+PROFILE_PHASES = ("profile", "queued")
+REQUIRED_PHASES = ("profile",)
 
-def _session_specs() -> list[str]:
-    """Every TILE:SHAPE[:JSON] token of the profile lists in gpu/session.sh (the phases ``profile`` and ``queued``)."""
+
+def _phase_bodies() -> dict[str, str]:
+    """The bodies of the phases in PROFILE_PHASES that gpu/session.sh defines (a required one missing is an error)."""
     text = (ROOT / "gpu" / "session.sh").read_text()
-    bodies = [re.search(rf"^phase_{phase}\(\) {{.*?^}}", text, re.DOTALL | re.MULTILINE).group(0) for phase in ("profile", "queued")]
+    bodies = {}
+    for phase in PROFILE_PHASES:
+        m = re.search(rf"^phase_{phase}\(\) {{.*?^}}", text, re.DOTALL | re.MULTILINE)
+        if m:
+            bodies[phase] = m.group(0)
+        elif phase in REQUIRED_PHASES:
+            raise AssertionError(f"gpu/session.sh has no phase_{phase}")
+    return bodies
+
+
+def _specs(body: str) -> list[str]:
+    """Every TILE:SHAPE[:JSON] token of a phase body."""
     names = "|".join(sorted(all_tiles(), key=len, reverse=True))
-    return [m.group(0) for body in bodies for m in re.finditer(rf"\b(?:{names}):[a-z0-9_]+(?::\{{[^'\s]*\}})?", body)]
+    return [m.group(0) for m in re.finditer(rf"\b(?:{names}):[a-z0-9_]+(?::\{{[^'\s]*\}})?", body)]
 
 
-SPECS = _session_specs()
+BODIES = _phase_bodies()
+SPECS = [spec for body in BODIES.values() for spec in _specs(body)]
 
 
 def test_the_session_has_profile_specs():
-    assert len(SPECS) >= 10  # the default profile list (9 specs) and the queued one: the pattern finds them
+    # the default profile list's 9 specs (the pattern also reads the example in the phase's comment): it finds them
+    assert len(_specs(BODIES["profile"])) >= 9
+    # a queued phase that hands the profiler a list: the pattern finds at least one spec in it
+    if "PROFILE_ARGS" in BODIES.get("queued", ""):
+        assert _specs(BODIES["queued"])
 
 
 @pytest.mark.parametrize("text", SPECS)
@@ -57,8 +78,14 @@ def test_attention_check_row_is_valid_for_sm90(row):
     assert tile.search_space(arch).violations(config, sparse_attn_check._shape(tile, spec), arch) == [], row
 
 
-def test_queued_attention_labels_exist():
+def _attn_labels(text: str) -> set[str]:
+    """The attention labels a session.sh text names as ATTN_LABELS defaults (``ATTN_LABELS=...`` or ``${ATTN_LABELS:-...}``)."""
+    return {label for m in re.finditer(r"ATTN_LABELS(?::-|=)([a-z0-9_,]+)", text) for label in m.group(1).split(",")}
+
+
+def test_session_attention_labels_exist():
     """The attention labels gpu/session.sh names (ATTN_LABELS defaults in its phases) are labels of the check script."""
-    text = (ROOT / "gpu" / "session.sh").read_text()
-    named = {label for m in re.finditer(r"ATTN_LABELS(?::-|=)([a-z0-9_,]+)", text) for label in m.group(1).split(",")}
+    # the pattern reads both forms (a session may name none: the attn phase then runs every label)
+    assert _attn_labels("ATTN_LABELS=${ATTN_LABELS:-default,bi32} phase_attn") == {"default", "bi32"}
+    named = _attn_labels((ROOT / "gpu" / "session.sh").read_text())
     assert named <= set(sparse_attn_check.LABELS), named - set(sparse_attn_check.LABELS)

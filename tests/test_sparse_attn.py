@@ -172,119 +172,6 @@ def test_early_handoff_compiles_for_sm90():
         assert any("handoff" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
-QK_AHEAD = {"wg0_overlap": "qk_ahead"}
-
-
-@pytest.mark.parametrize(
-    "tile,shape_name,extra",
-    [
-        (sa.PREFILL_TILE, "prefill_s4k", {}),
-        (sa.DECODE_TILE, "decode_b64_s1", {}),
-        (sa.DECODE_TILE, "decode_b128_s2", {"n_split": 4}),  # a dynamic block count per split
-        (sa.BF16_TILE, "prefill_s4k", {}),
-    ],
-    ids=["prefill_s4k", "decode_b64_s1", "decode_b128_s2_split4", "bf16_prefill_s4k"],
-)
-def test_wg0_qk_ahead_compiles_for_sm90(tile, shape_name, extra):
-    """wg0_overlap=qk_ahead (GPU checks in GPU_CASES, not yet run on a GPU): warpgroup 0 issues the next block's QK^T
-    into a second score accumulator before this block's softmax and waits for it before the O rescale; the default's
-    source has neither."""
-    shape = tile.shape(shape_name)
-    config = {**tile.default_config(SM90), **extra, **QK_AHEAD}
-    assert tile.search_space(SM90).violations(config, shape, SM90) == []
-    src = tile.build(shape, config, SM90).main.get_kernel_source()
-    default_src = tile.build(shape, {**tile.default_config(SM90), **extra}, SM90).main.get_kernel_source()
-    assert src != default_src
-    assert "acc_s_next" in src and "acc_s_next" not in default_src
-    # QK^T into acc_s_next (committed), then the softmax exp2s, then a wgmma wait, then P V: the overlap
-    ahead = re.search(
-        r"\(\(uint32_t\*\)\(acc_s_next \+ 0\)\), 1\);\s*\}\s*tl::warpgroup_commit_batch\(\);.*?exp2f\(.*?"
-        r"tl::wait_wgmma<0>\(\);.*?wgmma_ss<[^>]*, 64, 256, 16,",
-        src,
-        re.DOTALL,
-    )
-    assert ahead, "the next block's QK^T is issued before this block's softmax and waited for before its P V"
-
-
-def test_wg0_qk_ahead_refused_where_it_does_not_apply():
-    tile, space = sa.DECODE_TILE, sa.DECODE_TILE.search_space(SM90)
-    shape = tile.shape("decode_b64_s1")
-    config = {**tile.default_config(SM90), **QK_AHEAD}
-    assert tile.default_config(SM90)["wg0_overlap"] == "off" and sa.BF16_TILE.default_config(SM90)["wg0_overlap"] == "off"
-    for other in ({"consumers": "balanced"}, {"consumers": "balanced_overlap"}, {"schedule": "pipelined"}):
-        assert any("wg0_overlap" in r for r in space.violations({**config, **other}, shape, SM90))
-    assert any("combine=separate" in r for r in space.violations({**config, "combine": "fused"}, shape, SM90))
-    assert sa.DECODE_TILE.with_defaults(SM90, {"schedule": "pipelined"})["wg0_overlap"] == "off"
-    with pytest.raises(ValueError, match="consumers='wg0_scores'"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, SCALE, schedule="ws", consumers="balanced", wg0_overlap="qk_ahead")
-    with pytest.raises(ValueError, match="schedule='ws'"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, SCALE, wg0_overlap="qk_ahead")
-    with pytest.raises(ValueError, match="off or qk_ahead"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, SCALE, schedule="ws", wg0_overlap="on")
-
-
-KV_BUFFERS_3 = {"kv_buffers": 3, "block_I": 32}
-
-
-@pytest.mark.parametrize(
-    "tile,shape_name,extra",
-    [
-        (sa.PREFILL_TILE, "prefill_s4k", {}),
-        (sa.PREFILL_TILE, "prefill_s4k", QK_AHEAD),
-        (sa.DECODE_TILE, "decode_b64_s1", {}),
-        (sa.DECODE_TILE, "decode_b64_s1", QK_AHEAD),
-    ],
-    ids=["prefill_s4k", "prefill_s4k_qk_ahead", "decode_b64_s1", "decode_b64_s1_qk_ahead"],
-)
-def test_kv_buffers_3_compiles_for_sm90(tile, shape_name, extra):
-    """kv_buffers=3 (GPU checks in GPU_CASES, not yet run on a GPU): three 32-row KV buffers, each with its own ready
-    (producer, 128 arrivals) and free (both consumer warpgroups, 256) barrier; block g in buffer g % 3 in every role.
-    The two-buffer default at the same block size inits two of each."""
-    shape = tile.shape(shape_name)
-    config = {**tile.default_config(SM90), **KV_BUFFERS_3, **extra}
-    assert tile.search_space(SM90).violations(config, shape, SM90) == []
-    src = tile.build(shape, config, SM90).main.get_kernel_source()
-    assert len(re.findall(r"bar_ready(_\d)?\[0\]\.init\(128\);", src)) == 3
-    assert len(re.findall(r"bar_free(_\d)?\[0\]\.init\(256\);", src)) == 3
-    # the rotation: some role picks its buffer by the block index modulo 3, and a phase is (g / 3) & 1
-    assert re.search(r"% 3\) == [01]\)", src) and re.search(r"/ 3\) & 1\)", src)
-    two = tile.build(shape, {**tile.default_config(SM90), "block_I": 32, **extra}, SM90).main.get_kernel_source()
-    assert len(re.findall(r"bar_ready(_\d)?\[0\]\.init\(128\);", two)) == 2
-    assert len(re.findall(r"bar_free(_\d)?\[0\]\.init\(256\);", two)) == 2
-    assert "% 3)" not in two
-
-
-def test_kv_buffers_3_refused_where_it_does_not_apply():
-    tile, space = sa.PREFILL_TILE, sa.PREFILL_TILE.search_space(SM90)
-    shape = tile.shape("prefill_s4k")
-    config = {**tile.default_config(SM90), **KV_BUFFERS_3}
-    assert tile.default_config(SM90)["kv_buffers"] == 2 and sa.DECODE_TILE.default_config(SM90)["kv_buffers"] == 2
-    assert sa.BF16_TILE.default_config(SM90)["kv_buffers"] == 2
-    for other in (
-        {"block_I": 64},  # three 64-row buffers and Q: 264 KiB
-        {"tokens_per_cta": 2},
-        {"produce": "serial"},
-        {"produce": "prefetch"},
-        {"wg1_rows": 16},
-        {"consumers": "balanced"},
-        {"schedule": "pipelined"},
-    ):
-        assert any("kv_buffers=3" in r for r in space.violations({**config, **other}, shape, SM90)), other
-    fused = {**sa.DECODE_TILE.default_config(SM90), **KV_BUFFERS_3, "combine": "fused"}
-    assert any(
-        "kv_buffers=3" in r for r in sa.DECODE_TILE.search_space(SM90).violations(fused, sa.DECODE_TILE.shape("decode_b64_s1"), SM90)
-    )
-    # shared memory counts the buffers: 64 KiB Q + 3 x 32 KiB KV + 4 KiB P + flags
-    assert sa.smem_bytes(config, shape, "fp4") == sa.smem_bytes({**config, "kv_buffers": 2}, shape, "fp4") + 32 * 1024 + 32
-    assert sa.DECODE_TILE.with_defaults(SM90, {"schedule": "pipelined"})["kv_buffers"] == 2
-    with pytest.raises(ValueError, match="schedule='ws'"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, SCALE, kv_buffers=3)
-    with pytest.raises(ValueError, match="produce='batched'"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, SCALE, schedule="ws", produce="batched", tokens_per_cta=2, kv_buffers=3)
-    with pytest.raises(ValueError, match="2 or 3"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, SCALE, schedule="ws", produce="batched", kv_buffers=4)
-
-
 def _kv_store_conflict_ways(src: str) -> list[int]:
     """Worst shared-memory bank-conflict degree of each 16-byte store of dequantised values into a KV buffer in a
     generated ws kernel: the store's address expression evaluated for the 8 producer lanes of each quarter-warp
@@ -537,25 +424,6 @@ GPU_CASES = [
     (sa.PREFILL_TILE, "prefill_s4k", {"lanes": "column"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"lanes": "column", "tokens_per_cta": 2}),
     (sa.BF16_TILE, "prefill_s4k", {"lanes": "column"}),
-    # wg0_overlap=qk_ahead (not yet run on a GPU): warpgroup 0 issues block i+1's QK^T before block i's softmax
-    (sa.DECODE_TILE, "decode_b64_s1", {"wg0_overlap": "qk_ahead"}),
-    (sa.DECODE_TILE, "decode_b128_s2", {"wg0_overlap": "qk_ahead"}),
-    (sa.DECODE_TILE, "decode_b128_s2", {"wg0_overlap": "qk_ahead", "n_split": 4}),  # splits of 2 or 3 blocks
-    (sa.DECODE_TILE, "decode_b64_s1", {"wg0_overlap": "qk_ahead", "n_split": 8}),  # splits of 1 block: no lookahead
-    (sa.PREFILL_TILE, "prefill_s4k", {"wg0_overlap": "qk_ahead"}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"wg0_overlap": "qk_ahead", "handoff": "before_pv"}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"wg0_overlap": "qk_ahead", "tokens_per_cta": 2}),  # a prologue per token
-    (sa.BF16_TILE, "prefill_s4k", {"wg0_overlap": "qk_ahead"}),
-    (sa.BF16_TILE, "decode_b128_s2", {"wg0_overlap": "qk_ahead"}),
-    # kv_buffers=3 (not yet run on a GPU): three 32-row KV buffers, block g in buffer g % 3
-    (sa.DECODE_TILE, "decode_b64_s1", {"kv_buffers": 3, "block_I": 32}),
-    (sa.DECODE_TILE, "decode_b64_s1", {"kv_buffers": 3, "block_I": 32, "wg0_overlap": "qk_ahead"}),
-    (sa.DECODE_TILE, "decode_b128_s2", {"kv_buffers": 3, "block_I": 32, "n_split": 4}),  # splits of 5 blocks
-    (sa.DECODE_TILE, "decode_b128_s2", {"kv_buffers": 3, "block_I": 32, "n_split": 4, "wg0_overlap": "qk_ahead"}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"kv_buffers": 3, "block_I": 32}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"kv_buffers": 3, "block_I": 32, "wg0_overlap": "qk_ahead"}),
-    (sa.BF16_TILE, "prefill_s4k", {"kv_buffers": 3, "block_I": 32}),
-    (sa.BF16_TILE, "prefill_s4k", {"kv_buffers": 3, "block_I": 32, "wg0_overlap": "qk_ahead"}),
     # combine=fused (not yet run on a GPU): the last split CTA merges the partials
     (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"combine": "fused", "n_split": 2}),
@@ -614,16 +482,6 @@ def test_balanced_consumers_odd_shapes(consumers, shape):
     """The split S (half a block per warpgroup) with partial blocks (W=37, K=100), H=128, odd S, -1 rows."""
     tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
     _check(tile, shape, {"consumers": consumers})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("tpc", [1, 2])
-def test_wg0_qk_ahead_odd_shapes(tpc, shape):
-    """The lookahead with partial blocks (W=37, K=100: odd block counts per token, so with 2 tokens per CTA the second
-    token's first block is in buffer 1 and score accumulator 1), H=128, odd S."""
-    tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
-    _check(tile, shape, {**QK_AHEAD, "tokens_per_cta": tpc})
 
 
 @pytest.mark.gpu

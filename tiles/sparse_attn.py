@@ -177,8 +177,6 @@ def sparse_attn_kernel(
     combine: str = "separate",
     handoff: str = "after_pv",
     lanes: str = "row",
-    wg0_overlap: str = "off",
-    kv_buffers: int = 2,
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -196,10 +194,6 @@ def sparse_attn_kernel(
     """
     if combine == "fused" and (schedule != "ws" or n_split == 1 or tokens_per_cta != 1):
         raise ValueError("combine='fused' merges split partials in the ws kernel: schedule='ws', n_split > 1, tokens_per_cta=1")
-    if wg0_overlap != "off" and schedule != "ws":
-        raise ValueError(f"wg0_overlap={wg0_overlap!r} reorders the ws kernel's warpgroup 0: schedule='ws'")
-    if kv_buffers != 2 and schedule != "ws":
-        raise ValueError(f"kv_buffers={kv_buffers} is the ws kernel's KV buffer rotation: schedule='ws'")
     if schedule == "ws":
         return _sparse_attn_ws(
             heads,
@@ -219,8 +213,6 @@ def sparse_attn_kernel(
             combine,
             handoff,
             lanes,
-            wg0_overlap,
-            kv_buffers,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -424,8 +416,6 @@ def _sparse_attn_ws(
     combine="separate",
     handoff="after_pv",
     lanes="row",
-    wg0_overlap="off",
-    kv_buffers=2,
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -502,41 +492,7 @@ def _sparse_attn_ws(
     * ``column``: the 8 lanes of a quarter-warp take 8 consecutive rows (row r % 8 all different) at the same columns,
       so the swizzle spreads their stores over all 32 banks. Each lane still loads 16 contiguous bytes per row half;
       a warp's load touches 8 rows x 64 B instead of 4 rows x 128 B (the same sectors).
-
-    ``wg0_overlap`` (``wg0_scores``) is whether warpgroup 0 keeps the tensor cores busy through its softmax
-    (FA3's intra-warpgroup overlap):
-
-    * ``off``: per block, S = Q K^T, wait, softmax, P V, in that order (:func:`_ws_softmax_step`).
-    * ``qk_ahead``: once block i's S has landed, warpgroup 0 waits for block i + 1's buffer and issues its QK^T into
-      a second score accumulator, then runs block i's softmax while the tensor cores compute it
-      (:func:`_ws_wg0_blocks_ahead`).
-
-    K = V here, so block i + 1's buffer is the one block i - 1's P V (both halves) releases: the early QK^T leaves the
-    producer less time to fill it (notes/sparse_attn.md, session 6). Not yet run on a GPU.
-
-    ``kv_buffers`` (2 or 3) is how many KV buffers rotate between the producer and the consumers: block ``g`` goes to
-    buffer ``g % kv_buffers`` with ready/free phase ``(g // kv_buffers) & 1`` in every role (producer, both consumer
-    warpgroups, both ``wg0_overlap`` paths; :func:`_ws_switch` picks the buffer). With 3, block ``g + 1`` goes into the
-    buffer block ``g - 2`` used, freed a whole step before ``qk_ahead`` waits for it, so the producer keeps a step of
-    slack while warpgroup 0 overlaps its next QK^T with its softmax. Three buffers fit beside the 64 KiB Q only at
-    ``block_I=32``; the batched producer, one token per CTA, ``wg1_rows=0``, ``wg0_scores`` and the separate combine
-    only (the other paths keep their two-buffer loops). Not yet run on a GPU (notes/sparse_attn.md, session 6).
     """
-    if wg0_overlap not in ("off", "qk_ahead"):
-        raise ValueError(f"wg0_overlap={wg0_overlap!r}: off or qk_ahead")
-    if wg0_overlap != "off" and consumers != "wg0_scores":
-        raise ValueError(f"wg0_overlap={wg0_overlap!r} reorders warpgroup 0's scores and softmax: consumers='wg0_scores'")
-    if kv_buffers not in (2, 3):
-        raise ValueError(f"kv_buffers={kv_buffers!r}: 2 or 3")
-    if kv_buffers != 2 and not (
-        produce == "batched" and tokens_per_cta == 1 and wg1_rows == 0 and consumers == "wg0_scores" and combine == "separate"
-    ):
-        # the serial/prefetch producers, the token loop, warpgroup 1's fill, the balanced consumers and the fused
-        # combine keep their two-buffer loops
-        raise ValueError(
-            f"kv_buffers={kv_buffers} rotates the batched producer's buffers: produce='batched', tokens_per_cta=1, "
-            "wg1_rows=0, consumers='wg0_scores', combine='separate'"
-        )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
     REP = H // HB
@@ -580,13 +536,8 @@ def _sparse_attn_ws(
             KV0_r = T.alloc_shared([BI, D2], bf16)
             KV1_l = T.alloc_shared([BI, D2], bf16)
             KV1_r = T.alloc_shared([BI, D2], bf16)
-            if kv_buffers == 3:
-                KV2_l = T.alloc_shared([BI, D2], bf16)
-                KV2_r = T.alloc_shared([BI, D2], bf16)
             valid0 = T.alloc_shared([BI], "bool", scope="shared")
             valid1 = T.alloc_shared([BI], "bool", scope="shared")
-            if kv_buffers == 3:
-                valid2 = T.alloc_shared([BI], "bool", scope="shared")
             S_shared = T.alloc_shared([HB, BI], bf16)
             alpha_shared = T.alloc_shared([HB], f32, scope="shared")
             final_shared = T.alloc_shared([HB], f32, scope="shared")
@@ -594,9 +545,6 @@ def _sparse_attn_ws(
             acc_o_l = T.alloc_fragment([HB, D2], f32)
             acc_o_r = T.alloc_fragment([HB, D2], f32)
             acc_s = T.alloc_fragment([HB, BI // 2 if balanced else BI], f32)
-            acc_s_next = None
-            if wg0_overlap != "off":  # warpgroup 0's second score accumulator (32 registers per thread): blocks alternate
-                acc_s_next = T.alloc_fragment([HB, BI], f32)
             sumexp = T.alloc_fragment([HB], f32)
             sumexp_i = T.alloc_fragment([HB], f32)
             alpha = T.alloc_fragment([HB], f32)
@@ -632,9 +580,6 @@ def _sparse_attn_ws(
             bar_k1_ready = T.alloc_barrier(arrive_count=256 if helped else 128)
             bar_k0_free = T.alloc_barrier(arrive_count=256)
             bar_k1_free = T.alloc_barrier(arrive_count=256)
-            if kv_buffers == 3:
-                bar_k2_ready = T.alloc_barrier(arrive_count=128)  # the producer only (wg1_rows=0)
-                bar_k2_free = T.alloc_barrier(arrive_count=256)
             bar_s_ready = T.alloc_barrier(arrive_count=256)
             bar_s_free = T.alloc_barrier(arrive_count=256)
             bar_final = T.alloc_barrier(arrive_count=256)
@@ -646,13 +591,11 @@ def _sparse_attn_ws(
                 last_shared = T.alloc_shared([1], "int32", scope="shared")  # the counter's old value: NS - 1 in the last CTA
                 bar_arrived = T.alloc_barrier(arrive_count=256)  # every consumer thread's partial is stored and fenced
                 bar_last = T.alloc_barrier(arrive_count=1)  # thread 0 has counted the CTA's arrival
-            # the KV buffers, used in turn: block it goes to buffer it % kv_buffers
+            # the two KV buffers, used in turn: block it goes to buffer it % 2
             bufs = (
-                _WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free, kv_buffers),
-                _WsBuffer(KV1_l, KV1_r, valid1, bar_k1_ready, bar_k1_free, kv_buffers),
+                _WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free),
+                _WsBuffer(KV1_l, KV1_r, valid1, bar_k1_ready, bar_k1_free),
             )
-            if kv_buffers == 3:
-                bufs = (*bufs, _WsBuffer(KV2_l, KV2_r, valid2, bar_k2_ready, bar_k2_free, kv_buffers))
 
             b_i, s_i = by, bx // REP
             h0 = (bx % REP) * HB
@@ -695,7 +638,6 @@ def _sparse_attn_ws(
                 io,
                 fuse,
                 handoff == "before_pv",
-                wg0_overlap,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
@@ -708,20 +650,7 @@ def _sparse_attn_ws(
                 else:
                     T.set_max_nreg(240, 1)
                     sm = _WsSoftmax(
-                        Q_l,
-                        Q_r,
-                        S_shared,
-                        alpha_shared,
-                        acc_s,
-                        acc_o_l,
-                        sumexp,
-                        sumexp_i,
-                        alpha,
-                        m_i,
-                        m_i_prev,
-                        bar_s_ready,
-                        bar_s_free,
-                        acc_s_next,
+                        Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free
                     )
                     if TPC == 1:
                         _ws_wg0_token(cta, sm, s_i, h0, 0)
@@ -782,12 +711,18 @@ def _sparse_attn_ws(
                 if TPC == 1:
                     for it in T.serial(n_blk):
                         blk = lo + it
-                        _ws_switch(
-                            (it, kv_buffers),
-                            lambda k, it=it, blk=blk: _ws_produce_step(
-                                src, regs, dims, bufs[k], b_i, s_i, blk, it, p, fp4, main_passes, prefetch, n_blk
-                            ),
-                        )
+                        if it % 2 == 0:
+                            T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
+                            if prefetch:
+                                _ws_produce_prefetch(src, regs, dims, bufs[0], b_i, s_i, blk, p, it + 1 < n_blk)
+                            else:
+                                _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4, main_passes)
+                        else:
+                            T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
+                            if prefetch:
+                                _ws_produce_prefetch(src, regs, dims, bufs[1], b_i, s_i, blk, p, it + 1 < n_blk)
+                            else:
+                                _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4, main_passes)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -863,39 +798,18 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False):
     ``early_p`` (``handoff="before_pv"``): P and alpha go to warpgroup 1 before this warpgroup's P V instead of
     after it, so both halves of P V run together and the buffer frees one P V earlier; the shared-memory stores
     are fenced for the async proxy first (warpgroup 1's wgmma reads them)."""
-    _ws_scores_issue(sm, buf, sm.acc_s, it, HB, BI)
-    T.wait_wgmma(0)
-    _ws_p_slot_wait(sm, it)
-    _ws_online_softmax(sm, sm.acc_s, HB, BI, scale2)
-    _ws_pv_handoff(sm, buf, sm.acc_s, HB, D2, early_p)
-
-
-@T.macro
-def _ws_scores_issue(sm, buf, acc_s, it, HB, BI):
-    """Wait for block ``it``'s rows in ``buf``, mask its invalid rows in ``acc_s`` and issue S = Q K^T into it: two
-    wgmma groups (Q_l K_l^T, Q_r K_r^T), not waited for here."""
-    # unpacked, not read as fields: the generated source names the buffers by these bindings (as before the split)
-    KV_l, KV_r, valid, bar_ready = buf[:4]
-    T.barrier_wait(bar_ready, (it // buf.count) & 1)
+    Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
+    KV_l, KV_r, valid, bar_ready, bar_free = buf
+    T.barrier_wait(bar_ready, (it // 2) & 1)
     for h, bi in T.Parallel(HB, BI):
         acc_s[h, bi] = T.if_then_else(valid[bi], 0, -T.infinity("float32"))
-    T.wgmma_gemm(sm.Q_l, KV_l, acc_s, transpose_B=True)
-    T.wgmma_gemm(sm.Q_r, KV_r, acc_s, transpose_B=True)
-
-
-@T.macro
-def _ws_p_slot_wait(sm, it):
-    """Before block ``it`` overwrites S_shared and alpha_shared: warpgroup 1 must be done with the previous block's."""
+    T.wgmma_gemm(Q_l, KV_l, acc_s, transpose_B=True)
+    T.wgmma_gemm(Q_r, KV_r, acc_s, transpose_B=True)
+    T.wait_wgmma(0)
     if it != 0:
         # S_shared and alpha_shared are reused: warpgroup 1 must be done with the previous step.
-        T.barrier_arrive(sm.bar_s_free)
-        T.barrier_wait(sm.bar_s_free, (it & 1) ^ 1)
-
-
-@T.macro
-def _ws_online_softmax(sm, acc_s, HB, BI, scale2):
-    """Block scores in ``acc_s`` (landed) -> P in place; the running max and row sums, this block's rescale alpha."""
-    sumexp, sumexp_i, alpha, m_i, m_i_prev = sm.sumexp, sm.sumexp_i, sm.alpha, sm.m_i, sm.m_i_prev
+        T.barrier_arrive(bar_s_free)
+        T.barrier_wait(bar_s_free, (it & 1) ^ 1)
     T.copy(m_i, m_i_prev)
     T.reduce_max(acc_s, m_i, dim=1, clear=False)
     for h in T.Parallel(HB):
@@ -905,126 +819,18 @@ def _ws_online_softmax(sm, acc_s, HB, BI, scale2):
     T.reduce_sum(acc_s, sumexp_i, dim=1)
     for h in T.Parallel(HB):
         sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
-
-
-@T.macro
-def _ws_pv_handoff(sm, buf, acc_s, HB, D2, early_p):
-    """O_l *= alpha, P (``acc_s``) and alpha to warpgroup 1, O_l += P V_l (synchronous: waits for every wgmma in
-    flight), then release ``buf`` (warpgroup 0's half of its arrivals). ``early_p``: see :func:`_ws_softmax_step`."""
-    acc_o, alpha, bar_s_ready, bar_free = sm.acc_o, sm.alpha, sm.bar_s_ready, buf.free
     for h, d in T.Parallel(HB, D2):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
-    T.copy(alpha, sm.alpha_shared)
-    T.copy(acc_s, sm.S_shared)
+    T.copy(alpha, alpha_shared)
+    T.copy(acc_s, S_shared)
     if early_p:
         T.fence_proxy_async()
         T.barrier_arrive(bar_s_ready)
-        T.gemm(sm.S_shared, buf.KV_l, acc_o)
+        T.gemm(S_shared, KV_l, acc_o)
     else:
-        T.gemm(sm.S_shared, buf.KV_l, acc_o)
+        T.gemm(S_shared, KV_l, acc_o)
         T.barrier_arrive(bar_s_ready)
     T.barrier_arrive(bar_free)
-
-
-@T.macro
-def _ws_switch(sel, branch, k=0):
-    """``branch(c)`` for the case ``c = key % n`` as a Python int, ``sel = (key, n)``: an ``if`` chain on ``key % n``,
-    because TileLang needs a static buffer (and fragment) object in each branch; ``bufs[key % n]`` cannot be indexed
-    at run time. ``n = 2`` is the plain ``if key % 2 == 0: branch(0) else: branch(1)`` (the two-buffer code, unchanged);
-    ``n = 3`` tests case 0, then 1, and case 2 takes the last ``else``.
-
-    ``sel`` is a tuple, read as ``sel[0]`` and never assigned, because a macro's expression argument becomes a let
-    binding (and a loop variable argument is renamed after the parameter): either changes the names TileLang gives
-    the KV buffers in the generated source, so the two-buffer kernels would no longer be byte-identical."""
-    if k == sel[1] - 1:
-        branch(k)
-    else:
-        if sel[0] % sel[1] == k:
-            branch(k)
-        else:
-            _ws_switch(sel, branch, k + 1)
-
-
-@T.macro
-def _ws_produce_step(src, regs, dims, buf, b_i, s_i, blk, it, p, fp4, main_passes, prefetch, n_blk):
-    """The batched (or prefetch) producer's step ``it`` (block ``blk``) on ``buf``: wait until both consumer
-    warpgroups have freed it from block ``it - buf.count`` (phase ``((it // count) & 1) ^ 1``: the first round
-    passes at once, the barrier starting in phase 0), then fill it and arrive on its ready barrier."""
-    T.barrier_wait(buf.free, ((it // buf.count) & 1) ^ 1)
-    if prefetch:
-        _ws_produce_prefetch(src, regs, dims, buf, b_i, s_i, blk, p, it + 1 < n_blk)
-    else:
-        _ws_produce_batched(src, regs, dims, buf, b_i, s_i, blk, p, fp4, main_passes)
-
-
-def _first_block(j, n_blk):
-    """The CTA-wide index of token ``j``'s first block (a Python 0 for the first token, so that its buffer is static)."""
-    return 0 if isinstance(j, int) and j == 0 else j * n_blk
-
-
-@T.macro
-def _ws_wg0_blocks_ahead(cta, sm, g0):
-    """Warpgroup 0's block loop under ``wg0_overlap="qk_ahead"``: block ``g + 1``'s QK^T is issued once block ``g``'s
-    scores have landed, so the tensor cores compute it while the CUDA cores run block ``g``'s softmax. ``g0``: the
-    CTA-wide index of the token's first block; block ``g`` uses buffer ``g % kv_buffers``, score accumulator ``g % 2``
-    (acc_s, acc_s_next) and the barrier phases of ``g``, as the default does.
-
-    Shaped for ptxas, which otherwise serialises every wgmma of the kernel (C7515: "non wgmma instructions defining
-    accumulator registers of a wgmma between start and end of the pipeline stage") when a wgmma is in flight across a
-    branch or a loop edge: the last block is peeled off the loop (it issues no QK^T, so the others issue theirs
-    unconditionally), and the token's first QK^T is issued and waited for inside the first step (it has nothing to
-    overlap; issued before the loop, its descriptors were kept live through the loop and spilled ~580 bytes). The
-    lookahead stays inside the token (the next token needs its own Q). A split with no block issues nothing."""
-    HB, BI, D2, scale2, n_blk, bufs, early_p = cta.HB, cta.BI, cta.D2, cta.scale2, cta.n_blk, cta.bufs, cta.early_p
-    # Block g: buffer g % nb, accumulator g % 2. Both rotate, so the static cases are g % lcm(nb, 2): 2 with two
-    # buffers (the buffer and the accumulator swap together), 6 with three.
-    nb = len(bufs)
-    cases = nb if nb % 2 == 0 else 2 * nb
-    accs = (sm.acc_s, sm.acc_s_next)
-    for it in T.serial(n_blk - 1):
-        _ws_switch(
-            (g0 + it, cases),
-            lambda c, it=it: _ws_softmax_step_ahead(
-                sm, bufs[c % nb], bufs[(c + 1) % nb], accs[c % 2], accs[(c + 1) % 2], g0 + it, it == 0, HB, BI, D2, scale2, early_p
-            ),
-        )
-    if n_blk > 0:
-        _ws_switch(
-            (g0 + n_blk - 1, cases),
-            lambda c: _ws_softmax_step_last(sm, bufs[c % nb], accs[c % 2], g0 + n_blk - 1, n_blk == 1, HB, BI, D2, scale2, early_p),
-        )
-
-
-@T.macro
-def _ws_softmax_step_ahead(sm, buf, next_buf, acc_s, acc_next, g, first, HB, BI, D2, scale2, early_p):
-    """Warpgroup 0's step on block ``g`` (in ``buf``, scores in ``acc_s``), not the token's last: wait for block
-    ``g + 1``'s buffer, issue its QK^T into ``acc_next``, run block ``g``'s softmax meanwhile, then wait for it.
-    ``first``: the token's first block, whose own QK^T is issued and waited for here; later blocks' S has landed
-    (the previous step waited for it).
-
-    The next S is waited for before the O rescale rather than left in flight through it: acc_o is the accumulator of
-    the P V issued next, and writing it while another wgmma of that stage is in flight makes ptxas serialise them
-    (C7515). The bar_s_free spin-wait comes after that wait for the same reason (no branch inside the stage)."""
-    if first:
-        _ws_scores_issue(sm, buf, acc_s, g, HB, BI)
-        T.wait_wgmma(0)
-    _ws_scores_issue(sm, next_buf, acc_next, g + 1, HB, BI)
-    _ws_online_softmax(sm, acc_s, HB, BI, scale2)  # CUDA cores, while the tensor cores compute the next S
-    T.wait_wgmma(0)  # the next S
-    _ws_p_slot_wait(sm, g)
-    # Releases buf: its QK^T completed at the previous step's wait (or above), warpgroup 0's P V in this gemm.
-    _ws_pv_handoff(sm, buf, acc_s, HB, D2, early_p)
-
-
-@T.macro
-def _ws_softmax_step_last(sm, buf, acc_s, g, first, HB, BI, D2, scale2, early_p):
-    """Warpgroup 0's step on the token's last block ``g`` (``first``: also its first): no QK^T to issue ahead."""
-    if first:
-        _ws_scores_issue(sm, buf, acc_s, g, HB, BI)
-        T.wait_wgmma(0)
-    _ws_online_softmax(sm, acc_s, HB, BI, scale2)
-    _ws_p_slot_wait(sm, g)
-    _ws_pv_handoff(sm, buf, acc_s, HB, D2, early_p)
 
 
 BALANCED_NREG = 200  # per consumer thread under consumers="balanced": O half (128) + S half (16) + softmax + addresses
@@ -1127,7 +933,7 @@ def _ws_balanced_step(half, pair, buf, prev_buf, it, HB, BI2, D2, scale2, overla
     block instead of two, the tensor cores fed back to back), and the previous buffer is released there.
     """
     w, _, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
-    KV_l, KV_r, valid, bar_ready, bar_free = buf[:5]
+    KV_l, KV_r, valid, bar_ready, bar_free = buf
     r0 = w * BI2
     T.barrier_wait(bar_ready, (it // 2) & 1)
     for h, j in T.Parallel(HB, BI2):
@@ -1182,7 +988,7 @@ class _WsCta(NamedTuple):
     S_shared: Any
     alpha_shared: Any
     final_shared: Any
-    bufs: Any  # the kv_buffers _WsBuffer (block g in bufs[g % len(bufs)])
+    bufs: Any  # the two _WsBuffer
     bar_q: Any
     bar_final: Any
     bar_s_ready: Any
@@ -1199,7 +1005,6 @@ class _WsCta(NamedTuple):
     io: str
     fuse: Any = None  # combine="fused": the _WsFuse of the fused combine
     early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
-    wg0_overlap: str = "off"  # "qk_ahead": see _ws_wg0_blocks_ahead
 
 
 class _WsHelper(NamedTuple):
@@ -1228,14 +1033,11 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     T.fill(m_i, -(2**30))
     T.fill(acc_o_l, 0)
     T.barrier_wait(cta.bar_q, j & 1)
-    if cta.wg0_overlap == "off":
-        for it in T.serial(n_blk):
-            _ws_switch(
-                (j * n_blk + it, len(cta.bufs)),
-                lambda k, it=it: _ws_softmax_step(sm, cta.bufs[k], j * n_blk + it, HB, BI, D2, scale2, cta.early_p),
-            )
-    else:
-        _ws_wg0_blocks_ahead(cta, sm, _first_block(j, n_blk))
+    for it in T.serial(n_blk):
+        if (j * n_blk + it) % 2 == 0:
+            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p)
+        else:
+            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p)
     if NS == 1:
         for h in T.Parallel(HB):
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -1297,7 +1099,12 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
         T.barrier_wait(cta.bar_s_ready, (j * n_blk + it) & 1)
         for h, d in T.Parallel(HB, D2):
             acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-        _ws_switch((j * n_blk + it, len(bufs)), lambda k: _ws_wg1_pv(S_shared, bufs[k], acc_o_r))
+        if (j * n_blk + it) % 2 == 0:
+            T.gemm(S_shared, bufs[0].KV_r, acc_o_r)
+            T.barrier_arrive(bufs[0].free)
+        else:
+            T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
+            T.barrier_arrive(bufs[1].free)
         T.barrier_arrive(cta.bar_s_free)
     T.barrier_arrive(cta.bar_final)
     T.barrier_wait(cta.bar_final, j & 1)
@@ -1313,13 +1120,6 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
     else:
         T.copy(acc_o_r, cta.fuse.OPart[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])
         _ws_fused_combine(cta.fuse, 1, acc_o_r, Q_r, b_i, s_i, h0, bz, HB, D2, NS, cta.io)
-
-
-@T.macro
-def _ws_wg1_pv(S_shared, buf, acc_o_r):
-    """Warpgroup 1's O_r += P V_r on ``buf`` (synchronous), then its half of the buffer's release."""
-    T.gemm(S_shared, buf.KV_r, acc_o_r)
-    T.barrier_arrive(buf.free)
 
 
 class _WsFuse(NamedTuple):
@@ -1412,14 +1212,13 @@ def _ws_fused_combine(fz, w, acc_o, Q_own, b_i, s_i, h0, bz, HB, D2, NS, io):
 
 
 class _WsBuffer(NamedTuple):
-    """One of the ws kernel's KV buffers: its halves, row-valid flags, and the barriers that hand it over."""
+    """One of the ws kernel's two KV buffers: its halves, row-valid flags, and the barriers that hand it over."""
 
     KV_l: Any
     KV_r: Any
     valid: Any
     ready: Any  # producer -> consumers: the rows have landed
     free: Any  # consumers -> producer: both GEMMs are done with it
-    count: int = 2  # buffers in the rotation (kv_buffers): block g uses this one every count-th block, phase (g // count) & 1
 
 
 class _WsSoftmax(NamedTuple):
@@ -1438,7 +1237,6 @@ class _WsSoftmax(NamedTuple):
     m_i_prev: Any
     bar_s_ready: Any
     bar_s_free: Any
-    acc_s_next: Any = None  # wg0_overlap: the second score accumulator (blocks alternate between the two)
 
 
 class _WsSources(NamedTuple):
@@ -1733,8 +1531,6 @@ class CompiledAttention:
                 "combine",
                 "handoff",
                 "lanes",
-                "wg0_overlap",
-                "kv_buffers",
             )
             if k in config
         }
@@ -2023,8 +1819,7 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     q = hb * d * 2
     s = hb * bi * 2
     if config["schedule"] == "ws":
-        n = int(config.get("kv_buffers", 2))  # KV buffers of [block_I, D] bf16 plus their row-valid flags
-        return q + n * bi * d * 2 + s + n * bi + 8 * hb
+        return q + 2 * bi * d * 2 + s + 2 * bi + 8 * hb
     stages = max(1, config["num_stages"])
     kv = bi * d * 2 * stages
     raw = bi * (d // 2 + d // 16) * stages if (config.get("dequant") == "staged" and kv_format == "fp4") else 0
@@ -2071,26 +1866,6 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0, io=staged"
         if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
             return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
-        if c.get("wg0_overlap", "off") != "off" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
-            return "wg0_overlap issues the ws warpgroup 0's next QK^T during its softmax: schedule=ws, consumers=wg0_scores"
-        if c.get("wg0_overlap", "off") != "off" and c.get("combine", "separate") == "fused":
-            # the second score accumulator on top of the merge's registers: ptxas spills 212 bytes (decode B=64/S=1)
-            return "wg0_overlap with combine=fused spills (ptxas): combine=separate"
-        if int(c.get("kv_buffers", 2)) != 2 and (
-            c["schedule"] != "ws"
-            or c.get("produce", "serial") != "batched"
-            or c["block_I"] != 32
-            or int(c.get("tokens_per_cta", 1)) != 1
-            or int(c.get("wg1_rows", 0))
-            or c.get("consumers", "wg0_scores") != "wg0_scores"
-            or c.get("combine", "separate") != "separate"
-        ):
-            # three 64-row buffers beside the 64 KiB Q are 264 KiB (> 227); the other producers, the token loop,
-            # warpgroup 1's fill, the balanced consumers and the fused combine keep their two-buffer loops
-            return (
-                "kv_buffers=3 rotates three 32-row KV buffers through the batched producer: schedule=ws, produce=batched, "
-                "block_I=32, tokens_per_cta=1, wg1_rows=0, consumers=wg0_scores, combine=separate"
-            )
         if c.get("lanes", "row") != "row" and c["schedule"] != "ws":
             return "lanes=column maps the ws producer warpgroup's lanes: schedule=ws"
         if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
@@ -2187,18 +1962,6 @@ class SparseAttnTile(Tile):
                 "KV buffer) or the same columns of 8 rows (conflict-free)",
             ),
             Param(
-                "wg0_overlap",
-                ("off", "qk_ahead"),
-                "ws, wg0_scores: warpgroup 0 issues block i+1's QK^T (into a second score accumulator) before block i's "
-                "softmax, so the tensor cores compute it meanwhile; off: QK^T, wait, softmax, P V per block",
-            ),
-            Param(
-                "kv_buffers",
-                (2, 3),
-                "ws KV buffers the producer rotates (block g in buffer g % n): 3 (32-row blocks only, to fit beside Q) "
-                "lets the producer fill block g + 1 a whole step before wg0_overlap=qk_ahead's early QK^T needs it",
-            ),
-            Param(
                 "ptxas_level",
                 (0, 10),
                 "ptxas --register-usage-level (0: its default, 5); TileLang's sparse_mla_fwd_pipelined example compiles with 10",
@@ -2244,8 +2007,6 @@ class SparseAttnTile(Tile):
         cfg["tokens_per_cta"] = 1
         cfg["handoff"] = "after_pv"
         cfg["lanes"] = "row"
-        cfg["wg0_overlap"] = "off"  # not yet run on a GPU (notes/sparse_attn.md, session 6)
-        cfg["kv_buffers"] = 2  # 3: not yet run on a GPU (notes/sparse_attn.md, session 6)
         # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json)
         cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
@@ -2271,8 +2032,6 @@ class SparseAttnTile(Tile):
                 ("tokens_per_cta", 1),
                 ("handoff", "after_pv"),
                 ("lanes", "row"),
-                ("wg0_overlap", "off"),
-                ("kv_buffers", 2),
             )
             for key, plain in plain_choices:
                 cfg[key] = config.get(key, plain)
