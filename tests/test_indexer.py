@@ -16,6 +16,9 @@ from tiles.contract import Shape, TileError
 from tiles.harness import OK, evaluate
 
 SM90 = get_arch("sm90")
+# The Hopper default's tile layout before session 7 (128-entry tiles on two consumer warpgroups, two stages): the tests
+# of occupancy, register split and fragment rows below were written for it and pin it.
+TWO_WARPGROUPS = {"block_n": 128, "threads": 256, "stages": 2}
 IDX = {"Hi": 32, "Di": 128, "K": 512}
 
 
@@ -280,9 +283,10 @@ def test_prmt_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(c
 
 
 def test_prmt_rs_compiles_with_register_split():
-    """prmt_rs at the default's occupancy (2 x 512 threads per SM, 64 registers at launch): RS wgmma, no bf16 tile in
-    shared memory, setmaxnreg 24 (producer) / 104 (consumers) so ptxas neither spills nor serialises the wgmmas."""
-    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt_rs"}
+    """prmt_rs on two consumer warpgroups of 128-entry tiles at 2 CTAs per SM (2 x 512 threads, 64 registers at launch):
+    RS wgmma, no bf16 tile in shared memory, setmaxnreg 24 (producer) / 104 (consumers) so ptxas neither spills nor
+    serialises the wgmmas."""
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "dequant": "prmt_rs"}
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
     src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
@@ -292,6 +296,18 @@ def test_prmt_rs_compiles_with_register_split():
     assert ix._rs_register_split(256, 2) == (24, 104) and ix._rs_register_split(128, 3) == (24, 136)
     cfg0 = {**cfg, "min_ctas": 0}  # no launch-bound cap: ptxas's own allocation, no setmaxnreg
     assert "warpgroup_reg_alloc" not in ix._build_score(SM90, cfg0, False, 8).get_kernel_source()
+
+
+def test_hopper_default_is_one_consumer_warpgroup_of_256_entry_tiles():
+    """The Hopper default (2 x 256 threads per SM): each consumer thread holds 4 m-tiles of A fragment (256 bf16), the
+    producer gives its registers to the one consumer warpgroup (24 / 232), and the RS wgmma reads no shared bf16 tile."""
+    cfg = ix.INDEXER_TOPK.default_config(SM90)
+    assert (cfg["block_n"], cfg["threads"], cfg["stages"], cfg["dequant"]) == (256, 128, 1, "prmt_rs")
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
+    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    assert "wgmma_rs" in src and "wgmma_ss" not in src and "void* k_deq" not in src and "bfloat16_t k_deq[256];" in src
+    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<232>" in src
 
 
 def test_prmt_rs_register_constraint():
@@ -463,11 +479,11 @@ def test_fma_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cf
 
 
 def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
-    """fma_rs at the default's occupancy: RS wgmma, setmaxnreg 24 / 104, no shared table (4 KiB less than prmt_rs),
+    """fma_rs on two warpgroups at 2 CTAs per SM: RS wgmma, setmaxnreg 24 / 104, no shared table (4 KiB less than prmt_rs),
     q loaded in the _rs_fma_dim order; the same register and fragment-row constraints as prmt_rs."""
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     space = ix.INDEXER_TOPK.search_space(SM90)
-    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "fma_rs"}
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "dequant": "fma_rs"}
     assert space.violations(cfg, shape, SM90) == []
     src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" not in src and "mul.rn.bf16x2" in src and "csa2_fp4_pair_bf16" not in src
@@ -481,6 +497,7 @@ def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
 
 HOISTED_BUILDS = {
     "prmt_rs_mc2": ({"dequant": "prmt_rs", "min_ctas": 2}, False),
+    "prmt_rs_two_warpgroups_mc2": ({**TWO_WARPGROUPS, "dequant": "prmt_rs", "min_ctas": 2}, False),
     "prmt_rs_t128_bn64_mc4": ({"dequant": "prmt_rs", "threads": 128, "block_n": 64, "min_ctas": 4, "stages": 4}, False),
     "prmt_rs_t128_bn128_mc3": ({"dequant": "prmt_rs", "threads": 128, "block_n": 128, "min_ctas": 3, "stages": 4}, False),
     "fma_rs_mc2": ({"dequant": "fma_rs", "min_ctas": 2}, False),
@@ -548,7 +565,7 @@ def test_prmt_compiles_with_two_ctas_per_sm():
     """prmt at two CTAs per SM (the Hopper default from profile_indexer_prmt_two_pass.json until prmt_rs replaced it,
     profile_compressor_multi_cta_indexer_prmt_rs.json); the reindex tile's default (profile_attn_decode_reindex_prmt.json:
     its prmt_rs ran slower)."""
-    cfg = ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "prmt", "min_ctas": 2, "stages": 3})
+    cfg = ix.INDEXER_TOPK.with_defaults(SM90, {**TWO_WARPGROUPS, "dequant": "prmt", "min_ctas": 2, "stages": 3})
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
     ix.INDEXER_TOPK.build(shape, cfg, SM90)
@@ -564,7 +581,7 @@ def test_prmt_compiles_with_two_ctas_per_sm():
 def test_min_ctas_counts_shared_memory_per_sm():
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     space = ix.INDEXER_TOPK.search_space(SM90)
-    cfg = ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "prmt", "stages": 4})
+    cfg = ix.INDEXER_TOPK.with_defaults(SM90, {**TWO_WARPGROUPS, "dequant": "prmt", "stages": 4})
     assert space.violations({**cfg, "min_ctas": 2}, shape, SM90) == []
     assert any("per SM" in r for r in space.violations({**cfg, "min_ctas": 3}, shape, SM90))
 
@@ -574,7 +591,9 @@ def test_fragment_paths_need_one_mtile_per_warpgroup():
     {wg*128 + i*64} (TileLang's layouts; rel err 0.92 on the H200): pruned, one warpgroup or block_n 128 kept."""
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     space = ix.INDEXER_TOPK.search_space(SM90)
-    bad = ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "fragment_bits", "stages": 4, "block_n": 256, "tiles_per_cta": 4})
+    bad = ix.INDEXER_TOPK.with_defaults(
+        SM90, {**TWO_WARPGROUPS, "dequant": "fragment_bits", "stages": 4, "block_n": 256, "tiles_per_cta": 4}
+    )
     assert any("one 64-row wgmma tile" in r for r in space.violations(bad, shape, SM90))
     assert any("one 64-row wgmma tile" in r for r in space.violations({**bad, "dequant": "registers"}, shape, SM90))
     assert space.violations({**bad, "block_n": 128}, shape, SM90) == []
@@ -784,7 +803,7 @@ def test_min_ctas_register_cap_is_a_constraint():
     arch = get_arch("sm90")
     tile = ix.INDEXER_TOPK
     shape = tile.shape("decode_b64_n128k")
-    bad = tile.with_defaults(arch, {"dequant": "prmt", "min_ctas": 3})
+    bad = tile.with_defaults(arch, {**TWO_WARPGROUPS, "dequant": "prmt", "min_ctas": 3})
     assert any("registers per thread" in r for r in tile.search_space(arch).violations(bad, shape, arch))
     ok = {**bad, "threads": 128, "tiles_per_cta": 4}
     assert not any("registers per thread" in r for r in tile.search_space(arch).violations(ok, shape, arch))
