@@ -744,8 +744,9 @@ FMA_RS_OPTIONS = {name: {**cfg, "dequant": "fma_rs"} for name, cfg in PRMT_RS_OP
 
 
 # Every score-path option, the pre-sm90-default path included: scores by relative L2, top-k
-# sets exact up to the tie rule (evaluate also requires two runs bitwise equal).
-SCORE_OPTIONS = {
+# sets exact up to the tie rule (evaluate also requires two runs bitwise equal). The options were written over the
+# two-warpgroup layout (the Reindex default's, the indexer's until session 7) and keep it; "default" is each tile's own.
+_SCORE_OPTIONS = {
     "old_default": {**ix._SCORE_DEFAULT},
     "bits_t1": {"dequant": "bits", "tiles_per_cta": 1},
     "bits_t4_1wg": {"dequant": "bits", "tiles_per_cta": 4, "threads": 128, "stages": 1},
@@ -763,6 +764,7 @@ SCORE_OPTIONS = {
     "prmt_rs_mc2_hoisted": {**PRMT_RS_OPTIONS["mc2"], "epilogue": "hoisted"},
     "fma_rs_mc2_hoisted": {**FMA_RS_OPTIONS["mc2"], "epilogue": "hoisted"},
 }
+SCORE_OPTIONS = {"default": {}, **{name: {**TWO_WARPGROUPS, **cfg} for name, cfg in _SCORE_OPTIONS.items()}}
 
 
 @pytest.mark.gpu
