@@ -565,6 +565,9 @@ FLAT_BUILDS = [
     (2, 64, 1, "fp32", 4, "slabs"),
     (1, 64, 1, "hi_lo", 3, "slabs"),
     (1, 32, 2, "fp32", 3, "whole"),
+    (2, 32, 2, "fp32", 2, "direct"),
+    (1, 32, 2, "fp32", 2, "direct"),
+    (2, 64, 1, "fp32", 4, "direct"),
 ]
 
 
@@ -581,7 +584,7 @@ def test_flat_compiles_sm90_and_fits(ratio, block_g, ctas, wk, stages, kv_load, 
     cfg = _flat_config(block_g, ctas, wk, stages, kv_load)
     kernel, src = _build_without_producer(ratio, cfg, ctas)
     assert f"cp_async_wait<{stages - 1}>" in src  # the Wk loop waits with stages - 1 chunks still in flight
-    if kv_load == "whole":
+    if kv_load in ("whole", "direct"):
         assert "kv_s" not in src and "gate_s" not in src  # no slab buffer: kv goes straight into rot_s
     smem = _dynamic_smem(kernel, 256)
     assert smem == cp._smem_flat(cfg, ratio)
@@ -596,7 +599,8 @@ def test_flat_constraints_refuse():
     space, shape = cp.COMPRESSOR.search_space(SM90), cp.COMPRESSOR.shape("prefill_r2_s64k")
     r1 = cp.COMPRESSOR.shape("prefill_r1_s64k")
     params = {p.name: p.choices for p in space.params}
-    assert params["schedule"] == ("ws", "flat") and params["wk_stages"] == (2, 3, 4) and params["kv_load"] == ("slabs", "whole")
+    assert params["schedule"] == ("ws", "flat") and params["wk_stages"] == (2, 3, 4)
+    assert params["kv_load"] == ("slabs", "whole", "direct")
 
     def why(cfg, sh=shape):
         return " | ".join(space.violations(cfg, sh, SM90))
@@ -649,6 +653,8 @@ FLAT_GPU = [
     ("bg64_hilo_st3", 64, 1, "hi_lo", 3, "slabs"),
     ("bg64_st4_whole", 64, 1, "fp32", 4, "whole"),
     ("mc2_st3_whole", 32, 2, "fp32", 3, "whole"),
+    ("mc2_direct", 32, 2, "fp32", 2, "direct"),
+    ("bg64_st4_direct", 64, 1, "fp32", 4, "direct"),
 ]
 ODD = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002 + r, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
 
@@ -657,7 +663,7 @@ def _flat_shapes(kv_load):
     """The tile's 64K, 4K and decode shapes and odd ones (G not a multiple of the block); kv_load=whole: ratio 1 only."""
     names = ("prefill_r2_s4k", "prefill_r1_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64")
     shapes = [cp.COMPRESSOR.shape(n) for n in names] + ODD
-    return [s for s in shapes if kv_load == "slabs" or s["ratio"] == 1]
+    return [s for s in shapes if kv_load != "whole" or s["ratio"] == 1]
 
 
 @pytest.mark.gpu
@@ -687,7 +693,7 @@ def test_flat_decode_tail_and_repeatable(label, block_g, ctas, wk, stages, kv_lo
     equal (a race on the reused shared memory or the deeper pipelines would show as run-to-run differences)."""
     tile = cp.COMPRESSOR
     cfg = _flat_config(block_g, ctas, wk, stages, kv_load)
-    if kv_load == "slabs":
+    if kv_load != "whole":
         full, inputs = _decode_tail_entries_equal(cfg)
         names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
         assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
@@ -695,3 +701,42 @@ def test_flat_decode_tail_and_repeatable(label, block_g, ctas, wk, stages, kv_lo
         if kv_load == "whole" and shape["ratio"] == 2:
             continue
         _two_runs_bitwise_equal(shape, cfg)
+
+
+def test_direct_constraints_refuse():
+    """kv_load=direct: the flat kernel only, not at 3 CTAs per SM at ratio 2 (ptxas spills there), unknown values refused
+    with a reason; the kernel builder refuses it outside the flat kernel. The default stays "slabs"."""
+    space, r2, r1 = cp.COMPRESSOR.search_space(SM90), cp.COMPRESSOR.shape("prefill_r2_s64k"), cp.COMPRESSOR.shape("prefill_r1_s64k")
+
+    def why(cfg, sh=r2):
+        return " | ".join(space.violations(cfg, sh, SM90))
+
+    assert cp.COMPRESSOR.default_config(SM90)["kv_load"] == "slabs"
+    assert why(_flat_config(32, 2, kv_load="direct")) == "" and why(_flat_config(32, 2, kv_load="direct"), r1) == ""
+    assert why(_flat_config(64, 1, wk_stages=4, kv_load="direct")) == ""
+    assert "spills" in why(_flat_config(16, 3, kv_load="direct"))
+    assert why(_flat_config(16, 3, kv_load="direct"), r1) == ""  # ratio 1 holds half the registers: 64, no spills
+    assert "unknown kv_load" in why(_flat_config(32, 2, kv_load="bogus"))
+    one_cta = {**cp.COMPRESSOR.default_config(SM90), **ONE_CTA}
+    assert "flat kernel" in why({**one_cta, "kv_load": "direct"})
+    assert any("Hopper" in r for r in space.violations(_flat_config(32, 2, kv_load="direct"), r2, get_arch("sm80")))
+    # The gate slabs are gone: ratio 2 needs ratio 1's shared memory.
+    assert cp._smem_flat(_flat_config(32, 2, kv_load="direct"), 2) == cp._smem_flat(_flat_config(32, 2), 1) == 102_912
+    with pytest.raises(TileError, match="only in the flat kernel"):
+        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "direct")
+    with pytest.raises(TileError, match="256 threads"):
+        cp._compress_kernel("sm_90a", 2, 32, 512, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "flat", 2, "direct")
+
+
+def test_direct_pools_without_barriers():
+    """kv_load=direct at ratio 2: the pooling is register loads of DIRECT_ROWS groups then the same softmax expression
+    as the slabs' (_staged_pool), with no shared staging; the Wk pipeline is unchanged (cp.async, wk_stages deep)."""
+    cfg = _flat_config(32, 2, kv_load="direct")
+    kernel = cp.COMPRESSOR.build(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg, SM90)
+    src = kernel.get_kernel_source()
+    body = src[src.index("__launch_bounds__(256, 2)") :]
+    pool = body[: body.index("tl::AllReduce")]  # everything before the RMSNorm's reduction
+    assert "kv_s" not in pool and "gate_s" not in pool and "cp_async" not in pool
+    assert pool.count("__syncthreads()") == 1  # the one before the RMSNorm reads rot_s: none per slab
+    assert f"for (int r = 0; r < {32 // cp.DIRECT_ROWS}; ++r)" in pool
+    assert "expf(" in pool and "cp_async_wait<1>" in body  # the Wk loop's pipeline (wk_stages 2)

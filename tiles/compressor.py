@@ -77,7 +77,8 @@ E2M1_BOUNDS = ((0.25, 2.0**-26), (0.75, 2.0**-25), (1.25, 2.0**-24), (1.75, 2.0*
 ENCODES = ("divide", "thresholds")
 WK_LOADS = ("hi_lo", "fp32")  # how the index-K weight reaches the SM (see _compress_kernel)
 SCHEDULES = ("ws", "flat")  # producer warpgroup (one CTA per SM) or none (see _compress_kernel)
-KV_LOADS = ("slabs", "whole")  # ratio 1: kv through 16-channel slabs, or the block's rows in one copy (see _compress_kernel)
+# kv (and gate): 16-channel slabs, ratio 1's block rows in one copy, or per-thread loads into the pooling (see _compress_kernel)
+KV_LOADS = ("slabs", "whole", "direct")
 
 
 def _bounds_cuda() -> str:
@@ -175,6 +176,7 @@ def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
 
 
 MULTI_CTA_CHUNK, MULTI_CTA_STAGES = 16, 3  # ctas_per_sm > 1: kv/gate slab width and pipeline depth
+DIRECT_ROWS = 8  # kv_load=direct: groups whose kv/gate rows are loaded into registers before any is pooled
 NORM_LANES = 8  # ctas_per_sm > 1: threads per latent row in the RMSNorm sum of squares (one shuffle reduction)
 
 
@@ -244,7 +246,10 @@ def _compress_kernel(
     extra stage with wk=fp32, 16 KiB with hi_lo).
     ``kv_load`` (flat kernel, ratio 1): "slabs" streams kv through 16-channel slabs (2 KiB per slab at block_g 32:
     32 HBM round trips per CTA, two in flight); "whole" copies the block's kv rows straight into rot_s (ratio 1 pools
-    nothing), all in flight at once: one round trip, and no slab buffers.
+    nothing), all in flight at once: one round trip, and no slab buffers. "direct" (flat kernel, both ratios): no slabs and
+    no barriers in the pooling: each thread reads its kv/gate float4s from global memory straight into the softmax and
+    writes the pooled latent to rot_s (the arithmetic of :func:`_staged_pool`, expression for expression); the loads of
+    one thread's 16 float4 outputs are independent, so many more bytes are in flight than the slabs' two stages.
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -258,6 +263,8 @@ def _compress_kernel(
         raise TileError(f"wk_stages {wk_stages} / kv_load {kv_load!r} exist only in the flat kernel (ctas_per_sm > 1 or schedule=flat)")
     if kv_load not in KV_LOADS or (kv_load == "whole" and ratio != 1):
         raise TileError(f"kv_load={kv_load!r}: use one of {', '.join(KV_LOADS)}; 'whole' only at ratio 1 (ratio 2 pools pairs)")
+    if kv_load == "direct" and threads != 256:
+        raise TileError(f"kv_load='direct' is built for 256 threads (got {threads})")
     if wk not in WK_LOADS or (wk == "fp32" and not flat):
         raise TileError(f"wk={wk!r}: use one of {', '.join(WK_LOADS)}; 'fp32' only with the flat kernel (ctas_per_sm > 1 or schedule=flat)")
     B, G = T.dynamic("B, G")
@@ -315,11 +322,16 @@ def _compress_kernel(
             # The flat kernel: half-width slabs, three stages (ratio 2: 3 x 8 KiB of kv+gate instead of 2 x 16 KiB), for
             # the shared-memory budget; two stay in flight while one is pooled.
             chunk, stages = (MULTI_CTA_CHUNK, MULTI_CTA_STAGES) if flat else (LOAD_CHUNK, 2)
-            if load == "staged":
+            if load == "staged" and kv_load != "direct":
                 kv_s = T.alloc_shared((block_g * ratio, chunk), "float32")
                 gate_s = T.alloc_shared((block_g * ratio, chunk), "float32") if ratio == 2 else kv_s
             else:
                 kv_s = gate_s = None
+            if kv_load == "direct":
+                # Each row of the group's tokens in its own [DIRECT_ROWS, 512] register fragment (one layout for the
+                # load and the pool); ratio 1 needs only the first.
+                kv_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio)]
+                gate_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio if ratio == 2 else 0)]
             if encode == "thresholds":
                 T.import_source(_bounds_cuda())
             T.copy(norm_w, w_s)
@@ -334,6 +346,27 @@ def _compress_kernel(
                     # Ratio 1 pools nothing: the block's rows straight into rot_s, every load in flight at once (one HBM
                     # round trip instead of 32 slab round trips two deep); rows past G are zero-filled by the copy.
                     T.copy(kv[b, g0 : g0 + block_g, :], rot_s)
+                elif kv_load == "direct":
+                    # No slabs, no barrier per slab: each thread's kv/gate float4s straight from global memory into the
+                    # softmax (the same expressions as _staged_pool, so the same latent bits). Rows past G read row G - 1
+                    # (their results are never stored).
+                    for r in T.serial(block_g // DIRECT_ROWS):
+                        for i, d in T.Parallel(DIRECT_ROWS, D):
+                            g = T.max(T.min(g0 + r * DIRECT_ROWS + i, G - 1), 0)
+                            kv_f[0][i, d] = kv[b, g * ratio, d]
+                            if ratio == 2:
+                                kv_f[1][i, d] = kv[b, g * 2 + 1, d]
+                                gate_f[0][i, d] = gate[b, g * 2, d]
+                                gate_f[1][i, d] = gate[b, g * 2 + 1, d]
+                        for i, d in T.Parallel(DIRECT_ROWS, D):
+                            if ratio == 1:
+                                rot_s[r * DIRECT_ROWS + i, d] = kv_f[0][i, d]
+                            else:
+                                x0, x1 = gate_f[0][i, d], gate_f[1][i, d]
+                                m = T.max(x0, x1)
+                                e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
+                                tot = e0 + e1
+                                rot_s[r * DIRECT_ROWS + i, d] = (e0 / tot) * kv_f[0][i, d] + (e1 / tot) * kv_f[1][i, d]
                 else:
                     _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages)
                 if not flat:
@@ -729,7 +762,8 @@ class CompressorTile(Tile):
                 "kv_load",
                 KV_LOADS,
                 "flat kernel, ratio 1: kv through 16-channel slabs (32 HBM round trips per CTA), or the block's rows "
-                "straight into the latent buffer in one copy",
+                "straight into the latent buffer in one copy; 'direct' (both ratios): no slabs and no barriers, each "
+                f"thread loads {DIRECT_ROWS} groups' kv/gate float4s into registers at once, then pools them",
             ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
@@ -885,7 +919,7 @@ def _rope() -> RopeConfig:
 
 def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     """The flat kernel (``ctas_per_sm`` > 1, or ``schedule="flat"`` at one CTA per SM) and its values (``k_chunk`` 16,
-    ``wk`` fp32, ``wk_stages`` 3-4, ``kv_load`` whole) exist for the builds checked with ptxas (sm_90a).
+    ``wk`` fp32, ``wk_stages`` 3-4, ``kv_load`` whole or direct) exist for the builds checked with ptxas (sm_90a).
 
     256 threads x 2 CTAs leave 128 registers a thread (ptxas: 88-102 at block_g 32, no spills), x 3 CTAs 85 (56-77 at
     block_g 16); one flat CTA of block_g 64 took 102-150, no spills. The staged kv/gate path and the pipelined tf32x3
@@ -902,12 +936,17 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     kv_load = config.get("kv_load", "slabs")
     if kv_load == "whole" and shape.dims.get("ratio") != 1:
         return "kv_load=whole exists for ratio 1 only (ratio 2 pools pairs of tokens through the slabs)"
+    if kv_load not in KV_LOADS:
+        return f"unknown kv_load {kv_load!r}: use one of {', '.join(KV_LOADS)}"
+    if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2:
+        # ptxas: 80 registers (the cap of 3 x 256 threads) and 40 bytes of spills at block_g 16, ratio 2.
+        return "kv_load=direct at ratio 2 holds 16 float4s per thread: it spills at 3 CTAs per SM (use ctas_per_sm 1-2)"
     if schedule == "ws":
         # The new values came with the flat kernel and were compiled and checked only there.
         if config.get("wk", "hi_lo") == "fp32":
             return "wk=fp32 exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
         if config.get("wk_stages", 2) != 2 or kv_load != "slabs":
-            return "wk_stages 3-4 and kv_load=whole exist only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
+            return "wk_stages 3-4 and kv_load=whole/direct exist only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
         return "k_chunk 16 exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)" if config["k_chunk"] == 16 else None
     if arch.family != "hopper":
         return f"ctas_per_sm {n} (the flat kernel) is built and checked for Hopper (sm_90a) only"
@@ -929,10 +968,12 @@ def _smem_flat(config: Config, ratio: int) -> int:
     per-group arrays: exact at block_g 32 ratio 2/1 = 115,200/102,912 B and block_g 16 = 74,240/68,096 B. Each Wk
     stage past two adds one [128, k_chunk] fp32 tile (wk=fp32: the raw chunk) or two (hi_lo: both halves); block_g 64
     adds 2 KiB of the allocator's packing (174,592 B at ratio 1, 199,168 B at ratio 2). kv_load=whole changes nothing:
-    the kv slabs it drops shared their bytes with the Wk stages.
+    the kv slabs it drops shared their bytes with the Wk stages; kv_load=direct also drops the gate slabs (its
+    kv/gate rows are registers), so ratio 2 needs what ratio 1 does (102,912 B at block_g 32).
     """
     bg, kc = config["block_g"], config["k_chunk"]
-    gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if ratio == 2 else 0
+    slabs = ratio == 2 and config.get("kv_load", "slabs") != "direct"
+    gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if slabs else 0
     need = bg * D * 4 + gate_slabs + 4 * DI * kc * 4 + 8 * bg * kc + 512
     per_stage = DI * kc * 4 * (1 if config.get("wk", "hi_lo") == "fp32" else 2)
     return need + (config.get("wk_stages", 2) - 2) * per_stage + (2048 if bg == 64 else 0)
