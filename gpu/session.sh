@@ -72,6 +72,15 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
+phase_queued() {  # what session 7 wrote after the Nsight profile: checked, then timed against the defaults
+  # compressor kv_load=direct (notes/indexer.md, session 7: estimate 0.19-0.21 ms at ratio 2) against the default and the
+  # ratio-1 candidate; its GPU tests, and the indexer GPU tests that session 7's second call's time limit stopped
+  PROFILE_ARGS=${PROFILE_ARGS:-'compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"kv_load":"direct"} compressor:prefill_r2_s64k:{"schedule":"flat","block_g":64,"wk_stages":4,"kv_load":"direct"} compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"kv_load":"direct"} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64,"kv_load":"whole","wk_stages":4}'} \
+    phase_profile
+  PYTEST_K=${PYTEST_K:-"mc2_direct or bg64_st4_direct or score_options or 65536 or hoisted_epilogue or wide_scale or select_split or ties_and"} \
+    PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_indexer.py tests/test_compressor.py"} phase_pytest
+}
+
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
   mkdir -p "$OUT/scaling"
   timeout "${SCALING_S:-150}" python3 gpu/attn_block_scaling.py --out "$OUT/scaling" --config "${SCALING_CONFIG:-{\}}" > "$OUT/scaling.log" 2>&1
