@@ -25,7 +25,7 @@ from tiles.harness import OK, evaluate
 
 SM90 = get_arch("sm90")
 # The one-CTA-per-SM kernel (Hopper's default until ctas_per_sm 2): the base of the tests that vary load, proj or encode
-ONE_CTA = {"ctas_per_sm": 1, "k_chunk": 32, "wk": "hi_lo", "schedule": "ws"}
+ONE_CTA = {"ctas_per_sm": 1, "k_chunk": 32, "wk": "hi_lo", "schedule": "ws", "kv_load": "slabs"}  # kv through slabs
 
 
 def _args(B=2, S=4, G=2, device="cpu"):
@@ -366,7 +366,10 @@ TL_ROOT = Path(tilelang.__file__).parent
 
 
 def _multi_cta_config(block_g, ctas, wk="hi_lo"):
-    return {**cp.COMPRESSOR.default_config(SM90), "block_g": block_g, "k_chunk": 16, "ctas_per_sm": ctas, "wk": wk}
+    """The two/three-CTA builds as written in session 5: kv and gate through the slabs (the default's kv_load=direct
+    came in session 7, and spills at three CTAs per SM at ratio 2)."""
+    cfg = {**cp.COMPRESSOR.default_config(SM90), "block_g": block_g, "k_chunk": 16, "ctas_per_sm": ctas, "wk": wk}
+    return {**cfg, "kv_load": "slabs"}
 
 
 def _dynamic_smem(kernel, threads) -> int:
@@ -638,11 +641,11 @@ def test_flat_with_defaults():
     cfg = tile.with_defaults(SM90, {"wk_stages": 3, "kv_load": "whole"})
     assert cfg["ctas_per_sm"] == 2 and space.violations(cfg, r1, SM90) == []
     assert cp._schedule(tile.default_config(SM90)) == "flat" and cp._schedule(ONE_CTA) == "ws"
-    # The default names the new keys (the tuner's first trial must be the default) with the values that build
-    # exactly the kernel of a config without them.
+    # The default names the new keys (the tuner's first trial must be the default); schedule and wk_stages with the
+    # values that build exactly the kernel of a config without them (kv_load: "direct" since session 7).
     default = tile.default_config(SM90)
-    assert (default["schedule"], default["wk_stages"], default["kv_load"]) == ("flat", 2, "slabs")
-    without = {k: v for k, v in default.items() if k not in ("schedule", "wk_stages", "kv_load")}
+    assert (default["schedule"], default["wk_stages"], default["kv_load"]) == ("flat", 2, "direct")
+    without = {k: v for k, v in default.items() if k not in ("schedule", "wk_stages")}
     assert tile.build(r1, default, SM90) is tile.build(r1, without, SM90)
 
 
@@ -705,13 +708,13 @@ def test_flat_decode_tail_and_repeatable(label, block_g, ctas, wk, stages, kv_lo
 
 def test_direct_constraints_refuse():
     """kv_load=direct: the flat kernel only, not at 3 CTAs per SM at ratio 2 (ptxas spills there), unknown values refused
-    with a reason; the kernel builder refuses it outside the flat kernel. The default stays "slabs"."""
+    with a reason; the kernel builder refuses it outside the flat kernel. Hopper's default since session 7's H200 run."""
     space, r2, r1 = cp.COMPRESSOR.search_space(SM90), cp.COMPRESSOR.shape("prefill_r2_s64k"), cp.COMPRESSOR.shape("prefill_r1_s64k")
 
     def why(cfg, sh=r2):
         return " | ".join(space.violations(cfg, sh, SM90))
 
-    assert cp.COMPRESSOR.default_config(SM90)["kv_load"] == "slabs"
+    assert cp.COMPRESSOR.default_config(SM90)["kv_load"] == "direct"
     assert why(_flat_config(32, 2, kv_load="direct")) == "" and why(_flat_config(32, 2, kv_load="direct"), r1) == ""
     assert why(_flat_config(64, 1, wk_stages=4, kv_load="direct")) == ""
     assert "spills" in why(_flat_config(16, 3, kv_load="direct"))

@@ -791,7 +791,10 @@ class CompressorTile(Tile):
                 "wk": "fp32",
                 "schedule": "flat",  # what two CTAs per SM run (no producer warpgroup)
                 "wk_stages": 2,
-                "kv_load": "slabs",
+                # The pooling's kv/gate straight from global memory into registers, no slabs and no barriers, H200, one
+                # run against the slabs (results/sm90/profile_queued_session7b.json): ratio 2 0.2506 -> 0.2228 ms,
+                # ratio 1 0.3762 -> 0.3499 ms at 64K.
+                "kv_load": "direct",
             }
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
@@ -831,6 +834,7 @@ class CompressorTile(Tile):
                 cfg.update(ctas_per_sm=1)
             else:
                 cfg.update(ctas_per_sm=1, wk=config.get("wk", "hi_lo"), k_chunk=config.get("k_chunk", 32), schedule="ws")
+                cfg.update(kv_load=config.get("kv_load", "slabs"))  # the ws kernel streams kv through slabs
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
