@@ -492,7 +492,7 @@ def test_multi_cta_matches_reference(block_g, ctas, wk):
     arch = get_arch("sm90")
     odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002 + r, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
     names = ("prefill_r2_s4k", "prefill_r1_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64")
-    cfg = {**cp.COMPRESSOR.default_config(arch), "block_g": block_g, "k_chunk": 16, "ctas_per_sm": ctas, "wk": wk}
+    cfg = _multi_cta_config(block_g, ctas, wk)
     for shape in [cp.COMPRESSOR.shape(n) for n in names] + odd:
         ev = evaluate(cp.COMPRESSOR, shape, cfg, arch, seed=7, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
