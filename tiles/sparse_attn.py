@@ -712,17 +712,9 @@ def _sparse_attn_ws(
                     for it in T.serial(n_blk):
                         blk = lo + it
                         if it % 2 == 0:
-                            T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
-                            if prefetch:
-                                _ws_produce_prefetch(src, regs, dims, bufs[0], b_i, s_i, blk, p, it + 1 < n_blk)
-                            else:
-                                _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, blk, p, fp4, main_passes)
+                            _ws_produce_into(src, regs, dims, bufs[0], bar_k0_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
                         else:
-                            T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
-                            if prefetch:
-                                _ws_produce_prefetch(src, regs, dims, bufs[1], b_i, s_i, blk, p, it + 1 < n_blk)
-                            else:
-                                _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, blk, p, fp4, main_passes)
+                            _ws_produce_into(src, regs, dims, bufs[1], bar_k1_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -1303,6 +1295,17 @@ def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
         else:
             rows[j] = T.if_then_else((blk - NBW) * BI + r < K, TopkIdx[b_i, s_i, T.min((blk - NBW) * BI + r, K - 1)], -1)
             rows[j] = T.if_then_else(rows[j] < Nc, rows[j], -1)
+
+
+@T.macro
+def _ws_produce_into(src, regs, dims, kv_buf, bar_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch: bool, n_blk):
+    """One block of the producer's loop (one token per CTA): wait until ``kv_buf`` (block ``it`` of ``n_blk``, the
+    buffer of parity ``it % 2``) is free, then fill it with block ``blk``, by the prefetching or the batched producer."""
+    T.barrier_wait(bar_free, ((it // 2) & 1) ^ 1)
+    if prefetch:
+        _ws_produce_prefetch(src, regs, dims, kv_buf, b_i, s_i, blk, p, it + 1 < n_blk)
+    else:
+        _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_passes)
 
 
 @T.macro
