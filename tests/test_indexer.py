@@ -536,7 +536,7 @@ def test_hoisted_epilogue_is_an_rs_only_search_space_option():
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     for tile in (ix.INDEXER_TOPK, ix.REINDEX_TOPK):
         space = tile.search_space(SM90)
-        assert {p.name: p.choices for p in space.params}["epilogue"] == ("per_tile", "hoisted")
+        assert {p.name: p.choices for p in space.params}["epilogue"] == ("per_tile", "hoisted", "fused")
         base = tile.default_config(SM90)
         for dequant in ix.RS_DEQUANTS:
             assert space.violations({**base, "dequant": dequant, "min_ctas": 2, "epilogue": "hoisted"}, shape, SM90) == []
@@ -559,6 +559,146 @@ def test_hoisted_epilogue_builds_at_the_indexer_shapes(shape_name):
         cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": dequant, "epilogue": "hoisted"}
         assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
         assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
+
+
+# epilogue=fused (session 7, written without device time): hoisted plus the ReLU-weighted head sum as one FFMA chain a
+# row, the quad sum as a reduce-scatter and each quad lane storing its own rows, by hand on the wgmma accumulator.
+# (name: (config over the indexer's Hopper default, gather, m-tiles))
+FUSED_BUILDS = {
+    "default": ({}, False, 4),
+    "bn128": ({"block_n": 128}, False, 2),
+    "bn64_mc4_st4": ({"block_n": 64, "min_ctas": 4, "stages": 4}, False, 1),
+    "fma_rs": ({"dequant": "fma_rs"}, False, 4),
+    "gather_bn256": ({"dequant": "prmt_rs", "threads": 128, "block_n": 256, "stages": 1, "tiles_per_cta": 16}, True, 4),
+}
+
+
+def _ptxas(src: str, tmp_path) -> tuple[int, int]:
+    """(registers, spill bytes) of the kernel source by nvcc -Xptxas -v for sm_90a (TileLang's include paths)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    import tilelang
+
+    root = Path(tilelang.__file__).parent
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    inc = [f"-I{root / d}" for d in ("src", "src/cuda", "3rdparty/cutlass/include")]
+    cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *inc, str(cu), "-o", str(tmp_path / "k.cubin")]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return regs, spills
+
+
+@pytest.mark.parametrize("name", list(FUSED_BUILDS))
+def test_fused_epilogue_replaces_the_head_sum_and_store(name, tmp_path):
+    """epilogue=fused: the tile loop hands the accumulator to csa2_relu_wsum_store<m-tiles> (no TileLang head sum, no
+    4-lane AllReduce, no row fragment, no w_half), w / 2 sits in a plain local array loaded once per CTA, no proxy
+    fence enters the loop (the contiguous variant passes no shared pointer), and ptxas neither spills nor serialises."""
+    import shutil
+
+    cfg, gather, mtiles = FUSED_BUILDS[name]
+    tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
+    full = {**tile.default_config(SM90), **cfg, "epilogue": "fused"}
+    assert tile.search_space(SM90).violations(full, tile.shapes()[0], SM90) == []
+    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    loop = _tile_loop(src)
+    assert f"csa2_relu_wsum_store<{mtiles}>((&(acc[0])), (&(w_loc[0])), out_ptr, " in loop
+    assert "AllReduce" not in src and "float row[" not in src and "float w_half[" not in src and "float w_loc[8];" in src
+    assert "weights" not in loop and "out_cta" not in src and "csa2_pin_ptr(" in src and "csa2_load_w_half(" in src
+    if not gather:
+        assert "fence_proxy_async" not in loop and "pos_s" not in src
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found: registers and spills not checked")
+    regs, spills = _ptxas(src, tmp_path)
+    assert spills == 0, (regs, spills)
+
+
+def test_fused_epilogue_is_a_one_warpgroup_rs_option():
+    """In both score tiles' spaces: fused with the RS dequants on one consumer warpgroup; refused (with the reason) for
+    the shared-tile dequants and for two warpgroups, by the kernel builder too. The defaults do not use it."""
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    for tile in (ix.INDEXER_TOPK, ix.REINDEX_TOPK):
+        space = tile.search_space(SM90)
+        base = {**tile.default_config(SM90), "block_n": 256, "threads": 128, "stages": 1}
+        for dequant in ix.RS_DEQUANTS:
+            assert space.violations({**base, "dequant": dequant, "min_ctas": 2, "epilogue": "fused"}, shape, SM90) == []
+        why = space.violations({**base, "dequant": "prmt", "epilogue": "fused"}, shape, SM90)
+        assert any("epilogue=fused needs dequant" in r for r in why)
+        why = space.violations({**base, **TWO_WARPGROUPS, "dequant": "prmt_rs", "min_ctas": 2, "epilogue": "fused"}, shape, SM90)
+        assert any("one consumer warpgroup" in r for r in why)
+        assert tile.default_config(SM90)["epilogue"] != "fused"
+    with pytest.raises(ValueError, match="fused"):
+        ix._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt_rs", False, 8, 2, "fused")
+    with pytest.raises(ValueError, match="fused"):
+        ix._score_kernel(SM90.nvcc_arch, 256, 128, 1, 16, "prmt", False, 8, 2, "fused")
+
+
+def _fused_epilogue_model(acc_tile, w, mtiles: int):
+    """csa2_relu_wsum_store per thread on a [64 m, 32] accumulator tile: the wgmma D fragment (PTX m64nNk16: element a of
+    m-tile m is row 64m + 16 warp + 8 ((a >> 1) & 1) + lane / 4, head 8 (a >> 2) + 2 (lane % 4) + (a & 1)), the FFMA
+    chain per row, the two reduce-scatter steps and the rows each lane stores. Returns {row: value}."""
+    import numpy as np
+
+    f32 = np.float32
+
+    def fma(a, b, c):  # exact product, one rounding (binary64 holds a * b exactly; the sum rounds at most twice)
+        return f32(float(a) * float(b) + float(c))
+
+    v = {}  # (thread, r) -> partial row sum over the thread's 8 heads
+    for tid in range(128):
+        lane, warp, q = tid % 32, tid // 32, tid % 4
+        acc = [0.0] * (16 * mtiles)
+        for m in range(mtiles):
+            for a in range(16):
+                acc[16 * m + a] = acc_tile[64 * m + 16 * warp + 8 * ((a >> 1) & 1) + lane // 4, 8 * (a >> 2) + 2 * q + (a & 1)]
+        wl = [f32(w[8 * k + 2 * q + j] * f32(0.5)) for k in range(4) for j in range(2)]
+        for r in range(2 * mtiles):
+            base, s = (r >> 1) * 16 + (r & 1) * 2, f32(0)
+            for rv in range(8):
+                x = f32(acc[base + (rv & 3) * 4 + (rv >> 2)])
+                t, wh = f32(x + abs(x)), wl[(rv & 3) * 2 + (rv >> 2)]
+                s = f32(t * wh) if rv == 0 else fma(t, wh, s)
+            v[tid, r] = s
+    u, stored = {}, {}
+    for tid in range(128):  # step 1: keep v[p + M b] + the partner's (lane ^ 2) copy of it
+        b = (tid >> 1) & 1
+        for p in range(mtiles):
+            u[tid, p] = f32(v[tid, p + mtiles * b] + v[tid ^ 2, p + mtiles * b])
+    for tid in range(128):
+        lane, warp, b, c = tid % 32, tid // 32, (tid >> 1) & 1, tid & 1
+        if mtiles >= 2:
+            for p in range(mtiles // 2):
+                vi = p + c * (mtiles // 2) + b * mtiles
+                z = f32(u[tid, p + c * (mtiles // 2)] + u[tid ^ 1, p + c * (mtiles // 2)])
+                row = (vi >> 1) * 64 + warp * 16 + (vi & 1) * 8 + lane // 4
+                assert row not in stored
+                stored[row] = z
+        elif not c:
+            row = warp * 16 + b * 8 + lane // 4
+            assert row not in stored
+            stored[row] = f32(u[tid, 0] + u[tid ^ 1, 0])
+    return stored
+
+
+@pytest.mark.parametrize("mtiles", [1, 2, 4])
+def test_fused_epilogue_model_stores_every_row_once_with_its_score(mtiles):
+    """The fused epilogue's index algebra (a Python model of csa2_relu_wsum_store on the PTX accumulator layout): every
+    row of the tile is stored by exactly one lane, with sum_h max(acc, 0) w_h of that row (fp32, to rounding); the
+    model fails with the row halves (8 ((a >> 1) & 1)) or the reduce-scatter lanes swapped."""
+    import numpy as np
+
+    gen = np.random.default_rng(7 + mtiles)
+    acc = gen.standard_normal((64 * mtiles, 32)).astype(np.float32)
+    w = gen.standard_normal(32).astype(np.float32)
+    got = _fused_epilogue_model(acc, w, mtiles)
+    assert sorted(got) == list(range(64 * mtiles))
+    want = (np.maximum(acc.astype(np.float64), 0) * w.astype(np.float64)).sum(axis=1)
+    err = np.array([got[i] for i in range(64 * mtiles)], dtype=np.float64) - want
+    assert np.linalg.norm(err) <= 1e-6 * np.linalg.norm(want)
 
 
 def test_prmt_compiles_with_two_ctas_per_sm():
@@ -919,6 +1059,57 @@ def test_hoisted_epilogue_scores_bitwise_equal_per_tile(option):
         out_p, sc_p = ix.reindex_topk(*args, pool, 8, 512, config=per_tile, return_scores=True)
         assert torch.equal(sc_h.view(torch.int32), sc_p.view(torch.int32)), f"reindex_topk B={B} S={S} N={N}"
         assert torch.equal(out_h, out_p)
+
+
+# epilogue=fused (written without device time, compiled for sm_90a): the indexer default with it, its 128- and 64-entry
+# one-warpgroup layouts (2 and 1 m-tiles: the other reduce-scatter branches) and fma_rs.
+FUSED_OPTIONS = {
+    "default": {"epilogue": "fused"},
+    "bn128": {"epilogue": "fused", "block_n": 128},
+    "bn64_mc4_st4": {"epilogue": "fused", "block_n": 64, "min_ctas": 4, "stages": 4},
+    "fma_rs": {"epilogue": "fused", "dequant": "fma_rs"},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(FUSED_OPTIONS), ids=str)
+def test_fused_epilogue_matches_reference(option):
+    """epilogue=fused on indexer_topk at the real decode shape and odd ones (partial tiles, n_visible < top-k, empty
+    rows): scores by relative L2 and top-k sets against the reference (evaluate: poisoned outputs, two runs bitwise
+    equal)."""
+    arch = get_arch("sm90")
+    cfg = {**ix.INDEXER_TOPK.default_config(arch), **FUSED_OPTIONS[option]}
+    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
+        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
+        assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(FUSED_OPTIONS), ids=str)
+def test_fused_epilogue_scores_close_to_hoisted(option):
+    """The same products as epilogue=hoisted, each rounded once inside the FFMA instead of once more on its own, and the
+    same quad sum (bitwise the AllReduce's): the same -inf pattern, scores within ~1 ulp of the row scale, and top-k
+    sets equal up to the tie rule; on indexer_topk and on reindex_topk's gathered variant."""
+    from tiles.compare import relative_l2
+
+    fused = {**ix.INDEXER_TOPK.default_config(SM90), **FUSED_OPTIONS[option]}
+    hoisted = {**fused, "epilogue": "hoisted"}
+    score_keys = ("block_n", "threads", "stages", "tiles_per_cta", "dequant", "min_ctas", "epilogue")  # Reindex's space
+    r_fused, r_hoisted = ({k: c[k] for k in score_keys} for c in (fused, hoisted))
+    for B, S, N in [(64, 1, 131072), (3, 2, 1000), (2, 1, 77)]:
+        inputs = ix._indexer_inputs(B, S, N, 29, "cuda", causal=False)
+        args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+        out_f, sc_f = ix.indexer_topk(*args, 512, return_scores=True, config=fused)
+        out_h, sc_h = ix.indexer_topk(*args, 512, return_scores=True, config=hoisted)
+        assert torch.equal(torch.isinf(sc_f), torch.isinf(sc_h)), f"indexer_topk B={B} S={S} N={N}"
+        assert relative_l2({"scores": sc_f}, {"scores": sc_h}, 1e-6).ok, f"indexer_topk B={B} S={S} N={N}"
+        assert ix.compare_topk_sets(out_f, out_h, sc_h).ok
+        gen = torch.Generator(device="cuda").manual_seed(31)
+        pool = ix._random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
+        out_f, sc_f = ix.reindex_topk(*args, pool, 8, 512, config=r_fused, return_scores=True)
+        out_h, sc_h = ix.reindex_topk(*args, pool, 8, 512, config=r_hoisted, return_scores=True)
+        assert torch.equal(torch.isinf(sc_f), torch.isinf(sc_h)), f"reindex_topk B={B} S={S} N={N}"
+        assert relative_l2({"scores": sc_f}, {"scores": sc_h}, 1e-6).ok, f"reindex_topk B={B} S={S} N={N}"
 
 
 @pytest.mark.gpu

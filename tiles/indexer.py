@@ -325,7 +325,7 @@ def _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n: int, D: int):
 
 
 RS_DEQUANTS = ("prmt_rs", "fma_rs")  # the A fragment built in the consumers' registers, q in a permuted dim order
-EPILOGUES = ("per_tile", "hoisted")  # where the score kernel's per-CTA constants (w / 2, the output row) are built
+EPILOGUES = ("per_tile", "hoisted", "fused")  # per-CTA constants per tile or once; (fused) + the head sum by hand
 
 
 # epilogue="hoisted" (RS dequants): the tile loop's fixed work that does not change within a CTA, done once per CTA.
@@ -349,6 +349,82 @@ __device__ __forceinline__ void* csa2_pin_ptr(void* p) {
   size_t g = __cvta_generic_to_global(p);  // through the global window: the stores stay STG, not generic ST
   asm("" : "+l"(g));
   return __cvta_global_to_generic(g);
+}
+"""
+
+
+# epilogue="fused" (RS dequants, one consumer warpgroup): hoisted's per-CTA constants, and the ReLU-weighted head sum,
+# its quad reduction and the store written by hand on the accumulator registers.
+# Why: at the 256-entry default each consumer thread spends 216 SASS per tile on the epilogue and 56 on the store, of
+# 872 (nvcc 13, sm_90a). ptxas fuses the weight multiply into the head sum for one of the thread's 8 rows only (the PTX
+# has mul.f32 + add.f32 and ptxas picks), so 56 FMUL + 56 FADD stay; the 8 rows are then each summed over the quad by
+# the 4-lane AllReduce (2 SHFL + 2 FADD a row) and quad lane 0 alone stores all 8 (8 STG with their bounds, while 3 of
+# 4 lanes idle). Here, per thread and tile:
+# * the head sum as one explicit FFMA chain a row: s = fma(x + |x|, w / 2, s) (64 FADD + 56 FFMA + 8 FMUL);
+# * the quad sum as a reduce-scatter: exchange half of the rows with lane ^ 2, then half of the rest with lane ^ 1, so
+#   each quad lane ends with 2M / 4 finished rows (M m-tiles: 2M rows a thread) and stores them itself (M = 4: 6 SHFL
+#   + 6 FADD + 12 FSEL, and 2 STG a lane, instead of 16 + 16 and 8 STG on one lane).
+# Layout: the thread's accumulator is wgmma's D fragment (PTX m64nNk16, N = 32 heads, 16 floats a 64-row m-tile):
+# element a of m-tile m is row 64m + 16 warp + 8 ((a >> 1) & 1) + lane / 4, head 8 (a >> 2) + 2 (lane % 4) + (a & 1);
+# TileLang hands it over as the local array acc[16 M] (T.gemm's wgmma call gets acc + 16 m). w_loc[2k + j] = w / 2 of
+# head 8k + 2 (lane % 4) + j. Only with one consumer warpgroup (threadIdx.x & 127 is then the warpgroup lane whether
+# TileLang puts the producer first or builds no producer).
+# Exactness: the products and sums of the same fp32 values; each product x w is rounded once inside the FFMA instead
+# of once more on its own (hoisted's rows other than the fused one), so scores are not bitwise hoisted's (a few ulps);
+# the quad sum is bitwise the AllReduce's: lane l gets (v_l + v_l^2) + (v_l^1 + v_l^3), which IEEE commutativity makes
+# equal to lane 0's (v0 + v2) + (v1 + v3) for every l.
+_FUSED_EPI_CUDA = r"""
+__device__ __forceinline__ void csa2_load_w_half(float* w, const float* wrow) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 p = *(const float2*)(wrow + 8 * k + 2 * q);
+    w[2 * k] = p.x * 0.5f;
+    w[2 * k + 1] = p.y * 0.5f;
+  }
+}
+// acc: the thread's 16 M accumulator floats; rows of the tile at out[off + row] for off + row < n_left, -inf where
+// not visible (off + row >= vis_left, or pos[row] < 0 when gather)
+template <int M>
+__device__ __forceinline__ void csa2_relu_wsum_store(const float* acc, const float* w, void* out_, const int* pos,
+                                                     int off, int n_left, int vis_left, int gather) {
+  float* out = (float*)out_;
+  const int l = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float v[2 * M];  // v[2m + hi]: this thread's 8 heads of row 64m + 16 warp + 8 hi + l / 4
+#pragma unroll
+  for (int r = 0; r < 2 * M; ++r) {
+    const int base = (r >> 1) * 16 + (r & 1) * 2;
+    float s = 0.0f;
+#pragma unroll
+    for (int rv = 0; rv < 8; ++rv) {  // hoisted's order: head block rv & 3, pair element rv >> 2
+      const float x = acc[base + (rv & 3) * 4 + (rv >> 2)];
+      const float t = x + fabsf(x);
+      const float wh = w[(rv & 3) * 2 + (rv >> 2)];
+      s = rv == 0 ? t * wh : fmaf(t, wh, s);
+    }
+    v[r] = s;
+  }
+  const bool b = (l >> 1) & 1, c = l & 1;
+  float u[M];  // step 1 (lane ^ 2): keep v[p + M b] (p < M), send the other half
+#pragma unroll
+  for (int p = 0; p < M; ++p) {
+    const float send = b ? v[p] : v[p + M], keep = b ? v[p + M] : v[p];
+    u[p] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+  }
+  if constexpr (M >= 2) {  // step 2 (lane ^ 1): keep u[p + c M / 2] (p < M / 2): value p + c M / 2 + b M
+#pragma unroll
+    for (int p = 0; p < M / 2; ++p) {
+      const float send = c ? u[p] : u[p + M / 2], keep = c ? u[p + M / 2] : u[p];
+      const float z = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+      const int vi = p + c * (M / 2) + b * M;
+      const int row = (vi >> 1) * 64 + warp * 16 + (vi & 1) * 8 + (l >> 2);
+      if (off + row < n_left) out[off + row] = (gather ? pos[row] >= 0 : off + row < vis_left) ? z : -__int_as_float(0x7f800000);
+    }
+  } else {  // one m-tile: both lanes of a pair hold the same row (value b); the even one stores it
+    const float z = u[0] + __shfl_xor_sync(0xffffffffu, u[0], 1);
+    const int row = warp * 16 + b * 8 + (l >> 2);
+    if (!c && off + row < n_left) out[off + row] = (gather ? pos[row] >= 0 : off + row < vis_left) ? z : -__int_as_float(0x7f800000);
+  }
 }
 """
 
@@ -392,8 +468,10 @@ def _score_kernel(
     Dims B, S, N (and the pool width P) are dynamic, so one compiled kernel serves every
     decode step as the cache grows.
     """
-    if epilogue not in EPILOGUES or (epilogue == "hoisted" and dequant not in RS_DEQUANTS):
-        raise ValueError(f"epilogue={epilogue!r} with dequant={dequant!r}: 'hoisted' is built for {RS_DEQUANTS} only")
+    if epilogue not in EPILOGUES or (epilogue != "per_tile" and dequant not in RS_DEQUANTS):
+        raise ValueError(f"epilogue={epilogue!r} with dequant={dequant!r}: 'hoisted' / 'fused' are built for {RS_DEQUANTS} only")
+    if epilogue == "fused" and threads != 128:
+        raise ValueError(f"epilogue='fused' needs one consumer warpgroup (threads 128), got threads={threads}")
     H, D = HEADS, HEAD_DIM
     W = D // 8  # int32 words per packed entry (8 nibbles each)
     B, S, N, P = T.dynamic("B, S, N, P")
@@ -436,16 +514,20 @@ def _score_kernel(
                     T.annotate_producer_reg_dealloc(producer_regs)
                     T.annotate_consumer_reg_alloc(consumer_regs)
             hoisted = epilogue == "hoisted"
+            fused = epilogue == "fused"
             q_s = T.alloc_shared((H, D), "bfloat16")
             if hoisted:
                 w_half = T.alloc_fragment((H,), "float32")  # w / 2 of the heads a thread's accumulator columns hold
+            elif fused:
+                w_loc = T.alloc_local((8,), "float32")  # w / 2 of the thread's 8 heads (_FUSED_EPI_CUDA's order)
             else:
                 w_s = T.alloc_shared((H,), "float32")
             kw_s = T.alloc_shared((block_n, W), "int32")
             ks_s = T.alloc_shared((block_n,), "int32")
             pos_s = T.alloc_shared((block_n,), "int32")
             acc = T.alloc_fragment((block_n, H), "float32")
-            row = T.alloc_fragment((block_n,), "float32")
+            if not fused:
+                row = T.alloc_fragment((block_n,), "float32")
             if dequant in ("registers", "fragment_bits", *RS_DEQUANTS):
                 k_deq = T.alloc_fragment((block_n, D), "bfloat16")
             else:
@@ -453,6 +535,8 @@ def _score_kernel(
             if dequant == "prmt":
                 T.import_source(_PRMT_CUDA)
             pin = _PIN_CUDA if hoisted else ""  # one import_source per kernel: TileLang refuses a second one
+            if fused:
+                pin = _PIN_CUDA + _FUSED_EPI_CUDA
             if dequant == "prmt_rs":
                 T.import_source(_PRMT_PAIR_CUDA + pin)
                 rs_tab = T.alloc_shared((256, 4), "uint32")
@@ -479,6 +563,10 @@ def _score_kernel(
                 # this CTA's span of its output row as a buffer of its own: the int64 (b, s, j) index is built once
                 out_ptr = T.call_extern("handle", "csa2_pin_ptr", T.access_ptr(out[b, s, bx * span], "w", span))
                 out_cta = T.make_tensor_from_addr(out_ptr, (span,), "float32")
+            elif fused:
+                T.sync_threads()  # as hoisted: every thread wrote q_s (and rs_tab), the consumers read them
+                T.call_extern("handle", "csa2_load_w_half", T.address_of(w_loc[0]), T.access_ptr(weights[b, s, 0], "r", H))
+                out_ptr = T.call_extern("handle", "csa2_pin_ptr", T.access_ptr(out[b, s, bx * span], "w", span))
             else:
                 T.copy(weights[b, s, :], w_s)
             for t in T.Pipelined(tiles_per_cta, num_stages=stages):
@@ -527,7 +615,20 @@ def _score_kernel(
                     for i, d in T.Parallel(block_n, D):
                         k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
                 T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if hoisted:
+                if fused:
+                    T.call_extern(
+                        "handle",
+                        f"csa2_relu_wsum_store<{block_n // 64}>",
+                        acc.access_ptr("r"),
+                        T.address_of(w_loc[0]),
+                        out_ptr,
+                        T.address_of(pos_s[0]) if gather else 0,  # (a pointer argument would count as a shared write)
+                        t * block_n,
+                        n_out - bx * span,
+                        nvis - bx * span,
+                        int(gather),
+                    )
+                elif hoisted:
                     for i, h in T.Parallel(block_n, H):
                         acc[i, h] = (acc[i, h] + T.abs(acc[i, h])) * w_half[h]  # per_tile's product, w / 2 hoisted
                 elif dequant in RS_DEQUANTS:
@@ -538,8 +639,11 @@ def _score_kernel(
                 else:
                     for i, h in T.Parallel(block_n, H):
                         acc[i, h] = T.max(acc[i, h], 0.0) * w_s[h]
-                T.reduce_sum(acc, row, dim=1)
-                if hoisted:
+                if not fused:
+                    T.reduce_sum(acc, row, dim=1)
+                if fused:
+                    pass  # stored by csa2_relu_wsum_store
+                elif hoisted:
                     _store_row_hoisted(out_cta, row, pos_s, t * block_n, n_out - bx * span, nvis - bx * span, block_n, gather)
                 else:
                     for i in T.Parallel(block_n):
@@ -1236,10 +1340,15 @@ def _rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
 
 
 def _epilogue_fits(config: Config, shape: Shape, arch: Arch) -> str | None:
-    """epilogue="hoisted" is built for the RS dequants only (their weights and store live in the consumer registers)."""
+    """epilogue="hoisted" / "fused" are built for the RS dequants only (their weights and store live in the consumer
+    registers); "fused" also for one consumer warpgroup only (its hand-written epilogue reads the wgmma accumulator
+    layout of one warpgroup: threads 128)."""
     config = {**_SCORE_DEFAULT, **config}
-    if config.get("epilogue", "per_tile") == "hoisted" and config["dequant"] not in RS_DEQUANTS:
-        return f"epilogue=hoisted needs dequant in {list(RS_DEQUANTS)}, got {config['dequant']}"
+    epilogue = config.get("epilogue", "per_tile")
+    if epilogue != "per_tile" and config["dequant"] not in RS_DEQUANTS:
+        return f"epilogue={epilogue} needs dequant in {list(RS_DEQUANTS)}, got {config['dequant']}"
+    if epilogue == "fused" and config["threads"] != 128:
+        return f"epilogue=fused needs one consumer warpgroup (threads 128), got threads={config['threads']}"
     return None
 
 
@@ -1282,7 +1391,9 @@ def _score_params() -> tuple[Param, ...]:
             EPILOGUES,
             "RS dequants only: (per_tile) every tile reloads the weights from shared memory, halves them and rebuilds "
             "the int64 output index of each store; (hoisted) w / 2 in registers and the CTA's output-row pointer built "
-            "once per CTA (the same products and sums, bitwise: code motion only)",
+            "once per CTA (the same products and sums, bitwise: code motion only); (fused, one consumer warpgroup) hoisted plus "
+            "the ReLU-weighted head sum as one FFMA chain per row, the quad sum as a reduce-scatter and each quad lane "
+            "storing its own rows (hand-written on the wgmma accumulator registers)",
         ),
     )
 
