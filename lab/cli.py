@@ -21,6 +21,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("tune", "autotune tiles for a GPU architecture with Optuna"),
     ("e2e", "end-to-end decode/prefill latency: tiles vs the torch baseline"),
     ("report", "regenerate reports and plots from results/"),
+    ("sources", "hash (or write out) the CUDA source of each tile's kernels: what a no-op change must leave identical"),
 ]
 
 
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that compile kernels: TileLang logs while they run.
-COMPILING = ("bench", "check", "tune", "e2e")
+COMPILING = ("bench", "check", "tune", "e2e", "sources")
 
 
 _STDERR_HANDLER = "csa2-lab: tilelang to stderr"

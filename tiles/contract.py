@@ -183,6 +183,15 @@ class Tile:
         """
         raise NotImplementedError
 
+    def kernel_sources(self, shape: Shape, config: Config, arch: Arch) -> dict[str, str]:
+        """The CUDA source TileLang generates for each kernel of (shape, config, arch), by kernel name (no GPU needed).
+
+        What a change must leave byte-identical when it adds an option whose default reproduces today's kernel
+        (``lab sources``). The default finds the kernels in what :meth:`build` returns (a kernel, or an object or
+        tuple holding kernels); a tile whose build keeps its kernels elsewhere overrides this.
+        """
+        return kernel_sources_of(self.build(shape, self.with_defaults(arch, config), arch))
+
     def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
         """Fresh random inputs with realistic magnitudes; a different seed gives different data."""
         raise NotImplementedError
@@ -221,6 +230,25 @@ class Tile:
     def bytes_moved(self, shape: Shape) -> float:
         """The fewest bytes one call must move through device memory."""
         raise NotImplementedError
+
+
+def kernel_sources_of(obj, name: str = "main", depth: int = 0) -> dict[str, str]:
+    """Sources of the TileLang kernels in ``obj``: a kernel itself (named ``name``), or the kernels among a dict's values,
+    an object's attributes or a tuple's items (named by key, attribute, or ``name`` and the index), two levels deep."""
+    if hasattr(obj, "get_kernel_source"):
+        return {name: obj.get_kernel_source()}
+    if depth >= 2:
+        return {}
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (tuple, list)):
+        items = [(f"{name}{i}" if len(obj) > 1 else name, v) for i, v in enumerate(obj)]
+    else:
+        items = [(k, v) for k, v in vars(obj).items() if not k.startswith("_")] if hasattr(obj, "__dict__") else []
+    out: dict[str, str] = {}
+    for key, value in items:
+        out.update(kernel_sources_of(value, key, depth + 1))
+    return out
 
 
 def poisoned(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:

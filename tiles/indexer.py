@@ -29,6 +29,7 @@ contract (the reference lets a NaN take a slot; the kernel skips it).
 
 import functools
 import math
+from typing import Any
 
 import tilelang
 import tilelang.language as T
@@ -40,7 +41,7 @@ from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_
 from tiles import radix_select
 from tiles.arch import Arch, get_arch
 from tiles.compare import relative_l2
-from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, kernel_sources_of, poisoned
 from tiles.shapes import flash, indexer_shapes, reindex_shapes
 
 HEADS, HEAD_DIM, GROUP = 32, 128, 32  # indexer heads, dims, FP4 group (E8M0 scales)
@@ -1406,10 +1407,12 @@ _SELECT_ALGO = Param(
 )
 
 
-def _build_two_pass(arch: Arch, rows: int, n: int, k: int) -> None:
-    """Compile tiles.radix_select's kernels for ``rows`` rows of ``n`` scores, top ``k`` (its default config)."""
+def _build_two_pass(arch: Arch, rows: int, n: int, k: int) -> dict[str, Any]:
+    """Compile tiles.radix_select's kernels for ``rows`` rows of ``n`` scores, top ``k`` (its default config): the
+    select, and the merge of its parts when there are several."""
     parts = radix_select.resolve_parts("auto", rows, n, k, arch)
-    radix_select.build_kernels(arch, k, parts)
+    first, merge = radix_select.build_kernels(arch, k, parts)
+    return {"select": first} if merge is None else {"select": first, "merge": merge}
 
 
 def _select_params() -> tuple[Param, ...]:
@@ -1523,14 +1526,22 @@ class IndexerTopkTile(_ScoreAndSelectTile):
             return []
         return [({"block_n": 128, "threads": 256, "stages": 4}, "decode B=64 x 128K 0.348 ms (H200, session 6)")]
 
+    def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
+        """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
+        kernels = {"score": _build_score(arch, cfg, False, 8)}
+        if cfg.get("select_algo", "multipass") == "two_pass":
+            kernels.update(_build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"]))
+        else:
+            kernels["select"] = _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], 0)
+        return kernels
+
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = self.with_defaults(arch, config)
-        _build_score(arch, cfg, False, 8)
-        if cfg.get("select_algo", "multipass") == "two_pass":
-            _build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"])
-        else:
-            _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], 0)
+        self._kernels(shape, cfg, arch)
         return (cfg, arch, shape["K"])
+
+    def kernel_sources(self, shape: Shape, config: Config, arch: Arch) -> dict[str, str]:
+        return kernel_sources_of(self._kernels(shape, self.with_defaults(arch, config), arch))
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         return _indexer_inputs(shape["B"], shape["S"], shape["N"], seed, device, causal=shape.phase == "prefill")
@@ -1586,16 +1597,24 @@ class CandidatePoolTile(Tile):
         algo = "two_pass" if arch.family == "hopper" else "multipass"
         return {"block_threads": 256, **_SELECT_DEFAULT, "select_algo": algo}
 
-    def build(self, shape: Shape, config: Config, arch: Arch):
-        cfg = self.with_defaults(arch, config)
+    def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
+        """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
         nb = -(-shape["N"] // shape["block"])
         k = min(shape["P"], nb)
-        _block_max_kernel(arch.nvcc_arch, shape["block"], cfg["block_threads"])
+        kernels = {"block_max": _block_max_kernel(arch.nvcc_arch, shape["block"], cfg["block_threads"])}
         if cfg["select_algo"] == "two_pass":
-            _build_two_pass(arch, shape["B"] * shape["S"], nb, k)
+            kernels.update(_build_two_pass(arch, shape["B"] * shape["S"], nb, k))
         else:
-            _select_kernel(arch.nvcc_arch, k, cfg["select_threads"], cfg["radix_bits"], 0)
+            kernels["select"] = _select_kernel(arch.nvcc_arch, k, cfg["select_threads"], cfg["radix_bits"], 0)
+        return kernels
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        cfg = self.with_defaults(arch, config)
+        self._kernels(shape, cfg, arch)
         return (cfg, arch, shape["block"], shape["P"])
+
+    def kernel_sources(self, shape: Shape, config: Config, arch: Arch) -> dict[str, str]:
+        return kernel_sources_of(self._kernels(shape, self.with_defaults(arch, config), arch))
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         B, S, N = shape["B"], shape["S"], shape["N"]
@@ -1676,15 +1695,23 @@ class ReindexTopkTile(_ScoreAndSelectTile):
             return {**super().default_config(arch), "select_algo": "multipass"}
         return {**super().default_config(arch), "select_algo": "two_pass", "dequant": "prmt", "min_ctas": 2}
 
+    def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
+        """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
+        blk = shape["block"]
+        kernels = {"score": _build_score(arch, cfg, True, blk)}
+        if cfg["select_algo"] == "two_pass":
+            kernels["select"] = radix_select.remapped_kernel(arch, shape["K"], block=blk)
+        else:
+            kernels["select"] = _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], blk)
+        return kernels
+
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = self.with_defaults(arch, config)
-        blk = shape["block"]
-        _build_score(arch, cfg, True, blk)
-        if cfg["select_algo"] == "two_pass":
-            radix_select.remapped_kernel(arch, shape["K"], block=blk)
-        else:
-            _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], blk)
-        return (cfg, arch, shape["K"], blk)
+        self._kernels(shape, cfg, arch)
+        return (cfg, arch, shape["K"], shape["block"])
+
+    def kernel_sources(self, shape: Shape, config: Config, arch: Arch) -> dict[str, str]:
+        return kernel_sources_of(self._kernels(shape, self.with_defaults(arch, config), arch))
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         B, S, N, P, blk = shape["B"], shape["S"], shape["N"], shape["P"], shape["block"]

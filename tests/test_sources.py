@@ -1,0 +1,72 @@
+"""`lab sources` and Tile.kernel_sources: every tile's kernels are found, hashed the same twice, written out on request.
+
+The command is how a change proves it left a default's generated CUDA byte-identical, so a tile whose kernels it
+cannot see would make that proof vacuous: every registered tile must yield at least one kernel source.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lab.cli import main
+from tiles.arch import get_arch
+from tiles.registry import all_tiles
+
+ARCHS = ("sm90", "sm80")
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+@pytest.mark.parametrize("tile", list(all_tiles().values()), ids=lambda t: t.name)
+def test_every_tile_yields_its_kernel_sources(tile, arch_name):
+    arch = get_arch(arch_name)
+    if tile.support_reason(arch):
+        pytest.skip(tile.support_reason(arch))
+    shape = tile.shapes()[0]
+    sources = tile.kernel_sources(shape, {}, arch)
+    assert sources, f"{tile.name}: no kernel sources found"
+    for name, src in sources.items():
+        assert "__global__" in src, (tile.name, name)
+
+
+def _lines(capsys, *argv: str) -> list[str]:
+    assert main(["sources", *argv]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_hashes_are_stable_and_name_every_kernel(capsys):
+    first = _lines(capsys, "--arch", "sm90", "--tile", "sparse_attn_decode,indexer_topk,compressor")
+    assert _lines(capsys, "--arch", "sm90", "--tile", "sparse_attn_decode,indexer_topk,compressor") == first
+    kernels = {tuple(line.split()[1:4]) for line in first}
+    assert ("sparse_attn_decode", "decode_b1_s1", "main") in kernels and ("sparse_attn_decode", "decode_b1_s1", "combine") in kernels
+    assert {k for t, _, k in kernels if t == "indexer_topk"} >= {"score", "select"}
+
+
+def test_a_config_changes_the_source_and_an_invalid_one_is_named(capsys):
+    default = _lines(capsys, "--arch", "sm90", "--tile", "sparse_attn_prefill")
+    column = _lines(capsys, "--arch", "sm90", "--tile", "sparse_attn_prefill", "--config", '{"lanes": "column"}')
+    assert default != column
+    invalid = _lines(capsys, "--arch", "sm90", "--tile", "sparse_attn_prefill", "--config", '{"block_I": 48}')
+    assert len(invalid) == 1 and " invalid: " in invalid[0]
+
+
+def test_out_writes_each_source(tmp_path, capsys):
+    lines = _lines(capsys, "--arch", "sm90", "--tile", "fp4_quant_main", "--out", str(tmp_path))
+    written = sorted(tmp_path.rglob("*.cu"))
+    assert [p.relative_to(tmp_path).parts[:3] for p in written] == [("sm90", "fp4_quant_main", "decode_b64")]
+    assert written[0].read_text().count("\n") == int(lines[0].split()[5])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--arch", "sm42"], "sm42"),
+        (["--tile", "nope"], "unknown tile"),
+        (["--config", "{not json"], "not JSON"),
+        (["--config", "[1]"], "JSON object"),
+        (["--tile", "fp4_quant_main", "--shapes", "huge"], "no shape"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv, message, capsys):
+    assert main(["sources", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
