@@ -743,3 +743,151 @@ def test_direct_pools_without_barriers():
     assert pool.count("__syncthreads()") == 1  # the one before the RMSNorm reads rot_s: none per slab
     assert f"for (int r = 0; r < {32 // cp.DIRECT_ROWS}; ++r)" in pool
     assert "expf(" in pool and "cp_async_wait<1>" in body  # the Wk loop's pipeline (wk_stages 2)
+
+
+# ---------------------------------------------------------------------------------- proj_operands="registers"
+# The tf32x3 projection out of registers (_PROJ_REGS_CUDA): each warp owns 16 output columns, reads its latent words
+# from rot_s (rows padded to 516 words) and its Wk words from L2 in the host's fragment order, splits each word once
+# and issues the MMAs of T.gemm in T.gemm's order; no Wk stages, split tiles, cp.async or barriers in the loop.
+
+# (ratio, block_g, ctas_per_sm, kv_load): the builds checked with ptxas.
+PROJ_REG_BUILDS = [
+    (2, 32, 2, "direct"),
+    (1, 32, 2, "direct"),
+    (2, 16, 3, "slabs"),
+    (1, 16, 3, "direct"),
+    (2, 64, 1, "direct"),
+    (1, 64, 1, "slabs"),
+]
+
+
+def _proj_registers_config(block_g, ctas, kv_load="direct"):
+    """proj_operands=registers over the Hopper default (flat kernel, wk=fp32, wk_stages 2)."""
+    return {**_flat_config(block_g, ctas, "fp32", 2, kv_load), "proj_operands": "registers"}
+
+
+@pytest.mark.parametrize("ratio, block_g, ctas, kv_load", PROJ_REG_BUILDS)
+def test_proj_registers_compiles_sm90_and_fits(ratio, block_g, ctas, kv_load, tmp_path):
+    """Compiles at the 64K shape (the same kernel serves decode), one call of the register projection and no T.gemm,
+    ldmatrix or Wk copies, the shared-memory model equals the launch, and ptxas keeps the registers within the
+    occupancy without spilling."""
+    cfg = _proj_registers_config(block_g, ctas, kv_load)
+    kernel, src = _build_without_producer(ratio, cfg, ctas)
+    assert kernel.csa2_wk == "fragments"
+    assert src.count(f"csa2_proj_tf32x3_regs<{block_g // 16}, {512 + cp.ROT_PAD}>(") == 1
+    assert "mma_sync<" not in src and "ldmatrix" not in src and "wk_lo[" not in src
+    assert ("cp_async" in src) == (kv_load == "slabs")  # the Wk stages are gone; only the kv/gate slabs copy
+    smem = _dynamic_smem(kernel, 256)
+    assert smem == cp._smem_flat(cfg, ratio)
+    assert ctas * (smem + 1024) <= SM90.smem_per_sm and smem <= SM90.smem_per_block
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found: registers and spills not checked")
+    regs, spills = _ptxas(src, tmp_path)
+    assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
+
+
+def test_proj_registers_constraints_refuse():
+    """Flat kernel, wk=fp32, no kv_load=whole, wk_stages 2, Hopper; unknown values refused with a reason; the kernel
+    builder refuses the same; the default (and any config without the key) keeps the shared-memory projection."""
+    space, r2, r1 = cp.COMPRESSOR.search_space(SM90), cp.COMPRESSOR.shape("prefill_r2_s64k"), cp.COMPRESSOR.shape("prefill_r1_s64k")
+    assert {p.name: p.choices for p in space.params}["proj_operands"] == ("smem", "registers")
+    assert cp.COMPRESSOR.default_config(SM90)["proj_operands"] == "smem"
+
+    def why(cfg, sh=r2):
+        return " | ".join(space.violations(cfg, sh, SM90))
+
+    for ratio, block_g, ctas, kv_load in PROJ_REG_BUILDS:
+        assert why(_proj_registers_config(block_g, ctas, kv_load), cp.COMPRESSOR.shape(f"decode_r{ratio}_b64")) == ""
+    assert why(cp.COMPRESSOR.with_defaults(SM90, {"proj_operands": "registers"})) == ""
+    assert "unknown proj_operands" in why(_proj_registers_config(32, 2) | {"proj_operands": "bogus"})
+    assert "wk=fp32" in why(_proj_registers_config(32, 2) | {"wk": "hi_lo"})
+    assert "kv_load=whole" in why(_proj_registers_config(32, 2, "whole"), r1)
+    assert "wk_stages" in why(_proj_registers_config(32, 2) | {"wk_stages": 3})
+    assert "shared memory" in why(_proj_registers_config(32, 3))  # 84,992 B: two CTAs per SM
+    assert "spills" in why(_proj_registers_config(16, 3))  # kv_load=direct at ratio 2, three CTAs
+    one_cta = {**cp.COMPRESSOR.default_config(SM90), **ONE_CTA, "proj_operands": "registers"}
+    assert "flat kernel" in why(one_cta)
+    assert any("Hopper" in r for r in space.violations(_proj_registers_config(32, 2), r2, get_arch("sm80")))
+    # the kernel builder: (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load)
+    base = ("sm_90a", 2, 32, 256, "tf32x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "direct")
+    with pytest.raises(TileError, match="unknown proj_operands"):
+        cp._compress_kernel(*base, "bogus")
+    with pytest.raises(TileError, match="wk=fp32"):
+        cp._compress_kernel(*base[:9], "hi_lo", *base[10:], "registers")
+    with pytest.raises(TileError, match="no Wk stages"):
+        cp._compress_kernel(*base[:11], 3, "direct", "registers")
+    with pytest.raises(TileError, match="flat kernel"):
+        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "slabs", "registers")
+
+
+def test_wk_fragment_order_is_what_the_kernel_reads():
+    """The kernel's Wk addressing, restated: lane 4g + t of warp w reads float4s (w * 32 + c) * 64 + lane * 2 + n of
+    chunk c, whose word ks * 2 + h must be Wk[16w + 8n + g, 16c + 8ks + 4h + t] (its B fragment: b0 = k t, b1 = k t + 4);
+    and the launchers pass the reordered Wk in both slots."""
+    w = torch.randn(128, 512)
+    f = cp.wk_fragment_order(w).reshape(-1)
+    assert torch.equal(f.sort().values, w.reshape(-1).sort().values)
+    for warp, c, lane, n, ks, h in itertools.product(range(8), (0, 5, 31), range(32), range(2), range(2), range(2)):
+        g, t = lane // 4, lane % 4
+        word = (((warp * 32 + c) * 64) + lane * 2 + n) * 4 + ks * 2 + h
+        assert f[word] == w[16 * warp + 8 * n + g, 16 * c + 8 * ks + 4 * h + t]
+
+    class K:
+        csa2_wk = "fragments"
+
+    a, b = cp._wk_args(K(), w)
+    assert torch.equal(a, cp.wk_fragment_order(w)) and b.data_ptr() == a.data_ptr()
+
+
+def test_proj_registers_fragment_reads_are_conflict_free():
+    """The A fragment words a warp reads at once (rows g, columns t, +8 rows, +4 columns) sit in 32 distinct banks with
+    rot_s's padded row stride (they all sat in 4 banks at 512 words), and the CUDA uses that stride."""
+    rs = 512 + cp.ROT_PAD
+    for dr, dc in itertools.product((0, 8), (0, 4)):
+        banks = {((g + dr) * rs + t + dc) % 32 for g in range(8) for t in range(4)}
+        assert len(banks) == 32
+    assert len({(g * 512 + t) % 32 for g in range(8) for t in range(4)}) == 4
+    assert "g * RS + t" in cp._PROJ_REGS_CUDA and "__syncthreads" not in cp._PROJ_REGS_CUDA
+
+
+# Configs run on the GPU: (label, block_g, ctas, kv_load).
+PROJ_REG_GPU = [
+    ("preg_mc2", 32, 2, "direct"),
+    ("preg_mc3_slabs", 16, 3, "slabs"),
+    ("preg_bg64", 64, 1, "direct"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, block_g, ctas, kv_load", PROJ_REG_GPU, ids=[c[0] for c in PROJ_REG_GPU])
+def test_proj_registers_matches_reference(label, block_g, ctas, kv_load):
+    """Against the torch reference (fp4-near-exact rule) at prefill 4K and 64K (both ratios), decode and odd shapes,
+    and against the Hopper default: the main cache byte-identical (the latent's arithmetic is the default's; only
+    rot_s's row stride differs), the index cache within the same rule of the default's (the projection issues the
+    default's MMAs on the same operand bits in the same order; the k_norm sums its squares from k_s in another order)."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = _proj_registers_config(block_g, ctas, kv_load)
+    for shape in _flat_shapes(kv_load):
+        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 11, "cuda")
+        base = tile.run(tile.build(shape, tile.default_config(arch), arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        for name in ("main_packed", "main_scales"):
+            assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
+        near = cp.compare_fp4_caches(new, base)
+        assert near.ok, f"{shape.name}: {near}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, block_g, ctas, kv_load", PROJ_REG_GPU, ids=[c[0] for c in PROJ_REG_GPU])
+def test_proj_registers_decode_tail_and_repeatable(label, block_g, ctas, kv_load):
+    """The decode tail state (ratio 2) gives the same entries as the whole group (and matches the reference), and two
+    runs at 64K (both ratios) are bitwise equal."""
+    tile = cp.COMPRESSOR
+    cfg = _proj_registers_config(block_g, ctas, kv_load)
+    full, inputs = _decode_tail_entries_equal(cfg)
+    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
+        _two_runs_bitwise_equal(shape, cfg)

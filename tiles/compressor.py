@@ -178,6 +178,113 @@ def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
 MULTI_CTA_CHUNK, MULTI_CTA_STAGES = 16, 3  # ctas_per_sm > 1: kv/gate slab width and pipeline depth
 DIRECT_ROWS = 8  # kv_load=direct: groups whose kv/gate rows are loaded into registers before any is pooled
 NORM_LANES = 8  # ctas_per_sm > 1: threads per latent row in the RMSNorm sum of squares (one shuffle reduction)
+PROJ_OPERANDS = ("smem", "registers")  # where the tf32x3 projection's operands live (see _compress_kernel)
+ROT_PAD = 4  # proj_operands=registers: rot_s row stride 516 words, so a warp's fragment reads hit 32 distinct banks
+PROJ_WARPS = 8  # proj_operands=registers: each warp owns 16 of the 128 output columns, all block_g rows
+
+# proj_operands="registers": the index-K projection with every operand in registers. Warp w computes columns
+# [16w, 16w + 16) for all block_g rows (MT = block_g / 16 m-tiles): per 16-wide k chunk it reads its latent words from
+# rot_s (row stride RS = 516: the 8 rows x 4 columns of a fragment read sit in 32 distinct banks) and its Wk words from
+# global memory (L2) as two float4s per thread, in the order of wk_fragment_order (host), two chunks ahead; each word is
+# split into its TF32 high part and fp32 remainder once per warp (the split of _split_tf32_tile, bit for bit), and the
+# three products run in T.gemm's order per output tile (lo*hi, hi*lo, hi*hi, each k step 0 then 1), with the PTX
+# fragment layout T.gemm's ldmatrix loads give: the same accumulator bits. No shared staging, no barrier, no cp.async.
+_PROJ_REGS_CUDA = r"""
+__device__ __forceinline__ void csa2_split_tf32(float x, unsigned& hi, unsigned& lo) {
+  const unsigned h = __float_as_uint(x) & 0xFFFFE000u;
+  hi = h;
+  lo = __float_as_uint(x - __uint_as_float(h));
+}
+__device__ __forceinline__ void csa2_mma_tf32(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// rot: fp32 [MT * 16, RS] shared; wkf: Wk [128, 512] fp32 in fragment order (global); out: fp32 [MT * 16, 128] shared.
+template <int MT, int RS>
+__device__ __forceinline__ void csa2_proj_tf32x3_regs(const float* rot, const float* __restrict__ wkf, float* out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float acc[MT][2][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+  // Chunk c of this warp: 32 lanes x 8 words at float4 (warp * 32 + c) * 64 + lane * 2; word j = n * 4 + ks * 2 + h
+  // is Wk[16 warp + 8 n + g, 16 c + 8 ks + 4 h + t].
+  const float4* wp = reinterpret_cast<const float4*>(wkf) + warp * 32 * 64 + lane * 2;
+  float4 raw[2][2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    raw[s][0] = __ldg(wp + s * 64);
+    raw[s][1] = __ldg(wp + s * 64 + 1);
+  }
+  const float* arow = rot + g * RS + t;
+#pragma unroll 1
+  for (int kc = 0; kc < 32; kc += 2) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int c = kc + s;
+      unsigned bh[2][2][2], bl[2][2][2];  // [n][ks][h]
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const float w[4] = {raw[s][n].x, raw[s][n].y, raw[s][n].z, raw[s][n].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) csa2_split_tf32(w[j], bh[n][j >> 1][j & 1], bl[n][j >> 1][j & 1]);
+      }
+      // Two chunks ahead (the last two wrap to chunks 0 and 1: valid addresses, values unused).
+      const int nc = (c + 2) & 31;
+      raw[s][0] = __ldg(wp + nc * 64);
+      raw[s][1] = __ldg(wp + nc * 64 + 1);
+      unsigned ah[MT][2][4], al[MT][2][4];  // [m][ks][a0..a3]: (g, k), (g + 8, k), (g, k + 4), (g + 8, k + 4)
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            csa2_split_tf32(arow[(m * 16 + (e & 1) * 8) * RS + c * 16 + ks * 8 + (e >> 1) * 4], ah[m][ks][e], al[m][ks][e]);
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int n = 0; n < 2; ++n) csa2_mma_tf32(acc[m][n], al[m][ks], bh[n][ks][0], bh[n][ks][1]);
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int n = 0; n < 2; ++n) csa2_mma_tf32(acc[m][n], ah[m][ks], bl[n][ks][0], bl[n][ks][1]);
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int n = 0; n < 2; ++n) csa2_mma_tf32(acc[m][n], ah[m][ks], bh[n][ks][0], bh[n][ks][1]);
+    }
+  }
+  // Accumulator (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each 16 x 8 tile.
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      float* o = out + (m * 16 + g) * 128 + warp * 16 + n * 8 + t * 2;
+      *reinterpret_cast<float2*>(o) = make_float2(acc[m][n][0], acc[m][n][1]);
+      *reinterpret_cast<float2*>(o + 8 * 128) = make_float2(acc[m][n][2], acc[m][n][3]);
+    }
+}
+"""
+
+
+def wk_fragment_order(wk: torch.Tensor) -> torch.Tensor:
+    """fp32 Wk [128, 512] -> the same words [128, 512] in the order ``proj_operands="registers"`` reads them: per warp w
+    (16 output columns) and k chunk c (16 wide), 32 lanes x 8 words, word n * 4 + ks * 2 + h of lane 4g + t being
+    ``Wk[16w + 8n + g, 16c + 8ks + 4h + t]`` (two float4 loads per lane per chunk, a warp reads 1 KiB contiguous)."""
+    w = wk.float().contiguous().view(PROJ_WARPS, 2, 8, D // 16, 2, 2, 4)  # (w, n, g, c, ks, h, t)
+    return w.permute(0, 3, 2, 6, 1, 4, 5).contiguous().view(DI, D)  # (w, c, g, t, n, ks, h)
 
 
 @T.macro
@@ -218,6 +325,7 @@ def _compress_kernel(
     schedule: str = "ws",
     wk_stages: int = 2,
     kv_load: str = "slabs",
+    proj_operands: str = "smem",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -250,6 +358,12 @@ def _compress_kernel(
     no barriers in the pooling: each thread reads its kv/gate float4s from global memory straight into the softmax and
     writes the pooled latent to rot_s (the arithmetic of :func:`_staged_pool`, expression for expression); the loads of
     one thread's 16 float4 outputs are independent, so many more bytes are in flight than the slabs' two stages.
+    ``proj_operands`` (flat kernel, wk=fp32): "smem" splits each 16-wide chunk of the latent and of Wk into TF32 high
+    and low tiles in shared memory (cp.async Wk stages, three barriers per chunk) and T.gemm reads them by ldmatrix;
+    "registers" runs the projection out of registers (_PROJ_REGS_CUDA): each warp owns 16 output columns, reads its
+    latent words from rot_s (padded rows) and its Wk words from L2 (host order :func:`wk_fragment_order`), splits each
+    once and issues the same MMAs in the same order; the result goes to k_s. No Wk stages, a_hi/a_lo/b_hi/b_lo or
+    barriers in the loop.
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -265,6 +379,17 @@ def _compress_kernel(
         raise TileError(f"kv_load={kv_load!r}: use one of {', '.join(KV_LOADS)}; 'whole' only at ratio 1 (ratio 2 pools pairs)")
     if kv_load == "direct" and threads != 256:
         raise TileError(f"kv_load='direct' is built for 256 threads (got {threads})")
+    if proj_operands not in PROJ_OPERANDS:
+        raise TileError(f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}")
+    regs = proj_operands == "registers"
+    if regs and (not flat or wk != "fp32" or kv_load == "whole" or threads != PROJ_WARPS * 32 or block_g not in (16, 32, 64)):
+        raise TileError(
+            "proj_operands='registers' is built for the flat kernel with wk=fp32, 256 threads, block_g 16/32/64 and "
+            f"kv_load slabs/direct (got schedule {schedule}, ctas_per_sm {ctas_per_sm}, wk {wk}, threads {threads}, "
+            f"block_g {block_g}, kv_load {kv_load})"
+        )
+    if regs and wk_stages != 2:
+        raise TileError(f"proj_operands='registers' has no Wk stages (wk_stages {wk_stages}: use 2)")
     if wk not in WK_LOADS or (wk == "fp32" and not flat):
         raise TileError(f"wk={wk!r}: use one of {', '.join(WK_LOADS)}; 'fp32' only with the flat kernel (ctas_per_sm > 1 or schedule=flat)")
     B, G = T.dynamic("B, G")
@@ -298,13 +423,13 @@ def _compress_kernel(
                 lat = T.alloc_fragment((block_g, D), "float32")
                 sq = T.alloc_fragment((block_g, D), "float32")
             ss = T.alloc_fragment((block_g,), "float32")
-            rot_s = T.alloc_shared((block_g, D), "float32")
+            rot_s = T.alloc_shared((block_g, D + ROT_PAD if regs else D), "float32")
             w_s = T.alloc_shared((D,), "float32")
             amax_m = T.alloc_fragment((block_g, D // MAIN_GROUP), "float32")
             scale_m = T.alloc_shared((block_g, D // MAIN_GROUP), "float32")
             sbyte_m = T.alloc_shared((block_g, D // MAIN_GROUP), "uint8")
             bytes_m = T.alloc_shared((block_g, D // 2), "uint8")
-            kacc = T.alloc_fragment((block_g, DI), "float32")
+            kacc = None if regs else T.alloc_fragment((block_g, DI), "float32")
             ksq = T.alloc_fragment((block_g, DI), "float32")
             kss = T.alloc_fragment((block_g,), "float32")
             k_s = T.alloc_shared((block_g, DI), "float32")
@@ -332,8 +457,8 @@ def _compress_kernel(
                 # load and the pool); ratio 1 needs only the first.
                 kv_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio)]
                 gate_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio if ratio == 2 else 0)]
-            if encode == "thresholds":
-                T.import_source(_bounds_cuda())
+            if encode == "thresholds" or regs:  # one import_source per kernel
+                T.import_source((_bounds_cuda() if encode == "thresholds" else "") + (_PROJ_REGS_CUDA if regs else ""))
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
@@ -428,8 +553,19 @@ def _compress_kernel(
                 # the electing thread waits for the stores to have read shared memory: everyone waits for it.
                 T.sync_threads()
             # 5. Index-K projection of the rotated latent (fp32 accuracy, see module docstring).
-            T.clear(kacc)
-            if wk == "fp32":
+            if not regs:
+                T.clear(kacc)
+            if regs:
+                # Out of registers into k_s (see _PROJ_REGS_CUDA); rot_s is final (barrier after the main stores).
+                T.call_extern(
+                    "handle",
+                    f"csa2_proj_tf32x3_regs<{block_g // 16}, {D + ROT_PAD}>",
+                    T.address_of(rot_s[0, 0]),
+                    T.address_of(wk_hi[0, 0]),
+                    T.address_of(k_s[0, 0]),
+                )
+                T.sync_threads()
+            elif wk == "fp32":
                 # Half the L2 -> SM bytes of "hi_lo": the chunk of Wk itself, split here like the latent.
                 for kc in T.Pipelined(D // k_chunk, num_stages=wk_stages):
                     T.copy(wk_hi[:, kc * k_chunk : (kc + 1) * k_chunk], w_st)
@@ -469,7 +605,7 @@ def _compress_kernel(
                             for i, n in T.Parallel(block_g, DI):
                                 kacc[i, n] += rot_s[i, kc * k_chunk + kk] * b_hi[n, kk]
             # 6. k_norm, RoPE, FP4 into the index cache: E8M0 (power of two) scale per 32.
-            if block_g >= 32:
+            if block_g >= 32 and not regs:
                 for i, n in T.Parallel(block_g, DI):
                     ksq[i, n] = kacc[i, n] * kacc[i, n]
                 T.reduce_sum(ksq, kss, dim=1)
@@ -477,8 +613,10 @@ def _compress_kernel(
                     k_s[i, n] = kacc[i, n] * T.rsqrt(kss[i] / DI + eps[0]) * kw_s[n]
             else:
                 # A 16-row MMA accumulator layout cannot feed TileLang's row reduction directly:
-                # stage the projection through shared memory and reduce a fresh fragment.
-                T.copy(kacc, k_s)
+                # stage the projection through shared memory and reduce a fresh fragment (proj_operands=registers:
+                # the projection is in k_s already).
+                if not regs:
+                    T.copy(kacc, k_s)
                 for i, n in T.Parallel(block_g, DI):
                     ksq[i, n] = k_s[i, n] * k_s[i, n]
                 T.reduce_sum(ksq, kss, dim=1)
@@ -528,7 +666,7 @@ def _compress_kernel(
     # setmaxnreg would assume the whole register file); the staged copies are issued by the same threads, num_stages ahead.
     pass_configs = {"tl.disable_warp_specialized": True} if flat else None
     kernel = tilelang.compile(compress, target=tvm.target.Target({"kind": "cuda", "arch": target}), pass_configs=pass_configs)
-    kernel.csa2_wk = wk  # what the launchers pass as (wk_hi, wk_lo): see _wk_args
+    kernel.csa2_wk = "fragments" if regs else wk  # what the launchers pass as (wk_hi, wk_lo): see _wk_args
     return kernel
 
 
@@ -553,6 +691,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         _schedule(cfg),
         cfg.get("wk_stages", 2),
         cfg.get("kv_load", "slabs"),
+        cfg.get("proj_operands", "smem"),
     )
 
 
@@ -567,6 +706,9 @@ def _wk_args(kernel, wk: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] 
     in the first slot (the kernel splits it; the second slot is not read). ``split``: a cached :func:`split_tf32`."""
     if getattr(kernel, "csa2_wk", "hi_lo") == "fp32":
         w = wk.float().contiguous()
+        return w, w
+    if getattr(kernel, "csa2_wk", "hi_lo") == "fragments":  # proj_operands=registers: Wk reordered, one slot read
+        w = wk_fragment_order(wk)
         return w, w
     return split if split is not None else split_tf32(wk)
 
@@ -765,6 +907,14 @@ class CompressorTile(Tile):
                 "straight into the latent buffer in one copy; 'direct' (both ratios): no slabs and no barriers, each "
                 f"thread loads {DIRECT_ROWS} groups' kv/gate float4s into registers at once, then pools them",
             ),
+            Param(
+                "proj_operands",
+                PROJ_OPERANDS,
+                "flat kernel, tf32x3 projection: latent and Wk chunks split into TF32 high/low tiles in shared memory and "
+                "read by T.gemm (ldmatrix, three barriers per chunk), or every operand in registers: each warp owns 16 "
+                "output columns, reads its latent words from rot_s and its Wk words from L2 (host fragment order), splits "
+                "each once and issues the same MMAs (no Wk stages, no barriers; wk=fp32, wk_stages 2)",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -795,12 +945,13 @@ class CompressorTile(Tile):
                 # run against the slabs (results/sm90/profile_queued_session7b.json): ratio 2 0.2506 -> 0.2228 ms,
                 # ratio 1 0.3762 -> 0.3499 ms at 64K.
                 "kv_load": "direct",
+                "proj_operands": "smem",  # the projection's operands through shared memory (T.gemm)
             }
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
-            cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs")
+            cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
@@ -878,7 +1029,12 @@ class CompressorTile(Tile):
             inputs["wk_hi"], inputs["wk_lo"] = split_tf32(inputs["wk"])
             inputs["eps"] = torch.tensor([flash().norm_eps], dtype=torch.float32, device=kv.device)
         gate = kv if ratio == 1 else inputs["gate"]
-        wk_hi, wk_lo = _wk_args(kernel, inputs["wk"], (inputs["wk_hi"], inputs["wk_lo"]))  # fp32 wk: no copy
+        if getattr(kernel, "csa2_wk", "hi_lo") == "fragments":  # the reordered Wk is a per-layer constant too
+            if "wk_frag" not in inputs:
+                inputs["wk_frag"] = wk_fragment_order(inputs["wk"])
+            wk_hi = wk_lo = inputs["wk_frag"]
+        else:
+            wk_hi, wk_lo = _wk_args(kernel, inputs["wk"], (inputs["wk_hi"], inputs["wk_lo"]))  # fp32 wk: no copy
         args = (
             inputs["norm_weight"],
             inputs["cos"],
@@ -929,6 +1085,8 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     block_g 16); one flat CTA of block_g 64 took 102-150, no spills. The staged kv/gate path and the pipelined tf32x3
     projection are the code it was cut from, and k_chunk 16 is what makes the Wk stages small enough (k_chunk 32 asked
     for 154,112 B at block_g 32, ratio 2). The shared memory itself is judged by :func:`_smem_compress`.
+    ``proj_operands="registers"`` (ptxas, no spills): 117 / 109 registers at block_g 32, 2 CTAs (ratio 2 / 1, direct),
+    79-80 at block_g 16, 3 CTAs (slabs; direct at ratio 1), 118-146 at block_g 64, one CTA.
     """
     config = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64, "load": "direct", **config}  # partial: judged with defaults
     n = config.get("ctas_per_sm", 1)
@@ -942,6 +1100,18 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return "kv_load=whole exists for ratio 1 only (ratio 2 pools pairs of tokens through the slabs)"
     if kv_load not in KV_LOADS:
         return f"unknown kv_load {kv_load!r}: use one of {', '.join(KV_LOADS)}"
+    proj_operands = config.get("proj_operands", "smem")
+    if proj_operands not in PROJ_OPERANDS:
+        return f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}"
+    if proj_operands == "registers":
+        if schedule != "flat":
+            return "proj_operands=registers exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
+        if config.get("wk", "hi_lo") != "fp32":
+            return "proj_operands=registers reads fp32 Wk (in fragment order) from L2: it needs wk=fp32"
+        if kv_load == "whole":
+            return "proj_operands=registers pads rot_s's rows (conflict-free fragment reads): kv_load=whole's one copy is not built"
+        if config.get("wk_stages", 2) != 2:
+            return "proj_operands=registers has no Wk pipeline in shared memory: wk_stages must stay 2"
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2:
         # ptxas: 80 registers (the cap of 3 x 256 threads) and 40 bytes of spills at block_g 16, ratio 2.
         return "kv_load=direct at ratio 2 holds 16 float4s per thread: it spills at 3 CTAs per SM (use ctas_per_sm 1-2)"
@@ -976,6 +1146,13 @@ def _smem_flat(config: Config, ratio: int) -> int:
     kv/gate rows are registers), so ratio 2 needs what ratio 1 does (102,912 B at block_g 32).
     """
     bg, kc = config["block_g"], config["k_chunk"]
+    if config.get("proj_operands", "smem") == "registers":
+        # rot_s with padded rows, k_s (the projection's result, written while rot_s is read) and 2,560 B of small
+        # arrays; no Wk stages or split tiles, so kv_load=slabs adds all its slabs (kv and gate, three stages each).
+        # Exact at block_g 16/32/64, ratio 1/2, kv_load slabs/direct (tests/test_compressor.py).
+        n_slabs = 0 if config.get("kv_load", "slabs") != "slabs" else (2 if ratio == 2 else 1)
+        slab = MULTI_CTA_STAGES * ratio * bg * MULTI_CTA_CHUNK * 4
+        return 2560 + bg * (D + ROT_PAD) * 4 + bg * DI * 4 + n_slabs * slab
     slabs = ratio == 2 and config.get("kv_load", "slabs") != "direct"
     gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if slabs else 0
     need = bg * D * 4 + gate_slabs + 4 * DI * kc * 4 + 8 * bg * kc + 512
