@@ -72,13 +72,13 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
-phase_queued() {  # what session 7 wrote after the Nsight profile: checked, then timed against the defaults
-  # compressor kv_load=direct (notes/indexer.md, session 7: estimate 0.19-0.21 ms at ratio 2) against the default and the
-  # ratio-1 candidate; its GPU tests, and the indexer GPU tests that session 7's second call's time limit stopped
-  PROFILE_ARGS=${PROFILE_ARGS:-'compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"kv_load":"direct"} compressor:prefill_r2_s64k:{"schedule":"flat","block_g":64,"wk_stages":4,"kv_load":"direct"} compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"kv_load":"direct"} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64,"kv_load":"whole","wk_stages":4}'} \
+phase_queued() {  # what session 7 wrote after its device time was spent: checked, then timed against the defaults
+  # indexer epilogue=fused (estimate: score kernel 0.23-0.25 ms vs 0.26) and compressor proj_operands=registers
+  # (estimate: ratio 2 0.16-0.18 ms vs 0.222), notes/indexer.md; then their GPU tests. Neither has run on a GPU.
+  PROFILE_ARGS=${PROFILE_ARGS:-'indexer_topk:decode_b64_n128k indexer_topk:decode_b64_n128k:{"epilogue":"fused"} indexer_topk:decode_b64_n128k:{"epilogue":"fused","stages":2} indexer_topk:prefill_s4k indexer_topk:prefill_s4k:{"epilogue":"fused"} compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"proj_operands":"registers"} compressor:prefill_r2_s64k:{"proj_operands":"registers","block_g":16,"ctas_per_sm":3,"kv_load":"slabs"} compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"proj_operands":"registers"} compressor:prefill_r1_s64k:{"proj_operands":"registers","block_g":16,"ctas_per_sm":3} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64,"proj_operands":"registers"} compressor:decode_r2_b64 compressor:decode_r2_b64:{"proj_operands":"registers"}'} \
     phase_profile
-  PYTEST_K=${PYTEST_K:-"mc2_direct or bg64_st4_direct or score_options or 65536 or hoisted_epilogue or wide_scale or select_split or ties_and"} \
-    PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_indexer.py tests/test_compressor.py"} phase_pytest
+  PYTEST_K=${PYTEST_K:-"fused_epilogue or proj_registers"} PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_indexer.py tests/test_compressor.py"} \
+    phase_pytest
 }
 
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
