@@ -1,12 +1,33 @@
-"""Shared test setup: seeded RNGs and the ``gpu`` marker, skipped with a reason on CPU."""
+"""Shared test setup: seeded RNGs, the ``gpu`` marker (skipped with a reason on CPU) and ``--deadline``."""
 
 from __future__ import annotations
 
 import gc
 import random
+import time
 
 import pytest
 import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="skip the tests that have not started this many seconds after the session began (a GPU call's time "
+        "budget): the run ends by itself, reports what ran and writes --junitxml, where a kill loses the report",
+    )
+
+
+_SESSION_START = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    deadline = item.config.getoption("--deadline")
+    if deadline is not None and time.monotonic() - _SESSION_START > deadline:
+        pytest.skip(f"--deadline {deadline:g} s passed before this test started")
 
 
 def pytest_collection_modifyitems(config, items):
