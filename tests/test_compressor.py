@@ -9,7 +9,6 @@ two runs bitwise equal; the decode tail state gives the same entry as the whole 
 import itertools
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from tiles import compressor as cp
 from tiles.arch import get_arch
 from tiles.contract import Shape, TileError
 from tiles.harness import OK, evaluate
+from tiles.ptxas import resource_usage
 
 SM90 = get_arch("sm90")
 # The one-CTA-per-SM kernel (Hopper's default until ctas_per_sm 2): the base of the tests that vary load, proj or encode
@@ -386,16 +386,8 @@ def _dynamic_smem(kernel, threads) -> int:
 
 
 def _ptxas(src: str, tmp_path) -> tuple[int, int]:
-    """(registers, spill bytes) of the kernel source by nvcc -Xptxas -v for sm_90a (TileLang's include paths)."""
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    inc = [f"-I{TL_ROOT / d}" for d in ("src", "src/cuda", "3rdparty/cutlass/include")]
-    cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *inc, str(cu), "-o", str(tmp_path / "k.cubin")]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    return regs, spills
+    """(registers, spill bytes) of the kernel source for sm_90a (:func:`tiles.ptxas.resource_usage`)."""
+    return resource_usage(src, tmp_path)
 
 
 def _build_without_producer(ratio: int, cfg: dict, ctas: int):
@@ -580,6 +572,18 @@ def _flat_config(block_g, ctas, wk="fp32", wk_stages=2, kv_load="slabs"):
     return {**cfg, "schedule": "flat", "wk_stages": wk_stages, "kv_load": kv_load}
 
 
+def _assert_flat_build_fits(kernel, src: str, cfg, ratio: int, ctas: int, tmp_path) -> None:
+    """A flat-kernel build launches with the shared memory the model says, ``ctas`` of them fit an SM, and ptxas keeps
+    256 x ``ctas`` threads' registers within the SM without spilling (skipped without nvcc)."""
+    smem = _dynamic_smem(kernel, 256)
+    assert smem == cp._smem_flat(cfg, ratio)
+    assert ctas * (smem + 1024) <= SM90.smem_per_sm and smem <= SM90.smem_per_block
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found: registers and spills not checked")
+    regs, spills = _ptxas(src, tmp_path)
+    assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
+
+
 @pytest.mark.parametrize("ratio, block_g, ctas, wk, stages, kv_load", FLAT_BUILDS)
 def test_flat_compiles_sm90_and_fits(ratio, block_g, ctas, wk, stages, kv_load, tmp_path):
     """Compiles at the 64K shape (the same kernel serves decode), no producer warpgroup, the Wk pipeline is ``stages``
@@ -589,13 +593,7 @@ def test_flat_compiles_sm90_and_fits(ratio, block_g, ctas, wk, stages, kv_load, 
     assert f"cp_async_wait<{stages - 1}>" in src  # the Wk loop waits with stages - 1 chunks still in flight
     if kv_load in ("whole", "direct"):
         assert "kv_s" not in src and "gate_s" not in src  # no slab buffer: kv goes straight into rot_s
-    smem = _dynamic_smem(kernel, 256)
-    assert smem == cp._smem_flat(cfg, ratio)
-    assert ctas * (smem + 1024) <= SM90.smem_per_sm and smem <= SM90.smem_per_block
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not found: registers and spills not checked")
-    regs, spills = _ptxas(src, tmp_path)
-    assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
+    _assert_flat_build_fits(kernel, src, cfg, ratio, ctas, tmp_path)
 
 
 def test_flat_constraints_refuse():
@@ -777,13 +775,7 @@ def test_proj_registers_compiles_sm90_and_fits(ratio, block_g, ctas, kv_load, tm
     assert src.count(f"csa2_proj_tf32x3_regs<{block_g // 16}, {512 + cp.ROT_PAD}>(") == 1
     assert "mma_sync<" not in src and "ldmatrix" not in src and "wk_lo[" not in src
     assert ("cp_async" in src) == (kv_load == "slabs")  # the Wk stages are gone; only the kv/gate slabs copy
-    smem = _dynamic_smem(kernel, 256)
-    assert smem == cp._smem_flat(cfg, ratio)
-    assert ctas * (smem + 1024) <= SM90.smem_per_sm and smem <= SM90.smem_per_block
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not found: registers and spills not checked")
-    regs, spills = _ptxas(src, tmp_path)
-    assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
+    _assert_flat_build_fits(kernel, src, cfg, ratio, ctas, tmp_path)
 
 
 def test_proj_registers_constraints_refuse():

@@ -14,6 +14,7 @@ from tiles import indexer as ix
 from tiles.arch import get_arch
 from tiles.contract import Shape, TileError
 from tiles.harness import OK, evaluate
+from tiles.ptxas import resource_usage
 
 SM90 = get_arch("sm90")
 # The Hopper default's tile layout before session 7 (128-entry tiles on two consumer warpgroups, two stages): the tests
@@ -574,23 +575,8 @@ FUSED_BUILDS = {
 
 
 def _ptxas(src: str, tmp_path) -> tuple[int, int]:
-    """(registers, spill bytes) of the kernel source by nvcc -Xptxas -v for sm_90a (TileLang's include paths)."""
-    import re
-    import subprocess
-    from pathlib import Path
-
-    import tilelang
-
-    root = Path(tilelang.__file__).parent
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    inc = [f"-I{root / d}" for d in ("src", "src/cuda", "3rdparty/cutlass/include")]
-    cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *inc, str(cu), "-o", str(tmp_path / "k.cubin")]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    return regs, spills
+    """(registers, spill bytes) of the kernel source for sm_90a (:func:`tiles.ptxas.resource_usage`)."""
+    return resource_usage(src, tmp_path)
 
 
 @pytest.mark.parametrize("name", list(FUSED_BUILDS))
@@ -992,6 +978,16 @@ HOISTED_OPTIONS = {
 RS_REFERENCE_OPTIONS = {**RS_OPTIONS, **{f"hoisted-{k}": v for k, v in HOISTED_OPTIONS.items()}}
 
 
+def _assert_indexer_matches_reference(option_config, label: str) -> None:
+    """indexer_topk with ``option_config`` over the Hopper default, at the real decode shape and odd ones (partial tiles,
+    n_visible < top-k, empty rows), checked by evaluate against the reference (poisoned outputs, two runs bitwise equal)."""
+    arch = get_arch("sm90")
+    cfg = {**ix.INDEXER_TOPK.default_config(arch), **option_config}
+    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
+        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
+        assert ev.outcome == OK, f"{label} {shape.name}: {ev.message}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("option", list(RS_REFERENCE_OPTIONS), ids=str)
 def test_rs_matches_reference(option):
@@ -999,11 +995,7 @@ def test_rs_matches_reference(option):
     tiles, n_visible < top-k, empty rows): scores by relative L2 and top-k sets against the reference (evaluate:
     poisoned outputs, two runs bitwise equal). Their scores are not bitwise the prmt kernel's: the wgmma sums the
     permuted dims in another order."""
-    arch = get_arch("sm90")
-    cfg = {**ix.INDEXER_TOPK.default_config(arch), **RS_REFERENCE_OPTIONS[option]}
-    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
-        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
-        assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
+    _assert_indexer_matches_reference(RS_REFERENCE_OPTIONS[option], option)
 
 
 @pytest.mark.gpu
@@ -1077,11 +1069,7 @@ def test_fused_epilogue_matches_reference(option):
     """epilogue=fused on indexer_topk at the real decode shape and odd ones (partial tiles, n_visible < top-k, empty
     rows): scores by relative L2 and top-k sets against the reference (evaluate: poisoned outputs, two runs bitwise
     equal)."""
-    arch = get_arch("sm90")
-    cfg = {**ix.INDEXER_TOPK.default_config(arch), **FUSED_OPTIONS[option]}
-    for shape in [ix.INDEXER_TOPK.shape("decode_b64_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
-        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=17, time_it=False)
-        assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
+    _assert_indexer_matches_reference(FUSED_OPTIONS[option], option)
 
 
 @pytest.mark.gpu

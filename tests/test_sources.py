@@ -61,8 +61,9 @@ def test_out_writes_each_source(tmp_path, capsys):
     [
         (["--arch", "sm42"], "sm42"),
         (["--tile", "nope"], "unknown tile"),
-        (["--config", "{not json"], "not JSON"),
-        (["--config", "[1]"], "JSON object"),
+        (["--config", "{not json"], "not valid JSON"),
+        (["--config", "[1]"], "must be an object"),
+        (["--config", "lanes"], "not key=value"),
         (["--tile", "fp4_quant_main", "--shapes", "huge"], "no shape"),
     ],
 )

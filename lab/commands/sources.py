@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 from pathlib import Path
 
 from lab.cli import LabError
+from lab.commands.bench import parse_config
 from tiles.arch import ArchError, get_arch
 from tiles.contract import TileError
 from tiles.registry import select
@@ -27,18 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tile", default="all", help="'all' or comma-separated tile names")
     parser.add_argument("--arch", default="sm90", help="comma-separated archs (sm80,sm89,sm90,sm100)")
     parser.add_argument("--shapes", default="first", help="'first' (default), 'all', or comma-separated shape names")
-    parser.add_argument("--config", default="{}", help='JSON config over each tile\'s default (e.g. \'{"lanes": "column"}\')')
+    parser.add_argument("--config", default=None, help="config over each tile's default: JSON or key=value,... (as lab bench)")
     parser.add_argument("--out", default=None, metavar="DIR", help="also write each source as DIR/ARCH/TILE/SHAPE/KERNEL.cu")
-
-
-def _config(text: str) -> dict:
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LabError(f"--config is not JSON ({exc.msg}): e.g. '{{\"block_n\": 256}}'") from None
-    if not isinstance(config, dict):
-        raise LabError("--config must be a JSON object of parameter: value")
-    return config
 
 
 def _shapes(tile, spec: str):
@@ -50,7 +40,7 @@ def _shapes(tile, spec: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    config = _config(args.config)
+    config = parse_config(args.config)
     try:
         archs = [get_arch(name.strip()) for name in args.arch.split(",") if name.strip()]
         tiles = select(args.tile)

@@ -1,0 +1,29 @@
+"""Registers and spill bytes of a TileLang-generated kernel source, by nvcc's ptxas (no GPU needed).
+
+What a new option must show before it runs on a GPU: no spills, and registers within what its occupancy allows
+(``lab sources --out DIR`` writes the sources).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+
+def resource_usage(src: str, workdir: Path, arch: str = "sm_90a") -> tuple[int, int]:
+    """(registers per thread, spill bytes stored + loaded) of the kernel in ``src`` compiled for ``arch`` with
+    TileLang's include paths (``nvcc -cubin -O3 -Xptxas -v``); files go to ``workdir``. Raises CalledProcessError when
+    nvcc fails, FileNotFoundError when nvcc is not on the PATH."""
+    import tilelang
+
+    root = Path(tilelang.__file__).parent
+    cu = Path(workdir) / "k.cu"
+    cu.write_text(src)
+    inc = [f"-I{root / d}" for d in ("src", "src/cuda", "3rdparty/cutlass/include")]
+    cmd = ["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *inc, str(cu), "-o", str(cu.with_suffix(".cubin"))]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return regs, spills
