@@ -209,6 +209,179 @@ def test_column_lanes_store_without_bank_conflicts():
     assert any("lanes" in r for r in tile.search_space(SM90).violations({**config, "schedule": "pipelined"}, shape, SM90))
 
 
+# fp4_decode=prmt: the packed FP4 main-KV dequant by byte-permute lookups. The CUDA helpers, emulated bit for bit
+# (uint32 words as int64 tensors): prmt.b32 in its default mode, __byte_perm (selector bits 2:0 of each nibble), and
+# fma.rn.bf16x2 with a -0 addend (the exact product rounded to nearest even; bf16 x bf16 is exact in float64).
+_M32 = 0xFFFFFFFF
+
+
+def _prmt(a, b, sel, replicate=True):
+    """prmt.b32 d, a, b, sel: byte n of d is byte (sel nibble n) & 7 of {b, a}, or (replicate, nibble bit 3 set) that
+    byte's bit 7 copied to all 8 bits. ``replicate=False`` is __byte_perm (which reads bits 2:0 only)."""
+    a, b, sel = (torch.as_tensor(x, dtype=torch.int64) for x in (a, b, sel))
+    a, b, sel = torch.broadcast_tensors(a, b, sel)
+    pool = torch.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)], -1)
+    out = torch.zeros_like(a)
+    for n in range(4):
+        s = (sel >> (4 * n)) & 0xF
+        byte = pool.gather(-1, (s & 7).unsqueeze(-1)).squeeze(-1)
+        if replicate:
+            byte = torch.where((s & 8) != 0, torch.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        out |= byte << (8 * n)
+    return out
+
+
+def _bf16_to_f64(h):
+    x = (h & 0xFFFF) << 16
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32).view(torch.float32).double()
+
+
+def _f64_to_bf16(d):
+    f = d.float()
+    assert torch.equal(f.double()[~d.isnan()], d[~d.isnan()]), "bf16 x bf16 products fit float32 exactly"
+    bits = f.view(torch.int32).long() & _M32
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _bf16x2_mul(a, b):
+    """csa2_bf16x2_mul: fma.rn.bf16x2(a, b, -0) per 16-bit half."""
+    a, b = torch.broadcast_tensors(torch.as_tensor(a, dtype=torch.int64), torch.as_tensor(b, dtype=torch.int64))
+    halves = [_f64_to_bf16(_bf16_to_f64(a >> s) * _bf16_to_f64(b >> s) + (-0.0)) for s in (0, 16)]
+    return halves[0] | (halves[1] << 16)
+
+
+def _e4m3_scale2(b):
+    """csa2_e4m3_scale2 (the E4M3 scale byte as a bf16x2 pair)."""
+    y = b & 0xFF
+    x = _bf16x2_mul(((y << 4) & 0x07F007F0) | ((y << 8) & 0x80008000), 0x7B807B80) & 0xFFFF
+    return x | (x << 16)
+
+
+def _fp4x8_fma(u, scale2):
+    """csa2_fp4x8_bf16 (fp4_decode=fma): the 8 bf16 bit patterns [..., 8] of word u, in order."""
+    t = []
+    for k in range(4):
+        y = (u >> (4 * k)) & _M32
+        pattern = ((y << 6) & 0x01C001C0) | ((y << 12) & 0x80008000)
+        t.append(_bf16x2_mul(_bf16x2_mul(pattern, 0x7E807E80), scale2))
+    o = [_prmt(t[0], t[1], 0x5410, False), _prmt(t[2], t[3], 0x5410, False)]
+    o += [_prmt(t[0], t[1], 0x7632, False), _prmt(t[2], t[3], 0x7632, False)]
+    return torch.stack([h for w in o for h in (w & 0xFFFF, w >> 16)], -1)
+
+
+def _fp4x8_prmt(u, scale2):
+    """csa2_fp4x8_bf16_prmt (fp4_decode=prmt), line by line: the 8 bf16 bit patterns [..., 8] of word u, in order."""
+    m = u & 0x77777777
+    mh = m >> 16
+    u4 = (u << 4) & _M32
+    lo0, lo1, hi0, hi1 = 0xC0800000, 0xC0804000, 0x3F3F3F00, 0x40404040
+    l0, l1 = _prmt(lo0, lo1, m), _prmt(lo0, lo1, mh)
+    h0 = _prmt(hi0, hi1, m) | (_prmt(u, u4, 0x1504, False) & 0x80808080)
+    h1 = _prmt(hi0, hi1, mh) | (_prmt(u, u4, 0x3726, False) & 0x80808080)
+    o = [_prmt(l0, h0, 0x5140, False), _prmt(l0, h0, 0x7362, False), _prmt(l1, h1, 0x5140, False), _prmt(l1, h1, 0x7362, False)]
+    o = [_bf16x2_mul(w, scale2) for w in o]
+    return torch.stack([h for w in o for h in (w & 0xFFFF, w >> 16)], -1)
+
+
+def test_prmt_emulation_follows_the_cuda_source():
+    """The emulation above is the helper in sa._FP4_PRMT_CUDA: its tables, masks and selectors, in these statements."""
+    src = " ".join(sa._FP4_PRMT_CUDA.split())
+    for stmt in (
+        "const unsigned m = u & 0x77777777u;",
+        'asm("shr.b32 %0, %1, 16;" : "=r"(mh) : "r"(m));',
+        "const unsigned u4 = u << 4;",
+        "const unsigned l0 = csa2_attn_prmt(0xC0800000u, 0xC0804000u, m);",
+        "const unsigned l1 = csa2_attn_prmt(0xC0800000u, 0xC0804000u, mh);",
+        "const unsigned h0 = csa2_attn_prmt(0x3F3F3F00u, 0x40404040u, m) | (__byte_perm(u, u4, 0x1504) & 0x80808080u);",
+        "const unsigned h1 = csa2_attn_prmt(0x3F3F3F00u, 0x40404040u, mh) | (__byte_perm(u, u4, 0x3726) & 0x80808080u);",
+        "o.x = csa2_bf16x2_mul(__byte_perm(l0, h0, 0x5140), scale2);",
+        "o.y = csa2_bf16x2_mul(__byte_perm(l0, h0, 0x7362), scale2);",
+        "o.z = csa2_bf16x2_mul(__byte_perm(l1, h1, 0x5140), scale2);",
+        "o.w = csa2_bf16x2_mul(__byte_perm(l1, h1, 0x7362), scale2);",
+        'asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));',
+    ):
+        assert stmt in src, stmt
+    fma = " ".join(sa._DEQUANT_CUDA.split())  # and the fma path's helpers as _fp4x8_fma / _e4m3_scale2 emulate them
+    for stmt in (
+        "return ((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u);",
+        "return ((y << 4) & 0x07F007F0u) | ((y << 8) & 0x80008000u);",
+        "unsigned x = csa2_bf16x2_mul(csa2_e4m3x2(b & 0xFFu), 0x7B807B80u) & 0xFFFFu;",
+        "t[k] = csa2_bf16x2_mul(csa2_bf16x2_mul(csa2_e2m1x2(u >> (4 * k)), 0x7E807E80u), scale2);",
+        'asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));',
+        "o.x = __byte_perm(t[0], t[1], 0x5410); o.y = __byte_perm(t[2], t[3], 0x5410);",
+        "o.z = __byte_perm(t[0], t[1], 0x7632); o.w = __byte_perm(t[2], t[3], 0x7632);",
+    ):
+        assert stmt in fma, stmt
+
+
+def test_prmt_fp4_decode_is_bit_identical_to_fma_for_every_code_and_scale():
+    """fp4_decode=prmt gives csa2_fp4x8_bf16's bf16 bits for every code in every nibble position (all 2^16 codes of
+    the low four nibbles with varied high ones, and the same with the halves swapped: every code next to every
+    neighbour) times every one of the 256 E4M3 scale bytes, -0 included; and both equal model.formats' dequant (value x
+    scale, exact in bf16) for every non-NaN scale byte (0x7F / 0xFF, which the quantiser writes only for NaN input,
+    decode as +-480 in both kernels' helpers)."""
+    lo = torch.arange(65536, dtype=torch.int64)
+    hi = (lo * 40503 + 12345) & 0xFFFF
+    words = torch.cat([lo | (hi << 16), hi | (lo << 16)])  # [131072]
+    packed = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)  # [N, 4], code 2i low nibble
+    one = torch.ones(2, dtype=torch.int64)
+    assert torch.equal(_fp4x8_prmt(words[:2], _e4m3_scale2(0x38 * one)), _fp4x8_fma(words[:2], _e4m3_scale2(0x38 * one)))
+    pmt_1, fma_1 = _fp4x8_prmt(words, 0x3F803F80), _fp4x8_fma(words, 0x3F803F80)  # scale 1: the bare code values
+    assert torch.equal(pmt_1, fma_1)
+    for sbyte in range(256):
+        s2 = _e4m3_scale2(torch.tensor(sbyte, dtype=torch.int64))
+        got = _bf16x2_mul(pmt_1, s2) & 0xFFFF  # the helper ends in this multiply (x 1 above: the lookup itself)
+        assert torch.equal(_fp4x8_prmt(words[:4096], s2), got[:4096]), sbyte
+        want = _fp4x8_fma(words, s2)
+        assert torch.equal(got, want), f"scale byte {sbyte:#04x}"
+        if sbyte & 0x7F == 0x7F:
+            continue
+        scales = torch.full((words.numel() // 2, 1), sbyte, dtype=torch.uint8)
+        ref = fp4_dequantize(packed.view(-1, 8), scales, 16, "e4m3").view(-1, 8)  # [N, 8] float32
+        ref_bits = ref.bfloat16().view(torch.int16).long() & 0xFFFF
+        assert torch.equal(ref.bfloat16().float(), ref), "value x scale is exact in bf16"
+        assert torch.equal(want, ref_bits), f"scale byte {sbyte:#04x}"
+    # the signed zeros: code 8 (-0) stays -0 at a positive scale, code 0 +0
+    assert int(fma_1[0, 0]) == 0 and int(_fp4x8_prmt(torch.tensor([8]), 0x3F803F80)[0, 0]) == 0x8000
+
+
+def test_prmt_fp4_decode_compiles_for_sm90_and_is_refused_elsewhere():
+    """fp4_decode=prmt (GPU checks in GPU_CASES): the ws producer's FP4 main words go through csa2_fp4x8_bf16_prmt, in
+    the batched and prefetch producers and warpgroup 1's wg1_rows share; the FP8 window path keeps its helper. Refused
+    for bf16 KV, outside ws, with the serial producer, and on the archs without ws."""
+    for tile, shape_name, extra in (
+        (sa.DECODE_TILE, "decode_b64_s1", {}),
+        (sa.DECODE_TILE, "decode_b128_s2", {"produce": "prefetch", "n_split": 4}),
+        (sa.DECODE_TILE, "decode_b64_s1", {"wg1_rows": 16}),
+        (sa.PREFILL_TILE, "prefill_s4k", {}),
+        (sa.PREFILL_TILE, "prefill_s4k", {"lanes": "column"}),
+    ):
+        shape = tile.shape(shape_name)
+        config = {**tile.default_config(SM90), "fp4_decode": "prmt", **extra}
+        assert tile.search_space(SM90).violations(config, shape, SM90) == []
+        src = tile.build(shape, config, SM90).main.get_kernel_source()
+        assert "wgmma" in src
+        calls = re.findall(r"(?<!void )\b(csa2_fp4x8_bf16(?:_prmt)?)\(", src)  # calls, not the helpers' definitions
+        assert len(calls) >= 2 and set(calls) == {"csa2_fp4x8_bf16_prmt"}
+        assert "csa2_e4m3x4_bf16(" in src  # the FP8 window words: unchanged
+    default_src = sa.PREFILL_TILE.build(sa.PREFILL_TILE.shape("prefill_s4k"), sa.PREFILL_TILE.default_config(SM90), SM90)
+    assert "prmt" not in default_src.main.get_kernel_source()
+    tile, shape = sa.DECODE_TILE, sa.DECODE_TILE.shape("decode_b64_s1")
+    config = {**tile.default_config(SM90), "fp4_decode": "prmt"}
+    for other in ({"produce": "serial"}, {"schedule": "pipelined"}):
+        cfg = tile.with_defaults(SM90, {"fp4_decode": "prmt", **other})
+        assert any("fp4_decode=prmt" in r for r in tile.search_space(SM90).violations(cfg, shape, SM90)), other
+    for arch_name in ("sm80", "sm86", "sm89"):
+        arch = get_arch(arch_name)
+        reasons = tile.search_space(arch).violations({**tile.default_config(arch), "fp4_decode": "prmt"}, shape, arch)
+        assert any("fp4_decode=prmt" in r for r in reasons), arch_name
+    bf16 = {**sa.BF16_TILE.default_config(SM90), "fp4_decode": "prmt"}
+    reasons = sa.BF16_TILE.search_space(SM90).violations(bf16, sa.BF16_TILE.shape("prefill_s4k"), SM90)
+    assert any("FP4 main KV" in r for r in reasons)
+    assert "fp4_decode" not in sa.BF16_TILE.search_space(SM90).names()
+    assert sa.DECODE_TILE.default_config(SM90)["fp4_decode"] == "fma"
+
+
 @pytest.mark.parametrize("tpc", [2, 4])
 def test_tokens_per_cta_compiles_for_sm90(tpc):
     """tokens_per_cta (GPU checks in GPU_CASES): each CTA loops over tpc (token, head block) items, the barrier phases
@@ -424,6 +597,12 @@ GPU_CASES = [
     (sa.PREFILL_TILE, "prefill_s4k", {"lanes": "column"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"lanes": "column", "tokens_per_cta": 2}),
     (sa.BF16_TILE, "prefill_s4k", {"lanes": "column"}),
+    # fp4_decode=prmt (not yet run on a GPU): the producer's FP4 main words by byte-permute lookups, the same bf16 bits
+    (sa.DECODE_TILE, "decode_b64_s1", {"fp4_decode": "prmt"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"fp4_decode": "prmt", "produce": "prefetch", "n_split": 4}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"fp4_decode": "prmt", "wg1_rows": 16}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"fp4_decode": "prmt"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"fp4_decode": "prmt", "lanes": "column", "handoff": "before_pv"}),
     # combine=fused (not yet run on a GPU): the last split CTA merges the partials
     (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"combine": "fused", "n_split": 2}),
@@ -439,6 +618,27 @@ GPU_CASES = [
 @pytest.mark.parametrize("tile,shape_name,config", GPU_CASES, ids=lambda x: x.name if hasattr(x, "name") else str(x))
 def test_tile_matches_reference(tile, shape_name, config):
     _check(tile, tile.shape(shape_name), config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tile,shape_name,extra",
+    [
+        (sa.DECODE_TILE, "decode_b64_s1", {}),
+        (sa.DECODE_TILE, "decode_b64_s1", {"wg1_rows": 16}),
+        (sa.DECODE_TILE, "decode_b128_s2", {"produce": "prefetch", "n_split": 4}),
+        (sa.PREFILL_TILE, "prefill_s4k", {}),
+    ],
+    ids=["decode_b64_s1", "decode_b64_s1_wg1", "decode_b128_s2_prefetch", "prefill_s4k"],
+)
+def test_prmt_fp4_decode_output_equals_fma_bitwise(tile, shape_name, extra):
+    """fp4_decode=prmt writes the same bf16 KV bits as fma (the CPU emulation test) and changes nothing else: the
+    attention output equals the fma kernel's bit for bit on the same inputs."""
+    shape = tile.shape(shape_name)
+    kernel, inputs = _check(tile, shape, {"fp4_decode": "prmt", **extra})
+    fma = tile.build(shape, {**tile.default_config(SM90), **extra}, SM90)
+    got, want = tile.run(kernel, inputs)["out"], tile.run(fma, inputs)["out"]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 ODD_SHAPES = [

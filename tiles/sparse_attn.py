@@ -143,6 +143,47 @@ __device__ __forceinline__ void csa2_e4m3x4_bf16(void* dst, int w, unsigned scal
 }
 """
 
+# fp4_decode="prmt": csa2_fp4x8_bf16's 8 bf16 by byte-permute table lookups (the indexer's prmt dequant, tiles/indexer.py,
+# with constant tables: the scale here is E4M3, not a power of two, so it is applied afterwards by the same exact
+# multiply). The 8 E2M1 magnitudes' bf16 patterns (0, 0.5, 1, 1.5, 2, 3, 4, 6: 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
+# 0x4040, 0x4080, 0x40C0) split into a low-byte table (00 00 80 C0 00 40 80 C0) and a high-byte table (00 3F 3F 3F
+# 40 40 40 40), two registers each; a word's masked codes (bit 3, prmt's sign-replicate flag, cleared) select from them,
+# 4 nibbles per prmt. Per word: mask, shift, shift, 4 lookups, 2 sign merges (prmt of w and w << 4, masked, or'ed into
+# the high bytes), 4 interleaves, 4 multiplies by the scale pair: ~19 instructions against ~28. The looked-up bf16 is
+# bit for bit csa2_fp4x8_bf16's intermediate (the pattern times 2^126, exact, signed zeros kept), and the scale
+# multiply is the same fma, so the output is identical for every code and every scale pair
+# (tests/test_sparse_attn.py emulates both exhaustively).
+_FP4_PRMT_CUDA = r"""
+// prmt.b32 as opaque asm (as tiles/indexer.py's csa2_prmt): with __byte_perm nvcc knows the selector's top 16 bits are
+// unused and may re-mask the word for each use.
+__device__ __forceinline__ unsigned csa2_attn_prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+// 8 FP4 codes (code k in bits 4k..4k+3 of w) times a bf16x2 scale pair -> 8 bf16 in order at dst (= csa2_fp4x8_bf16).
+__device__ __forceinline__ void csa2_fp4x8_bf16_prmt(void* dst, int w, unsigned scale2) {
+  const unsigned u = (unsigned)w;
+  const unsigned m = u & 0x77777777u;                    // magnitude codes: the lookup selectors
+  unsigned mh;
+  asm("shr.b32 %0, %1, 16;" : "=r"(mh) : "r"(m));       // codes 4..7 (opaque: else nvcc re-masks u for it)
+  const unsigned u4 = u << 4;
+  const unsigned l0 = csa2_attn_prmt(0xC0800000u, 0xC0804000u, m);   // low bytes of codes 0..3
+  const unsigned l1 = csa2_attn_prmt(0xC0800000u, 0xC0804000u, mh);  // ... of codes 4..7
+  // high bytes, with the sign of nibble j (bit 4j + 3) moved to bit 7 of byte j: from u << 4 (even j) or u (odd j)
+  const unsigned h0 = csa2_attn_prmt(0x3F3F3F00u, 0x40404040u, m) | (__byte_perm(u, u4, 0x1504) & 0x80808080u);
+  const unsigned h1 = csa2_attn_prmt(0x3F3F3F00u, 0x40404040u, mh) | (__byte_perm(u, u4, 0x3726) & 0x80808080u);
+  uint4 o;
+  o.x = csa2_bf16x2_mul(__byte_perm(l0, h0, 0x5140), scale2);  // codes 0 (low half) and 1
+  o.y = csa2_bf16x2_mul(__byte_perm(l0, h0, 0x7362), scale2);  // 2, 3
+  o.z = csa2_bf16x2_mul(__byte_perm(l1, h1, 0x5140), scale2);  // 4, 5
+  o.w = csa2_bf16x2_mul(__byte_perm(l1, h1, 0x7362), scale2);  // 6, 7
+  *reinterpret_cast<uint4*>(dst) = o;
+}
+"""
+# The FP4 main-word dequant the ws batched/prefetch producer calls, per ``fp4_decode``.
+_FP4X8_FUNCTIONS = {"fma": "csa2_fp4x8_bf16", "prmt": "csa2_fp4x8_bf16_prmt"}
+
 
 # The fused combine's release fence (see _ws_fused_combine). TileLang 0.1.15 has atomics with a memory order
 # (T.atomic_add(..., memory_order=, return_prev=)) but no standalone fence.
@@ -177,6 +218,7 @@ def sparse_attn_kernel(
     combine: str = "separate",
     handoff: str = "after_pv",
     lanes: str = "row",
+    fp4_decode: str = "fma",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -213,6 +255,7 @@ def sparse_attn_kernel(
             combine,
             handoff,
             lanes,
+            fp4_decode,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -416,6 +459,7 @@ def _sparse_attn_ws(
     combine="separate",
     handoff="after_pv",
     lanes="row",
+    fp4_decode="fma",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -492,6 +536,12 @@ def _sparse_attn_ws(
     * ``column``: the 8 lanes of a quarter-warp take 8 consecutive rows (row r % 8 all different) at the same columns,
       so the swizzle spreads their stores over all 32 banks. Each lane still loads 16 contiguous bytes per row half;
       a warp's load touches 8 rows x 64 B instead of 4 rows x 128 B (the same sectors).
+
+    ``fp4_decode`` (FP4, batched/prefetch producer, and warpgroup 1's ``wg1_rows``) is how a packed main-KV word becomes 8
+    bf16: ``fma`` (``csa2_fp4x8_bf16``: shifts and masks into the bf16 field, two exact bf16x2 multiplies per pair) or
+    ``prmt`` (``csa2_fp4x8_bf16_prmt``: byte-permute lookups into constant tables of the 8 magnitudes' bf16 bytes, the
+    signs merged, one exact multiply by the scale pair). The same output bits; fewer producer instructions per block.
+    Not yet run on a GPU (session 7).
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -515,6 +565,8 @@ def _sparse_attn_ws(
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
     batched = produce in ("batched", "prefetch")
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
+    # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
+    dequant_cuda = (_DEQUANT_CUDA + (_FP4_PRMT_CUDA if fp4_decode == "prmt" else "")) if batched and fp4 else ""
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
     main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
@@ -529,7 +581,7 @@ def _sparse_attn_ws(
         """The whole CTA; OPart and Counter are None unless ``combine="fused"``."""
         with T.Kernel(T.ceildiv(S * REP, TPC) if TPC > 1 else S * REP, B, NS, threads=384) as (bx, by, bz):
             if (batched and fp4) or fused:  # one import: the helpers the producer and the fused combine call
-                T.import_source((_DEQUANT_CUDA if batched and fp4 else "") + (_FUSE_CUDA if fused else ""))
+                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else ""))
             Q_l = T.alloc_shared([HB, D2], bf16)
             Q_r = T.alloc_shared([HB, D2], bf16)
             KV0_l = T.alloc_shared([BI, D2], bf16)
@@ -668,7 +720,7 @@ def _sparse_attn_ws(
                         q = tx - 128
                         hsrc = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                         hregs = _WsRegisters(h_rows_cur, h_rows_next, h_raw, h_rawsc, h_vals)
-                        hdims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes)
+                        hdims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode)
                         helper = _WsHelper(hsrc, hregs, hdims, q)
                     else:
                         helper = None
@@ -685,7 +737,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode)
                 if TPC > 1:
                     # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
                     # reads a clamped token's rows, never used)
@@ -1265,6 +1317,7 @@ class _WsDims(NamedTuple):
     Nw: Any
     Nc: Any
     lanes: str  # producer lane -> (row, column slice) map: _lane_row, _lane_col
+    fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
 
 
 def _lane_row(p, lanes):
@@ -1283,7 +1336,7 @@ def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
     past the end of its list, or holds an index outside the cache (masked, never read: the batched
     kernel is built without TileLang's bounds guards). ``passes``: the rr to fetch (default all), ``rows[j]``
     holding the j-th of them."""
-    W, K, BI, NBW, ROWS, _, Nw, Nc, lanes = dims
+    W, K, BI, NBW, ROWS, _, Nw, Nc, lanes, _ = dims
     WinIdx, TopkIdx = src.WinIdx, src.TopkIdx
     if passes is None:
         passes = tuple(range(BI // ROWS))
@@ -1323,7 +1376,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         s_next, blk_next = s_i, blk + 1
     rows_cur, rows_next, raw, rawsc, vals = regs
     KV_l, KV_r, valid, bar_ready = kv_buf.KV_l, kv_buf.KV_r, kv_buf.valid, kv_buf.ready
-    _, _, BI, NBW, ROWS, D2, _, _, lanes = dims
+    _, _, BI, NBW, ROWS, D2, _, _, lanes, _ = dims
     R = BI // ROWS
     c = _lane_col(p, lanes)
     for rr in T.unroll(R):
@@ -1384,7 +1437,7 @@ def _ws_issue_main_loads(src, regs, dims, b_i, p, passes=None):
     :func:`_ws_fetch_rows` (the registers hold only those passes, in order)."""
     MainA, MainB = src.MainA, src.MainB
     rows_cur, raw, rawsc = regs.rows_cur, regs.raw, regs.rawsc
-    _, _, BI, _, ROWS, D2, _, _, lanes = dims
+    _, _, BI, _, ROWS, D2, _, _, lanes, _ = dims
     c = _lane_col(p, lanes)
     if passes is None:
         passes = tuple(range(BI // ROWS))
@@ -1402,7 +1455,7 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
     """Dequantise ``raw``/``rawsc`` (the rows in ``rows_cur``; an unused row's scale is zeroed) into the KV buffer.
     ``passes``: as in :func:`_ws_fetch_rows`."""
     rows_cur, raw, rawsc, vals = regs.rows_cur, regs.raw, regs.rawsc, regs.vals
-    _, _, BI, _, ROWS, _, _, _, lanes = dims
+    _, _, BI, _, ROWS, _, _, _, lanes, _ = dims
     c = _lane_col(p, lanes)
     if passes is None:
         passes = tuple(range(BI // ROWS))
@@ -1411,7 +1464,7 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
             for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
                 s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(j * 2 + h) * 2 + q // 2], "uint32"))
                 s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
-                T.call_extern("handle", "csa2_fp4x8_bf16", T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
+                T.call_extern("handle", _FP4X8_FUNCTIONS[dims.fp4_decode], T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
                 for v in T.vectorized(8):
                     buf[rr * ROWS + _lane_row(p, lanes), c * 32 + q * 8 + v] = vals[v]
 
@@ -1423,7 +1476,7 @@ def _ws_wg1_fill(src, hregs, dims, kv_buf, b_i, s_i, blk, q, more):
     case (the producer fills window blocks whole); then issue the next block's loads and fetch the rows of the one
     after. Invariant at entry: ``hregs.rows_cur`` holds this block's rows (and ``raw`` their data for a main block),
     ``rows_next`` the next block's. ``more``: true when this CTA has a block after ``blk``."""
-    _, _, BI, NBW, ROWS, _, _, _, _ = dims
+    _, _, BI, NBW, ROWS, _, _, _, _, _ = dims
     last = (BI // ROWS - 1,)
     if blk >= NBW:
         _ws_store_main(hregs, dims, kv_buf, q, last)
@@ -1449,7 +1502,7 @@ def _ws_produce_prefetch(src, regs, dims, kv_buf, b_i, s_i, blk, p, more):
     ``more``: a boolean expression, true when this CTA has a block after ``blk`` (something to prefetch).
     """
     rows_cur, rows_next = regs.rows_cur, regs.rows_next
-    _, _, BI, NBW, ROWS, _, _, _, lanes = dims
+    _, _, BI, NBW, ROWS, _, _, _, lanes, _ = dims
     R = BI // ROWS
     if blk < NBW:
         _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, True)  # ends with rows_cur = rows of blk + 1
@@ -1534,6 +1587,7 @@ class CompiledAttention:
                 "combine",
                 "handoff",
                 "lanes",
+                "fp4_decode",
             )
             if k in config
         }
@@ -1879,6 +1933,13 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "produce=prefetch keeps a block of packed FP4 words in registers: FP4 main KV only (bf16 rows go by cp.async)"
         if c.get("produce", "serial") in ("batched", "prefetch") and c["schedule"] != "ws":
             return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
+        if c.get("fp4_decode", "fma") != "fma" and (
+            kv_format != "fp4" or c["schedule"] != "ws" or c.get("produce", "serial") not in ("batched", "prefetch")
+        ):
+            return (
+                "fp4_decode=prmt is the ws batched producer's packed FP4 main-KV dequant: FP4 main KV, schedule=ws, "
+                "produce=batched or prefetch (bf16 KV has nothing to decode; the other paths decode per value)"
+            )
         if c.get("produce", "serial") in ("batched", "prefetch") and c["block_I"] % 32:
             return "the batched producer moves rows in passes of 16, FP8 in two halves: block_I a multiple of 32"
         return None
@@ -1984,6 +2045,15 @@ class SparseAttnTile(Tile):
                     "(0: the producer warpgroup fills every row)",
                 )
             )
+            params.append(
+                Param(
+                    "fp4_decode",
+                    ("fma", "prmt"),
+                    "ws batched producer, packed FP4 word -> 8 bf16: shifts and masks into the bf16 field with two exact "
+                    "bf16x2 multiplies per pair, or byte-permute lookups into constant bf16 byte tables and one exact "
+                    "multiply by the scale pair (the same bits, fewer producer instructions)",
+                )
+            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -2018,6 +2088,7 @@ class SparseAttnTile(Tile):
         if self.kv_format == "fp4":
             cfg["dequant"] = "direct"
             cfg["wg1_rows"] = 0
+            cfg["fp4_decode"] = "fma"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
