@@ -464,7 +464,8 @@ def test_multi_cta_constraints_refuse():
 
 
 def test_wk_args():
-    """What the launchers pass as (wk_hi, wk_lo): the split by default, Wk itself (no copy) for wk=fp32."""
+    """What the launchers pass as (wk_hi, wk_lo): the split by default, Wk itself (no copy) for wk=fp32; a ``prepared``
+    dict keeps the split across calls."""
 
     class K:
         csa2_wk = "fp32"
@@ -474,6 +475,9 @@ def test_wk_args():
     assert torch.equal(hi + lo, w) and torch.equal(hi, cp.split_tf32(w)[0])
     a, b = cp._wk_args(K(), w)
     assert a.data_ptr() == w.data_ptr() and b.data_ptr() == w.data_ptr()
+    prepared = {}  # a launcher's per-layer cache: the split is made once
+    first = cp._wk_args(object(), w, prepared)
+    assert cp._wk_args(object(), w, prepared)[0].data_ptr() == first[0].data_ptr() and list(prepared) == ["hi_lo"]
 
 
 @pytest.mark.gpu

@@ -701,16 +701,23 @@ def _schedule(cfg: Config) -> str:
     return "flat" if cfg.get("ctas_per_sm", 1) > 1 else cfg.get("schedule", "ws")
 
 
-def _wk_args(kernel, wk: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's (wk_hi, wk_lo) arguments for fp32 ``wk`` [128, 512]: the TF32 split, or (``wk="fp32"``) Wk itself
-    in the first slot (the kernel splits it; the second slot is not read). ``split``: a cached :func:`split_tf32`."""
-    if getattr(kernel, "csa2_wk", "hi_lo") == "fp32":
+def _wk_args(kernel, wk: torch.Tensor, prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's (wk_hi, wk_lo) arguments for fp32 ``wk`` [128, 512]: the TF32 split, (``wk="fp32"``) Wk itself in
+    the first slot (the kernel splits it; the second slot is not read), or (``proj_operands="registers"``) Wk in
+    :func:`wk_fragment_order`, also in the first slot. ``prepared``: a dict that keeps the split or the reordered copy
+    of this ``wk`` across calls (a per-layer constant: made once)."""
+    form = getattr(kernel, "csa2_wk", "hi_lo")
+    if form == "fp32":
         w = wk.float().contiguous()
         return w, w
-    if getattr(kernel, "csa2_wk", "hi_lo") == "fragments":  # proj_operands=registers: Wk reordered, one slot read
-        w = wk_fragment_order(wk)
-        return w, w
-    return split if split is not None else split_tf32(wk)
+    prepared = {} if prepared is None else prepared
+    if form not in prepared:
+        if form == "fragments":
+            w = wk_fragment_order(wk)
+            prepared[form] = (w, w)
+        else:
+            prepared[form] = split_tf32(wk)
+    return prepared[form]
 
 
 def split_tf32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1025,16 +1032,11 @@ class CompressorTile(Tile):
 
     def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
         kv, ratio = inputs["kv"], int(inputs["ratio"])
-        if "wk_hi" not in inputs:  # the split weights are per-layer constants, made once per input set
-            inputs["wk_hi"], inputs["wk_lo"] = split_tf32(inputs["wk"])
+        if "eps" not in inputs:  # per-layer constants (eps, the prepared Wk forms), made once per input set
             inputs["eps"] = torch.tensor([flash().norm_eps], dtype=torch.float32, device=kv.device)
+            inputs["wk_prepared"] = {}
         gate = kv if ratio == 1 else inputs["gate"]
-        if getattr(kernel, "csa2_wk", "hi_lo") == "fragments":  # the reordered Wk is a per-layer constant too
-            if "wk_frag" not in inputs:
-                inputs["wk_frag"] = wk_fragment_order(inputs["wk"])
-            wk_hi = wk_lo = inputs["wk_frag"]
-        else:
-            wk_hi, wk_lo = _wk_args(kernel, inputs["wk"], (inputs["wk_hi"], inputs["wk_lo"]))  # fp32 wk: no copy
+        wk_hi, wk_lo = _wk_args(kernel, inputs["wk"], inputs["wk_prepared"])  # fp32 wk: no copy
         args = (
             inputs["norm_weight"],
             inputs["cos"],

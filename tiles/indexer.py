@@ -616,7 +616,7 @@ def _score_kernel(
                     for i, d in T.Parallel(block_n, D):
                         k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
                 T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if fused:
+                if fused:  # the ReLU-weighted head sum, its quad reduction and the store, by hand (_FUSED_EPI_CUDA)
                     T.call_extern(
                         "handle",
                         f"csa2_relu_wsum_store<{block_n // 64}>",
@@ -629,31 +629,29 @@ def _score_kernel(
                         nvis - bx * span,
                         int(gather),
                     )
-                elif hoisted:
-                    for i, h in T.Parallel(block_n, H):
-                        acc[i, h] = (acc[i, h] + T.abs(acc[i, h])) * w_half[h]  # per_tile's product, w / 2 hoisted
-                elif dequant in RS_DEQUANTS:
-                    # ReLU as x + |x| = 2 max(x, 0) (exact) on the FMA pipe: FMNMX issues to the integer/ALU pipe, which
-                    # the dequant saturates. Times w / 2: the same product up to power-of-two scaling.
-                    for i, h in T.Parallel(block_n, H):
-                        acc[i, h] = (acc[i, h] + T.abs(acc[i, h])) * (w_s[h] * 0.5)
                 else:
-                    for i, h in T.Parallel(block_n, H):
-                        acc[i, h] = T.max(acc[i, h], 0.0) * w_s[h]
-                if not fused:
+                    if hoisted:
+                        for i, h in T.Parallel(block_n, H):
+                            acc[i, h] = (acc[i, h] + T.abs(acc[i, h])) * w_half[h]  # per_tile's product, w / 2 hoisted
+                    elif dequant in RS_DEQUANTS:
+                        # ReLU as x + |x| = 2 max(x, 0) (exact) on the FMA pipe: FMNMX issues to the integer/ALU pipe,
+                        # which the dequant saturates. Times w / 2: the same product up to power-of-two scaling.
+                        for i, h in T.Parallel(block_n, H):
+                            acc[i, h] = (acc[i, h] + T.abs(acc[i, h])) * (w_s[h] * 0.5)
+                    else:
+                        for i, h in T.Parallel(block_n, H):
+                            acc[i, h] = T.max(acc[i, h], 0.0) * w_s[h]
                     T.reduce_sum(acc, row, dim=1)
-                if fused:
-                    pass  # stored by csa2_relu_wsum_store
-                elif hoisted:
-                    _store_row_hoisted(out_cta, row, pos_s, t * block_n, n_out - bx * span, nvis - bx * span, block_n, gather)
-                else:
-                    for i in T.Parallel(block_n):
-                        j = n0 + i
-                        if j < n_out:
-                            if gather:
-                                out[b, s, j] = T.if_then_else(pos_s[i] >= 0, row[i], -T.infinity("float32"))
-                            else:
-                                out[b, s, j] = T.if_then_else(j < nvis, row[i], -T.infinity("float32"))
+                    if hoisted:
+                        _store_row_hoisted(out_cta, row, pos_s, t * block_n, n_out - bx * span, nvis - bx * span, block_n, gather)
+                    else:
+                        for i in T.Parallel(block_n):
+                            j = n0 + i
+                            if j < n_out:
+                                if gather:
+                                    out[b, s, j] = T.if_then_else(pos_s[i] >= 0, row[i], -T.infinity("float32"))
+                                else:
+                                    out[b, s, j] = T.if_then_else(j < nvis, row[i], -T.infinity("float32"))
 
     return tilelang.compile(score, target=tvm.target.Target(_target_dict(target)))
 
