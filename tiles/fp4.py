@@ -82,6 +82,18 @@ from tiles.arch import Arch, detect
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
 from tiles.shapes import fp4_rows
 
+# The byte permute as a CUDA helper for the FP4 decodes by table lookup (the indexer's prmt dequants, the attention
+# producer's fp4_decode=prmt): csa2_prmt(a, b, sel) picks bytes of (b:a) by sel's four low nibbles.
+PRMT_ASM_CUDA = r"""
+// prmt.b32 as opaque asm: with __byte_perm nvcc knows a selector's top 16 bits are unused and re-masked each word
+// for each use (w & 0x7777 for the low nibbles, (w & 0x77770000) >> 16 for the high ones): 2 extra integer
+// instructions per word. Not volatile, so equal lookups are still shared.
+__device__ __forceinline__ unsigned csa2_prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}"""  # no final newline: a user's r"""\n... continues it
+
 MAIN_DIM, INDEX_DIM = 512, 128
 SCALE_GROUP = dict(formats.SCALE_FORMATS)  # "e4m3" -> 16, "e8m0" -> 32
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}

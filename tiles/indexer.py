@@ -42,6 +42,7 @@ from tiles import radix_select
 from tiles.arch import Arch, get_arch
 from tiles.compare import relative_l2
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, kernel_sources_of, poisoned
+from tiles.fp4 import PRMT_ASM_CUDA
 from tiles.shapes import flash, indexer_shapes, reindex_shapes
 
 HEADS, HEAD_DIM, GROUP = 32, 128, 32  # indexer heads, dims, FP4 group (E8M0 scales)
@@ -164,15 +165,9 @@ def _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n: int, W: int):
 # half) of w as one 32-bit word at dst. All but the last prmt depends on (w) or (w, k / 2) only, so nvcc shares it
 # between the 4 registers of a word (pure expressions, the loop fully unrolled). One 32-bit store, not two 16-bit
 # halves: with halves nvcc rebuilt each register by a shift and a prmt (64 extra integer instructions per tile).
-_PRMT_PAIR_CUDA = r"""
-// prmt.b32 as opaque asm: with __byte_perm nvcc knows a selector's top 16 bits are unused and re-masked each word
-// for each use (w & 0x7777 for the low nibbles, (w & 0x77770000) >> 16 for the high ones): 2 extra integer
-// instructions per word. Not volatile, so equal lookups are still shared.
-__device__ __forceinline__ unsigned csa2_prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
+_PRMT_PAIR_CUDA = (
+    PRMT_ASM_CUDA
+    + r"""
 // word e (0: lo0, 1: lo1, 2: hi0, 3: hi1) of scale byte sbyte's tables, as csa2_fp4_group_bf16 builds them
 __device__ __forceinline__ unsigned csa2_fp4_table_word(int sbyte, int e) {
   const unsigned base = ((unsigned)sbyte - 1u) << 7;     // bf16 bits of 0.5 * 2^(s - 127)
@@ -199,6 +194,7 @@ __device__ __forceinline__ void csa2_fp4_pair_bf16(void* dst, int w_, unsigned l
   *(unsigned*)dst = __byte_perm(l, h, (k & 1) ? 0x7362 : 0x5140);
 }
 """
+)
 
 
 RS_PRODUCER_REGS = 24  # setmaxnreg floor: TileLang's producer only waits on mbarriers, loads scales and issues TMA

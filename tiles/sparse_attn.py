@@ -51,6 +51,7 @@ from model.ops.sparse_attn import sparse_attention as _ref_sparse_attention
 from tiles.arch import Arch, get_arch
 from tiles.compare import relative_l2
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.fp4 import PRMT_ASM_CUDA
 from tiles.shapes import attention_shapes
 
 LOG2E = 1.4426950408889634
@@ -153,14 +154,9 @@ __device__ __forceinline__ void csa2_e4m3x4_bf16(void* dst, int w, unsigned scal
 # bit for bit csa2_fp4x8_bf16's intermediate (the pattern times 2^126, exact, signed zeros kept), and the scale
 # multiply is the same fma, so the output is identical for every code and every scale pair
 # (tests/test_sparse_attn.py emulates both exhaustively).
-_FP4_PRMT_CUDA = r"""
-// prmt.b32 as opaque asm (as tiles/indexer.py's csa2_prmt): with __byte_perm nvcc knows the selector's top 16 bits are
-// unused and may re-mask the word for each use.
-__device__ __forceinline__ unsigned csa2_attn_prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
+_FP4_PRMT_CUDA = (
+    PRMT_ASM_CUDA
+    + r"""
 // 8 FP4 codes (code k in bits 4k..4k+3 of w) times a bf16x2 scale pair -> 8 bf16 in order at dst (= csa2_fp4x8_bf16).
 __device__ __forceinline__ void csa2_fp4x8_bf16_prmt(void* dst, int w, unsigned scale2) {
   const unsigned u = (unsigned)w;
@@ -168,11 +164,11 @@ __device__ __forceinline__ void csa2_fp4x8_bf16_prmt(void* dst, int w, unsigned 
   unsigned mh;
   asm("shr.b32 %0, %1, 16;" : "=r"(mh) : "r"(m));       // codes 4..7 (opaque: else nvcc re-masks u for it)
   const unsigned u4 = u << 4;
-  const unsigned l0 = csa2_attn_prmt(0xC0800000u, 0xC0804000u, m);   // low bytes of codes 0..3
-  const unsigned l1 = csa2_attn_prmt(0xC0800000u, 0xC0804000u, mh);  // ... of codes 4..7
+  const unsigned l0 = csa2_prmt(0xC0800000u, 0xC0804000u, m);   // low bytes of codes 0..3
+  const unsigned l1 = csa2_prmt(0xC0800000u, 0xC0804000u, mh);  // ... of codes 4..7
   // high bytes, with the sign of nibble j (bit 4j + 3) moved to bit 7 of byte j: from u << 4 (even j) or u (odd j)
-  const unsigned h0 = csa2_attn_prmt(0x3F3F3F00u, 0x40404040u, m) | (__byte_perm(u, u4, 0x1504) & 0x80808080u);
-  const unsigned h1 = csa2_attn_prmt(0x3F3F3F00u, 0x40404040u, mh) | (__byte_perm(u, u4, 0x3726) & 0x80808080u);
+  const unsigned h0 = csa2_prmt(0x3F3F3F00u, 0x40404040u, m) | (__byte_perm(u, u4, 0x1504) & 0x80808080u);
+  const unsigned h1 = csa2_prmt(0x3F3F3F00u, 0x40404040u, mh) | (__byte_perm(u, u4, 0x3726) & 0x80808080u);
   uint4 o;
   o.x = csa2_bf16x2_mul(__byte_perm(l0, h0, 0x5140), scale2);  // codes 0 (low half) and 1
   o.y = csa2_bf16x2_mul(__byte_perm(l0, h0, 0x7362), scale2);  // 2, 3
@@ -181,6 +177,7 @@ __device__ __forceinline__ void csa2_fp4x8_bf16_prmt(void* dst, int w, unsigned 
   *reinterpret_cast<uint4*>(dst) = o;
 }
 """
+)
 # The FP4 main-word dequant the ws batched/prefetch producer calls, per ``fp4_decode``.
 _FP4X8_FUNCTIONS = {"fma": "csa2_fp4x8_bf16", "prmt": "csa2_fp4x8_bf16_prmt"}
 
