@@ -7,7 +7,7 @@
 # packed results/ folder (tuned YAML, bench JSON) unpacks over the repo's results/ as it is.
 set -u
 FINAL_OUT=${OUT:-/tmp/lab-out}
-OUT=/tmp/lab-session
+OUT=${SESSION_WORK:-/tmp/lab-session}  # two sessions at once (one per GPU) need two work folders
 rm -rf "$OUT" && mkdir -p "$OUT" "$FINAL_OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}

@@ -28,7 +28,7 @@ from tiles.arch import ArchError, get_arch
 from tuning import study as study_mod
 from tuning.export import export_results
 from tuning.replay import replay
-from tuning.space import config_key, seed_configs, similarity_order
+from tuning.space import ValidConfigs, config_key, seed_configs, similarity_order
 from tuning.study import TuneError, TuneOptions, counts_toward_budget, open_storage, tune, uses_budget
 
 SM90 = get_arch("sm90")
@@ -98,6 +98,48 @@ def test_constraint_pruning_before_compile(tmp_path, monkeypatch):
     compiled = {json.dumps(json.loads(line), sort_keys=True) for line in log.read_text().splitlines()}
     assert not compiled & {config_key(t.params) for t in invalid}
     assert summary.best.user_attrs["outcome"] == "ok"
+
+
+def test_invalid_proposals_are_replaced_by_the_nearest_valid_config(tmp_path):
+    """1.6% of the toy's space is valid: without the replacement a 6-trial study stops at its invalid limit
+    having measured about three configs; with it every budgeted trial is a measurement. (Once TPE takes over from
+    its random start it may propose the best config again: a repeat, answered from the record, uses budget.)"""
+    opts = _opts(tmp_path, trials=6)
+    [summary] = tune([toys.SparseToy()], opts, shapes="decode")
+    trials = _study(opts, summary.study).get_trials()
+    budgeted = [t for t in trials if uses_budget(t)]
+    assert len(budgeted) == 6 and all(t.user_attrs["outcome"] == "ok" for t in budgeted)
+    measured = [t for t in budgeted if "repeat_of" not in t.user_attrs]
+    assert len(measured) >= 5 and len({config_key(t.params) for t in measured}) == len(measured)
+    invalid = {t.number for t in trials if t.user_attrs.get("outcome") == "invalid"}
+    replaced = [t for t in measured if str(t.user_attrs.get("source", "")).startswith("nearest valid to trial ")]
+    assert replaced and all(int(t.user_attrs["source"].rsplit(" ", 1)[1]) in invalid for t in replaced)
+
+
+def test_valid_configs_nearest_and_exhaustion():
+    toy = toys.SparseToy()
+    space, shape = toy.search_space(SM90), toy.shapes()[0]
+    valid = ValidConfigs(space, shape, SM90, seed=0)
+    assert len(valid) == 8
+    # one parameter away from the 64-cube, two from every other: the 64-cube, then (once excluded) a random other
+    proposal = {"block_m": 64, "block_n": 64, "block_k": 2048}
+    assert valid.nearest(proposal, exclude=set()) == {"block_m": 64, "block_n": 64, "block_k": 64}
+    seen = {config_key({"block_m": 64, "block_n": 64, "block_k": 64})}
+    other = valid.nearest(proposal, exclude=seen)
+    assert other is not None and not space.violations(other, shape, SM90) and config_key(other) not in seen
+    everything = {config_key({n: s for n in ("block_m", "block_n", "block_k")}) for s in toy.SIZES}
+    assert valid.nearest(proposal, exclude=everything) is None
+
+
+def test_valid_configs_match_the_constraints_on_a_real_space():
+    from tiles.registry import get_tile
+
+    tile = get_tile("compressor")
+    space, shape = tile.search_space(SM90), tile.shape("decode_r2_b64")
+    brute = [c for c in space.all_configs() if not space.violations(c, shape, SM90)]
+    valid = ValidConfigs(space, shape, SM90)
+    assert 0 < len(valid) == len(brute) < space.size() // 100  # the sparse case the replacement exists for
+    assert valid.nearest(tile.default_config(SM90), exclude=set()) == dict(tile.default_config(SM90))
 
 
 def test_similarity_order():
@@ -303,3 +345,15 @@ def test_configs_pruned_by_constraints_do_not_use_the_budget(tmp_path):
     trials = _study(opts, summary.study).get_trials()
     assert any(t.user_attrs.get("outcome") == "invalid" for t in trials)
     assert sum(uses_budget(t) for t in trials) == 8
+
+
+def test_gpu_workers_stay_inside_the_visible_gpus(monkeypatch):
+    """``CUDA_VISIBLE_DEVICES=2,3 lab tune --workers 2`` runs on GPUs 2 and 3, not 0 and 1."""
+    from tuning.workers import visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert visible_gpus(2) == ["2", "3"] and visible_gpus(1) == ["2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-7468b308")
+    assert visible_gpus(1) == ["GPU-7468b308"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus(2) == ["0", "1"]

@@ -166,7 +166,24 @@ def _gather_kernel(n: int, block: int, bias: float, arch: Arch):
     return tilelang.compile(gather, target=arch.tilelang_target(), pass_configs={"tl.disable_safe_memory_legalize": True})
 
 
-TILES = [ScaleToy(), FaultToy()]
+class SparseToy(ScaleToy):
+    """Three coupled sizes, valid only when equal: 8 of 512 configs (1.6%), like the attention and compressor spaces
+    whose structural parameters constrain each other (0.3-0.4% valid for one shape)."""
+
+    name = "toy_sparse"
+    SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        def equal(c: Config, s: Shape, a: Arch) -> str | None:
+            return None if c["block_m"] == c["block_n"] == c["block_k"] else "block sizes differ"
+
+        return SearchSpace(tuple(Param(n, self.SIZES) for n in ("block_m", "block_n", "block_k")), (Constraint("equal", equal),))
+
+    def default_config(self, arch: Arch) -> Config:
+        return {"block_m": 16, "block_n": 16, "block_k": 16}
+
+
+TILES = [ScaleToy(), FaultToy(), SparseToy()]
 
 
 def test_synthetic_cost_prefers_a_non_default_config():

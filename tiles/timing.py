@@ -112,14 +112,16 @@ def describe_environment() -> dict:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         info["cuda"] = torch.version.cuda
+        info["gpus"] = torch.cuda.device_count()
         try:
-            info["driver"] = subprocess.run(
+            lines = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                 capture_output=True,
                 text=True,
                 timeout=10,
                 check=False,
-            ).stdout.strip()
+            ).stdout.split()
+            info["driver"] = lines[0] if lines else None  # one line per GPU, all the same driver
         except Exception:  # noqa: BLE001 -- no nvidia-smi: the driver is recorded as unknown
             info["driver"] = None
     return info

@@ -1,4 +1,4 @@
-"""A tile's search space as Optuna sees it, and the configs a study starts from.
+"""A tile's search space as Optuna sees it, the configs a study starts from, and its valid configs.
 
 The tuner knows nothing of any op: the parameters, their choices and the constraints all
 come from :meth:`tiles.contract.Tile.search_space`. A study starts from the tile's default
@@ -8,8 +8,12 @@ config, then from winners already stored for this arch and for the archs most li
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
 from pathlib import Path
+
+import numpy as np
 
 from tiles.arch import ARCHS, Arch
 from tiles.contract import Config, SearchSpace, Shape, Tile
@@ -73,3 +77,65 @@ def seed_configs(tile: Tile, shape: Shape, arch: Arch, root: Path | None = None)
             seen.add(config_key(config))
             unique.append((config, source))
     return unique
+
+
+# Spaces up to this size are enumerated to find their valid configs (the largest today, the FP4 attention's
+# 1.47M points, takes about 7 s on one core, in the background while the study's first configs compile).
+MAX_ENUMERATED = 4_000_000
+
+
+class ValidConfigs:
+    """The configs a shape's constraints accept, and the one nearest to any config a sampler proposes.
+
+    The structural parameters of the attention and compressor spaces constrain each other, so most of their points
+    are invalid for a given shape (0.26% of the FP4 attention's decode_b64_s1 space, 0.42% of the compressor's): an
+    independent sampler proposing points of such a space almost never proposes a valid one, and a study would stop
+    at its invalid limit having measured one or two configs. The tuner replaces each invalid proposal by the valid
+    config that differs from it in the fewest parameters (ties broken at random) and has not been tried, so every
+    proposal turns into a measurement near what the sampler asked for.
+
+    The enumeration runs in a background thread from construction; :meth:`nearest` waits for it.
+    """
+
+    def __init__(self, space: SearchSpace, shape: Shape, arch: Arch, seed: int = 0):
+        self._space, self._shape, self._arch = space, shape, arch
+        self._names = space.names()
+        self._rng = np.random.default_rng(seed)
+        self._configs: list[Config] = []
+        self._codes: np.ndarray | None = None  # [valid configs, params] choice indices
+        self._done = threading.Event()
+        threading.Thread(target=self._enumerate, name=f"valid-configs-{shape.name}", daemon=True).start()
+
+    def _enumerate(self) -> None:
+        try:
+            choices = [p.choices for p in self._space.params]
+            for combo in itertools.product(*(range(len(c)) for c in choices)):
+                config = {name: choices[i][j] for i, (name, j) in enumerate(zip(self._names, combo, strict=True))}
+                if not any(c.check(config, self._shape, self._arch) for c in self._space.constraints):
+                    self._configs.append(config)
+            self._codes = np.array(
+                [[list(p.choices).index(c[p.name]) for p in self._space.params] for c in self._configs], dtype=np.int16
+            ).reshape(len(self._configs), len(self._names))
+        finally:
+            self._done.set()
+
+    def __len__(self) -> int:
+        self._done.wait()
+        return len(self._configs)
+
+    def nearest(self, config: Config, exclude: set[str]) -> Config | None:
+        """The valid config differing from ``config`` in the fewest parameters whose :func:`config_key` is not in
+        ``exclude`` (ties: random), or None when every valid config is excluded."""
+        self._done.wait()
+        if not self._configs:
+            return None
+        code = np.array([_choice_index(p.choices, config.get(p.name)) for p in self._space.params], dtype=np.int16)
+        distance = (self._codes != code).sum(axis=1) + self._rng.random(len(self._configs))  # fraction: the tie-break
+        for i in np.argsort(distance):
+            if config_key(self._configs[i]) not in exclude:
+                return dict(self._configs[i])
+        return None
+
+
+def _choice_index(choices: tuple, value) -> int:
+    return list(choices).index(value) if value in choices else -1  # -1 differs from every valid choice

@@ -34,7 +34,7 @@ from tiles import harness
 from tiles.arch import Arch, require_present
 from tiles.contract import Config, Shape, Tile
 from tiles.results import results_dir
-from tuning.space import config_key, distributions, seed_configs
+from tuning.space import MAX_ENUMERATED, ValidConfigs, config_key, distributions, seed_configs
 from tuning.workers import WorkerDied, WorkerPool, WorkerTimeout, tile_ref
 
 INTERRUPTED, DUPLICATE = "interrupted", "duplicate"
@@ -250,6 +250,7 @@ class StudyRunner:
         self._in_flight = 0
         self._consecutive_repeats = 0
         self._ran = 0
+        self.valid: ValidConfigs | None = None  # set by prepare() where invalid proposals are replaced (see ValidConfigs)
 
     # -- setup --
     def prepare(self) -> None:
@@ -267,6 +268,8 @@ class StudyRunner:
             if self.space.size() <= self.opts.trials:
                 # The budget covers the whole grid: measuring every config beats sampling it.
                 configs += [(c, "grid") for c in self.space.all_configs()]
+            elif self.space.constraints and self.space.size() <= MAX_ENUMERATED:
+                self.valid = ValidConfigs(self.space, self.shape, self.arch, seed=self.opts.seed)
         existing = {config_key(trial_config(t)) for t in self.study.get_trials(deepcopy=False)}
         for config, source in configs:
             if config_key(config) not in existing:
@@ -325,6 +328,17 @@ class StudyRunner:
         if self.progress is not None:
             self.progress.on_trial(self, trial.number, attrs)
 
+    def _enqueue_nearest_valid(self, number: int, config: Config) -> None:
+        """Queue the untried valid config nearest to an invalid proposal (:class:`tuning.space.ValidConfigs`)."""
+        if self.valid is None:
+            return
+        len(self.valid)  # waits for the enumeration outside the lock, so other lanes can record their results meanwhile
+        with self._lock:
+            tried = {config_key(trial_config(t)) for t in self.study.get_trials(deepcopy=False)}
+            nearest = self.valid.nearest(config, exclude=tried)
+            if nearest is not None:
+                self.study.enqueue_trial(nearest, user_attrs={"source": f"nearest valid to trial {number}"})
+
     def run_trial(self, trial: optuna.Trial) -> None:
         config = {name: trial.params[name] for name in self.space.names()}
         key = config_key(config)
@@ -355,6 +369,7 @@ class StudyRunner:
 
         reasons = self.space.violations(config, self.shape, self.arch)
         if reasons:
+            self._enqueue_nearest_valid(trial.number, config)  # before the tell: this lane's next ask takes it
             self._finish(trial, {"outcome": harness.INVALID, "message": "; ".join(reasons)}, TrialState.PRUNED)
             return
 

@@ -91,7 +91,9 @@ def evaluate_on_gpu(tile_ref_: str, shape_name: str, config: dict, arch_name: st
     ev.extra["gpu"] = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}@{socket.gethostname()}"
     if kernel is None:
         return ev.to_dict()
-    return check_and_time(tile, shape, kernel, ev, arch, seed=seed, runs=runs).to_dict()
+    ev = check_and_time(tile, shape, kernel, ev, arch, seed=seed, runs=runs)
+    ev.extra["gpu_s"] = time.perf_counter() - t0  # the worker's whole time on this trial: a GPU's busy share
+    return ev.to_dict()
 
 
 def kernel_resources(kernel) -> dict:
@@ -192,6 +194,14 @@ class IsolatedWorker:
                 raise WorkerTimeout(f"worker {self.name} exceeded {timeout_s:g} s and was killed")
 
 
+def visible_gpus(n: int) -> list[str]:
+    """The first ``n`` GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries: ``CUDA_VISIBLE_DEVICES=2,3``
+    with ``n=2`` gives ``["2", "3"]`` (a worker told ``0`` would run on the GPU the user had excluded)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else [str(i) for i in range(max(1, n))]
+    return devices[: max(1, n)]
+
+
 @dataclass
 class WorkerPool:
     """A fixed set of isolated workers handed out one task at a time (threads wait for a free one)."""
@@ -211,7 +221,8 @@ class WorkerPool:
 
     @classmethod
     def gpu_pool(cls, n_gpus: int) -> WorkerPool:
-        return cls([IsolatedWorker(f"gpu-{i}", {"CUDA_VISIBLE_DEVICES": str(i)}) for i in range(max(1, n_gpus))])
+        """One worker per GPU, each seeing only its own: the first ``n_gpus`` of this process's visible GPUs."""
+        return cls([IsolatedWorker(f"gpu-{i}", {"CUDA_VISIBLE_DEVICES": device}) for i, device in enumerate(visible_gpus(n_gpus))])
 
     def call(self, fn_ref: str, args: tuple, timeout_s: float | None, restart_if: Callable[[object], bool] | None = None):
         """Run a task on the next free worker; ``restart_if(result)`` replaces the worker after a result that poisons it."""
