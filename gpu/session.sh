@@ -62,6 +62,11 @@ phase_bench-indexer() {  # issue 6's tiles at their target shapes, torch in the 
   bench compressor prefill_r2_s64k,prefill_r1_s64k
 }
 
+phase_bench-attn() {  # issue 5's attention tiles at their target shapes, torch in the same run
+  bench sparse_attn_decode decode_b64_s1,decode_b128_s2
+  bench sparse_attn_prefill prefill_s4k
+}
+
 phase_bench-decode() {  # the decode-sized tiles only (their targets are in microseconds: timed from CUDA-graph replay)
   bench sparse_attn_decode decode_b64_s1,decode_b128_s2
   bench indexer_topk decode_b64_n128k

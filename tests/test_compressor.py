@@ -28,6 +28,13 @@ SM90 = get_arch("sm90")
 ONE_CTA = {"ctas_per_sm": 1, "k_chunk": 32, "wk": "hi_lo", "schedule": "ws", "kv_load": "slabs"}  # kv through slabs
 
 
+def _default(arch=SM90):
+    """The arch's default with the projection's operands through shared memory: the configs these tests vary were
+    written and checked against it (Hopper's default reads them from registers since session 8; those have their own
+    tests below, against this one as the base)."""
+    return {**cp.COMPRESSOR.default_config(arch), "proj_operands": "smem"}
+
+
 def _args(B=2, S=4, G=2, device="cpu"):
     kv = torch.randn(B, S, 512, device=device)
     gate = torch.randn(B, S, 512, device=device)
@@ -130,7 +137,7 @@ def test_compressor_matches_reference(proj, load):
     odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
     shapes = [cp.COMPRESSOR.shape(n) for n in ("prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64", "decode_r1_b64")] + odd
     for shape in shapes:
-        cfg = {**cp.COMPRESSOR.default_config(arch), **ONE_CTA, "proj": proj, "load": load}
+        cfg = {**_default(arch), **ONE_CTA, "proj": proj, "load": load}
         ev = evaluate(cp.COMPRESSOR, shape, cfg, arch, seed=2, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
@@ -307,7 +314,7 @@ def test_threshold_encode_compiles_sm90_and_is_in_the_space(ratio):
     shape = cp.COMPRESSOR.shape(f"prefill_r{ratio}_s4k")
     space = cp.COMPRESSOR.search_space(SM90)
     assert "thresholds" in {p.name: p.choices for p in space.params}["encode"]
-    cfg = {**cp.COMPRESSOR.default_config(SM90), "encode": "thresholds"}
+    cfg = {**_default(), "encode": "thresholds"}
     assert cp.COMPRESSOR.default_config(SM90)["encode"] == "thresholds"  # Hopper's default since the H200 timing
     assert cp.COMPRESSOR.default_config(get_arch("sm80"))["encode"] == "divide"  # not timed elsewhere
     assert space.violations(cfg, shape, SM90) == []
@@ -332,7 +339,7 @@ def test_threshold_encode_matches_reference(load):
     odd = [Shape(f"odd_r{r}", "prefill", {"B": 2, "S": 1002 + r, "ratio": r, "dim": 5120, "D": 512, "Di": 128}) for r in (1, 2)]
     names = ("prefill_r2_s4k", "prefill_r1_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64")
     for shape in [cp.COMPRESSOR.shape(n) for n in names] + odd:
-        cfg = {**cp.COMPRESSOR.default_config(arch), **ONE_CTA, "load": load, "encode": "thresholds"}
+        cfg = {**_default(arch), **ONE_CTA, "load": load, "encode": "thresholds"}
         ev = evaluate(cp.COMPRESSOR, shape, cfg, arch, seed=5, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
@@ -341,9 +348,9 @@ def test_threshold_encode_matches_reference(load):
 @pytest.mark.parametrize("shape_name", ["prefill_r2_s4k", "prefill_r1_s4k", "decode_r2_b64"])
 def test_threshold_encode_equals_divide_bitwise(shape_name):
     """Same latent and index key, codes by bounds instead of division: all four outputs byte-identical."""
-    arch, tile, shape, inputs = _gpu_inputs(shape_name, 6)
+    arch, _, shape, inputs = _gpu_inputs(shape_name, 6)
     inputs["kv"][0, :8] *= 1e-39  # tiny latents (RMSNorm keeps them ~1e-36): the smallest scales and bounds
-    base = {**tile.default_config(arch), **ONE_CTA}
+    base = {**_default(arch), **ONE_CTA}
     _outputs_bitwise_equal(shape, inputs, {**base, "encode": "divide"}, {**base, "encode": "thresholds"})
 
 
@@ -368,7 +375,7 @@ TL_ROOT = Path(tilelang.__file__).parent
 def _multi_cta_config(block_g, ctas, wk="hi_lo"):
     """The two/three-CTA builds as written in session 5: kv and gate through the slabs (the default's kv_load=direct
     came in session 7, and spills at three CTAs per SM at ratio 2)."""
-    cfg = {**cp.COMPRESSOR.default_config(SM90), "block_g": block_g, "k_chunk": 16, "ctas_per_sm": ctas, "wk": wk}
+    cfg = {**_default(), "block_g": block_g, "k_chunk": 16, "ctas_per_sm": ctas, "wk": wk}
     return {**cfg, "kv_load": "slabs"}
 
 
@@ -455,7 +462,7 @@ def test_multi_cta_constraints_refuse():
     assert cp.COMPRESSOR.default_config(get_arch("sm80"))["ctas_per_sm"] == 1
     with pytest.raises(TileError, match="ctas_per_sm"):
         cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "direct", "thresholds", 2)
-    one_cta = {**default, **ONE_CTA}  # the warp-specialised kernel
+    one_cta = {**default, **ONE_CTA, "proj_operands": "smem"}  # the warp-specialised kernel
     assert space.violations(one_cta, shape, arch) == []
     assert any("wk=fp32" in r for r in space.violations({**one_cta, "wk": "fp32"}, shape, arch))
     assert any("k_chunk 16" in r for r in space.violations({**one_cta, "k_chunk": 16}, shape, arch))
@@ -522,7 +529,7 @@ def _two_runs_bitwise_equal(shape, cfg) -> None:
 def test_multi_cta_decode_tail_and_repeatable():
     """ctas_per_sm 2: the decode tail state gives the same entries as the whole group, and two runs at 64K are
     bitwise equal (a race on the reused shared memory would show as run-to-run differences)."""
-    cfg = {**cp.COMPRESSOR.default_config(get_arch("sm90")), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
+    cfg = {**_default(), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
     _decode_tail_entries_equal(cfg)
     _two_runs_bitwise_equal(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg)
 
@@ -531,8 +538,8 @@ def test_multi_cta_decode_tail_and_repeatable():
 @pytest.mark.parametrize("shape_name", ["prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64"])
 def test_multi_cta_wk_fp32_equals_hi_lo_bitwise(shape_name):
     """wk=fp32 splits Wk in the kernel into the bits split_tf32 gives on the host: all four outputs byte-identical."""
-    arch, tile, shape, inputs = _gpu_inputs(shape_name, 9)
-    base = {**tile.default_config(arch), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
+    arch, _, shape, inputs = _gpu_inputs(shape_name, 9)
+    base = {**_default(arch), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
     _outputs_bitwise_equal(shape, inputs, {**base, "wk": "hi_lo"}, {**base, "wk": "fp32"})
 
 
@@ -572,7 +579,7 @@ FLAT_BUILDS = [
 
 def _flat_config(block_g, ctas, wk="fp32", wk_stages=2, kv_load="slabs"):
     """A flat-kernel config over the Hopper default (staged tf32x3, 256 threads, k_chunk 16, thresholds)."""
-    cfg = {**cp.COMPRESSOR.default_config(SM90), "block_g": block_g, "ctas_per_sm": ctas, "wk": wk}
+    cfg = {**_default(), "block_g": block_g, "ctas_per_sm": ctas, "wk": wk}
     return {**cfg, "schedule": "flat", "wk_stages": wk_stages, "kv_load": kv_load}
 
 
@@ -620,7 +627,7 @@ def test_flat_constraints_refuse():
     assert "shared memory" in why(_flat_config(32, 2, wk="hi_lo", wk_stages=3), r1)  # hi_lo stages cost two tiles
     assert why(_flat_config(32, 2, wk_stages=3, kv_load="whole"), r1) == ""  # 111,104 B: still two CTAs per SM
     assert why(_flat_config(64, 1, wk_stages=4)) == ""  # 215,552 B
-    one_cta = {**cp.COMPRESSOR.default_config(SM90), **ONE_CTA}
+    one_cta = {**_default(), **ONE_CTA}
     assert "flat kernel" in why({**one_cta, "wk_stages": 3})
     assert "flat kernel" in why({**one_cta, "kv_load": "whole"}, r1)
     assert any("Hopper" in r for r in space.violations(_flat_config(64, 1), shape, get_arch("sm80")))
@@ -684,7 +691,7 @@ def test_flat_matches_reference(label, block_g, ctas, wk, stages, kv_load):
         ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
         inputs = tile.make_inputs(shape, 11, "cuda")
-        base = tile.run(tile.build(shape, tile.default_config(arch), arch), inputs)
+        base = tile.run(tile.build(shape, _default(arch), arch), inputs)
         new = tile.run(tile.build(shape, cfg, arch), inputs)
         same = ("main_packed", "main_scales") if block_g == 64 else tuple(base)
         for name in same:
@@ -722,7 +729,7 @@ def test_direct_constraints_refuse():
     assert "spills" in why(_flat_config(16, 3, kv_load="direct"))
     assert why(_flat_config(16, 3, kv_load="direct"), r1) == ""  # ratio 1 holds half the registers: 64, no spills
     assert "unknown kv_load" in why(_flat_config(32, 2, kv_load="bogus"))
-    one_cta = {**cp.COMPRESSOR.default_config(SM90), **ONE_CTA}
+    one_cta = {**_default(), **ONE_CTA}
     assert "flat kernel" in why({**one_cta, "kv_load": "direct"})
     assert any("Hopper" in r for r in space.violations(_flat_config(32, 2, kv_load="direct"), r2, get_arch("sm80")))
     # The gate slabs are gone: ratio 2 needs ratio 1's shared memory.
@@ -784,10 +791,10 @@ def test_proj_registers_compiles_sm90_and_fits(ratio, block_g, ctas, kv_load, tm
 
 def test_proj_registers_constraints_refuse():
     """Flat kernel, wk=fp32, no kv_load=whole, wk_stages 2, Hopper; unknown values refused with a reason; the kernel
-    builder refuses the same; the default (and any config without the key) keeps the shared-memory projection."""
+    builder refuses the same; Hopper's default reads the operands from registers (session 8), a config that cannot falls back to shared memory."""
     space, r2, r1 = cp.COMPRESSOR.search_space(SM90), cp.COMPRESSOR.shape("prefill_r2_s64k"), cp.COMPRESSOR.shape("prefill_r1_s64k")
     assert {p.name: p.choices for p in space.params}["proj_operands"] == ("smem", "registers")
-    assert cp.COMPRESSOR.default_config(SM90)["proj_operands"] == "smem"
+    assert cp.COMPRESSOR.default_config(SM90)["proj_operands"] == "registers"
 
     def why(cfg, sh=r2):
         return " | ".join(space.violations(cfg, sh, SM90))
@@ -795,13 +802,17 @@ def test_proj_registers_constraints_refuse():
     for ratio, block_g, ctas, kv_load in PROJ_REG_BUILDS:
         assert why(_proj_registers_config(block_g, ctas, kv_load), cp.COMPRESSOR.shape(f"decode_r{ratio}_b64")) == ""
     assert why(cp.COMPRESSOR.with_defaults(SM90, {"proj_operands": "registers"})) == ""
+    # a config that picks what the register operands lack, without naming them, gets the shared-memory operands
+    for picked in ({"wk": "hi_lo"}, {"wk_stages": 3}, {"load": "direct"}, {"schedule": "ws"}, {"kv_load": "whole"}):
+        cfg = cp.COMPRESSOR.with_defaults(SM90, picked)
+        assert cfg["proj_operands"] == "smem" and "proj_operands" not in why(cfg, r1), picked
     assert "unknown proj_operands" in why(_proj_registers_config(32, 2) | {"proj_operands": "bogus"})
     assert "wk=fp32" in why(_proj_registers_config(32, 2) | {"wk": "hi_lo"})
     assert "kv_load=whole" in why(_proj_registers_config(32, 2, "whole"), r1)
     assert "wk_stages" in why(_proj_registers_config(32, 2) | {"wk_stages": 3})
     assert "shared memory" in why(_proj_registers_config(32, 3))  # 84,992 B: two CTAs per SM
     assert "spills" in why(_proj_registers_config(16, 3))  # kv_load=direct at ratio 2, three CTAs
-    one_cta = {**cp.COMPRESSOR.default_config(SM90), **ONE_CTA, "proj_operands": "registers"}
+    one_cta = {**_default(), **ONE_CTA, "proj_operands": "registers"}
     assert "flat kernel" in why(one_cta)
     assert any("Hopper" in r for r in space.violations(_proj_registers_config(32, 2), r2, get_arch("sm80")))
     # the kernel builder: (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load)
@@ -867,7 +878,7 @@ def test_proj_registers_matches_reference(label, block_g, ctas, kv_load):
         ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
         inputs = tile.make_inputs(shape, 11, "cuda")
-        base = tile.run(tile.build(shape, tile.default_config(arch), arch), inputs)
+        base = tile.run(tile.build(shape, _default(arch), arch), inputs)
         new = tile.run(tile.build(shape, cfg, arch), inputs)
         for name in ("main_packed", "main_scales"):
             assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
@@ -887,3 +898,12 @@ def test_proj_registers_decode_tail_and_repeatable(label, block_g, ctas, kv_load
     assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
     for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
         _two_runs_bitwise_equal(shape, cfg)
+
+
+def test_one_cta_shared_memory_keeps_clear_of_the_limit_below_256_threads():
+    """block_g 32, k_chunk 32, staged, one CTA: fitted at 230,400 B; at 128 threads the kernel asked for 231,936 B and
+    failed to launch on the H200 (results/sm90/tune_session8*/), at 256 threads the same size launches."""
+    space, shape = cp.COMPRESSOR.search_space(SM90), cp.COMPRESSOR.shape("prefill_r2_s64k")
+    cfg = {**_default(), **ONE_CTA, "load": "staged", "encode": "divide"}
+    assert not [r for r in space.violations(cfg, shape, SM90) if "shared memory" in r]
+    assert any("shared memory" in r for r in space.violations({**cfg, "threads": 128}, shape, SM90))

@@ -287,7 +287,7 @@ def test_prmt_rs_compiles_with_register_split():
     """prmt_rs on two consumer warpgroups of 128-entry tiles at 2 CTAs per SM (2 x 512 threads, 64 registers at launch):
     RS wgmma, no bf16 tile in shared memory, setmaxnreg 24 (producer) / 104 (consumers) so ptxas neither spills nor
     serialises the wgmmas."""
-    cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "dequant": "prmt_rs"}
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "epilogue": "hoisted", "dequant": "prmt_rs"}
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
     src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
@@ -484,7 +484,7 @@ def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
     q loaded in the _rs_fma_dim order; the same register and fragment-row constraints as prmt_rs."""
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     space = ix.INDEXER_TOPK.search_space(SM90)
-    cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "dequant": "fma_rs"}
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "epilogue": "hoisted", "dequant": "fma_rs"}
     assert space.violations(cfg, shape, SM90) == []
     src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" not in src and "mul.rn.bf16x2" in src and "csa2_fp4_pair_bf16" not in src
@@ -543,8 +543,10 @@ def test_hoisted_epilogue_is_an_rs_only_search_space_option():
             assert space.violations({**base, "dequant": dequant, "min_ctas": 2, "epilogue": "hoisted"}, shape, SM90) == []
         assert any("epilogue" in r for r in space.violations({**base, "dequant": "prmt", "epilogue": "hoisted"}, shape, SM90))
         assert space.violations({**base, "dequant": "prmt", "epilogue": "per_tile"}, shape, SM90) == []
-    # the indexer's Hopper default hoists (profile_queued_session6.json); the reindex default (prmt) cannot
-    assert ix.INDEXER_TOPK.default_config(SM90)["epilogue"] == "hoisted"
+    # the indexer's Hopper default hoists (profile_queued_session6.json), fused since session 8; the reindex default
+    # (prmt) cannot; two consumer warpgroups picked alone fall back to hoisted
+    assert ix.INDEXER_TOPK.default_config(SM90)["epilogue"] == "fused"
+    assert ix.INDEXER_TOPK.with_defaults(SM90, {"threads": 256, "block_n": 128})["epilogue"] == "hoisted"
     assert ix.REINDEX_TOPK.default_config(SM90)["epilogue"] == "per_tile"
     assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["epilogue"] == "per_tile"
     assert ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "prmt"})["epilogue"] == "per_tile"
@@ -605,7 +607,7 @@ def test_fused_epilogue_replaces_the_head_sum_and_store(name, tmp_path):
 
 def test_fused_epilogue_is_a_one_warpgroup_rs_option():
     """In both score tiles' spaces: fused with the RS dequants on one consumer warpgroup; refused (with the reason) for
-    the shared-tile dequants and for two warpgroups, by the kernel builder too. The defaults do not use it."""
+    the shared-tile dequants and for two warpgroups, by the kernel builder too. The indexer's Hopper default uses it."""
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     for tile in (ix.INDEXER_TOPK, ix.REINDEX_TOPK):
         space = tile.search_space(SM90)
@@ -616,7 +618,8 @@ def test_fused_epilogue_is_a_one_warpgroup_rs_option():
         assert any("epilogue=fused needs dequant" in r for r in why)
         why = space.violations({**base, **TWO_WARPGROUPS, "dequant": "prmt_rs", "min_ctas": 2, "epilogue": "fused"}, shape, SM90)
         assert any("one consumer warpgroup" in r for r in why)
-        assert tile.default_config(SM90)["epilogue"] != "fused"
+    assert ix.INDEXER_TOPK.default_config(SM90)["epilogue"] == "fused"  # Hopper's default since session 8
+    assert ix.REINDEX_TOPK.default_config(SM90)["epilogue"] != "fused"  # not measured there
     with pytest.raises(ValueError, match="fused"):
         ix._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt_rs", False, 8, 2, "fused")
     with pytest.raises(ValueError, match="fused"):
@@ -1053,7 +1056,7 @@ def test_hoisted_epilogue_scores_bitwise_equal_per_tile(option):
         assert torch.equal(out_h, out_p)
 
 
-# epilogue=fused (written without device time, compiled for sm_90a): the indexer default with it, its 128- and 64-entry
+# epilogue=fused (the indexer's Hopper default since session 8): the default, its 128- and 64-entry
 # one-warpgroup layouts (2 and 1 m-tiles: the other reduce-scatter branches) and fma_rs.
 FUSED_OPTIONS = {
     "default": {"epilogue": "fused"},

@@ -263,6 +263,8 @@ def sparse_attn_kernel(
     bf16, f32 = "bfloat16", "float32"
     fp4 = kv_format == "fp4"
     staged = dequant == "staged" and fp4
+    if staged and n_split > 1:
+        raise ValueError("dequant='staged' is checked without splits only (n_split=1): with splits it computed wrong outputs")
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
     # Staged schedule, spelled out (the inferred one cannot order the raw buffers' write/read pair); 15 statements =
     # index load, 2 raw copies, dequant, the 11 of _attend. num_stages=2 prefetches the next block's raw bytes.
@@ -1962,7 +1964,17 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
         return None if n_split > 1 else "combine=fused merges split partials: n_split resolves to 1 here, nothing to combine"
 
-    return tuple(Constraint(f.__name__, f) for f in (heads, registers, warpgroups, ws_shape, producer, shared, split, combine))
+    def staged_splits(c, s, a):
+        if c.get("dequant", "direct") != "staged" or kv_format != "fp4":
+            return None
+        # H200, tune session 8 (results/sm90/tune_session8/): pipelined + staged with 4 and 8 splits (two top-k blocks per
+        # split) computed wrong outputs (rel_l2 0.28-0.30) in all five configs sampled; without splits it passed every
+        # check. Cause not isolated: the explicitly ordered pipeline is kept to what was checked.
+        n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
+        return None if n_split == 1 else f"dequant=staged is checked without splits only: n_split resolves to {n_split} here"
+
+    constraints = (heads, registers, warpgroups, ws_shape, producer, shared, split, combine, staged_splits)
+    return tuple(Constraint(f.__name__, f) for f in constraints)
 
 
 class SparseAttnTile(Tile):
@@ -2085,7 +2097,10 @@ class SparseAttnTile(Tile):
         if self.kv_format == "fp4":
             cfg["dequant"] = "direct"
             cfg["wg1_rows"] = 0
-            cfg["fp4_decode"] = "fma"
+            # Hopper: the producer decodes packed FP4 words by byte-permute lookups of the E2M1 bf16 patterns (the same
+            # bits), H200, one run against fma (results/sm90/sparse_attn_run14_fp4_prmt.json): prefill 4K 1.0247 ->
+            # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
+            cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
@@ -2106,6 +2121,12 @@ class SparseAttnTile(Tile):
             )
             for key, plain in plain_choices:
                 cfg[key] = config.get(key, plain)
+        if (
+            "fp4_decode" not in config
+            and cfg.get("fp4_decode") == "prmt"
+            and not (cfg["schedule"] == "ws" and cfg["produce"] in ("batched", "prefetch"))
+        ):
+            cfg["fp4_decode"] = "fma"  # prmt is the batched producer's word decode: {"produce": "serial"} alone is valid
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch) -> CompiledAttention:
