@@ -25,6 +25,7 @@ from optuna.trial import TrialState
 from lab.cli import main as lab_main
 from tiles import arch as arch_mod
 from tiles.arch import ArchError, get_arch
+from tiles.contract import Constraint, SearchSpace
 from tuning import study as study_mod
 from tuning.export import export_results
 from tuning.replay import replay
@@ -129,6 +130,18 @@ def test_valid_configs_nearest_and_exhaustion():
     assert other is not None and not space.violations(other, shape, SM90) and config_key(other) not in seen
     everything = {config_key({n: s for n in ("block_m", "block_n", "block_k")}) for s in toy.SIZES}
     assert valid.nearest(proposal, exclude=everything) is None
+
+
+def test_valid_configs_survive_a_constraint_that_raises():
+    """A constraint that raises on some point stops the enumeration, not the study: nothing is replaced, the reason kept."""
+    toy = toys.SparseToy()
+    space, shape = toy.search_space(SM90), toy.shapes()[0]
+
+    def broken(c, s, a):
+        raise KeyError("block_x")
+
+    valid = ValidConfigs(SearchSpace(space.params, (Constraint("broken", broken),)), shape, SM90)
+    assert len(valid) == 0 and valid.nearest({"block_m": 16}, exclude=set()) is None and "KeyError" in valid.error
 
 
 def test_valid_configs_match_the_constraints_on_a_real_space():

@@ -80,7 +80,7 @@ def seed_configs(tile: Tile, shape: Shape, arch: Arch, root: Path | None = None)
 
 
 # Spaces up to this size are enumerated to find their valid configs (the largest today, the FP4 attention's
-# 1.47M points, takes about 7 s on one core, in the background while the study's first configs compile).
+# 1.47M points, takes 4-7 s on one core, in the background while the study's first configs compile).
 MAX_ENUMERATED = 4_000_000
 
 
@@ -103,19 +103,22 @@ class ValidConfigs:
         self._rng = np.random.default_rng(seed)
         self._configs: list[Config] = []
         self._codes: np.ndarray | None = None  # [valid configs, params] choice indices
+        self.error: str | None = None  # why the enumeration stopped, if it did (then nothing is replaced)
         self._done = threading.Event()
         threading.Thread(target=self._enumerate, name=f"valid-configs-{shape.name}", daemon=True).start()
 
     def _enumerate(self) -> None:
         try:
             choices = [p.choices for p in self._space.params]
+            configs = []
             for combo in itertools.product(*(range(len(c)) for c in choices)):
                 config = {name: choices[i][j] for i, (name, j) in enumerate(zip(self._names, combo, strict=True))}
                 if not any(c.check(config, self._shape, self._arch) for c in self._space.constraints):
-                    self._configs.append(config)
-            self._codes = np.array(
-                [[list(p.choices).index(c[p.name]) for p in self._space.params] for c in self._configs], dtype=np.int16
-            ).reshape(len(self._configs), len(self._names))
+                    configs.append((config, combo))
+            self._codes = np.array([combo for _, combo in configs], dtype=np.int16).reshape(len(configs), len(self._names))
+            self._configs = [config for config, _ in configs]
+        except Exception as exc:  # noqa: BLE001 -- a constraint that raises on some point: no replacement, the study goes on
+            self.error, self._configs, self._codes = f"{type(exc).__name__}: {exc}", [], None
         finally:
             self._done.set()
 
