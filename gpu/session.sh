@@ -78,15 +78,14 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
   note "attn rc=$? $(grep -c ' ok ' "$OUT/attn.log") ok checks"
 }
 
-phase_queued() {  # what session 7 wrote after its device time was spent: checked, then timed against the defaults
-  # indexer epilogue=fused (estimate: score kernel 0.23-0.25 ms vs 0.26) and compressor proj_operands=registers
-  # (estimate: ratio 2 0.16-0.18 ms vs 0.222), notes/indexer.md; attention fp4_decode=prmt, notes/sparse_attn.md; then
-  # their GPU tests. None has run on a GPU.
-  PROFILE_ARGS=${PROFILE_ARGS:-'indexer_topk:decode_b64_n128k indexer_topk:decode_b64_n128k:{"epilogue":"fused"} indexer_topk:decode_b64_n128k:{"epilogue":"fused","stages":2} indexer_topk:prefill_s4k indexer_topk:prefill_s4k:{"epilogue":"fused"} compressor:prefill_r2_s64k compressor:prefill_r2_s64k:{"proj_operands":"registers"} compressor:prefill_r2_s64k:{"proj_operands":"registers","block_g":16,"ctas_per_sm":3,"kv_load":"slabs"} compressor:prefill_r1_s64k compressor:prefill_r1_s64k:{"proj_operands":"registers"} compressor:prefill_r1_s64k:{"proj_operands":"registers","block_g":16,"ctas_per_sm":3} compressor:prefill_r1_s64k:{"schedule":"flat","block_g":64,"proj_operands":"registers"} compressor:decode_r2_b64 compressor:decode_r2_b64:{"proj_operands":"registers"}'} \
+phase_queued() {  # what session 8 wrote after its device time was spent: checked, then timed against the defaults
+  # indexer dequant=prmt_rs2 (prmt_rs's A bits with 13 instead of 14 ALU-pipe instructions per packed word; estimate:
+  # score kernel 229-243 us vs 245.4, notes/indexer.md session 8), then its GPU tests, and the compressor's GPU tests
+  # (session 8's last call ran them before the fix of its one-CTA shared-memory margin). Not yet run on a GPU.
+  PROFILE_ARGS=${PROFILE_ARGS:-'indexer_topk:decode_b64_n128k indexer_topk:decode_b64_n128k:{"dequant":"prmt_rs2"} indexer_topk:decode_b64_n128k:{"dequant":"prmt_rs2","stages":2} indexer_topk:prefill_s4k indexer_topk:prefill_s4k:{"dequant":"prmt_rs2"} reindex_topk:decode_b64_n128k reindex_topk:decode_b64_n128k:{"dequant":"prmt_rs2","min_ctas":2,"epilogue":"hoisted"}'} \
     phase_profile
-  ATTN_LABELS=${ATTN_LABELS:-default,fp4_prmt,fp4_prmt_col_early} phase_attn  # attention fp4_decode=prmt (estimate: 0-5%)
-  PYTEST_K=${PYTEST_K:-"fused_epilogue or proj_registers or fp4_decode"} \
-    PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_indexer.py tests/test_compressor.py tests/test_sparse_attn.py"} phase_pytest
+  PYTEST_K=${PYTEST_K:-"prmt_rs2 or staged or one_cta or threshold or compressor_matches_reference"} \
+    PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_indexer.py tests/test_compressor.py"} phase_pytest
 }
 
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)

@@ -52,10 +52,11 @@ LABELS = {
     "lanes_col": {"lanes": "column"},  # producer lanes of a quarter-warp on 8 rows: no bank conflicts on the KV stores
     "lanes_col_early": {"lanes": "column", "handoff": "before_pv"},
     "bi32": {"block_I": 32},  # 32-row KV blocks: twice the blocks per token (the block-size effect alone)
-    # the producer's FP4 words decoded by byte-permute table lookups (session 7, not yet run on a GPU), alone and with
-    # the conflict-free lanes and early hand-off
+    # the producer's FP4 words decoded by byte-permute table lookups (Hopper's default since session 8: the label names
+    # it for runs of older code), alone and with the conflict-free lanes and early hand-off; fp4_fma: the decode before it
     "fp4_prmt": {"fp4_decode": "prmt"},
     "fp4_prmt_col_early": {"fp4_decode": "prmt", "lanes": "column", "handoff": "before_pv"},
+    "fp4_fma": {"fp4_decode": "fma"},
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -112,6 +113,7 @@ CHECKS = [
     *_option_rows("lanes_col_early", bf16=("prefill_s4k", "decode_b128_s2")),
     *_option_rows("fp4_prmt"),  # FP4 only
     *_option_rows("fp4_prmt_col_early"),  # FP4 only
+    *_option_rows("fp4_fma"),  # FP4 only
     *_option_rows("bi32", bf16=("prefill_s4k",)),
     ("sparse_attn_decode", "decode_b64_s1", "fused"),  # auto: 2 splits, against default (separate) in the same run
     ("sparse_attn_decode", "decode_b128_s2", "fused_split2"),

@@ -496,6 +496,170 @@ def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
     assert any("one 64-row wgmma tile" in r for r in space.violations(wide, shape, SM90))
 
 
+# dequant="prmt_rs2" (session 8, written without device time): prmt_rs's A registers bit for bit, the high-half
+# selectors by mul.hi (IMAD.HI, FMA pipe) and the scale byte by one byte permute.
+def _rs_pair2(w: int, tables: list[int], k: int) -> int:
+    """Line-by-line model of csa2_fp4_pair2_bf16 (tiles.indexer._PRMT_PAIR2_CUDA), each PTX op on Python ints."""
+    m32 = 0xFFFFFFFF
+    lo0, lo1, hi0, hi1 = tables
+    w &= m32
+    m = w & 0x77777777  # lop3: the magnitude selectors
+    w4 = (w << 4) & m32  # shl (IMAD.SHL)
+    if k < 2:
+        sel, gather = m & 0xFFFF, _prmt(w, w4, 0x1504)  # prmt reads the selector's low 16 bits
+    else:
+        sel, gather = (m * 65536) >> 32, _prmt(w, w4, 0x3726)  # mul.hi.u32 m, 2^16 (IMAD.HI)
+    lo = _prmt(lo0, lo1, sel)
+    hi = _prmt(hi0, hi1, sel) | (gather & 0x80808080)  # lop3 merge
+    return _prmt(lo, hi, 0x7362 if k & 1 else 0x5140)
+
+
+def _scale_byte2(sw: int, t: int) -> int:
+    """Model of csa2_scale_byte: prmt(sw, 0, 0x4440 | t), byte t of the scale word zero-extended."""
+    return _prmt(sw & 0xFFFFFFFF, 0, 0x4440 | t)
+
+
+def test_prmt_rs2_pairs_equal_prmt_rs_for_every_code_position_and_scale_byte():
+    """dequant=prmt_rs2 builds prmt_rs's A registers bit for bit: every code (0..15, both zeros and the sign) in every
+    nibble position of a word, random words, every k, at every scale byte 0..255 (the table the kernel indexes has all
+    256 rows; bytes 253..255 and 0 give prmt_rs's own patterns there, whatever they are); and against the reference
+    decoder (the bits formula) for scale bytes 1..252 (byte 1: code +-1 -> +-0, the prmt paths' convention). The scale
+    byte extraction equals (word >> 8t) & 0xFF for every byte value and position, sign bit included."""
+    import random
+
+    rng = random.Random(8)
+    every_code = [c * 0x11111111 for c in range(16)] + [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567, 0x80000000, 0x08]
+    for sbyte in range(256):
+        tables = _rs_tables(sbyte)
+        words = every_code + [rng.getrandbits(32) for _ in range(8)]
+        got = [_rs_pair2(w, tables, k) for w in words for k in range(4)]
+        assert got == [_rs_pair(w, tables, k) for w in words for k in range(4)], sbyte
+        if 1 <= sbyte <= 252:
+            codes = torch.tensor([(w >> (4 * j)) & 0xF for w in words for j in range(8)], dtype=torch.int32)
+            want = (_bits_dequant(codes, torch.full_like(codes, sbyte)).view(torch.int32) >> 16) & 0xFFFF
+            if sbyte == 1:
+                want = torch.where((codes & 7) == 1, (codes & 8) << 12, want)
+            assert [(g >> (16 * h)) & 0xFFFF for g in got for h in range(2)] == want.tolist(), sbyte
+    for sw in [0, 0xFFFFFFFF, 0x80000000, 0x7F7F7F7F] + [rng.getrandbits(32) for _ in range(2000)]:
+        for t in range(4):
+            assert _scale_byte2(sw, t) == (sw >> (8 * t)) & 0xFF
+    # the zero words of an out-of-range row (TMA fill: words and scales 0; gather fill: scales 0x7F7F7F7F) give +0
+    assert [_rs_pair2(0, _rs_tables(_scale_byte2(sw, 0)), k) for sw in (0, 0x7F7F7F7F) for k in range(4)] == [0] * 8
+
+
+def test_prmt_rs2_fragment_emulation_equals_the_reference_dot_products():
+    """The prmt_rs fragment emulation with prmt_rs2's per-register rule (its scale byte and pair models): the A tile read
+    back through the wgmma layout is K in the _rs_dim order and A @ q_s^T equals K @ q^T exactly."""
+    import random
+
+    rng = random.Random(5)
+    rows = 64
+    words = [[rng.getrandbits(32) for _ in range(16)] for _ in range(rows)]
+    swords = [sum(rng.randint(100, 140) << (8 * t) for t in range(4)) for _ in range(rows)]  # as prmt_rs's emulation
+    regs = {}
+    for i in range(rows):
+        for c in range(0, 128, 2):
+            t, j = (c % 8) // 2, c // 8
+            pair = _rs_pair2(words[i][4 * t + j // 4], _rs_tables(_scale_byte2(swords[i], t)), j % 4)
+            thread, slot = _wgmma_a_owner(i, c)
+            regs[(thread, slot)], regs[(thread, slot + 1)] = pair & 0xFFFF, pair >> 16
+    frag = torch.tensor([[regs[_wgmma_a_owner(i, c)] for c in range(128)] for i in range(rows)], dtype=torch.int32)
+    a = (frag << 16).view(torch.float32).double()
+    codes = torch.tensor([[(w >> (4 * n)) & 0xF for w in ws for n in range(8)] for ws in words], dtype=torch.int32)
+    sb = torch.tensor([[(sw >> (8 * t)) & 0xFF for t in range(4)] for sw in swords], dtype=torch.int32)
+    k = _bits_dequant(codes, sb.repeat_interleave(32, dim=1)).double()
+    perm = torch.tensor([ix._rs_dim(c) for c in range(128)])
+    assert torch.equal(a, k[:, perm])
+    q = torch.randint(-6, 7, (32, 128)).double() * 0.5
+    assert torch.equal(a @ q[:, perm].T, k @ q.T)
+
+
+def _kernel_lines_but_dequant(src: str) -> list[str]:
+    """The kernel's lines (after the imported helpers) without the dequant call lines of prmt_rs / prmt_rs2."""
+    body = src[src.index('extern "C"') :].splitlines()
+    return [ln for ln in body if not any(f in ln for f in ("csa2_fp4_pair_bf16(", "csa2_fp4_pair2_bf16(", "csa2_scale_byte("))]
+
+
+def _rs2_source_reads(src: str, threads: int, producer: int) -> dict:
+    """The generated prmt_rs2 dequant (csa2_scale_byte, then csa2_fp4_pair2_bf16 on the table row it names), evaluated
+    per consumer thread and A slot: {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)}."""
+    import re
+
+    sw, t_e = _call_args(src, "csa2_scale_byte")
+    row_e = re.fullmatch(r"\(\(int\*\)ks_s\)\[(.*)\]", sw).group(1)
+    dst, word, *tabs, k_e = _call_args(src, "csa2_fp4_pair2_bf16")
+    var = re.fullmatch(r"\(&\(k_deq\[(\w+)\]\)\)", dst).group(1)
+    word_e = re.fullmatch(r"\(\(int\*\)kw_s\)\[(.*)\]", word).group(1)
+    assert tabs[0] == "((uint*)rs_tab)[(((int64_t)sb) * (int64_t)4)]"  # the row of the byte just extracted
+    assert tabs[1:] == [f"((uint*)rs_tab)[((((int64_t)sb) * (int64_t)4) + (int64_t){e})]" for e in (1, 2, 3)]
+    return _per_thread_reads(src, var, (word_e, row_e, f"({t_e}) * 8", k_e), threads, producer)
+
+
+@pytest.mark.parametrize(
+    "cfg,gather",
+    [
+        ({}, False),  # the Hopper default's layout: one warpgroup, 256 entries (4 m-tiles), fused epilogue
+        ({"epilogue": "hoisted"}, False),
+        ({"block_n": 64, "min_ctas": 4, "stages": 4}, False),
+        ({**TWO_WARPGROUPS, "epilogue": "hoisted"}, False),
+        ({}, True),  # Reindex's gathered variant (not warp-specialised)
+    ],
+    ids=["default_fused", "default_hoisted", "bn64_mc4", "t256_bn128_hoisted", "gather_bn256"],
+)
+def test_prmt_rs2_generated_dequant_covers_every_pair_once_one_group_per_thread(cfg, gather):
+    """The CUDA TileLang generates for prmt_rs2, evaluated for every consumer thread: every (row, word, k) converted once,
+    the table row of the word's own row and group, one scale group per thread and row; the rest of the kernel (q load,
+    tables, wgmma, epilogue) is prmt_rs's: the two sources differ only in the dequant call lines and the helpers."""
+    tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
+    full = {**tile.default_config(SM90), "dequant": "prmt_rs2", **cfg}
+    if gather:
+        full.update(block_n=256, threads=128, stages=1, tiles_per_cta=16, min_ctas=2, epilogue="fused")
+    assert tile.search_space(SM90).violations(full, tile.shapes()[0], SM90) == []
+    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    assert "csa2_fp4_pair_bf16(" not in src[src.index('extern "C"') :] and "wgmma_rs" in src
+    reads = _rs2_source_reads(src, full["threads"], 0 if gather else full["threads"])
+    _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
+    old = ix._build_score(SM90, {**full, "dequant": "prmt_rs"}, gather, 8).get_kernel_source()
+    assert _kernel_lines_but_dequant(src) == _kernel_lines_but_dequant(old)
+
+
+@pytest.mark.parametrize("epilogue", ["fused", "hoisted"])
+def test_prmt_rs2_builds_at_the_indexer_shapes_without_spills(epilogue, tmp_path):
+    """prmt_rs2 on the Hopper default's layout (256 entries, one warpgroup, one stage, 2 CTAs per SM) with either
+    epilogue: valid and built (score + select) at decode B=64 x 128K, decode B=1 x 128K and prefill 4K; ptxas keeps the
+    score kernel within __launch_bounds__(256, 2) (<= 128 registers) with no spill."""
+    cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "prmt_rs2", "epilogue": epilogue}
+    for name in ("decode_b64_n128k", "decode_b1_n128k", "prefill_s4k"):
+        shape = ix.INDEXER_TOPK.shape(name)
+        assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
+        assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
+    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    assert "__launch_bounds__(256, 2)" in src and "mul.hi.u32" in src
+    regs, spills = _ptxas(src, tmp_path)
+    assert regs <= 128 and spills == 0, (regs, spills)
+
+
+def test_prmt_rs2_is_a_hopper_only_search_space_option():
+    """In both score tiles' spaces: prmt_rs2 with the RS layouts and epilogues on Hopper, constrained like prmt_rs (two
+    m-tiles per warpgroup at min_ctas 4 pruned; fragment rows), refused on sm80 (constraint and kernel builder); the
+    defaults do not use it and their dequant choices are unchanged."""
+    sm80 = get_arch("sm80")
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    for tile in (ix.INDEXER_TOPK, ix.REINDEX_TOPK):
+        space = tile.search_space(SM90)
+        assert {p.name: p.choices for p in space.params}["dequant"][-1] == "prmt_rs2"
+        base = tile.default_config(SM90)
+        for epi in ("per_tile", "hoisted"):
+            assert space.violations({**base, **TWO_WARPGROUPS, "dequant": "prmt_rs2", "min_ctas": 2, "epilogue": epi}, shape, SM90) == []
+        two_mtiles = {**base, "dequant": "prmt_rs2", "threads": 128, "block_n": 128, "stages": 4, "epilogue": "hoisted"}
+        assert any("prmt_rs2" in r for r in space.violations({**two_mtiles, "min_ctas": 4}, shape, SM90))
+        why = tile.search_space(sm80).violations({**tile.default_config(sm80), "dequant": "prmt_rs2"}, shape, sm80)
+        assert any("Hopper" in r for r in why)
+        assert tile.default_config(SM90)["dequant"] != "prmt_rs2" and tile.default_config(sm80)["dequant"] != "prmt_rs2"
+    with pytest.raises(ValueError, match="sm_90a only"):
+        ix._score_kernel(sm80.nvcc_arch, 128, 128, 1, 16, "prmt_rs2", False, 8, 0, "per_tile")
+
+
 HOISTED_BUILDS = {
     "prmt_rs_mc2": ({"dequant": "prmt_rs", "min_ctas": 2}, False),
     "prmt_rs_two_warpgroups_mc2": ({**TWO_WARPGROUPS, "dequant": "prmt_rs", "min_ctas": 2}, False),
@@ -1063,6 +1227,7 @@ FUSED_OPTIONS = {
     "bn128": {"epilogue": "fused", "block_n": 128},
     "bn64_mc4_st4": {"epilogue": "fused", "block_n": 64, "min_ctas": 4, "stages": 4},
     "fma_rs": {"epilogue": "fused", "dequant": "fma_rs"},
+    "prmt_rs2": {"epilogue": "fused", "dequant": "prmt_rs2"},
 }
 
 
@@ -1101,6 +1266,51 @@ def test_fused_epilogue_scores_close_to_hoisted(option):
         out_h, sc_h = ix.reindex_topk(*args, pool, 8, 512, config=r_hoisted, return_scores=True)
         assert torch.equal(torch.isinf(sc_f), torch.isinf(sc_h)), f"reindex_topk B={B} S={S} N={N}"
         assert relative_l2({"scores": sc_f}, {"scores": sc_h}, 1e-6).ok, f"reindex_topk B={B} S={S} N={N}"
+
+
+# dequant=prmt_rs2 against prmt_rs, the same config otherwise: the same A registers (CPU model and emulation above), the
+# same q order, wgmma, epilogue and store, so the scores must be bitwise equal.
+PRMT_RS2_OPTIONS = {
+    "default_fused": {},
+    "hoisted": {"epilogue": "hoisted"},
+    "bn64_mc4_st4": {"block_n": 64, "min_ctas": 4, "stages": 4},
+    "two_warpgroups_hoisted": {**TWO_WARPGROUPS, "epilogue": "hoisted"},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(PRMT_RS2_OPTIONS), ids=str)
+def test_prmt_rs2_scores_bitwise_equal_prmt_rs(option):
+    """prmt_rs2 and prmt_rs (same layout and epilogue): scores and top-k bitwise equal on indexer_topk (decode B=64 x
+    128K, partial tiles, n_visible 300 and 0, and scale bytes 1..252 drawn uniformly: every table row the tile
+    reads in range) and on reindex_topk's gathered variant (unused pool blocks: the 0x7F7F7F7F scale fill)."""
+    new = {**ix.INDEXER_TOPK.default_config(SM90), **PRMT_RS2_OPTIONS[option], "dequant": "prmt_rs2"}
+    old = {**new, "dequant": "prmt_rs"}
+    score_keys = ("block_n", "threads", "stages", "tiles_per_cta", "dequant", "min_ctas", "epilogue")
+    for B, S, N, wide in [(64, 1, 131072, False), (3, 2, 1000, False), (2, 1, 77, False), (4, 2, 3000, True)]:
+        inputs = ix._indexer_inputs(B, S, N, 41, "cuda", causal=False)
+        if wide:
+            gen = torch.Generator(device="cuda").manual_seed(43)
+            inputs["k_scales"] = torch.randint(1, 253, inputs["k_scales"].shape, generator=gen, device="cuda").to(torch.uint8)
+        args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+        out_n, sc_n = ix.indexer_topk(*args, 512, return_scores=True, config=new)
+        out_o, sc_o = ix.indexer_topk(*args, 512, return_scores=True, config=old)
+        assert torch.equal(sc_n.view(torch.int32), sc_o.view(torch.int32)), f"indexer_topk B={B} S={S} N={N}"
+        assert torch.equal(out_n, out_o)
+        gen = torch.Generator(device="cuda").manual_seed(47)
+        pool = ix._random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
+        r_new, r_old = ({k: c[k] for k in score_keys} for c in (new, old))
+        out_n, sc_n = ix.reindex_topk(*args, pool, 8, 512, config=r_new, return_scores=True)
+        out_o, sc_o = ix.reindex_topk(*args, pool, 8, 512, config=r_old, return_scores=True)
+        assert torch.equal(sc_n.view(torch.int32), sc_o.view(torch.int32)), f"reindex_topk B={B} S={S} N={N}"
+        assert torch.equal(out_n, out_o)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", ["hoisted", "two_warpgroups_hoisted"], ids=str)
+def test_prmt_rs2_matches_reference(option):
+    """prmt_rs2 with the hoisted epilogue (fused: FUSED_OPTIONS) against the reference at the real and odd shapes."""
+    _assert_indexer_matches_reference({**PRMT_RS2_OPTIONS[option], "dequant": "prmt_rs2"}, option)
 
 
 @pytest.mark.gpu

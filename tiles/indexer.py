@@ -197,6 +197,54 @@ __device__ __forceinline__ void csa2_fp4_pair_bf16(void* dst, int w_, unsigned l
 )
 
 
+# dequant="prmt_rs2": prmt_rs's A registers, bit for bit (the same tables, lookups, sign gathers, merges and
+# interleaves), with the work that does not need the ALU pipe moved off it. Why: the RS score kernel's ALU pipe (PRMT,
+# LOP3, SHF issue there at half the warp rate) carries 489 of the default's 769 SASS per consumer thread and tile, and
+# the fused-epilogue run (245.4 us) sat nearer the ALU-pipe estimate than the issue one. Per packed word prmt_rs issues
+# 15: mask (LOP3), high-half selectors m >> 16 (SHF), w << 4 (IMAD.SHL), 4 lookups, 2 sign gathers, 2 sign merges, 4
+# interleaves (14 ALU). Here:
+# * m >> 16 is the high word of m x 2^16 (mul.hi.u32, IMAD.HI on the FMA pipe) instead of a shift: 13 ALU a word.
+# * The row's scale byte t -> its 16-byte table row: byte t of the scale word by one PRMT with a per-thread selector
+#   (0x4440 | t: byte t, zeros above) instead of shift, x16, mask (SHF, IMAD.SHL, LOP3): with ptxas's LEA (x16 + the
+#   table base) 2 instructions a row instead of 3, both ALU as before.
+# Not cheaper, and why (sm_90a SASS and the bit algebra, notes/indexer.md session 8): the 4 lookups + 4 interleaves are a
+# floor for byte tables (the hi byte needs all 8 magnitude slots of a PRMT, so lo and hi cannot share one table); a
+# lookup cannot carry the sign (bit 7 of a PRMT output is bit 7 of the selected byte in both selector modes) and a LOP3
+# cannot move bits, so the 8 sign bits need a byte spread (the 2 gathers) and 2 merges; the selectors need the mask.
+_PRMT_PAIR2_CUDA = (
+    _PRMT_PAIR_CUDA
+    + r"""
+// x >> 16 as the high word of x * 2^16: IMAD.HI on the FMA pipe instead of SHF on the ALU pipe
+__device__ __forceinline__ unsigned csa2_hi16(unsigned x) {
+  unsigned d;
+  asm("mul.hi.u32 %0, %1, 65536;" : "=r"(d) : "r"(x));
+  return d;
+}
+// byte t (0..3) of the scale word, zero-extended: one PRMT (selector nibble 4 picks the zero operand's byte 0)
+__device__ __forceinline__ int csa2_scale_byte(int sw, int t) {
+  return (int)csa2_prmt((unsigned)sw, 0u, 0x4440u | (unsigned)t);
+}
+// csa2_fp4_pair_bf16's word, bit for bit, with the high-half selectors from csa2_hi16
+__device__ __forceinline__ void csa2_fp4_pair2_bf16(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,
+                                                    unsigned hi1, int k) {
+  const unsigned w = (unsigned)w_;
+  const unsigned m = w & 0x77777777u;                    // magnitude codes: the lookup selectors
+  const unsigned w4 = w << 4;
+  unsigned l, h;
+  if (k < 2) {                                           // nibbles 0..3
+    l = csa2_prmt(lo0, lo1, m);
+    h = csa2_prmt(hi0, hi1, m) | (__byte_perm(w, w4, 0x1504) & 0x80808080u);
+  } else {                                               // nibbles 4..7
+    const unsigned mh = csa2_hi16(m);
+    l = csa2_prmt(lo0, lo1, mh);
+    h = csa2_prmt(hi0, hi1, mh) | (__byte_perm(w, w4, 0x3726) & 0x80808080u);
+  }
+  *(unsigned*)dst = __byte_perm(l, h, (k & 1) ? 0x7362 : 0x5140);
+}
+"""
+)
+
+
 RS_PRODUCER_REGS = 24  # setmaxnreg floor: TileLang's producer only waits on mbarriers, loads scales and issues TMA
 REGISTERS_PER_SM = 65536  # sm_80 .. sm_120 alike (tiles.arch registers_per_sm); the kernel builder sees only the target
 
@@ -250,6 +298,18 @@ def _dequant_fragment_prmt(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
             sb = (ks_s[i] >> (t * 8)) & 0xFF
             tables = (tab[sb, 0], tab[sb, 1], tab[sb, 2], tab[sb, 3])  # one 16-byte load per row (nvcc merges them)
             T.call_extern("handle", "csa2_fp4_pair_bf16", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], *tables, j % 4)
+
+
+@T.macro
+def _dequant_fragment_prmt2(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
+    """``_dequant_fragment_prmt`` for dequant="prmt_rs2": the same A fragment (same columns, tables and words), the scale
+    byte by ``csa2_scale_byte`` and the pair by ``csa2_fp4_pair2_bf16`` (``_PRMT_PAIR2_CUDA``)."""
+    for i, c in T.Parallel(block_n, D):
+        if c % 2 == 0:
+            t, j = (c % 8) // 2, c // 8  # scale group, and the 8-column block (byte j % 4 of word 4t + j // 4)
+            sb = T.call_extern("int32", "csa2_scale_byte", ks_s[i], t)
+            tables = (tab[sb, 0], tab[sb, 1], tab[sb, 2], tab[sb, 3])  # one 16-byte load per row (nvcc merges them)
+            T.call_extern("handle", "csa2_fp4_pair2_bf16", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], *tables, j % 4)
 
 
 # dequant="fma_rs": prmt_rs's A fragment built with half its integer work moved to the FMA pipe.
@@ -321,7 +381,9 @@ def _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n: int, D: int):
             T.call_extern("handle", "csa2_fp4_pair_fma", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], sb, j % 4)
 
 
-RS_DEQUANTS = ("prmt_rs", "fma_rs")  # the A fragment built in the consumers' registers, q in a permuted dim order
+RS_DEQUANTS = ("prmt_rs", "fma_rs", "prmt_rs2")  # the A fragment built in the consumers' registers, q in a permuted dim order
+PRMT_RS_DEQUANTS = ("prmt_rs", "prmt_rs2")  # the shared scale -> prmt table, q in the _rs_dim order
+HOPPER_ONLY_DEQUANTS = ("prmt_rs2",)  # built for sm_90a only (the kernel builder refuses other targets)
 EPILOGUES = ("per_tile", "hoisted", "fused")  # per-CTA constants per tile or once; (fused) + the head sum by hand
 
 
@@ -469,6 +531,8 @@ def _score_kernel(
         raise ValueError(f"epilogue={epilogue!r} with dequant={dequant!r}: 'hoisted' / 'fused' are built for {RS_DEQUANTS} only")
     if epilogue == "fused" and threads != 128:
         raise ValueError(f"epilogue='fused' needs one consumer warpgroup (threads 128), got threads={threads}")
+    if dequant in HOPPER_ONLY_DEQUANTS and not target.startswith("sm_90"):
+        raise ValueError(f"dequant={dequant!r} is built for sm_90a only, got target {target!r}")
     H, D = HEADS, HEAD_DIM
     W = D // 8  # int32 words per packed entry (8 nibbles each)
     B, S, N, P = T.dynamic("B, S, N, P")
@@ -534,8 +598,8 @@ def _score_kernel(
             pin = _PIN_CUDA if hoisted else ""  # one import_source per kernel: TileLang refuses a second one
             if fused:
                 pin = _PIN_CUDA + _FUSED_EPI_CUDA
-            if dequant == "prmt_rs":
-                T.import_source(_PRMT_PAIR_CUDA + pin)
+            if dequant in PRMT_RS_DEQUANTS:
+                T.import_source((_PRMT_PAIR_CUDA if dequant == "prmt_rs" else _PRMT_PAIR2_CUDA) + pin)
                 rs_tab = T.alloc_shared((256, 4), "uint32")
                 _build_rs_tables(rs_tab)
             if dequant == "fma_rs":
@@ -546,7 +610,7 @@ def _score_kernel(
                 for v in T.Parallel(256):
                     lut[v] = _e2m1_bf16_bits(v & 0xF) | (_e2m1_bf16_bits(v >> 4) << 16)
             nvis = n_visible[b, s]
-            if dequant == "prmt_rs":
+            if dequant in PRMT_RS_DEQUANTS:
                 _load_q_rs(q, q_s, b, s, H, D)
             elif dequant == "fma_rs":
                 _load_q_rs_fma(q, q_s, b, s, H, D)
@@ -590,6 +654,8 @@ def _score_kernel(
                     _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n, W)
                 elif dequant == "prmt_rs":
                     _dequant_fragment_prmt(kw_s, ks_s, rs_tab, k_deq, block_n, D)
+                elif dequant == "prmt_rs2":
+                    _dequant_fragment_prmt2(kw_s, ks_s, rs_tab, k_deq, block_n, D)
                 elif dequant == "fma_rs":
                     _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n, D)
                 elif dequant == "fragment_bits":
@@ -1268,7 +1334,7 @@ def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
     # words, scales and positions, and the dequantised bf16 tile too (an estimate without that
     # factor let a 253 KiB lut config through to a launch failure on the H200).
     per_stage = bn * (HEAD_DIM // 2 + 4 + 4) + (bn * HEAD_DIM * 2 if config["dequant"] in ("shared", "lut", "bits", "prmt") else 0)
-    tables = {"lut": 1024, "prmt_rs": 4096}.get(config["dequant"], 0)  # lut: byte -> bf16x2; prmt_rs: scale -> prmt tables
+    tables = {"lut": 1024, "prmt_rs": 4096, "prmt_rs2": 4096}.get(config["dequant"], 0)  # lut: byte -> bf16x2; prmt_rs(2): tables
     need = HEADS * HEAD_DIM * 2 + HEADS * 4 + max(1, config["stages"]) * per_stage + tables
     if need > arch.smem_per_block:
         return f"shared memory {need // 1024} KiB > {arch.smem_per_block // 1024} KiB"
@@ -1347,6 +1413,14 @@ def _epilogue_fits(config: Config, shape: Shape, arch: Arch) -> str | None:
     return None
 
 
+def _dequant_arch(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """dequant="prmt_rs2" is built (and its SASS counted) for sm_90a only; the kernel builder refuses other targets."""
+    config = {**_SCORE_DEFAULT, **config}
+    if config["dequant"] in HOPPER_ONLY_DEQUANTS and arch.family != "hopper":
+        return f"dequant={config['dequant']} is built for Hopper (sm_90a) only, got {arch.family}"
+    return None
+
+
 def _warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
     config = {**_SCORE_DEFAULT, **config}
     # FullRow splits the entry tile across warpgroups: each needs at least 64 rows for wgmma.
@@ -1368,7 +1442,7 @@ def _score_params() -> tuple[Param, ...]:
         ),
         Param(
             "dequant",
-            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs"),
+            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs", "prmt_rs2"),
             "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
             "by a 256-entry byte -> bf16x2 table into a shared tile, (bits) one thread per packed word "
             "building the scaled bf16 bit patterns by integer arithmetic into a shared tile, or (fragment_bits) "
@@ -1379,7 +1453,9 @@ def _score_params() -> tuple[Param, ...]:
             "order so each thread dequantises whole scale groups; setmaxnreg moves the producer's registers to the "
             "consumers under min_ctas), or (fma_rs) prmt_rs's A fragment with half the integer work on the FMA pipe: "
             "nibble bits placed at bf16 positions by an integer multiply (code x 2^-126) and the E8M0 scale applied by "
-            "two packed bf16 multiplies (~1 integer instruction per value instead of ~1.9, no table)",
+            "two packed bf16 multiplies (~1 integer instruction per value instead of ~1.9, no table), or (prmt_rs2, "
+            "sm_90a only) prmt_rs's A registers bit for bit with the high-half selectors on the FMA pipe (IMAD.HI) and the "
+            "scale byte by one byte permute (13 instead of 14 ALU-pipe instructions per packed word)",
         ),
         Param(
             "epilogue",
@@ -1455,6 +1531,7 @@ class _ScoreAndSelectTile(Tile):
                 Constraint("register_cap", _register_cap),
                 Constraint("rs_registers", _rs_registers),
                 Constraint("epilogue", _epilogue_fits),
+                Constraint("dequant_arch", _dequant_arch),
             ),
         )
 
