@@ -103,18 +103,30 @@ def test_constraint_pruning_before_compile(tmp_path, monkeypatch):
 
 def test_invalid_proposals_are_replaced_by_the_nearest_valid_config(tmp_path):
     """1.6% of the toy's space is valid: without the replacement a 6-trial study stops at its invalid limit
-    having measured about three configs; with it every budgeted trial is a measurement. (Once TPE takes over from
-    its random start it may propose the best config again: a repeat, answered from the record, uses budget.)"""
+    having measured about three configs; with it the study measures 6 distinct configs (a repeat, answered from the
+    record, uses no budget)."""
     opts = _opts(tmp_path, trials=6)
     [summary] = tune([toys.SparseToy()], opts, shapes="decode")
     trials = _study(opts, summary.study).get_trials()
-    budgeted = [t for t in trials if uses_budget(t)]
-    assert len(budgeted) == 6 and all(t.user_attrs["outcome"] == "ok" for t in budgeted)
-    measured = [t for t in budgeted if "repeat_of" not in t.user_attrs]
-    assert len(measured) >= 5 and len({config_key(t.params) for t in measured}) == len(measured)
+    measured = [t for t in trials if uses_budget(t)]
+    assert len(measured) == 6 and all(t.user_attrs["outcome"] == "ok" and "repeat_of" not in t.user_attrs for t in measured)
+    assert len({config_key(t.params) for t in measured}) == 6
     invalid = {t.number for t in trials if t.user_attrs.get("outcome") == "invalid"}
     replaced = [t for t in measured if str(t.user_attrs.get("source", "")).startswith("nearest valid to trial ")]
     assert replaced and all(int(t.user_attrs["source"].rsplit(" ", 1)[1]) in invalid for t in replaced)
+
+
+def test_a_study_ends_when_every_valid_config_is_measured(tmp_path):
+    """8 of the toy's 512 configs are valid: asked for 20, the study measures all 8 once and stops (no loop of repeats
+    and refused proposals up to the invalid limit)."""
+    opts = _opts(tmp_path, trials=20)
+    t0 = time.monotonic()
+    [summary] = tune([toys.SparseToy()], opts, shapes="decode")
+    trials = _study(opts, summary.study).get_trials()
+    measured = {config_key(t.params) for t in trials if uses_budget(t)}
+    assert len(measured) == 8 and sum(uses_budget(t) for t in trials) == 8
+    assert sum(t.user_attrs.get("outcome") == "invalid" for t in trials) < study_mod.MAX_INVALID_PER_TRIAL * 20
+    assert time.monotonic() - t0 < 60
 
 
 def test_valid_configs_nearest_and_exhaustion():

@@ -126,6 +126,11 @@ class ValidConfigs:
         self._done.wait()
         return len(self._configs)
 
+    @property
+    def ready(self) -> bool:
+        """The enumeration has finished (``len`` and :meth:`nearest` answer without waiting)."""
+        return self._done.is_set()
+
     def nearest(self, config: Config, exclude: set[str]) -> Config | None:
         """The valid config differing from ``config`` in the fewest parameters whose :func:`config_key` is not in
         ``exclude`` (ties: random), or None when every valid config is excluded."""

@@ -168,10 +168,10 @@ def counts_toward_budget(t: FrozenTrial) -> bool:
 
 
 def uses_budget(t: FrozenTrial) -> bool:
-    """Trials that cost a compile or a GPU run. A config pruned by a constraint costs nothing,
-    so it does not use up ``--trials`` (in the first H200 run 7 of 10 attention trials were
-    pruned, leaving 3 measured configs per shape)."""
-    return counts_toward_budget(t) and t.user_attrs.get("outcome") != harness.INVALID
+    """Trials that cost a compile or a GPU run: ``--trials`` counts configs measured. A config pruned by a constraint
+    costs nothing (in the first H200 run 7 of 10 attention trials were pruned, leaving 3 measured configs per shape),
+    nor does a repeat answered from the record (once TPE models a study it proposes its best config again)."""
+    return counts_toward_budget(t) and t.user_attrs.get("outcome") != harness.INVALID and "repeat_of" not in t.user_attrs
 
 
 # Pruned configs allowed per trial of budget before a study stops asking (a space that is
@@ -291,6 +291,8 @@ class StudyRunner:
                 return None
             if self._consecutive_repeats >= max(20, 2 * len(self.space.all_configs()) if self.space.size() <= 4096 else 20):
                 return None  # the sampler keeps returning configs already measured: the space is exhausted
+            if self.valid is not None and self.valid.ready and self._tried_valid(trials) >= len(self.valid):
+                return None  # every valid config has been tried or is in flight: nothing new to measure
             trial = self.study.ask(self.dists)
             self._in_flight += 1
             return trial
@@ -327,6 +329,13 @@ class StudyRunner:
                 self._ran += 1
         if self.progress is not None:
             self.progress.on_trial(self, trial.number, attrs)
+
+    def _tried_valid(self, trials: list[FrozenTrial]) -> int:
+        """Distinct configs measured, failed or in flight (the ones a constraint refused are not valid)."""
+        skip = (harness.INVALID, DUPLICATE, INTERRUPTED)
+        return len(
+            {config_key(trial_config(t)) for t in trials if t.state != TrialState.WAITING and t.user_attrs.get("outcome") not in skip}
+        )
 
     def _enqueue_nearest_valid(self, number: int, config: Config) -> None:
         """Queue the untried valid config nearest to an invalid proposal (:class:`tuning.space.ValidConfigs`)."""

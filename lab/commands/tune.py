@@ -21,7 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="auto", help=f"auto (detect the GPU) or one of {', '.join(ARCHS)}")
     parser.add_argument("--tile", default="all", help="tile name, comma-separated names, or all")
     parser.add_argument("--shapes", default="all", help="decode, prefill, all, or comma-separated shape names")
-    parser.add_argument("--trials", type=int, default=40, help="finished trials per (tile, shape) study, counting earlier runs")
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=40,
+        help="configs measured per (tile, shape) study, counting earlier runs (proposals a constraint refuses and repeats "
+        "answered from the record are free; a study with fewer valid configs measures them all)",
+    )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="wall-clock budget per study in seconds")
     parser.add_argument("--trial-timeout", type=float, default=120.0, metavar="S", help="one GPU evaluation; a hang past it is killed")
     parser.add_argument("--compile-timeout", type=float, default=300.0, metavar="S", help="one compile in the pool")
