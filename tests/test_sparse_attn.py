@@ -840,3 +840,14 @@ def test_staged_dequant_is_refused_with_splits():
     assert space.violations({**staged, "n_split": 1}, shape, SM90) == []
     with pytest.raises(ValueError, match="staged"):
         tile.build(shape, {**staged, "n_split": 4}, SM90)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_I", [64, 32])
+def test_staged_dequant_with_two_topk_blocks_without_splits(block_I):
+    """The open question of the staged/split wrong results (notes/sparse_attn.md, session 8): with splits each CTA's
+    staged top-k loop ran two blocks; K=100 gives two blocks at block_I 64 (and four at 32) without splits. Passing
+    here would place the fault in the split offsets; failing, in the two-iteration pipeline (then widen staged_splits)."""
+    shape = next(s for s in ODD_SHAPES if s.name == "k100")
+    cfg = {"schedule": "pipelined", "dequant": "staged", "heads_per_block": 32, "threads": 128, "block_I": block_I}
+    _check(sa.DECODE_TILE, shape, {**cfg, "n_split": 1})
