@@ -996,13 +996,8 @@ class CompressorTile(Tile):
             else:
                 cfg.update(ctas_per_sm=1, wk=config.get("wk", "hi_lo"), k_chunk=config.get("k_chunk", 32), schedule="ws")
                 cfg.update(kv_load=config.get("kv_load", "slabs"))  # the ws kernel streams kv through slabs
-        registers_ok = cfg.get("schedule") == "flat" and cfg.get("wk") == "fp32" and cfg.get("kv_load") != "whole"
-        if (
-            "proj_operands" not in config
-            and cfg.get("proj_operands") == "registers"
-            and not (registers_ok and cfg.get("wk_stages", 2) == 2)
-        ):
-            cfg["proj_operands"] = "smem"  # the register operands exist only in the flat kernel with fp32 Wk, two stages
+        if "proj_operands" not in config and cfg.get("proj_operands") == "registers" and _proj_registers_refusal(cfg, _schedule(cfg)):
+            cfg["proj_operands"] = "smem"  # what the picked choices leave the register operands unable to run with
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
@@ -1089,6 +1084,19 @@ def _rope() -> RopeConfig:
     )
 
 
+def _proj_registers_refusal(config: Config, schedule: str) -> str | None:
+    """Why proj_operands="registers" cannot run with ``config`` (whose kernel is ``schedule``), or None."""
+    if schedule != "flat":
+        return "proj_operands=registers exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
+    if config.get("wk", "hi_lo") != "fp32":
+        return "proj_operands=registers reads fp32 Wk (in fragment order) from L2: it needs wk=fp32"
+    if config.get("kv_load", "slabs") == "whole":
+        return "proj_operands=registers pads rot_s's rows (conflict-free fragment reads): kv_load=whole's one copy is not built"
+    if config.get("wk_stages", 2) != 2:
+        return "proj_operands=registers has no Wk pipeline in shared memory: wk_stages must stay 2"
+    return None
+
+
 def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     """The flat kernel (``ctas_per_sm`` > 1, or ``schedule="flat"`` at one CTA per SM) and its values (``k_chunk`` 16,
     ``wk`` fp32, ``wk_stages`` 3-4, ``kv_load`` whole or direct) exist for the builds checked with ptxas (sm_90a).
@@ -1115,15 +1123,8 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     proj_operands = config.get("proj_operands", "smem")
     if proj_operands not in PROJ_OPERANDS:
         return f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}"
-    if proj_operands == "registers":
-        if schedule != "flat":
-            return "proj_operands=registers exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
-        if config.get("wk", "hi_lo") != "fp32":
-            return "proj_operands=registers reads fp32 Wk (in fragment order) from L2: it needs wk=fp32"
-        if kv_load == "whole":
-            return "proj_operands=registers pads rot_s's rows (conflict-free fragment reads): kv_load=whole's one copy is not built"
-        if config.get("wk_stages", 2) != 2:
-            return "proj_operands=registers has no Wk pipeline in shared memory: wk_stages must stay 2"
+    if proj_operands == "registers" and (why := _proj_registers_refusal(config, schedule)):
+        return why
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2:
         # ptxas: 80 registers (the cap of 3 x 256 threads) and 40 bytes of spills at block_g 16, ratio 2.
         return "kv_load=direct at ratio 2 holds 16 float4s per thread: it spills at 3 CTAs per SM (use ctas_per_sm 1-2)"

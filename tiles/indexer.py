@@ -165,6 +165,38 @@ def _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n: int, W: int):
 # half) of w as one 32-bit word at dst. All but the last prmt depends on (w) or (w, k / 2) only, so nvcc shares it
 # between the 4 registers of a word (pure expressions, the loop fully unrolled). One 32-bit store, not two 16-bit
 # halves: with halves nvcc rebuilt each register by a shift and a prmt (64 extra integer instructions per tile).
+# csa2_fp4_pair_bf16 and its prmt_rs2 variant differ only in how the high-half selectors m >> 16 are made (one
+# template, so the variant cannot drift from the default it must equal bit for bit).
+_FP4_PAIR_TEMPLATE = r"""
+  const unsigned w = (unsigned)w_;
+  const unsigned m = w & 0x77777777u;                    // magnitude codes: the lookup selectors
+  const unsigned w4 = w << 4;
+  unsigned l, h;
+  if (k < 2) {                                           // nibbles 0..3
+    l = csa2_prmt(lo0, lo1, m);
+    h = csa2_prmt(hi0, hi1, m) | (__byte_perm(w, w4, 0x1504) & 0x80808080u);
+  } else {                                               // nibbles 4..7
+@HIGH_HALF@    l = csa2_prmt(lo0, lo1, mh);
+    h = csa2_prmt(hi0, hi1, mh) | (__byte_perm(w, w4, 0x3726) & 0x80808080u);
+  }
+  *(unsigned*)dst = __byte_perm(l, h, (k & 1) ? 0x7362 : 0x5140);
+}
+"""
+_SHR16_SELECTORS = r"""    unsigned mh;
+    asm("shr.b32 %0, %1, 16;" : "=r"(mh) : "r"(m));     // opaque too: else nvcc re-masks w for it
+"""
+
+
+def _fp4_pair_function(name: str, high_half: str) -> str:
+    """The CUDA of ``name(dst, w, lo0, lo1, hi0, hi1, k)`` with ``high_half`` making ``mh`` (the selectors of nibbles
+    4..7) from ``m`` (the magnitude codes)."""
+    head = "__device__ __forceinline__ void "
+    args = (
+        "(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,\n" + " " * (len(head) + len(name) + 1) + "unsigned hi1, int k) {\n"
+    )
+    return head + name + args + _FP4_PAIR_TEMPLATE.lstrip("\n").replace("@HIGH_HALF@", high_half)
+
+
 _PRMT_PAIR_CUDA = (
     PRMT_ASM_CUDA
     + r"""
@@ -176,24 +208,8 @@ __device__ __forceinline__ unsigned csa2_fp4_table_word(int sbyte, int e) {
   const unsigned sel = (e & 2) ? 0x7531 : 0x6420;        // high or low bytes of t0..t7
   return (e & 1) ? __byte_perm(r2, r3, sel) : __byte_perm(r0, r1, sel);
 }
-__device__ __forceinline__ void csa2_fp4_pair_bf16(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,
-                                                   unsigned hi1, int k) {
-  const unsigned w = (unsigned)w_;
-  const unsigned m = w & 0x77777777u;                    // magnitude codes: the lookup selectors
-  const unsigned w4 = w << 4;
-  unsigned l, h;
-  if (k < 2) {                                           // nibbles 0..3
-    l = csa2_prmt(lo0, lo1, m);
-    h = csa2_prmt(hi0, hi1, m) | (__byte_perm(w, w4, 0x1504) & 0x80808080u);
-  } else {                                               // nibbles 4..7
-    unsigned mh;
-    asm("shr.b32 %0, %1, 16;" : "=r"(mh) : "r"(m));     // opaque too: else nvcc re-masks w for it
-    l = csa2_prmt(lo0, lo1, mh);
-    h = csa2_prmt(hi0, hi1, mh) | (__byte_perm(w, w4, 0x3726) & 0x80808080u);
-  }
-  *(unsigned*)dst = __byte_perm(l, h, (k & 1) ? 0x7362 : 0x5140);
-}
 """
+    + _fp4_pair_function("csa2_fp4_pair_bf16", _SHR16_SELECTORS)
 )
 
 
@@ -225,23 +241,8 @@ __device__ __forceinline__ int csa2_scale_byte(int sw, int t) {
   return (int)csa2_prmt((unsigned)sw, 0u, 0x4440u | (unsigned)t);
 }
 // csa2_fp4_pair_bf16's word, bit for bit, with the high-half selectors from csa2_hi16
-__device__ __forceinline__ void csa2_fp4_pair2_bf16(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,
-                                                    unsigned hi1, int k) {
-  const unsigned w = (unsigned)w_;
-  const unsigned m = w & 0x77777777u;                    // magnitude codes: the lookup selectors
-  const unsigned w4 = w << 4;
-  unsigned l, h;
-  if (k < 2) {                                           // nibbles 0..3
-    l = csa2_prmt(lo0, lo1, m);
-    h = csa2_prmt(hi0, hi1, m) | (__byte_perm(w, w4, 0x1504) & 0x80808080u);
-  } else {                                               // nibbles 4..7
-    const unsigned mh = csa2_hi16(m);
-    l = csa2_prmt(lo0, lo1, mh);
-    h = csa2_prmt(hi0, hi1, mh) | (__byte_perm(w, w4, 0x3726) & 0x80808080u);
-  }
-  *(unsigned*)dst = __byte_perm(l, h, (k & 1) ? 0x7362 : 0x5140);
-}
 """
+    + _fp4_pair_function("csa2_fp4_pair2_bf16", "    const unsigned mh = csa2_hi16(m);\n")
 )
 
 
@@ -1400,7 +1401,7 @@ def _rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
     return f"{config['dequant']}: {mtiles} m-tiles per warpgroup need ~{need} registers, min_ctas={config['min_ctas']} leaves {have}"
 
 
-def _epilogue_fits(config: Config, shape: Shape, arch: Arch) -> str | None:
+def _epilogue_fits(config: Config, shape: Shape | None, arch: Arch) -> str | None:
     """epilogue="hoisted" / "fused" are built for the RS dequants only (their weights and store live in the consumer
     registers); "fused" also for one consumer warpgroup only (its hand-written epilogue reads the wgmma accumulator
     layout of one warpgroup: threads 128)."""
@@ -1547,7 +1548,7 @@ class _ScoreAndSelectTile(Tile):
         cfg = {**self.default_config(arch), **config}
         if "epilogue" not in config and cfg["dequant"] not in RS_DEQUANTS:
             cfg["epilogue"] = "per_tile"
-        elif "epilogue" not in config and cfg["epilogue"] == "fused" and cfg["threads"] != 128:
+        elif "epilogue" not in config and cfg["epilogue"] == "fused" and _epilogue_fits(cfg, None, arch):
             cfg["epilogue"] = "hoisted"  # fused reads one warpgroup's accumulator layout: {"threads": 256} alone is valid
         return cfg
 

@@ -1882,6 +1882,16 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     return q + kv + s + raw + 4 * bi * stages
 
 
+def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
+    """Why fp4_decode="prmt" cannot run with config ``c``, or None."""
+    if kv_format != "fp4" or c["schedule"] != "ws" or c.get("produce", "serial") not in ("batched", "prefetch"):
+        return (
+            "fp4_decode=prmt is the ws batched producer's packed FP4 main-KV dequant: FP4 main KV, schedule=ws, "
+            "produce=batched or prefetch (bf16 KV has nothing to decode; the other paths decode per value)"
+        )
+    return None
+
+
 def _constraints(kv_format: str) -> tuple[Constraint, ...]:
     def heads(c, s, a):
         return None if s["H"] % c["heads_per_block"] == 0 else f"{s['H']} heads do not split into blocks of {c['heads_per_block']}"
@@ -1932,13 +1942,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "produce=prefetch keeps a block of packed FP4 words in registers: FP4 main KV only (bf16 rows go by cp.async)"
         if c.get("produce", "serial") in ("batched", "prefetch") and c["schedule"] != "ws":
             return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
-        if c.get("fp4_decode", "fma") != "fma" and (
-            kv_format != "fp4" or c["schedule"] != "ws" or c.get("produce", "serial") not in ("batched", "prefetch")
-        ):
-            return (
-                "fp4_decode=prmt is the ws batched producer's packed FP4 main-KV dequant: FP4 main KV, schedule=ws, "
-                "produce=batched or prefetch (bf16 KV has nothing to decode; the other paths decode per value)"
-            )
+        if c.get("fp4_decode", "fma") != "fma" and (why := _prmt_decode_refusal(c, kv_format)):
+            return why
         if c.get("produce", "serial") in ("batched", "prefetch") and c["block_I"] % 32:
             return "the batched producer moves rows in passes of 16, FP8 in two halves: block_I a multiple of 32"
         return None
@@ -2121,11 +2126,7 @@ class SparseAttnTile(Tile):
             )
             for key, plain in plain_choices:
                 cfg[key] = config.get(key, plain)
-        if (
-            "fp4_decode" not in config
-            and cfg.get("fp4_decode") == "prmt"
-            and not (cfg["schedule"] == "ws" and cfg["produce"] in ("batched", "prefetch"))
-        ):
+        if "fp4_decode" not in config and cfg.get("fp4_decode") == "prmt" and _prmt_decode_refusal(cfg, self.kv_format):
             cfg["fp4_decode"] = "fma"  # prmt is the batched producer's word decode: {"produce": "serial"} alone is valid
         return cfg
 
