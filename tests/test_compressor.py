@@ -907,3 +907,73 @@ def test_one_cta_shared_memory_keeps_clear_of_the_limit_below_256_threads():
     cfg = {**_default(), **ONE_CTA, "load": "staged", "encode": "divide"}
     assert not [r for r in space.violations(cfg, shape, SM90) if "shared memory" in r]
     assert any("shared memory" in r for r in space.violations({**cfg, "threads": 128}, shape, SM90))
+
+
+# ---------------------------------------------------------------------------------- pool_math
+# Ratio 2's softmax over a group's two tokens: "ieee" (two accurate expf and two IEEE divisions, the reference's
+# expression) or "fast" (t = __expf(min - max), one approximate reciprocal of 1 + t for both weights).
+
+# (label, config over the Hopper default): the pooling's three load paths (direct registers, staged slabs, the one-CTA
+# warp-specialised kernel's slabs).
+POOL_FAST = [
+    ("default_direct", {"pool_math": "fast"}),
+    ("flat_slabs", {"pool_math": "fast", "kv_load": "slabs"}),
+    ("one_cta", {**ONE_CTA, "pool_math": "fast", "proj_operands": "smem"}),
+]
+
+
+def test_pool_math_in_the_space_and_refused_when_unknown():
+    """pool_math is a search-space parameter; every default keeps the reference's expression until a GPU run says
+    otherwise; the kernel builder refuses an unknown value."""
+    assert {p.name: p.choices for p in cp.COMPRESSOR.search_space(SM90).params}["pool_math"] == cp.POOL_MATHS
+    for arch in ("sm80", "sm89", "sm90"):
+        assert cp.COMPRESSOR.default_config(get_arch(arch))["pool_math"] == "ieee"
+    with pytest.raises(TileError, match="unknown pool_math"):
+        cp.COMPRESSOR.build(cp.COMPRESSOR.shape("prefill_r2_s4k"), {"pool_math": "bogus"}, SM90)
+
+
+@pytest.mark.parametrize("label, over", POOL_FAST, ids=[c[0] for c in POOL_FAST])
+def test_fast_pool_compiles_sm90_without_accurate_exp_or_division(label, over):
+    """At ratio 2 the fast pooling has no expf and no IEEE division left in the kernel (the only ones were the
+    pooling's), only __expf and __fdividef; at ratio 1 (nothing to pool) the source is the ieee build's."""
+    tile = cp.COMPRESSOR
+    r2, r1 = tile.shape("prefill_r2_s64k"), tile.shape("prefill_r1_s64k")
+    assert tile.search_space(SM90).violations(tile.with_defaults(SM90, over), r2, SM90) == []
+    ieee = tile.build(r2, {**over, "pool_math": "ieee"}, SM90).get_kernel_source()
+    fast = tile.build(r2, over, SM90).get_kernel_source()
+    assert re.search(r"[^_]expf\(", ieee) and "__expf(" not in ieee
+    assert not re.search(r"[^_]expf\(", fast) and "__expf(" in fast and "__fdividef(" in fast
+    same = [tile.build(r1, {**over, "pool_math": pm}, SM90).get_kernel_source() for pm in cp.POOL_MATHS]
+    assert same[0] == same[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, over", POOL_FAST, ids=[c[0] for c in POOL_FAST])
+def test_fast_pool_matches_reference(label, over):
+    """Against the torch reference (fp4-near-exact rule) at ratio 2 (4K, 64K, decode, odd G), and against the same
+    config with the reference's expression: within the same rule, with at most 1e-4 of the main cache's bytes
+    different (a latent a few ulps off changes a code only on a rounding boundary)."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    shapes = [tile.shape(n) for n in ("prefill_r2_s4k", "prefill_r2_s64k", "decode_r2_b64")] + [s for s in ODD if s["ratio"] == 2]
+    for shape in shapes:
+        ev = evaluate(tile, shape, over, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 11, "cuda")
+        base = tile.run(tile.build(shape, {**over, "pool_math": "ieee"}, arch), inputs)
+        new = tile.run(tile.build(shape, over, arch), inputs)
+        near = cp.compare_fp4_caches(new, base)
+        assert near.ok, f"{shape.name}: {near}"
+        differ = float((new["main_packed"] != base["main_packed"]).float().mean())
+        assert differ <= 1e-4, f"{shape.name}: {differ:.2e} of the main cache's bytes differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, over", POOL_FAST, ids=[c[0] for c in POOL_FAST])
+def test_fast_pool_decode_tail_and_repeatable(label, over):
+    """The decode tail state gives the same entries as the whole group (and matches the reference); two runs at 64K
+    are bitwise equal."""
+    cfg = cp.COMPRESSOR.with_defaults(SM90, over)
+    full, inputs = _decode_tail_entries_equal(cfg)
+    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+    assert cp.compare_fp4_caches(dict(zip(names, full)), cp.COMPRESSOR.reference(inputs)).ok
+    _two_runs_bitwise_equal(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg)

@@ -135,11 +135,42 @@ def _e2m1_code_search(v):
     return T.if_then_else(ge4, 4, 0) | T.if_then_else(ge2, 2, 0) | T.if_then_else(odd, 1, 0) | T.if_then_else(v < 0, 8, 0)
 
 
+POOL_MATHS = ("ieee", "fast")  # how the ratio-2 softmax over a group's two tokens is computed (see _pool_pair)
+
+
+def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
+    """Pooled latent of one channel of a ratio-2 group: softmax over the gates ``x0, x1`` weighting ``kv0, kv1``.
+
+    "ieee": the reference's expression, ``e_t = exp(x_t - max)``, ``(e0 / tot) kv0 + (e1 / tot) kv1`` with two
+    accurate expf (about ten SASS each: range reduction, MUFU.EX2, scaling) and two IEEE divisions.
+    "fast": the larger gate's weight is ``1 / (1 + t)`` and the smaller's ``t / (1 + t)`` with ``t = exp(min - max)``
+    (the larger gate's ``exp(0)`` is 1), by ``__expf`` (ex2.approx) and one approximate reciprocal: about 10 SASS a
+    channel instead of about 45 (sm_90a: the pooling section of the Hopper default's loop 1115 -> 475 SASS lines). The
+    latent is a few ulps from the reference's, which the comparison rule's one-code-step tolerance covers (a value must
+    sit within a few ulps of a code boundary to change its code). A same-bits form with one accurate expf (exp(0) = 1
+    skipped) saved only 6% of that section: the two IEEE divisions are most of it.
+    """
+    if pool_math == "ieee":
+        m = T.max(x0, x1)
+        e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
+        tot = e0 + e1
+        return (e0 / tot) * kv0 + (e1 / tot) * kv1
+    if pool_math == "fast":
+        first_larger = x0 >= x1
+        t = T.__exp(T.min(x0, x1) - T.max(x0, x1))
+        inv = T.call_extern("float32", "__fdividef", T.float32(1.0), t + T.float32(1.0))
+        w_small = t * inv
+        return T.if_then_else(first_larger, inv, w_small) * kv0 + T.if_then_else(first_larger, w_small, inv) * kv1
+    raise TileError(f"unknown pool_math {pool_math!r}: use one of {', '.join(POOL_MATHS)}")
+
+
 LOAD_CHUNK = 32  # channels per staged kv/gate slab: [2 * block_g, 32] fp32 = 8 KiB per tensor at block_g 32
 
 
 @T.macro
-def _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio: int, block_g: int, chunk: int = LOAD_CHUNK, stages: int = 2):
+def _staged_pool(
+    kv, gate, kv_s, gate_s, rot_s, b, g0, ratio: int, block_g: int, chunk: int = LOAD_CHUNK, stages: int = 2, pool_math: str = "ieee"
+):
     """Pooled latent of ``block_g`` groups into ``rot_s`` fp32 [block_g, 512], slab by slab.
 
     ``kv``/``gate`` fp32 [B, S, 512] in global memory; ``kv_s``/``gate_s`` fp32
@@ -156,10 +187,7 @@ def _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio: int, block_g: int,
                 rot_s[i, dc * chunk + d] = kv_s[i, d]
             else:
                 x0, x1 = gate_s[2 * i, d], gate_s[2 * i + 1, d]
-                m = T.max(x0, x1)
-                e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
-                tot = e0 + e1
-                rot_s[i, dc * chunk + d] = (e0 / tot) * kv_s[2 * i, d] + (e1 / tot) * kv_s[2 * i + 1, d]
+                rot_s[i, dc * chunk + d] = _pool_pair(x0, x1, kv_s[2 * i, d], kv_s[2 * i + 1, d], pool_math)
 
 
 @T.macro
@@ -326,6 +354,7 @@ def _compress_kernel(
     wk_stages: int = 2,
     kv_load: str = "slabs",
     proj_operands: str = "smem",
+    pool_math: str = "ieee",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -364,6 +393,9 @@ def _compress_kernel(
     latent words from rot_s (padded rows) and its Wk words from L2 (host order :func:`wk_fragment_order`), splits each
     once and issues the same MMAs in the same order; the result goes to k_s. No Wk stages, a_hi/a_lo/b_hi/b_lo or
     barriers in the loop.
+    ``pool_math`` (ratio 2; ratio 1 pools nothing): how each channel's softmax over the group's two tokens is computed,
+    see :func:`_pool_pair`: "ieee" (two expf, two IEEE divisions: the reference's expression) or "fast" (ex2.approx and
+    one approximate reciprocal: a few ulps off).
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -379,6 +411,8 @@ def _compress_kernel(
         raise TileError(f"kv_load={kv_load!r}: use one of {', '.join(KV_LOADS)}; 'whole' only at ratio 1 (ratio 2 pools pairs)")
     if kv_load == "direct" and threads != 256:
         raise TileError(f"kv_load='direct' is built for 256 threads (got {threads})")
+    if pool_math not in POOL_MATHS:
+        raise TileError(f"unknown pool_math {pool_math!r}: use one of {', '.join(POOL_MATHS)}")
     if proj_operands not in PROJ_OPERANDS:
         raise TileError(f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}")
     regs = proj_operands == "registers"
@@ -488,12 +522,9 @@ def _compress_kernel(
                                 rot_s[r * DIRECT_ROWS + i, d] = kv_f[0][i, d]
                             else:
                                 x0, x1 = gate_f[0][i, d], gate_f[1][i, d]
-                                m = T.max(x0, x1)
-                                e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
-                                tot = e0 + e1
-                                rot_s[r * DIRECT_ROWS + i, d] = (e0 / tot) * kv_f[0][i, d] + (e1 / tot) * kv_f[1][i, d]
+                                rot_s[r * DIRECT_ROWS + i, d] = _pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
                 else:
-                    _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages)
+                    _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages, pool_math)
                 if not flat:
                     for i, d in T.Parallel(block_g, D):
                         lat[i, d] = rot_s[i, d]
@@ -504,10 +535,7 @@ def _compress_kernel(
                         lat[i, d] = kv[b, g, d]
                     else:
                         x0, x1 = gate[b, 2 * g, d], gate[b, 2 * g + 1, d]
-                        m = T.max(x0, x1)
-                        e0, e1 = T.exp(x0 - m), T.exp(x1 - m)
-                        tot = e0 + e1
-                        lat[i, d] = (e0 / tot) * kv[b, 2 * g, d] + (e1 / tot) * kv[b, 2 * g + 1, d]
+                        lat[i, d] = _pool_pair(x0, x1, kv[b, 2 * g, d], kv[b, 2 * g + 1, d], pool_math)
             # 2. RMSNorm.
             if flat:
                 _rmsnorm_in_smem(rot_s, w_s, part, ss, inv_s, eps, block_g)
@@ -692,6 +720,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("wk_stages", 2),
         cfg.get("kv_load", "slabs"),
         cfg.get("proj_operands", "smem"),
+        cfg.get("pool_math", "ieee"),
     )
 
 
@@ -922,6 +951,13 @@ class CompressorTile(Tile):
                 "output columns, reads its latent words from rot_s and its Wk words from L2 (host fragment order), splits "
                 "each once and issues the same MMAs (no Wk stages, no barriers; wk=fp32, wk_stages 2)",
             ),
+            Param(
+                "pool_math",
+                POOL_MATHS,
+                "ratio 2's softmax over a group's two tokens: two accurate expf and two IEEE divisions (the reference's "
+                "expression), or ex2.approx and one approximate reciprocal (a few ulps: within the one-code-step rule); "
+                "no effect at ratio 1",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -956,12 +992,13 @@ class CompressorTile(Tile):
                 # wavefronts), H200, one run against the shared-memory operands (results/sm90/profile_queued_session8.json):
                 # prefill 64K ratio 2 0.2221 -> 0.1677 ms, ratio 1 0.3504 -> 0.2365 ms, decode B=64 ratio 2 0.0328 -> 0.0247 ms.
                 "proj_operands": "registers",
+                "pool_math": "ieee",
             }
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
-            cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem")
+            cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
