@@ -992,7 +992,11 @@ class CompressorTile(Tile):
                 # wavefronts), H200, one run against the shared-memory operands (results/sm90/profile_queued_session8.json):
                 # prefill 64K ratio 2 0.2221 -> 0.1677 ms, ratio 1 0.3504 -> 0.2365 ms, decode B=64 ratio 2 0.0328 -> 0.0247 ms.
                 "proj_operands": "registers",
-                "pool_math": "ieee",
+                # Ratio 2's softmax by __expf and one approximate reciprocal (a few ulps, within the comparison rule), H200,
+                # one run against the reference's expression (results/sm90/profile_compressor_pool_fast_session9.json):
+                # prefill 64K ratio 2 0.1679 -> 0.1581 ms, decode B=64 ratio 2 0.0249 -> 0.0213 ms; main-cache bytes that
+                # differ from the torch reference 2.4e-7 -> 4.8e-7 of them (at 64K).
+                "pool_math": "fast",
             }
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
