@@ -920,6 +920,8 @@ POOL_FAST = [
     ("default_direct", {"pool_math": "fast"}),
     ("flat_slabs", {"pool_math": "fast", "kv_load": "slabs"}),
     ("one_cta", {**ONE_CTA, "pool_math": "fast", "proj_operands": "smem"}),
+    # three CTAs per SM with the direct loads at ratio 2: the fast pooling compiles without the ieee build's spills
+    ("mc3_bg16_direct", {"pool_math": "fast", "block_g": 16, "ctas_per_sm": 3}),
 ]
 
 
@@ -984,3 +986,16 @@ def test_fast_pool_decode_tail_and_repeatable(label, over):
     names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
     assert cp.compare_fp4_caches(dict(zip(names, full)), cp.COMPRESSOR.reference(inputs)).ok
     _two_runs_bitwise_equal(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg)
+
+
+def test_fast_pool_fits_three_ctas_with_direct_loads(tmp_path):
+    """kv_load=direct at ratio 2 and 3 CTAs per SM: refused with the reference's pooling (ptxas spilled 36-40 bytes at
+    the 80-register cap), accepted with pool_math=fast, whose build launches with the modelled shared memory and fits
+    80 registers without spilling."""
+    tile, shape = cp.COMPRESSOR, cp.COMPRESSOR.shape("prefill_r2_s64k")
+    cfg = tile.with_defaults(SM90, {"block_g": 16, "ctas_per_sm": 3})
+    assert cfg["kv_load"] == "direct" and cfg["pool_math"] == "fast" and cfg["proj_operands"] == "registers"
+    why = tile.search_space(SM90).violations({**cfg, "pool_math": "ieee"}, shape, SM90)
+    assert any("spills at 3 CTAs" in r for r in why), why
+    kernel, src = _build_without_producer(2, cfg, 3)
+    _assert_flat_build_fits(kernel, src, cfg, 2, 3, tmp_path)
