@@ -31,9 +31,10 @@ ONE_CTA = {"ctas_per_sm": 1, "k_chunk": 32, "wk": "hi_lo", "schedule": "ws", "kv
 def _default(arch=SM90):
     """The arch's default with the projection's operands through shared memory and the reference's pooling expression:
     the configs these tests vary were written and checked against it (Hopper's default reads the operands from registers
-    since session 8 and pools by pool_math="fast" since session 9; those have their own tests below, against this one
-    as the base)."""
-    return {**cp.COMPRESSOR.default_config(arch), "proj_operands": "smem", "pool_math": "ieee"}
+    since session 8, pools by pool_math="fast" and runs three CTAs of 16 groups per SM since session 9; those have their
+    own tests below, against this one as the base)."""
+    base = {**cp.COMPRESSOR.default_config(arch), "proj_operands": "smem", "pool_math": "ieee"}
+    return {**base, "block_g": 32, "ctas_per_sm": 2} if arch.family == "hopper" else base  # three CTAs of 16 since session 9
 
 
 def _args(B=2, S=4, G=2, device="cpu"):
@@ -456,14 +457,15 @@ def test_multi_cta_constraints_refuse():
     assert any("shared memory" in r for r in space.violations({**base, "ctas_per_sm": 3}, shape, arch))
     assert any("occupancy" in r for r in space.violations({**base, "block_g": 64}, shape, arch))
     assert any("Hopper" in r for r in space.violations(base, shape, get_arch("sm80")))
-    # Hopper's default since the H200 profile (profile_compressor_multi_cta_indexer_prmt_rs.json); one CTA elsewhere
+    # Hopper's default since the H200 profile (profile_compressor_multi_cta_indexer_prmt_rs.json), three CTAs of 16
+    # groups since session 9 (profile_compressor_three_ctas_session9.json); one CTA elsewhere
     default = cp.COMPRESSOR.default_config(arch)
-    assert (default["ctas_per_sm"], default["k_chunk"], default["wk"]) == (2, 16, "fp32")
+    assert (default["ctas_per_sm"], default["block_g"], default["k_chunk"], default["wk"]) == (3, 16, 16, "fp32")
     assert space.violations(default, shape, arch) == []
     assert cp.COMPRESSOR.default_config(get_arch("sm80"))["ctas_per_sm"] == 1
     with pytest.raises(TileError, match="ctas_per_sm"):
         cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "direct", "thresholds", 2)
-    one_cta = {**default, **ONE_CTA, "proj_operands": "smem"}  # the warp-specialised kernel
+    one_cta = {**default, **ONE_CTA, "block_g": 32, "proj_operands": "smem"}  # the warp-specialised kernel
     assert space.violations(one_cta, shape, arch) == []
     assert any("wk=fp32" in r for r in space.violations({**one_cta, "wk": "fp32"}, shape, arch))
     assert any("k_chunk 16" in r for r in space.violations({**one_cta, "k_chunk": 16}, shape, arch))
@@ -642,13 +644,16 @@ def test_flat_constraints_refuse():
 
 def test_flat_with_defaults():
     """{"schedule": "flat", "block_g": 64} alone: the flat kernel at one CTA per SM with the default's k_chunk and wk;
-    the new keys alone keep the default's two CTAs per SM; a config without them builds the same kernel as before."""
+    the new keys alone keep the default's CTAs per SM; {"block_g": 32} alone gets two (three do not fit); a config
+    without the new keys builds the same kernel as before."""
     tile, r1 = cp.COMPRESSOR, cp.COMPRESSOR.shape("prefill_r1_s64k")
     space = tile.search_space(SM90)
     cfg = tile.with_defaults(SM90, {"schedule": "flat", "block_g": 64})
     assert (cfg["ctas_per_sm"], cfg["k_chunk"], cfg["wk"]) == (1, 16, "fp32")
     assert space.violations(cfg, r1, SM90) == []
     cfg = tile.with_defaults(SM90, {"wk_stages": 3, "kv_load": "whole"})
+    assert cfg["ctas_per_sm"] == tile.default_config(SM90)["ctas_per_sm"] and space.violations(cfg, r1, SM90) == []
+    cfg = tile.with_defaults(SM90, {"block_g": 32})
     assert cfg["ctas_per_sm"] == 2 and space.violations(cfg, r1, SM90) == []
     assert cp._schedule(tile.default_config(SM90)) == "flat" and cp._schedule(ONE_CTA) == "ws"
     # The default names the new keys (the tuner's first trial must be the default); schedule and wk_stages with the
@@ -917,11 +922,10 @@ def test_one_cta_shared_memory_keeps_clear_of_the_limit_below_256_threads():
 # (label, config over the Hopper default): the pooling's three load paths (direct registers, staged slabs, the one-CTA
 # warp-specialised kernel's slabs).
 POOL_FAST = [
-    ("default_direct", {"pool_math": "fast"}),
-    ("flat_slabs", {"pool_math": "fast", "kv_load": "slabs"}),
+    ("default", {"pool_math": "fast"}),  # Hopper's default: three CTAs of 16 groups, direct loads (session 9)
+    ("two_ctas", {"pool_math": "fast", "block_g": 32, "ctas_per_sm": 2}),
+    ("flat_slabs", {"pool_math": "fast", "kv_load": "slabs", "block_g": 32, "ctas_per_sm": 2}),
     ("one_cta", {**ONE_CTA, "pool_math": "fast", "proj_operands": "smem"}),
-    # three CTAs per SM with the direct loads at ratio 2: the fast pooling compiles without the ieee build's spills
-    ("mc3_bg16_direct", {"pool_math": "fast", "block_g": 16, "ctas_per_sm": 3}),
 ]
 
 
@@ -965,7 +969,7 @@ def test_fast_pool_matches_reference(label, over):
     arch, tile = get_arch("sm90"), cp.COMPRESSOR
     shapes = [tile.shape(n) for n in ("prefill_r2_s4k", "prefill_r2_s64k", "decode_r2_b64")] + [s for s in ODD if s["ratio"] == 2]
     for shape in shapes:
-        ev = evaluate(tile, shape, over, arch, seed=7, time_it=False)
+        ev = evaluate(tile, shape, tile.with_defaults(arch, over), arch, seed=7, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
         inputs = tile.make_inputs(shape, 11, "cuda")
         base = tile.run(tile.build(shape, {**over, "pool_math": "ieee"}, arch), inputs)

@@ -998,6 +998,12 @@ class CompressorTile(Tile):
                 # differ from the torch reference 2.4e-7 -> 4.8e-7 of them (at 64K).
                 "pool_math": "fast",
             }
+            # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
+            # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
+            # 0.1584 -> 0.1487 ms, decode B=64 ratio 2 0.0213 -> 0.0124 ms; ratio 1 at 64K is 5% slower (0.2371 ->
+            # 0.2489 ms: nothing to pool, so nothing to overlap), two CTAs of 32 stay its tuning candidate. Ratio 2 is
+            # three of the four Full layers.
+            cfg.update(block_g=16, ctas_per_sm=3)
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
@@ -1016,7 +1022,8 @@ class CompressorTile(Tile):
             return []
         return [
             ({"schedule": "flat", "block_g": 64, "kv_load": "whole", "wk_stages": 4}, "r1 64K 0.327 vs 0.377 ms (H200)"),
-            ({"kv_load": "whole", "wk_stages": 3}, "r1 64K 0.349 vs 0.377 ms (H200)"),
+            ({"block_g": 32, "ctas_per_sm": 2, "kv_load": "whole", "wk_stages": 3}, "r1 64K 0.349 vs 0.377 ms (H200)"),
+            ({"block_g": 32, "ctas_per_sm": 2}, "r1 64K 0.2371 vs 0.2489 ms at three CTAs of 16 (H200, session 9)"),
         ]
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
@@ -1037,6 +1044,8 @@ class CompressorTile(Tile):
             else:
                 cfg.update(ctas_per_sm=1, wk=config.get("wk", "hi_lo"), k_chunk=config.get("k_chunk", 32), schedule="ws")
                 cfg.update(kv_load=config.get("kv_load", "slabs"))  # the ws kernel streams kv through slabs
+        if "ctas_per_sm" not in config and cfg["block_g"] == 32 and cfg.get("ctas_per_sm", 1) == 3:
+            cfg["ctas_per_sm"] = 2  # 32 groups fit two CTAs per SM, not the default's three
         if "proj_operands" not in config and cfg.get("proj_operands") == "registers" and _proj_registers_refusal(cfg, _schedule(cfg)):
             cfg["proj_operands"] = "smem"  # what the picked choices leave the register operands unable to run with
         return cfg
