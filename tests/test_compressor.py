@@ -1003,3 +1003,65 @@ def test_fast_pool_fits_three_ctas_with_direct_loads(tmp_path):
     assert any("spills at 3 CTAs" in r for r in why), why
     kernel, src = _build_without_producer(2, cfg, 3)
     _assert_flat_build_fits(kernel, src, cfg, 2, 3, tmp_path)
+
+
+# ---------------------------------------------------------------------------------- proj_accumulators
+# The register projection with the small products (lo*hi, hi*lo) in a second accumulator: two independent MMA chains per
+# output tile (at block_g 16 a warp has two tiles, each a chain of six dependent MMAs per k chunk with one accumulator).
+
+SPLIT_ACC = [
+    ("default", {"proj_accumulators": "split"}),  # three CTAs of 16 groups
+    ("two_ctas", {"proj_accumulators": "split", "block_g": 32, "ctas_per_sm": 2}),
+]
+
+
+def test_split_accumulator_source_is_the_shared_template_with_a_second_accumulator():
+    """The split variant is the shared template with only the accumulator lines changed: the same loads, splits and MMA
+    operands in the same order, the small products into acc_s, both added at the store."""
+    shared, split = cp._PROJ_REGS_CUDA, cp._split_accumulator_cuda()
+    body = shared[shared.index("// rot: fp32") :]
+    changed = [(a, b) for a, b in zip(body.splitlines(), split.splitlines()) if a != b]
+    assert len(body.splitlines()) == len(split.splitlines())
+    assert len(changed) == 7, changed  # name, declaration, zeroing, two MMA lines, two stores
+    assert split.count("csa2_mma_tf32(acc_s[m][n]") == 2 and split.count("csa2_mma_tf32(acc[m][n]") == 1
+    assert "csa2_split_tf32(float" not in split  # the helpers come once, from the shared template
+
+
+@pytest.mark.parametrize("label, over", SPLIT_ACC, ids=[c[0] for c in SPLIT_ACC])
+def test_split_accumulators_compile_sm90_and_fit(label, over, tmp_path):
+    """In the space at both ratios, refused without the register projection (and by the builder), the split function
+    called, the shared memory as modelled and ptxas within the occupancy's registers without spilling."""
+    tile = cp.COMPRESSOR
+    cfg = tile.with_defaults(SM90, over)
+    space = tile.search_space(SM90)
+    for ratio in (2, 1):
+        kernel, src = _build_without_producer(ratio, cfg, cfg["ctas_per_sm"])
+        assert src.count(f"csa2_proj_tf32x3_regs_split<{cfg['block_g'] // 16}, {512 + cp.ROT_PAD}>(") == 1
+        _assert_flat_build_fits(kernel, src, cfg, ratio, cfg["ctas_per_sm"], tmp_path)
+    smem_cfg = {**_default(), "proj_accumulators": "split"}
+    assert any("proj_accumulators=split" in r for r in space.violations(smem_cfg, tile.shape("prefill_r2_s64k"), SM90))
+    with pytest.raises(TileError, match="proj_accumulators"):
+        tile.build(tile.shape("prefill_r2_s4k"), smem_cfg, SM90)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, over", SPLIT_ACC, ids=[c[0] for c in SPLIT_ACC])
+def test_split_accumulators_match_reference(label, over):
+    """Against the torch reference (fp4-near-exact rule) at 4K, 64K (both ratios), decode and odd shapes; the main cache
+    byte-identical to the shared accumulator's (the projection does not touch it), the index cache within the rule;
+    the decode tail state and two runs bitwise equal."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = tile.with_defaults(arch, over)
+    for shape in _flat_shapes("direct"):
+        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 11, "cuda")
+        base = tile.run(tile.build(shape, {**cfg, "proj_accumulators": "shared"}, arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        for name in ("main_packed", "main_scales"):
+            assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
+        assert cp.compare_fp4_caches(new, base).ok, shape.name
+    full, inputs = _decode_tail_entries_equal(cfg)
+    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    _two_runs_bitwise_equal(tile.shape("prefill_r2_s64k"), cfg)

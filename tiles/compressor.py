@@ -207,6 +207,7 @@ MULTI_CTA_CHUNK, MULTI_CTA_STAGES = 16, 3  # ctas_per_sm > 1: kv/gate slab width
 DIRECT_ROWS = 8  # kv_load=direct: groups whose kv/gate rows are loaded into registers before any is pooled
 NORM_LANES = 8  # ctas_per_sm > 1: threads per latent row in the RMSNorm sum of squares (one shuffle reduction)
 PROJ_OPERANDS = ("smem", "registers")  # where the tf32x3 projection's operands live (see _compress_kernel)
+PROJ_ACCUMULATORS = ("shared", "split")  # register projection: one accumulator per output tile, or the small products apart
 ROT_PAD = 4  # proj_operands=registers: rot_s row stride 516 words, so a warp's fragment reads hit 32 distinct banks
 PROJ_WARPS = 8  # proj_operands=registers: each warp owns 16 of the 128 output columns, all block_g rows
 
@@ -307,6 +308,31 @@ __device__ __forceinline__ void csa2_proj_tf32x3_regs(const float* rot, const fl
 """
 
 
+def _split_accumulator_cuda() -> str:
+    """``proj_accumulators="split"``: :data:`_PROJ_REGS_CUDA` as ``csa2_proj_tf32x3_regs_split``, with the two small
+    products (lo*hi, hi*lo) accumulated apart from hi*hi and added at the end. Each output tile then has two independent
+    MMA chains instead of one (at block_g 16 a warp has only two tiles: six dependent MMAs per tile and chunk); the sum
+    is in another order than T.gemm's, so the index keys may differ from the shared accumulator's in the last bits."""
+    # the helpers (csa2_split_tf32, csa2_mma_tf32) come once, from _PROJ_REGS_CUDA: only the function is derived
+    src = _PROJ_REGS_CUDA[_PROJ_REGS_CUDA.index("// rot: fp32") :]
+    src = src.replace("void csa2_proj_tf32x3_regs(", "void csa2_proj_tf32x3_regs_split(")
+    replacements = (
+        ("  float acc[MT][2][4];\n", "  float acc[MT][2][4], acc_s[MT][2][4];\n"),
+        (
+            "      for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;",
+            "      for (int e = 0; e < 4; ++e) acc[m][n][e] = acc_s[m][n][e] = 0.0f;",
+        ),
+        ("csa2_mma_tf32(acc[m][n], al[m][ks]", "csa2_mma_tf32(acc_s[m][n], al[m][ks]"),
+        ("csa2_mma_tf32(acc[m][n], ah[m][ks], bl[n]", "csa2_mma_tf32(acc_s[m][n], ah[m][ks], bl[n]"),
+        ("make_float2(acc[m][n][0], acc[m][n][1])", "make_float2(acc[m][n][0] + acc_s[m][n][0], acc[m][n][1] + acc_s[m][n][1])"),
+        ("make_float2(acc[m][n][2], acc[m][n][3])", "make_float2(acc[m][n][2] + acc_s[m][n][2], acc[m][n][3] + acc_s[m][n][3])"),
+    )
+    for old, new in replacements:
+        assert src.count(old) == 1, old
+        src = src.replace(old, new)
+    return src
+
+
 def wk_fragment_order(wk: torch.Tensor) -> torch.Tensor:
     """fp32 Wk [128, 512] -> the same words [128, 512] in the order ``proj_operands="registers"`` reads them: per warp w
     (16 output columns) and k chunk c (16 wide), 32 lanes x 8 words, word n * 4 + ks * 2 + h of lane 4g + t being
@@ -355,6 +381,7 @@ def _compress_kernel(
     kv_load: str = "slabs",
     proj_operands: str = "smem",
     pool_math: str = "ieee",
+    proj_accumulators: str = "shared",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -393,6 +420,9 @@ def _compress_kernel(
     latent words from rot_s (padded rows) and its Wk words from L2 (host order :func:`wk_fragment_order`), splits each
     once and issues the same MMAs in the same order; the result goes to k_s. No Wk stages, a_hi/a_lo/b_hi/b_lo or
     barriers in the loop.
+    ``proj_accumulators`` (register projection): "shared" accumulates the three products of each output tile in one
+    accumulator, in T.gemm's order (the shared-memory projection's bits); "split" keeps the small products (lo*hi, hi*lo)
+    in a second one, added at the end (:func:`_split_accumulator_cuda`): two independent MMA chains per tile.
     ``pool_math`` (ratio 2; ratio 1 pools nothing): how each channel's softmax over the group's two tokens is computed,
     see :func:`_pool_pair`: "ieee" (two expf, two IEEE divisions: the reference's expression) or "fast" (ex2.approx and
     one approximate reciprocal: a few ulps off).
@@ -411,6 +441,10 @@ def _compress_kernel(
         raise TileError(f"kv_load={kv_load!r}: use one of {', '.join(KV_LOADS)}; 'whole' only at ratio 1 (ratio 2 pools pairs)")
     if kv_load == "direct" and threads != 256:
         raise TileError(f"kv_load='direct' is built for 256 threads (got {threads})")
+    if proj_accumulators not in PROJ_ACCUMULATORS:
+        raise TileError(f"unknown proj_accumulators {proj_accumulators!r}: use one of {', '.join(PROJ_ACCUMULATORS)}")
+    if proj_accumulators == "split" and proj_operands != "registers":
+        raise TileError("proj_accumulators='split' exists in the register projection only (proj_operands='registers')")
     if pool_math not in POOL_MATHS:
         raise TileError(f"unknown pool_math {pool_math!r}: use one of {', '.join(POOL_MATHS)}")
     if proj_operands not in PROJ_OPERANDS:
@@ -492,7 +526,8 @@ def _compress_kernel(
                 kv_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio)]
                 gate_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio if ratio == 2 else 0)]
             if encode == "thresholds" or regs:  # one import_source per kernel
-                T.import_source((_bounds_cuda() if encode == "thresholds" else "") + (_PROJ_REGS_CUDA if regs else ""))
+                split_acc = _split_accumulator_cuda() if proj_accumulators == "split" else ""
+                T.import_source((_bounds_cuda() if encode == "thresholds" else "") + (_PROJ_REGS_CUDA + split_acc if regs else ""))
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
@@ -587,7 +622,7 @@ def _compress_kernel(
                 # Out of registers into k_s (see _PROJ_REGS_CUDA); rot_s is final (barrier after the main stores).
                 T.call_extern(
                     "handle",
-                    f"csa2_proj_tf32x3_regs<{block_g // 16}, {D + ROT_PAD}>",
+                    f"csa2_proj_tf32x3_regs{'_split' if proj_accumulators == 'split' else ''}<{block_g // 16}, {D + ROT_PAD}>",
                     T.address_of(rot_s[0, 0]),
                     T.address_of(wk_hi[0, 0]),
                     T.address_of(k_s[0, 0]),
@@ -721,6 +756,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("kv_load", "slabs"),
         cfg.get("proj_operands", "smem"),
         cfg.get("pool_math", "ieee"),
+        cfg.get("proj_accumulators", "shared"),
     )
 
 
@@ -952,6 +988,12 @@ class CompressorTile(Tile):
                 "each once and issues the same MMAs (no Wk stages, no barriers; wk=fp32, wk_stages 2)",
             ),
             Param(
+                "proj_accumulators",
+                PROJ_ACCUMULATORS,
+                "register projection: the three TF32 products of an output tile in one accumulator (T.gemm's order), or "
+                "the two small products in a second one added at the end (two independent MMA chains per tile)",
+            ),
+            Param(
                 "pool_math",
                 POOL_MATHS,
                 "ratio 2's softmax over a group's two tokens: two accurate expf and two IEEE divisions (the reference's "
@@ -997,6 +1039,7 @@ class CompressorTile(Tile):
                 # prefill 64K ratio 2 0.1679 -> 0.1581 ms, decode B=64 ratio 2 0.0249 -> 0.0213 ms; main-cache bytes that
                 # differ from the torch reference 2.4e-7 -> 4.8e-7 of them (at 64K).
                 "pool_math": "fast",
+                "proj_accumulators": "shared",
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
             # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
@@ -1009,6 +1052,7 @@ class CompressorTile(Tile):
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
+            cfg.update(proj_accumulators="shared")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
@@ -1175,6 +1219,10 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}"
     if proj_operands == "registers" and (why := _proj_registers_refusal(config, schedule)):
         return why
+    if config.get("proj_accumulators", "shared") not in PROJ_ACCUMULATORS:
+        return f"unknown proj_accumulators {config['proj_accumulators']!r}: use one of {', '.join(PROJ_ACCUMULATORS)}"
+    if config.get("proj_accumulators", "shared") == "split" and proj_operands != "registers":
+        return "proj_accumulators=split exists in the register projection only (proj_operands=registers)"
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2 and config.get("pool_math", "ieee") == "ieee":
         # ptxas: 80 registers (the cap of 3 x 256 threads) and 36-40 bytes of spills at block_g 16, ratio 2, with the
         # reference's pooling expression; pool_math="fast" compiles to 80 registers without spills (session 9).
