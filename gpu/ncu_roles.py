@@ -12,6 +12,13 @@ Samples are taken per warp at a fixed interval, so a role's share of the samples
 and within a role the stall reasons say what its warps were waiting for. Prints per segment: the samples, the
 top stall reasons, and the instructions with the most samples (with the two instructions before each, which
 name the barrier or load it waits on). Runs anywhere (no GPU needed).
+
+``--cut barrier`` splits a kernel without roles (the compressor's flat kernel) into its phases instead: the code
+between block-wide barriers (SASS ``BAR``), and also prints each phase's share of the executed instructions and
+its commonest opcodes (weighted by executions), which name the phase (MUFU/FFMA: the pooling, HMMA: the projection,
+FSETP/SEL: an FP4 encode):
+
+    python3 gpu/ncu_roles.py results/sm90/ncu_source_compressor_prefill_r2_s64k_three_ctas.csv.gz --cut barrier --top 0
 """
 
 from __future__ import annotations
@@ -40,17 +47,31 @@ def _num(text: str) -> float:
     return float(text) if text not in ("", "-") else 0.0
 
 
+def _opcode(sass: str) -> str:
+    """The opcode of a SASS line without its modifiers or predicate ("@!P0 LDG.E.128 R4, ..." -> "LDG")."""
+    words = sass.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("csv", type=Path, help="ncu --page source --csv --print-source sass export (.csv or .csv.gz)")
     parser.add_argument("--top", type=int, default=8, help="instructions listed per role")
+    parser.add_argument("--cut", choices=("setmaxnreg", "barrier"), default="setmaxnreg", help="segment at roles or at block-wide barriers")
     args = parser.parse_args()
     header, data = _rows(args.csv)
     samples = next(i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c)
+    executed = header.index("Instructions Executed")
     reasons = [i for i, c in enumerate(header) if c.startswith("stall_") and "Not Issued" not in c]
     total = sum(_num(r[samples]) for r in data)
-    cuts = [0] + [i for i, r in enumerate(data) if "USETMAXREG" in r[1]] + [len(data)]
-    print(f"{args.csv.name}: {len(data)} SASS lines, {total:.0f} samples")
+    total_executed = sum(_num(r[executed]) for r in data) or 1.0
+    if args.cut == "barrier":  # a segment ends with its barrier
+        cuts = [0] + [i + 1 for i, r in enumerate(data) if _opcode(r[1]).startswith("BAR")] + [len(data)]
+    else:
+        cuts = [0] + [i for i, r in enumerate(data) if "USETMAXREG" in r[1]] + [len(data)]
+    print(f"{args.csv.name}: {len(data)} SASS lines, {total:.0f} samples, {total_executed:.0f} warp instructions executed")
     for lo, hi in itertools.pairwise(cuts):
         seg = data[lo:hi]
         n = sum(_num(r[samples]) for r in seg)
@@ -61,7 +82,14 @@ def main() -> int:
             for i in reasons:
                 why[header[i][len("stall_") :]] += _num(r[i])
         top_reasons = ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in why.most_common(5) if v)
-        print(f"\n== {seg[0][1].strip()[:48]} ({hi - lo} lines): {100 * n / total:.1f}% of samples | {top_reasons}")
+        line = f"\n== {seg[0][1].strip()[:48]} ({hi - lo} lines): {100 * n / total:.1f}% of samples"
+        if args.cut == "barrier":
+            ops, seg_executed = collections.Counter(), sum(_num(r[executed]) for r in seg)
+            for r in seg:
+                ops[_opcode(r[1])] += _num(r[executed])
+            common = ", ".join(f"{k} {100 * v / seg_executed:.0f}%" for k, v in ops.most_common(5) if v)
+            line += f", {100 * seg_executed / total_executed:.1f}% of instructions ({common})"
+        print(f"{line} | {top_reasons}")
         order = sorted(range(len(seg)), key=lambda k: -_num(seg[k][samples]))[: args.top]
         for k in order:
             before = " ; ".join(r[1].strip()[:40] for r in seg[max(0, k - 2) : k])

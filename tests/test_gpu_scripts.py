@@ -89,3 +89,27 @@ def test_session_attention_labels_exist():
     assert _attn_labels("ATTN_LABELS=${ATTN_LABELS:-default,bi32} phase_attn") == {"default", "bi32"}
     named = _attn_labels((ROOT / "gpu" / "session.sh").read_text())
     assert named <= set(sparse_attn_check.LABELS), named - set(sparse_attn_check.LABELS)
+
+
+def test_ncu_roles_cuts_a_flat_kernel_at_its_barriers(tmp_path, capsys, monkeypatch):
+    """``gpu/ncu_roles.py --cut barrier`` (how session 9 split the compressor's samples into its phases): a segment
+    ends with its BAR, and each prints its share of the samples and of the executed instructions and its commonest
+    opcodes weighted by executions."""
+    import ncu_roles
+
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_wait"'
+    lines = [
+        ("0x10", "MUFU.EX2 R1, R2", 30, 100, 20, 10),
+        ("0x20", "@!P0 LDG.E.128 R4, desc[UR4][R2.64]", 10, 100, 10, 0),
+        ("0x30", "BAR.SYNC.DEFER_BLOCKING 0x0", 0, 100, 0, 0),
+        ("0x40", "HMMA.1688.F32.TF32 R8, R4, R2, R8", 60, 600, 0, 60),
+        ("0x50", "EXIT", 0, 100, 0, 0),
+    ]
+    csv_path = tmp_path / "sass.csv"
+    csv_path.write_text('"Kernel Name","k",\n' + head + "\n" + "\n".join(",".join(f'"{v}"' for v in r) for r in lines) + "\n")
+    monkeypatch.setattr(sys, "argv", ["ncu_roles.py", str(csv_path), "--cut", "barrier", "--top", "0"])
+    assert ncu_roles.main() == 0
+    out = capsys.readouterr().out
+    assert "100 samples, 1000 warp instructions executed" in out
+    assert "(3 lines): 40.0% of samples, 30.0% of instructions (MUFU 33%, LDG 33%, BAR 33%) | long_sb 75%, wait 25%" in out
+    assert "(2 lines): 60.0% of samples, 70.0% of instructions (HMMA 86%, EXIT 14%) | wait 100%" in out
