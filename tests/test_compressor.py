@@ -655,6 +655,10 @@ def test_flat_with_defaults():
     assert cfg["ctas_per_sm"] == tile.default_config(SM90)["ctas_per_sm"] and space.violations(cfg, r1, SM90) == []
     cfg = tile.with_defaults(SM90, {"block_g": 32})
     assert cfg["ctas_per_sm"] == 2 and space.violations(cfg, r1, SM90) == []
+    # the reference's pooling alone: three CTAs with the direct loads would spill at ratio 2, so two CTAs of 32
+    cfg = tile.with_defaults(SM90, {"pool_math": "ieee"})
+    assert (cfg["block_g"], cfg["ctas_per_sm"]) == (32, 2)
+    assert space.violations(cfg, tile.shape("prefill_r2_s64k"), SM90) == []
     assert cp._schedule(tile.default_config(SM90)) == "flat" and cp._schedule(ONE_CTA) == "ws"
     # The default names the new keys (the tuner's first trial must be the default); schedule and wk_stages with the
     # values that build exactly the kernel of a config without them (kv_load: "direct" since session 7).
@@ -947,11 +951,12 @@ def test_fast_pool_compiles_sm90_without_accurate_exp_or_division(label, over):
     tile = cp.COMPRESSOR
     r2, r1 = tile.shape("prefill_r2_s64k"), tile.shape("prefill_r1_s64k")
     assert tile.search_space(SM90).violations(tile.with_defaults(SM90, over), r2, SM90) == []
-    ieee = tile.build(r2, {**over, "pool_math": "ieee"}, SM90).get_kernel_source()
-    fast = tile.build(r2, over, SM90).get_kernel_source()
+    full = tile.with_defaults(SM90, over)  # the layout named, so that pool_math alone differs
+    ieee = tile.build(r2, {**full, "pool_math": "ieee"}, SM90).get_kernel_source()
+    fast = tile.build(r2, full, SM90).get_kernel_source()
     assert re.search(r"[^_]expf\(", ieee) and "__expf(" not in ieee
     assert not re.search(r"[^_]expf\(", fast) and "__expf(" in fast and "__fdividef(" in fast
-    same = [tile.build(r1, {**over, "pool_math": pm}, SM90).get_kernel_source() for pm in cp.POOL_MATHS]
+    same = [tile.build(r1, {**full, "pool_math": pm}, SM90).get_kernel_source() for pm in cp.POOL_MATHS]
     assert same[0] == same[1]
     if label == "flat_slabs":
         # TileLang's allocator overlaps the gate slabs with the projection's buffers here (12 KiB less than the ieee build,
@@ -972,7 +977,7 @@ def test_fast_pool_matches_reference(label, over):
         ev = evaluate(tile, shape, tile.with_defaults(arch, over), arch, seed=7, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
         inputs = tile.make_inputs(shape, 11, "cuda")
-        base = tile.run(tile.build(shape, {**over, "pool_math": "ieee"}, arch), inputs)
+        base = tile.run(tile.build(shape, {**tile.with_defaults(arch, over), "pool_math": "ieee"}, arch), inputs)
         new = tile.run(tile.build(shape, over, arch), inputs)
         near = cp.compare_fp4_caches(new, base)
         assert near.ok, f"{shape.name}: {near}"

@@ -329,7 +329,8 @@ def _split_accumulator_cuda() -> str:
         ("make_float2(acc[m][n][2], acc[m][n][3])", "make_float2(acc[m][n][2] + acc_s[m][n][2], acc[m][n][3] + acc_s[m][n][3])"),
     )
     for old, new in replacements:
-        assert src.count(old) == 1, old
+        if src.count(old) != 1:  # the shared template changed under this derivation
+            raise RuntimeError(f"_PROJ_REGS_CUDA no longer has exactly one {old.strip()!r}: update _split_accumulator_cuda")
         src = src.replace(old, new)
     return src
 
@@ -1095,6 +1096,12 @@ class CompressorTile(Tile):
                 cfg.update(kv_load=config.get("kv_load", "slabs"))  # the ws kernel streams kv through slabs
         if "ctas_per_sm" not in config and cfg["block_g"] == 32 and cfg.get("ctas_per_sm", 1) == 3:
             cfg["ctas_per_sm"] = 2  # 32 groups fit two CTAs per SM, not the default's three
+        if "ctas_per_sm" not in config and "block_g" not in config and cfg.get("ctas_per_sm", 1) == 3:
+            # What the three CTAs cannot run with (e.g. pool_math="ieee" with the direct loads: spills) gets the two CTAs
+            # of 32 of the default before session 9.
+            r2, two = Shape("default", "any", {"ratio": 2}), {**cfg, "block_g": 32, "ctas_per_sm": 2}
+            if _occupancy_compress(cfg, r2, arch) is not None and _occupancy_compress(two, r2, arch) is None:
+                cfg.update(block_g=32, ctas_per_sm=2)
         if "proj_operands" not in config and cfg.get("proj_operands") == "registers" and _proj_registers_refusal(cfg, _schedule(cfg)):
             cfg["proj_operands"] = "smem"  # what the picked choices leave the register operands unable to run with
         return cfg
