@@ -21,7 +21,7 @@ from tiles import compressor as cp
 from tiles.arch import get_arch
 from tiles.contract import Shape, TileError
 from tiles.harness import OK, evaluate
-from tiles.ptxas import resource_usage
+from tiles.ptxas import ptxas_log, resource_usage
 
 SM90 = get_arch("sm90")
 # The one-CTA-per-SM kernel (Hopper's default until ctas_per_sm 2): the base of the tests that vary load, proj or encode
@@ -803,7 +803,7 @@ def test_proj_registers_constraints_refuse():
     """Flat kernel, wk=fp32, no kv_load=whole, wk_stages 2, Hopper; unknown values refused with a reason; the kernel
     builder refuses the same; Hopper's default reads the operands from registers (session 8), a config that cannot falls back to shared memory."""
     space, r2, r1 = cp.COMPRESSOR.search_space(SM90), cp.COMPRESSOR.shape("prefill_r2_s64k"), cp.COMPRESSOR.shape("prefill_r1_s64k")
-    assert {p.name: p.choices for p in space.params}["proj_operands"] == ("smem", "registers")
+    assert {p.name: p.choices for p in space.params}["proj_operands"] == ("smem", "registers", "wgmma")
     assert cp.COMPRESSOR.default_config(SM90)["proj_operands"] == "registers"
 
     def why(cfg, sh=r2):
@@ -1070,3 +1070,101 @@ def test_split_accumulators_match_reference(label, over):
     names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
     assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
     _two_runs_bitwise_equal(tile.shape("prefill_r2_s64k"), cfg)
+
+
+# ---------------------------------------------------------------------------------- proj_operands="wgmma"
+# The transposed projection on wgmma (_PROJ_WGMMA_CUDA, sm_90a, block_g 16): Wk from registers as the register
+# projection reads and splits it, the latent split once per CTA into wgmma's no-swizzle K-major shared layout (its high
+# part over rot_s, its remainder in a [16, 512] buffer that k_s reuses), three wgmmas per k step of 8.
+
+WGMMA = {"proj_operands": "wgmma"}  # over the Hopper default: three CTAs of 16 groups, direct loads
+
+
+def test_proj_wgmma_in_the_space_and_refused_where_not_built():
+    """In the space at both ratios over the default; refused (with the reason) at block_g 32, with split accumulators,
+    without the flat kernel's register-projection prerequisites and off Hopper; the builder refuses the same."""
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2, r1 = tile.shape("prefill_r2_s64k"), tile.shape("prefill_r1_s64k")
+    assert "wgmma" in {p.name: p.choices for p in space.params}["proj_operands"]
+    cfg = tile.with_defaults(SM90, WGMMA)
+    assert cfg["block_g"] == 16 and cfg["ctas_per_sm"] == 3
+
+    def why(c, sh=r2, arch=SM90):
+        return " | ".join(space.violations(c, sh, arch))
+
+    assert why(cfg) == "" and why(cfg, r1) == ""
+    assert "block_g 16" in why({**cfg, "block_g": 32, "ctas_per_sm": 2})
+    assert "register projection only" in why({**cfg, "proj_accumulators": "split"})
+    assert "wk=fp32" in why({**cfg, "wk": "hi_lo"}) and "wk_stages" in why({**cfg, "wk_stages": 3})
+    assert "Hopper" in why(cfg, arch=get_arch("sm80"))
+    assert "wgmma" in why(tile.with_defaults(get_arch("sm80"), WGMMA), arch=get_arch("sm80"))  # the one-CTA kernel there
+    # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc)
+    base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "wgmma", "fast", "shared"]
+    for i, value, message in ((2, 32, "block_g 16"), (0, "sm_89", "sm_90a"), (15, "split", "register projection only")):
+        with pytest.raises(TileError, match=message):
+            cp._compress_kernel(*base[:i], value, *base[i + 1 :])
+
+
+def test_proj_wgmma_split_layout_is_what_the_descriptor_addresses():
+    """The split's store offset of latent word (n, k) equals the address the wgmma descriptor gives it: no-swizzle
+    K-major core matrices of 8 rows x 16 bytes, rows 16 B apart, 8-row blocks SBO = 128 B apart, k quads LBO = 16 N
+    bytes apart, +32 N bytes per k step of 8; every word of the [16, 512] latent lands once."""
+    n_groups = 16
+    src = cp._PROJ_WGMMA_CUDA
+    assert "off = (((i / N) * (N / 8) + n / 8) * 8 + n % 8) * 4" in src and "csa2_wgmma_desc(rot, 16 * N)" in src
+    assert "(uint64_t)" not in src and "(unsigned long long)(128 >> 4) << 32" in src
+    assert "const unsigned long long step = (unsigned long long)((2 * c + ks) * 2 * N)" in src
+    seen = set()
+    for p, tid in itertools.product(range(n_groups * 128 // 256), range(256)):
+        i = p * 256 + tid
+        n, quad = i % n_groups, i // n_groups
+        off_bytes = 4 * ((quad * (n_groups // 8) + n // 8) * 8 + n % 8) * 4
+        for e in range(4):
+            k = 4 * quad + e
+            step, kk = divmod(k, 8)  # k step of the wgmma, column inside it
+            desc = step * 32 * n_groups + (kk // 4) * 16 * n_groups + (n // 8) * 128 + (n % 8) * 16 + (kk % 4) * 4
+            assert off_bytes + 4 * e == desc
+            seen.add(desc)
+    assert seen == set(range(0, n_groups * 512 * 4, 4))
+
+
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_proj_wgmma_compiles_sm90_and_fits(ratio, tmp_path):
+    """Compiles at both ratios: one call of the wgmma projection, no mma.sync or ldmatrix, the latent's remainder and
+    k_s in one buffer (the shared memory as modelled: 68,352 B, three CTAs per SM), ptxas within 80 registers without
+    spilling and without serialising the wgmmas."""
+    tile = cp.COMPRESSOR
+    cfg = tile.with_defaults(SM90, WGMMA)
+    kernel, src = _build_without_producer(ratio, cfg, 3)
+    assert kernel.csa2_wk == "fragments"
+    assert src.count("csa2_proj_tf32x3_wgmma<16, 516, 512>(") == 1
+    assert "mma_sync<" not in src and "ldmatrix" not in src
+    assert cp._smem_flat(cfg, ratio) == 68352
+    _assert_flat_build_fits(kernel, src, cfg, ratio, 3, tmp_path)
+    log = ptxas_log(src, tmp_path)
+    assert "Potential Performance Loss" not in log, log  # e.g. "wgmma.mma_async instructions are serialized"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("over", [WGMMA], ids=["default_layout"])
+def test_proj_wgmma_matches_reference(over):
+    """Against the torch reference (fp4-near-exact rule) at 4K, 64K (both ratios), decode and odd shapes; the main
+    cache byte-identical to the register projection's (the projection does not touch it), the index cache within the
+    rule of it (the same products, summed in the tensor cores' order); the decode tail state and two runs bitwise
+    equal at both ratios."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = tile.with_defaults(arch, over)
+    for shape in _flat_shapes("direct"):
+        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 11, "cuda")
+        base = tile.run(tile.build(shape, {**cfg, "proj_operands": "registers"}, arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        for name in ("main_packed", "main_scales"):
+            assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
+        assert cp.compare_fp4_caches(new, base).ok, shape.name
+    full, inputs = _decode_tail_entries_equal(cfg)
+    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
+        _two_runs_bitwise_equal(shape, cfg)

@@ -207,7 +207,7 @@ def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
 MULTI_CTA_CHUNK, MULTI_CTA_STAGES = 16, 3  # ctas_per_sm > 1: kv/gate slab width and pipeline depth
 DIRECT_ROWS = 8  # kv_load=direct: groups whose kv/gate rows are loaded into registers before any is pooled
 NORM_LANES = 8  # ctas_per_sm > 1: threads per latent row in the RMSNorm sum of squares (one shuffle reduction)
-PROJ_OPERANDS = ("smem", "registers")  # where the tf32x3 projection's operands live (see _compress_kernel)
+PROJ_OPERANDS = ("smem", "registers", "wgmma")  # where the tf32x3 projection's operands live (see _compress_kernel)
 PROJ_ACCUMULATORS = ("shared", "split")  # register projection: one accumulator per output tile, or the small products apart
 ROT_PAD = 4  # proj_operands=registers: rot_s row stride 516 words, so a warp's fragment reads hit 32 distinct banks
 PROJ_WARPS = 8  # proj_operands=registers: each warp owns 16 of the 128 output columns, all block_g rows
@@ -335,6 +335,118 @@ def _split_accumulator_cuda() -> str:
     return src
 
 
+# proj_operands="wgmma" (sm_90a, block_g 16): the projection transposed, k^T [128, N] = Wk [128, 512] x latent^T, on
+# wgmma m64nNk8 TF32 (N = block_g groups). Warpgroup q computes output columns [64q, 64q + 64); warp w's A fragment is
+# Wk rows [16w, 16w + 16), the very words the register projection's warp w reads (wk_fragment_order: a0..a3 of k step
+# ks are its words (n 0, h 0), (n 1, h 0), (n 0, h 1), (n 1, h 1), i.e. rows g, g + 8 at columns t, t + 4), split per
+# warp as there. The latent is split ONCE per CTA instead of once per warp (8x fewer splits and LDS): its TF32 high part
+# overwrites rot_s (read into registers first, a barrier between) and its remainder goes to `lo`, both in wgmma's
+# no-swizzle K-major layout (8 x 16-byte core matrices: rows n % 8 16 B apart, the N / 8 row blocks 128 B apart, k
+# quads 16 N bytes apart), which the tensor cores read through descriptors. Three wgmmas per k step (Wk lo x hi,
+# Wk hi x lo, Wk hi x hi), one commit group per 16-wide chunk, A registers double-buffered so that a chunk's splits and
+# loads run under the previous chunk's wgmmas. The result is written to `out` [N, OS] after every warpgroup's wgmmas
+# have completed (out may alias lo: a barrier first).
+_PROJ_WGMMA_CUDA = r"""
+__device__ __forceinline__ unsigned long long csa2_wgmma_desc(const float* smem, int lbo_bytes) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  // start address >> 4 | leading (K-direction) byte offset >> 4 << 16 | stride (8-row block) byte offset 128 >> 4 << 32
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(lbo_bytes >> 4) << 16) | ((unsigned long long)(128 >> 4) << 32);
+}
+template <int N>
+__device__ __forceinline__ void csa2_wgmma_tf32(float* d, const unsigned* a, unsigned long long desc);
+template <>
+__device__ __forceinline__ void csa2_wgmma_tf32<16>(float* d, const unsigned* a, unsigned long long desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "
+      "p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));  // p true: D += A B
+}
+// rot: fp32 [N, RS] shared (in: the rotated latent; out: its TF32 high part, wgmma layout); lo: fp32 [N * 512] shared;
+// wkf: Wk [128, 512] fp32 in fragment order (global); out: fp32 [N, OS] shared.
+template <int N, int RS, int OS>
+__device__ __forceinline__ void csa2_proj_tf32x3_wgmma(float* rot, float* lo, const float* __restrict__ wkf, float* out) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  // 1. The latent's split, once per CTA. Thread tid's p-th float4 is row n = i % N, k quad i / N (i = p * 256 + tid):
+  // eight neighbouring threads read rows n..n+7 of one quad (banks 4n apart at RS = 516) and write one 128-byte core
+  // matrix row block: no bank conflicts either way.
+  constexpr int PER = N * (512 / 4) / 256;
+  float4 v[PER];
+#pragma unroll
+  for (int p = 0; p < PER; ++p) {
+    const int i = p * 256 + tid;
+    v[p] = *reinterpret_cast<const float4*>(rot + (i % N) * RS + 4 * (i / N));
+  }
+  __syncthreads();  // every latent word is in registers before its high part overwrites rot
+#pragma unroll
+  for (int p = 0; p < PER; ++p) {
+    const int i = p * 256 + tid, n = i % N, off = (((i / N) * (N / 8) + n / 8) * 8 + n % 8) * 4;
+    const float x[4] = {v[p].x, v[p].y, v[p].z, v[p].w};
+    unsigned h[4], l[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) csa2_split_tf32(x[e], h[e], l[e]);
+    *reinterpret_cast<uint4*>(rot + off) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(lo + off) = make_uint4(l[0], l[1], l[2], l[3]);
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic-proxy stores -> the wgmma (async proxy) reads
+  __syncthreads();
+  // 2. The wgmmas. Descriptors advance 32 N bytes (two k quads) per k step of 8.
+  const unsigned long long d_hi = csa2_wgmma_desc(rot, 16 * N), d_lo = csa2_wgmma_desc(lo, 16 * N);
+  float acc[N / 2];
+#pragma unroll
+  for (int e = 0; e < N / 2; ++e) acc[e] = 0.0f;
+  const float4* wp = reinterpret_cast<const float4*>(wkf) + warp * 32 * 64 + lane * 2;
+  float4 raw[2][2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    raw[s][0] = __ldg(wp + s * 64);
+    raw[s][1] = __ldg(wp + s * 64 + 1);
+  }
+  unsigned ah[2][2][4], al[2][2][4];  // [buffer][ks][a0..a3]
+#pragma unroll 1
+  for (int kc = 0; kc < 32; kc += 2) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int c = kc + s;
+      // Buffer s was last read by chunk c - 2's wgmmas: wait until at most chunk c - 1's group is pending.
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      const float w0[4] = {raw[s][0].x, raw[s][0].y, raw[s][0].z, raw[s][0].w};
+      const float w1[4] = {raw[s][1].x, raw[s][1].y, raw[s][1].z, raw[s][1].w};
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        csa2_split_tf32(w0[2 * ks], ah[s][ks][0], al[s][ks][0]);      // (g, t)
+        csa2_split_tf32(w1[2 * ks], ah[s][ks][1], al[s][ks][1]);      // (g + 8, t)
+        csa2_split_tf32(w0[2 * ks + 1], ah[s][ks][2], al[s][ks][2]);  // (g, t + 4)
+        csa2_split_tf32(w1[2 * ks + 1], ah[s][ks][3], al[s][ks][3]);  // (g + 8, t + 4)
+      }
+      const int nc = (c + 2) & 31;  // two chunks ahead (the last two wrap: valid addresses, values unused)
+      raw[s][0] = __ldg(wp + nc * 64);
+      raw[s][1] = __ldg(wp + nc * 64 + 1);
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const unsigned long long step = (unsigned long long)((2 * c + ks) * 2 * N);  // (2c + ks) * 32 N bytes, >> 4
+        csa2_wgmma_tf32<N>(acc, al[s][ks], d_hi + step);
+        csa2_wgmma_tf32<N>(acc, ah[s][ks], d_lo + step);
+        csa2_wgmma_tf32<N>(acc, ah[s][ks], d_hi + step);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    }
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+  for (int e = 0; e < N / 2; ++e) asm volatile("" : "+f"(acc[e])::"memory");
+  __syncthreads();  // both warpgroups' wgmmas have read lo before out (which may alias it) is written
+  // Accumulator e = 4j + 2r + b: row (output column) 16 warp + g + 8r, column (group) 8j + 2t + b.
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[(8 * j + 2 * t + (e & 1)) * OS + 16 * warp + g + 8 * (e >> 1)] = acc[4 * j + e];
+}
+"""
+
+
 def wk_fragment_order(wk: torch.Tensor) -> torch.Tensor:
     """fp32 Wk [128, 512] -> the same words [128, 512] in the order ``proj_operands="registers"`` reads them: per warp w
     (16 output columns) and k chunk c (16 wide), 32 lanes x 8 words, word n * 4 + ks * 2 + h of lane 4g + t being
@@ -421,7 +533,10 @@ def _compress_kernel(
     "registers" runs the projection out of registers (_PROJ_REGS_CUDA): each warp owns 16 output columns, reads its
     latent words from rot_s (padded rows) and its Wk words from L2 (host order :func:`wk_fragment_order`), splits each
     once and issues the same MMAs in the same order; the result goes to k_s. No Wk stages, a_hi/a_lo/b_hi/b_lo or
-    barriers in the loop.
+    barriers in the loop. "wgmma" (sm_90a, block_g 16) computes the transposed product on wgmma (_PROJ_WGMMA_CUDA): Wk
+    from registers as the register projection reads and splits it, the latent split once per CTA into wgmma's shared
+    layout (its high part over rot_s) instead of once per warp; the same three products, summed in the tensor cores'
+    order (the index keys may differ from "registers" in the last bits).
     ``proj_accumulators`` (register projection): "shared" accumulates the three products of each output tile in one
     accumulator, in T.gemm's order (the shared-memory projection's bits); "split" keeps the small products (lo*hi, hi*lo)
     in a second one, added at the end (:func:`_split_accumulator_cuda`): two independent MMA chains per tile.
@@ -451,7 +566,8 @@ def _compress_kernel(
         raise TileError(f"unknown pool_math {pool_math!r}: use one of {', '.join(POOL_MATHS)}")
     if proj_operands not in PROJ_OPERANDS:
         raise TileError(f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}")
-    regs = proj_operands == "registers"
+    # "wgmma" reads Wk like "registers" (fragment order from L2, no Wk stages): the same refusals, and then its own.
+    regs, wgmma = proj_operands in ("registers", "wgmma"), proj_operands == "wgmma"
     if regs and (not flat or wk != "fp32" or kv_load == "whole" or threads != PROJ_WARPS * 32 or block_g not in (16, 32, 64)):
         raise TileError(
             "proj_operands='registers' is built for the flat kernel with wk=fp32, 256 threads, block_g 16/32/64 and "
@@ -460,6 +576,8 @@ def _compress_kernel(
         )
     if regs and wk_stages != 2:
         raise TileError(f"proj_operands='registers' has no Wk stages (wk_stages {wk_stages}: use 2)")
+    if wgmma and (block_g != 16 or not target.startswith("sm_90")):
+        raise TileError(f"proj_operands='wgmma' is built for sm_90a at block_g 16 (got {target}, block_g {block_g})")
     if wk not in WK_LOADS or (wk == "fp32" and not flat):
         raise TileError(f"wk={wk!r}: use one of {', '.join(WK_LOADS)}; 'fp32' only with the flat kernel (ctas_per_sm > 1 or schedule=flat)")
     B, G = T.dynamic("B, G")
@@ -502,7 +620,13 @@ def _compress_kernel(
             kacc = None if regs else T.alloc_fragment((block_g, DI), "float32")
             ksq = T.alloc_fragment((block_g, DI), "float32")
             kss = T.alloc_fragment((block_g,), "float32")
-            k_s = T.alloc_shared((block_g, DI), "float32")
+            if wgmma:
+                # The latent's TF32 remainder for the wgmmas; the projection's result then lands in the same bytes
+                # (after a barrier): k_s is its first DI columns, rows D words apart. Keeps three CTAs per SM.
+                lo_s = T.alloc_shared((block_g, D), "float32")
+                k_s = lo_s
+            else:
+                k_s = T.alloc_shared((block_g, DI), "float32")
             kw_s = T.alloc_shared((DI,), "float32")
             amax_i = T.alloc_fragment((block_g, DI // INDEX_GROUP), "float32")
             scale_i = T.alloc_shared((block_g, DI // INDEX_GROUP), "float32")
@@ -528,8 +652,8 @@ def _compress_kernel(
                 kv_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio)]
                 gate_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio if ratio == 2 else 0)]
             if encode == "thresholds" or regs:  # one import_source per kernel
-                split_acc = _split_accumulator_cuda() if proj_accumulators == "split" else ""
-                T.import_source((_bounds_cuda() if encode == "thresholds" else "") + (_PROJ_REGS_CUDA + split_acc if regs else ""))
+                extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
+                T.import_source((_bounds_cuda() if encode == "thresholds" else "") + (_PROJ_REGS_CUDA + extra if regs else ""))
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
@@ -620,7 +744,19 @@ def _compress_kernel(
             # 5. Index-K projection of the rotated latent (fp32 accuracy, see module docstring).
             if not regs:
                 T.clear(kacc)
-            if regs:
+            if wgmma:
+                # wgmma into k_s (see _PROJ_WGMMA_CUDA); rot_s is final (barrier after the main stores) and is overwritten
+                # by the latent's high part: nothing reads it after this.
+                T.call_extern(
+                    "handle",
+                    f"csa2_proj_tf32x3_wgmma<{block_g}, {D + ROT_PAD}, {D}>",
+                    T.address_of(rot_s[0, 0]),
+                    T.address_of(lo_s[0, 0]),
+                    T.address_of(wk_hi[0, 0]),
+                    T.address_of(k_s[0, 0]),
+                )
+                T.sync_threads()
+            elif regs:
                 # Out of registers into k_s (see _PROJ_REGS_CUDA); rot_s is final (barrier after the main stores).
                 T.call_extern(
                     "handle",
@@ -987,7 +1123,9 @@ class CompressorTile(Tile):
                 "flat kernel, tf32x3 projection: latent and Wk chunks split into TF32 high/low tiles in shared memory and "
                 "read by T.gemm (ldmatrix, three barriers per chunk), or every operand in registers: each warp owns 16 "
                 "output columns, reads its latent words from rot_s and its Wk words from L2 (host fragment order), splits "
-                "each once and issues the same MMAs (no Wk stages, no barriers; wk=fp32, wk_stages 2)",
+                "each once and issues the same MMAs (no Wk stages, no barriers; wk=fp32, wk_stages 2); or (block_g 16) the "
+                "transposed product on wgmma: Wk from registers as before, the latent split once per CTA into wgmma's "
+                "shared layout instead of once per warp",
             ),
             Param(
                 "proj_accumulators",
@@ -1191,15 +1329,19 @@ def _rope() -> RopeConfig:
 
 
 def _proj_registers_refusal(config: Config, schedule: str) -> str | None:
-    """Why proj_operands="registers" cannot run with ``config`` (whose kernel is ``schedule``), or None."""
+    """Why proj_operands="registers" (or "wgmma", which reads Wk the same way) cannot run with ``config`` (whose kernel
+    is ``schedule``), or None."""
+    name = f"proj_operands={config.get('proj_operands', 'registers')}"
     if schedule != "flat":
-        return "proj_operands=registers exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
+        return f"{name} exists only in the flat kernel (ctas_per_sm > 1 or schedule=flat)"
     if config.get("wk", "hi_lo") != "fp32":
-        return "proj_operands=registers reads fp32 Wk (in fragment order) from L2: it needs wk=fp32"
+        return f"{name} reads fp32 Wk (in fragment order) from L2: it needs wk=fp32"
     if config.get("kv_load", "slabs") == "whole":
-        return "proj_operands=registers pads rot_s's rows (conflict-free fragment reads): kv_load=whole's one copy is not built"
+        return f"{name} pads rot_s's rows (conflict-free fragment reads): kv_load=whole's one copy is not built"
     if config.get("wk_stages", 2) != 2:
-        return "proj_operands=registers has no Wk pipeline in shared memory: wk_stages must stay 2"
+        return f"{name} has no Wk pipeline in shared memory: wk_stages must stay 2"
+    if config.get("proj_operands") == "wgmma" and config.get("block_g") != 16:
+        return "proj_operands=wgmma is built for block_g 16 (the latent's high and low parts in wgmma's layout: three CTAs per SM)"
     return None
 
 
@@ -1229,7 +1371,7 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     proj_operands = config.get("proj_operands", "smem")
     if proj_operands not in PROJ_OPERANDS:
         return f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}"
-    if proj_operands == "registers" and (why := _proj_registers_refusal(config, schedule)):
+    if proj_operands in ("registers", "wgmma") and (why := _proj_registers_refusal(config, schedule)):
         return why
     if config.get("proj_accumulators", "shared") not in PROJ_ACCUMULATORS:
         return f"unknown proj_accumulators {config['proj_accumulators']!r}: use one of {', '.join(PROJ_ACCUMULATORS)}"
@@ -1270,13 +1412,15 @@ def _smem_flat(config: Config, ratio: int) -> int:
     kv/gate rows are registers), so ratio 2 needs what ratio 1 does (102,912 B at block_g 32).
     """
     bg, kc = config["block_g"], config["k_chunk"]
-    if config.get("proj_operands", "smem") == "registers":
-        # rot_s with padded rows, k_s (the projection's result, written while rot_s is read) and 2,560 B of small
-        # arrays; no Wk stages or split tiles, so kv_load=slabs adds all its slabs (kv and gate, three stages each).
-        # Exact at block_g 16/32/64, ratio 1/2, kv_load slabs/direct (tests/test_compressor.py).
+    if config.get("proj_operands", "smem") in ("registers", "wgmma"):
+        # rot_s with padded rows, k_s (the projection's result, written while rot_s is read; "wgmma": the latent's
+        # remainder [block_g, 512], which k_s then reuses) and 2,560 B of small arrays; no Wk stages or split tiles, so
+        # kv_load=slabs adds all its slabs (kv and gate, three stages each). Exact at block_g 16/32/64, ratio 1/2,
+        # kv_load slabs/direct (tests/test_compressor.py).
         n_slabs = 0 if config.get("kv_load", "slabs") != "slabs" else (2 if ratio == 2 else 1)
         slab = MULTI_CTA_STAGES * ratio * bg * MULTI_CTA_CHUNK * 4
-        return 2560 + bg * (D + ROT_PAD) * 4 + bg * DI * 4 + n_slabs * slab
+        k_s = bg * (D if config["proj_operands"] == "wgmma" else DI) * 4
+        return 2560 + bg * (D + ROT_PAD) * 4 + k_s + n_slabs * slab
     slabs = ratio == 2 and config.get("kv_load", "slabs") != "direct"
     gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if slabs else 0
     need = bg * D * 4 + gate_slabs + 4 * DI * kc * 4 + 8 * bg * kc + 512

@@ -11,10 +11,10 @@ import subprocess
 from pathlib import Path
 
 
-def resource_usage(src: str, workdir: Path, arch: str = "sm_90a") -> tuple[int, int]:
-    """(registers per thread, spill bytes stored + loaded) of the kernel in ``src`` compiled for ``arch`` with
-    TileLang's include paths (``nvcc -cubin -O3 -Xptxas -v``); files go to ``workdir``. Raises CalledProcessError when
-    nvcc fails, FileNotFoundError when nvcc is not on the PATH."""
+def ptxas_log(src: str, workdir: Path, arch: str = "sm_90a") -> str:
+    """nvcc's output (ptxas -v info and warnings) for the kernel in ``src`` compiled for ``arch`` with TileLang's
+    include paths (``nvcc -cubin -O3 -Xptxas -v``); files go to ``workdir``. Raises CalledProcessError when nvcc
+    fails, FileNotFoundError when nvcc is not on the PATH."""
     import tilelang
 
     root = Path(tilelang.__file__).parent
@@ -23,7 +23,13 @@ def resource_usage(src: str, workdir: Path, arch: str = "sm_90a") -> tuple[int, 
     inc = [f"-I{root / d}" for d in ("src", "src/cuda", "3rdparty/cutlass/include")]
     cmd = ["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *inc, str(cu), "-o", str(cu.with_suffix(".cubin"))]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def resource_usage(src: str, workdir: Path, arch: str = "sm_90a") -> tuple[int, int]:
+    """(registers per thread, spill bytes stored + loaded) of the kernel in ``src`` compiled for ``arch``
+    (:func:`ptxas_log`)."""
+    log = ptxas_log(src, workdir, arch)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     return regs, spills
