@@ -67,11 +67,16 @@ def main() -> int:
     reasons = [i for i, c in enumerate(header) if c.startswith("stall_") and "Not Issued" not in c]
     total = sum(_num(r[samples]) for r in data)
     total_executed = sum(_num(r[executed]) for r in data) or 1.0
+    # shared-memory wavefronts (the L1/TEX pipe's work for LDS/STS and the tensor cores' shared operand reads), if exported
+    wavefronts = header.index("L1 Wavefronts Shared") if "L1 Wavefronts Shared" in header else None
+    total_wavefronts = sum(_num(r[wavefronts]) for r in data) if wavefronts is not None else 0.0
     if args.cut == "barrier":  # a segment ends with its barrier
         cuts = [0] + [i + 1 for i, r in enumerate(data) if _opcode(r[1]).startswith("BAR")] + [len(data)]
     else:
         cuts = [0] + [i for i, r in enumerate(data) if "USETMAXREG" in r[1]] + [len(data)]
     print(f"{args.csv.name}: {len(data)} SASS lines, {total:.0f} samples, {total_executed:.0f} warp instructions executed")
+    if total_wavefronts:
+        print(f"{total_wavefronts:.0f} shared-memory wavefronts")
     for lo, hi in itertools.pairwise(cuts):
         seg = data[lo:hi]
         n = sum(_num(r[samples]) for r in seg)
@@ -89,6 +94,8 @@ def main() -> int:
                 ops[_opcode(r[1])] += _num(r[executed])
             common = ", ".join(f"{k} {100 * v / seg_executed:.0f}%" for k, v in ops.most_common(5) if v)
             line += f", {100 * seg_executed / total_executed:.1f}% of instructions ({common})"
+            if total_wavefronts:
+                line += f", {100 * sum(_num(r[wavefronts]) for r in seg) / total_wavefronts:.1f}% of shared wavefronts"
         print(f"{line} | {top_reasons}")
         order = sorted(range(len(seg)), key=lambda k: -_num(seg[k][samples]))[: args.top]
         for k in order:

@@ -346,6 +346,11 @@ def _split_accumulator_cuda() -> str:
 # Wk hi x lo, Wk hi x hi), one commit group per 16-wide chunk, A registers double-buffered so that a chunk's splits and
 # loads run under the previous chunk's wgmmas. The result is written to `out` [N, OS] after every warpgroup's wgmmas
 # have completed (out may alias lo: a barrier first).
+# Measured (H200, session 10, results/sm90/profile_compressor_wgmma_session10.json): right (index keys equal to the
+# register projection's at 4K), but slower at every shape: ratio 2 at 64K 0.1488 -> 0.1650 ms, ratio 1 0.2490 -> 0.2512,
+# decode 0.0124 -> 0.0132. Its loop is 45 instructions a chunk instead of ~70, but the kernel is not bound by them: the
+# wgmmas read the latent once per warpgroup and k step (1.5K shared wavefronts a CTA, plus the split's 0.5K, against the
+# register projection's 2.3K), and in Nsight the other phases' samples grew by more than the projection's shrank.
 _PROJ_WGMMA_CUDA = r"""
 __device__ __forceinline__ unsigned long long csa2_wgmma_desc(const float* smem, int lbo_bytes) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
