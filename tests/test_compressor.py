@@ -1168,3 +1168,68 @@ def test_proj_wgmma_matches_reference(over):
     assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
     for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
         _two_runs_bitwise_equal(shape, cfg)
+
+
+# ---------------------------------------------------------------------------------- norm_pass="in_pool"
+# kv_load=direct: the RMSNorm on the pooled rows in registers (one warp per row: lane l holds columns 128 j + 4 l..+3,
+# a shuffle reduction) so that rot_s is written once, normalised, instead of a sum-of-squares pass over rot_s, a barrier
+# and a read-scale-write pass.
+
+IN_POOL = [
+    ("default", {"norm_pass": "in_pool"}),  # three CTAs of 16 groups
+    ("two_ctas", {"norm_pass": "in_pool", "block_g": 32, "ctas_per_sm": 2}),
+]
+
+
+def test_norm_in_pool_in_the_space_and_refused_without_direct_loads():
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2, r1 = tile.shape("prefill_r2_s64k"), tile.shape("prefill_r1_s64k")
+    assert {p.name: p.choices for p in space.params}["norm_pass"] == ("separate", "in_pool")
+    assert cp.COMPRESSOR.default_config(SM90)["norm_pass"] == "separate"
+    cfg = tile.with_defaults(SM90, {"norm_pass": "in_pool"})
+    assert space.violations(cfg, r2, SM90) == [] and space.violations(cfg, r1, SM90) == []
+    assert any("kv_load=direct" in r for r in space.violations({**cfg, "kv_load": "slabs"}, r2, SM90))
+    assert any("unknown norm_pass" in r for r in space.violations({**cfg, "norm_pass": "bogus"}, r2, SM90))
+    # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc)
+    base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "slabs", "registers", "fast", "shared"]
+    with pytest.raises(TileError, match="kv_load='direct'"):
+        cp._compress_kernel(*base, "in_pool")
+    with pytest.raises(TileError, match="unknown norm_pass"):
+        cp._compress_kernel(*base[:12], "direct", *base[13:], "bogus")
+
+
+@pytest.mark.parametrize("label, over", IN_POOL, ids=[c[0] for c in IN_POOL])
+def test_norm_in_pool_compiles_sm90_and_fits(label, over, tmp_path):
+    """Both ratios: the row sums are one warp-wide shuffle reduction per pooled row (no all-reduce through shared
+    memory), the norm's own passes and their barrier are gone, and the build fits its CTAs (shared memory as modelled,
+    ptxas within the occupancy's registers, no spills)."""
+    tile = cp.COMPRESSOR
+    cfg = tile.with_defaults(SM90, over)
+    for ratio in (2, 1):
+        kernel, src = _build_without_producer(ratio, cfg, cfg["ctas_per_sm"])
+        _, separate = _build_without_producer(ratio, {**cfg, "norm_pass": "separate"}, cfg["ctas_per_sm"])
+        assert "ss_f[0] = tl::AllReduce<tl::SumOp, 32, 1, 0" in src and "workspace" not in src
+        assert src.count("__syncthreads()") == separate.count("__syncthreads()") - 1
+        assert "inv_s" in separate and "inv_s" not in src
+        _assert_flat_build_fits(kernel, src, cfg, ratio, cfg["ctas_per_sm"], tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, over", IN_POOL, ids=[c[0] for c in IN_POOL])
+def test_norm_in_pool_matches_reference(label, over):
+    """Against the torch reference (fp4-near-exact rule) at 4K, 64K (both ratios), decode and odd shapes, and within the
+    same rule of the separate norm's caches (another summation order of the squares: the latent moves by a few ulps);
+    the decode tail state and two runs bitwise equal."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = tile.with_defaults(arch, over)
+    for shape in _flat_shapes("direct"):
+        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 11, "cuda")
+        base = tile.run(tile.build(shape, {**cfg, "norm_pass": "separate"}, arch), inputs)
+        assert cp.compare_fp4_caches(tile.run(tile.build(shape, cfg, arch), inputs), base).ok, shape.name
+    full, inputs = _decode_tail_entries_equal(cfg)
+    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
+        _two_runs_bitwise_equal(shape, cfg)

@@ -137,6 +137,7 @@ def _e2m1_code_search(v):
 
 
 POOL_MATHS = ("ieee", "fast")  # how the ratio-2 softmax over a group's two tokens is computed (see _pool_pair)
+NORM_PASSES = ("separate", "in_pool")  # RMSNorm after the pooling from rot_s, or on the pooled rows in registers (kv_load=direct)
 
 
 def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
@@ -501,6 +502,7 @@ def _compress_kernel(
     proj_operands: str = "smem",
     pool_math: str = "ieee",
     proj_accumulators: str = "shared",
+    norm_pass: str = "separate",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -548,6 +550,10 @@ def _compress_kernel(
     ``pool_math`` (ratio 2; ratio 1 pools nothing): how each channel's softmax over the group's two tokens is computed,
     see :func:`_pool_pair`: "ieee" (two expf, two IEEE divisions: the reference's expression) or "fast" (ex2.approx and
     one approximate reciprocal: a few ulps off).
+    ``norm_pass`` (kv_load=direct): "separate" normalises rot_s after the pooling (:func:`_rmsnorm_in_smem`: a pass that
+    sums the squares from rot_s, a barrier, a pass that reads, scales and writes it back); "in_pool" sums each pooled
+    row's squares in registers (one warp-wide shuffle reduction) and writes rot_s once, normalised: no rot_s round trip
+    and no barriers for the norm (the latent moves by a few ulps: another summation order).
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -569,6 +575,10 @@ def _compress_kernel(
         raise TileError("proj_accumulators='split' exists in the register projection only (proj_operands='registers')")
     if pool_math not in POOL_MATHS:
         raise TileError(f"unknown pool_math {pool_math!r}: use one of {', '.join(POOL_MATHS)}")
+    if norm_pass not in NORM_PASSES:
+        raise TileError(f"unknown norm_pass {norm_pass!r}: use one of {', '.join(NORM_PASSES)}")
+    if norm_pass == "in_pool" and kv_load != "direct":
+        raise TileError(f"norm_pass='in_pool' normalises the direct loads' pooled rows: it needs kv_load='direct' (got {kv_load!r})")
     if proj_operands not in PROJ_OPERANDS:
         raise TileError(f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}")
     # "wgmma" reads Wk like "registers" (fragment order from L2, no Wk stages): the same refusals, and then its own.
@@ -656,6 +666,19 @@ def _compress_kernel(
                 # load and the pool); ratio 1 needs only the first.
                 kv_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio)]
                 gate_f = [T.alloc_fragment((DIRECT_ROWS, D), "float32") for _ in range(ratio if ratio == 2 else 0)]
+                if norm_pass == "in_pool":
+                    pooled_f = T.alloc_fragment((DIRECT_ROWS, D), "float32")
+                    sq_f = T.alloc_fragment((DIRECT_ROWS, D), "float32")
+                    ss_f = T.alloc_fragment((DIRECT_ROWS,), "float32")
+                    # One warp per row (lane l holds columns 128 j + 4 l .. + 3): the row sums are shuffle reductions
+                    # inside a warp. TileLang's own choice spreads a row over 128 threads (a barrier-synchronised
+                    # all-reduce through shared memory per row).
+                    row_per_warp = T.Fragment(
+                        (DIRECT_ROWS, D),
+                        forward_thread_fn=lambda i, d: i * 32 + (d // 4) % 32,
+                        forward_index_fn=lambda i, d: (d // 128) * 4 + d % 4,
+                    )
+                    T.annotate_layout({buf: row_per_warp for buf in (*kv_f, *gate_f, pooled_f, sq_f)})
             if encode == "thresholds" or regs:  # one import_source per kernel
                 extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
                 T.import_source((_bounds_cuda() if encode == "thresholds" else "") + (_PROJ_REGS_CUDA + extra if regs else ""))
@@ -683,12 +706,28 @@ def _compress_kernel(
                                 kv_f[1][i, d] = kv[b, g * 2 + 1, d]
                                 gate_f[0][i, d] = gate[b, g * 2, d]
                                 gate_f[1][i, d] = gate[b, g * 2 + 1, d]
-                        for i, d in T.Parallel(DIRECT_ROWS, D):
-                            if ratio == 1:
-                                rot_s[r * DIRECT_ROWS + i, d] = kv_f[0][i, d]
-                            else:
-                                x0, x1 = gate_f[0][i, d], gate_f[1][i, d]
-                                rot_s[r * DIRECT_ROWS + i, d] = _pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
+                        if norm_pass == "in_pool":
+                            # The pooled rows stay in registers: their squares summed per row (the lanes of a row share
+                            # one warp: a shuffle reduction), then written once, normalised.
+                            for i, d in T.Parallel(DIRECT_ROWS, D):
+                                if ratio == 1:
+                                    pooled_f[i, d] = kv_f[0][i, d]
+                                else:
+                                    x0, x1 = gate_f[0][i, d], gate_f[1][i, d]
+                                    pooled_f[i, d] = _pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
+                            for i, d in T.Parallel(DIRECT_ROWS, D):
+                                sq_f[i, d] = pooled_f[i, d] * pooled_f[i, d]
+                            T.reduce_sum(sq_f, ss_f, dim=1)
+                            for i, d in T.Parallel(DIRECT_ROWS, D):
+                                inv = T.rsqrt(ss_f[i] / D + eps[0])
+                                rot_s[r * DIRECT_ROWS + i, d] = pooled_f[i, d] * inv * w_s[d]
+                        else:
+                            for i, d in T.Parallel(DIRECT_ROWS, D):
+                                if ratio == 1:
+                                    rot_s[r * DIRECT_ROWS + i, d] = kv_f[0][i, d]
+                                else:
+                                    x0, x1 = gate_f[0][i, d], gate_f[1][i, d]
+                                    rot_s[r * DIRECT_ROWS + i, d] = _pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
                 else:
                     _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages, pool_math)
                 if not flat:
@@ -703,9 +742,9 @@ def _compress_kernel(
                         x0, x1 = gate[b, 2 * g, d], gate[b, 2 * g + 1, d]
                         lat[i, d] = _pool_pair(x0, x1, kv[b, 2 * g, d], kv[b, 2 * g + 1, d], pool_math)
             # 2. RMSNorm.
-            if flat:
+            if flat and norm_pass == "separate":
                 _rmsnorm_in_smem(rot_s, w_s, part, ss, inv_s, eps, block_g)
-            else:
+            elif not flat:
                 for i, d in T.Parallel(block_g, D):
                     sq[i, d] = lat[i, d] * lat[i, d]
                 T.reduce_sum(sq, ss, dim=1)
@@ -900,6 +939,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("proj_operands", "smem"),
         cfg.get("pool_math", "ieee"),
         cfg.get("proj_accumulators", "shared"),
+        cfg.get("norm_pass", "separate"),
     )
 
 
@@ -1145,6 +1185,12 @@ class CompressorTile(Tile):
                 "expression), or ex2.approx and one approximate reciprocal (a few ulps: within the one-code-step rule); "
                 "no effect at ratio 1",
             ),
+            Param(
+                "norm_pass",
+                NORM_PASSES,
+                "kv_load=direct: RMSNorm as its own passes over rot_s (sum of squares, barrier, scale), or on the pooled "
+                "rows in registers (one warp per row, a shuffle reduction) so that rot_s is written once, normalised",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -1185,6 +1231,7 @@ class CompressorTile(Tile):
                 # differ from the torch reference 2.4e-7 -> 4.8e-7 of them (at 64K).
                 "pool_math": "fast",
                 "proj_accumulators": "shared",
+                "norm_pass": "separate",
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
             # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
@@ -1197,7 +1244,7 @@ class CompressorTile(Tile):
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
-            cfg.update(proj_accumulators="shared")
+            cfg.update(proj_accumulators="shared", norm_pass="separate")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
@@ -1382,6 +1429,11 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"unknown proj_accumulators {config['proj_accumulators']!r}: use one of {', '.join(PROJ_ACCUMULATORS)}"
     if config.get("proj_accumulators", "shared") == "split" and proj_operands != "registers":
         return "proj_accumulators=split exists in the register projection only (proj_operands=registers)"
+    norm_pass = config.get("norm_pass", "separate")
+    if norm_pass not in NORM_PASSES:
+        return f"unknown norm_pass {norm_pass!r}: use one of {', '.join(NORM_PASSES)}"
+    if norm_pass == "in_pool" and kv_load != "direct":
+        return "norm_pass=in_pool normalises the direct loads' pooled rows in registers: it needs kv_load=direct"
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2 and config.get("pool_math", "ieee") == "ieee":
         # ptxas: 80 registers (the cap of 3 x 256 threads) and 36-40 bytes of spills at block_g 16, ratio 2, with the
         # reference's pooling expression; pool_math="fast" compiles to 80 registers without spills (session 9).
