@@ -62,6 +62,10 @@ phase_bench-indexer() {  # issue 6's tiles at their target shapes, torch in the 
   bench compressor prefill_r2_s64k,prefill_r1_s64k
 }
 
+phase_bench-compressor() {  # the compressor's two 64K shapes, torch in the same run
+  bench compressor prefill_r2_s64k,prefill_r1_s64k
+}
+
 phase_bench-attn() {  # issue 5's attention tiles at their target shapes, torch in the same run
   bench sparse_attn_decode decode_b64_s1,decode_b128_s2
   bench sparse_attn_prefill prefill_s4k

@@ -25,15 +25,22 @@ from tiles.ptxas import ptxas_log, resource_usage
 
 SM90 = get_arch("sm90")
 # The one-CTA-per-SM kernel (Hopper's default until ctas_per_sm 2): the base of the tests that vary load, proj or encode
-ONE_CTA = {"ctas_per_sm": 1, "k_chunk": 32, "wk": "hi_lo", "schedule": "ws", "kv_load": "slabs"}  # kv through slabs
+ONE_CTA = {
+    "ctas_per_sm": 1,
+    "k_chunk": 32,
+    "wk": "hi_lo",
+    "schedule": "ws",
+    "kv_load": "slabs",
+    "norm_pass": "separate",
+}  # kv through slabs
 
 
 def _default(arch=SM90):
     """The arch's default with the projection's operands through shared memory and the reference's pooling expression:
     the configs these tests vary were written and checked against it (Hopper's default reads the operands from registers
-    since session 8, pools by pool_math="fast" and runs three CTAs of 16 groups per SM since session 9; those have their
-    own tests below, against this one as the base)."""
-    base = {**cp.COMPRESSOR.default_config(arch), "proj_operands": "smem", "pool_math": "ieee"}
+    since session 8, pools by pool_math="fast" and runs three CTAs of 16 groups per SM since session 9, normalises in the
+    pooling (norm_pass="in_pool") since session 10; those have their own tests below, against this one as the base)."""
+    base = {**cp.COMPRESSOR.default_config(arch), "proj_operands": "smem", "pool_math": "ieee", "norm_pass": "separate"}
     return {**base, "block_g": 32, "ctas_per_sm": 2} if arch.family == "hopper" else base  # three CTAs of 16 since session 9
 
 
@@ -1185,7 +1192,10 @@ def test_norm_in_pool_in_the_space_and_refused_without_direct_loads():
     tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
     r2, r1 = tile.shape("prefill_r2_s64k"), tile.shape("prefill_r1_s64k")
     assert {p.name: p.choices for p in space.params}["norm_pass"] == ("separate", "in_pool")
-    assert cp.COMPRESSOR.default_config(SM90)["norm_pass"] == "separate"
+    assert cp.COMPRESSOR.default_config(SM90)["norm_pass"] == "in_pool"  # since session 10 (H200: faster at every shape)
+    assert cp.COMPRESSOR.default_config(get_arch("sm80"))["norm_pass"] == "separate"
+    for picked in ({"kv_load": "slabs"}, {"schedule": "ws"}, {"load": "direct"}):  # no direct loads: the separate passes
+        assert tile.with_defaults(SM90, picked)["norm_pass"] == "separate", picked
     cfg = tile.with_defaults(SM90, {"norm_pass": "in_pool"})
     assert space.violations(cfg, r2, SM90) == [] and space.violations(cfg, r1, SM90) == []
     assert any("kv_load=direct" in r for r in space.violations({**cfg, "kv_load": "slabs"}, r2, SM90))
