@@ -1243,3 +1243,89 @@ def test_norm_in_pool_matches_reference(label, over):
     assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
     for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
         _two_runs_bitwise_equal(shape, cfg)
+
+
+# ---------------------------------------------------------------------------------- proj_k_split=2
+# The register projection with K split between the CTA's two halves (_PROJ_REGS_K2_CUDA): warp w covers k in
+# [256 (w / 4), +256) for output columns [32 (w % 4), +32), reading and splitting half the latent (every warp read all
+# of it), its Wk words in wk_fragment_order(Wk, 32); half 1 stores its sums into k_s, half 0 adds its own.
+
+K_SPLIT = [
+    ("default", {"proj_k_split": 2}),  # three CTAs of 16 groups
+    ("two_ctas", {"proj_k_split": 2, "block_g": 32, "ctas_per_sm": 2}),
+]
+
+
+def test_proj_k_split_in_the_space_and_refused_outside_the_register_projection():
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2 = tile.shape("prefill_r2_s64k")
+    assert {p.name: p.choices for p in space.params}["proj_k_split"] == (1, 2)
+    cfg = tile.with_defaults(SM90, {"proj_k_split": 2})
+
+    def why(c):
+        return " | ".join(space.violations(c, r2, SM90))
+
+    assert why(cfg) == ""
+    assert "proj_k_split=2" in why({**cfg, "proj_accumulators": "split"})
+    assert "proj_k_split=2" in why({**cfg, "proj_operands": "wgmma"})
+    assert "unknown proj_k_split" in why({**cfg, "proj_k_split": 4})
+    # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc, norm)
+    base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "split"]
+    with pytest.raises(TileError, match="proj_k_split 2"):
+        cp._compress_kernel(*base, "in_pool", 2)
+
+
+def test_wk_fragment_order_k_split_is_what_the_kernel_reads():
+    """The k-split kernel's Wk addressing, restated: lane 4g + t of column group cg reads float4s (cg * 32 + c) * 128 +
+    lane * 4 + n of chunk c, whose word ks * 2 + h must be Wk[32 cg + 8n + g, 16c + 8ks + 4h + t]; the launchers pass it."""
+    w = torch.randn(128, 512)
+    f = cp.wk_fragment_order(w, 32).reshape(-1)
+    for cg, c, lane, n, ks, h in itertools.product(range(4), (0, 15, 16, 31), range(32), range(4), range(2), range(2)):
+        g, t = lane // 4, lane % 4
+        word = ((cg * 32 + c) * 128 + lane * 4 + n) * 4 + ks * 2 + h
+        assert f[word] == w[32 * cg + 8 * n + g, 16 * c + 8 * ks + 4 * h + t]
+    src = cp._PROJ_REGS_K2_CUDA
+    assert "wp = reinterpret_cast<const float4*>(wkf) + cg * 32 * 128 + lane * 4" in src and "wp + nc * 128 + n" in src
+
+    class K:
+        csa2_wk = "fragments_k2"
+
+    a, b = cp._wk_args(K(), w)
+    assert torch.equal(a, cp.wk_fragment_order(w, 32)) and b.data_ptr() == a.data_ptr()
+
+
+@pytest.mark.parametrize("label, over", K_SPLIT, ids=[c[0] for c in K_SPLIT])
+def test_proj_k_split_compiles_sm90_and_fits(label, over, tmp_path):
+    """Both ratios: the k-split function called once with the Wk in its order, the shared memory as modelled, ptxas
+    within the occupancy's registers without spilling."""
+    tile = cp.COMPRESSOR
+    cfg = tile.with_defaults(SM90, over)
+    for ratio in (2, 1):
+        kernel, src = _build_without_producer(ratio, cfg, cfg["ctas_per_sm"])
+        assert kernel.csa2_wk == "fragments_k2"
+        assert src.count(f"csa2_proj_tf32x3_regs_k2<{cfg['block_g'] // 16}, {512 + cp.ROT_PAD}>(") == 1
+        _assert_flat_build_fits(kernel, src, cfg, ratio, cfg["ctas_per_sm"], tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, over", K_SPLIT, ids=[c[0] for c in K_SPLIT])
+def test_proj_k_split_matches_reference(label, over):
+    """Against the torch reference (fp4-near-exact rule) at 4K, 64K (both ratios), decode and odd shapes; the main cache
+    byte-identical to the one-half projection's (the projection does not touch it), the index cache within the rule of
+    it; the decode tail state and two runs bitwise equal."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = tile.with_defaults(arch, over)
+    for shape in _flat_shapes("direct"):
+        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 11, "cuda")
+        base = tile.run(tile.build(shape, {**cfg, "proj_k_split": 1}, arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        for name in ("main_packed", "main_scales"):
+            assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
+        assert cp.compare_fp4_caches(new, base).ok, shape.name
+    full, inputs = _decode_tail_entries_equal(cfg)
+    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
+        _two_runs_bitwise_equal(shape, cfg)

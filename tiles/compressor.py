@@ -137,6 +137,7 @@ def _e2m1_code_search(v):
 
 
 POOL_MATHS = ("ieee", "fast")  # how the ratio-2 softmax over a group's two tokens is computed (see _pool_pair)
+PROJ_K_SPLITS = (1, 2)  # register projection: each warp covers all 512 k, or half of them with twice the output columns
 NORM_PASSES = ("separate", "in_pool")  # RMSNorm after the pooling from rot_s, or on the pooled rows in registers (kv_load=direct)
 
 
@@ -336,6 +337,91 @@ def _split_accumulator_cuda() -> str:
     return src
 
 
+# proj_k_split=2: the register projection with the 512-long K split between two halves of the CTA. Warp w covers the K
+# half kh = w / 4 (chunks [16 kh, 16 kh + 16)) and the output columns [32 cg, 32 cg + 32), cg = w % 4 (four n tiles), so
+# it reads and splits only its half of the latent: 128 instead of 256 latent LDS and splits per warp (Nsight, session 10:
+# the projection is 58% of the default's stall samples and 52% of its shared-memory wavefronts, every warp reading the
+# whole latent). Its Wk words are wk_fragment_order(Wk, 32): per chunk a lane reads four float4s (n tiles 0-3), issued one
+# chunk ahead, each n tile's float4 reloaded as soon as it is split. The halves meet in `out`: half 1 stores its sums, a
+# barrier, half 0 adds its own to them (a fixed order: two runs give the same bits). The same three products per tile in
+# the shared template's order; the K halves are summed apart, so the index keys may differ in the last bits.
+_PROJ_REGS_K2_CUDA = r"""
+template <int MT, int RS>
+__device__ __forceinline__ void csa2_proj_tf32x3_regs_k2(const float* rot, const float* __restrict__ wkf, float* out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, kh = warp >> 2, cg = warp & 3;
+  float acc[MT][4][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+  // Chunk c of column group cg: 32 lanes x 16 words at float4 (cg * 32 + c) * 128 + lane * 4 + n; word ks * 2 + h of
+  // float4 n is Wk[32 cg + 8 n + g, 16 c + 8 ks + 4 h + t].
+  const float4* wp = reinterpret_cast<const float4*>(wkf) + cg * 32 * 128 + lane * 4;
+  const int c0 = kh * 16;
+  float4 raw[4];
+#pragma unroll
+  for (int n = 0; n < 4; ++n) raw[n] = __ldg(wp + c0 * 128 + n);
+  const float* arow = rot + g * RS + t;
+#pragma unroll 1
+  for (int c = c0; c < c0 + 16; ++c) {
+    unsigned ah[MT][2][4], al[MT][2][4];  // [m][ks][a0..a3]: (g, k), (g + 8, k), (g, k + 4), (g + 8, k + 4)
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          csa2_split_tf32(arow[(m * 16 + (e & 1) * 8) * RS + c * 16 + ks * 8 + (e >> 1) * 4], ah[m][ks][e], al[m][ks][e]);
+    const int nc = c + 1 < c0 + 16 ? c + 1 : c0;  // the next chunk (the last wraps: a valid address, its value unused)
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      unsigned bh[2][2], bl[2][2];  // [ks][h]
+      const float w[4] = {raw[n].x, raw[n].y, raw[n].z, raw[n].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) csa2_split_tf32(w[j], bh[j >> 1][j & 1], bl[j >> 1][j & 1]);
+      raw[n] = __ldg(wp + nc * 128 + n);
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) csa2_mma_tf32(acc[m][n], al[m][ks], bh[ks][0], bh[ks][1]);
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) csa2_mma_tf32(acc[m][n], ah[m][ks], bl[ks][0], bl[ks][1]);
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) csa2_mma_tf32(acc[m][n], ah[m][ks], bh[ks][0], bh[ks][1]);
+    }
+  }
+  // Accumulator (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each 16 x 8 tile; K half 1 first, then half 0 adds.
+#pragma unroll
+  for (int half = 1; half >= 0; --half) {
+    if (kh == half) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          float2* o = reinterpret_cast<float2*>(out + (m * 16 + g) * 128 + cg * 32 + n * 8 + t * 2);
+          float2* o8 = reinterpret_cast<float2*>(out + (m * 16 + g + 8) * 128 + cg * 32 + n * 8 + t * 2);
+          float2 v = make_float2(acc[m][n][0], acc[m][n][1]), v8 = make_float2(acc[m][n][2], acc[m][n][3]);
+          if (half == 0) {
+            const float2 p = *o, p8 = *o8;
+            v = make_float2(p.x + v.x, p.y + v.y);
+            v8 = make_float2(p8.x + v8.x, p8.y + v8.y);
+          }
+          *o = v;
+          *o8 = v8;
+        }
+    }
+    if (half == 1) __syncthreads();
+  }
+}
+"""
+
+
 # proj_operands="wgmma" (sm_90a, block_g 16): the projection transposed, k^T [128, N] = Wk [128, 512] x latent^T, on
 # wgmma m64nNk8 TF32 (N = block_g groups). Warpgroup q computes output columns [64q, 64q + 64); warp w's A fragment is
 # Wk rows [16w, 16w + 16), the very words the register projection's warp w reads (wk_fragment_order: a0..a3 of k step
@@ -453,11 +539,12 @@ __device__ __forceinline__ void csa2_proj_tf32x3_wgmma(float* rot, float* lo, co
 """
 
 
-def wk_fragment_order(wk: torch.Tensor) -> torch.Tensor:
-    """fp32 Wk [128, 512] -> the same words [128, 512] in the order ``proj_operands="registers"`` reads them: per warp w
-    (16 output columns) and k chunk c (16 wide), 32 lanes x 8 words, word n * 4 + ks * 2 + h of lane 4g + t being
-    ``Wk[16w + 8n + g, 16c + 8ks + 4h + t]`` (two float4 loads per lane per chunk, a warp reads 1 KiB contiguous)."""
-    w = wk.float().contiguous().view(PROJ_WARPS, 2, 8, D // 16, 2, 2, 4)  # (w, n, g, c, ks, h, t)
+def wk_fragment_order(wk: torch.Tensor, columns: int = 16) -> torch.Tensor:
+    """fp32 Wk [128, 512] -> the same words [128, 512] in the order ``proj_operands="registers"`` reads them: per column
+    group w (``columns`` output columns: 16, or 32 with ``proj_k_split=2``) and k chunk c (16 wide), 32 lanes x
+    ``columns / 2`` words, word n * 4 + ks * 2 + h of lane 4g + t being ``Wk[columns w + 8n + g, 16c + 8ks + 4h + t]``
+    (``columns / 8`` float4 loads per lane per chunk, a warp reads 1-2 KiB contiguous)."""
+    w = wk.float().contiguous().view(DI // columns, columns // 8, 8, D // 16, 2, 2, 4)  # (w, n, g, c, ks, h, t)
     return w.permute(0, 3, 2, 6, 1, 4, 5).contiguous().view(DI, D)  # (w, c, g, t, n, ks, h)
 
 
@@ -503,6 +590,7 @@ def _compress_kernel(
     pool_math: str = "ieee",
     proj_accumulators: str = "shared",
     norm_pass: str = "separate",
+    proj_k_split: int = 1,
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -575,6 +663,8 @@ def _compress_kernel(
         raise TileError("proj_accumulators='split' exists in the register projection only (proj_operands='registers')")
     if pool_math not in POOL_MATHS:
         raise TileError(f"unknown pool_math {pool_math!r}: use one of {', '.join(POOL_MATHS)}")
+    if proj_k_split not in PROJ_K_SPLITS or (proj_k_split == 2 and (proj_operands != "registers" or proj_accumulators != "shared")):
+        raise TileError(f"proj_k_split {proj_k_split}: use 1, or 2 with proj_operands='registers', proj_accumulators='shared'")
     if norm_pass not in NORM_PASSES:
         raise TileError(f"unknown norm_pass {norm_pass!r}: use one of {', '.join(NORM_PASSES)}")
     if norm_pass == "in_pool" and kv_load != "direct":
@@ -681,6 +771,7 @@ def _compress_kernel(
                     T.annotate_layout({buf: row_per_warp for buf in (*kv_f, *gate_f, pooled_f, sq_f)})
             if encode == "thresholds" or regs:  # one import_source per kernel
                 extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
+                extra += _PROJ_REGS_K2_CUDA if proj_k_split == 2 else ""
                 T.import_source((_bounds_cuda() if encode == "thresholds" else "") + (_PROJ_REGS_CUDA + extra if regs else ""))
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
@@ -802,9 +893,10 @@ def _compress_kernel(
                 T.sync_threads()
             elif regs:
                 # Out of registers into k_s (see _PROJ_REGS_CUDA); rot_s is final (barrier after the main stores).
+                variant = "_split" if proj_accumulators == "split" else ("_k2" if proj_k_split == 2 else "")
                 T.call_extern(
                     "handle",
-                    f"csa2_proj_tf32x3_regs{'_split' if proj_accumulators == 'split' else ''}<{block_g // 16}, {D + ROT_PAD}>",
+                    f"csa2_proj_tf32x3_regs{variant}<{block_g // 16}, {D + ROT_PAD}>",
                     T.address_of(rot_s[0, 0]),
                     T.address_of(wk_hi[0, 0]),
                     T.address_of(k_s[0, 0]),
@@ -911,7 +1003,8 @@ def _compress_kernel(
     # setmaxnreg would assume the whole register file); the staged copies are issued by the same threads, num_stages ahead.
     pass_configs = {"tl.disable_warp_specialized": True} if flat else None
     kernel = tilelang.compile(compress, target=tvm.target.Target({"kind": "cuda", "arch": target}), pass_configs=pass_configs)
-    kernel.csa2_wk = "fragments" if regs else wk  # what the launchers pass as (wk_hi, wk_lo): see _wk_args
+    # what the launchers pass as (wk_hi, wk_lo): see _wk_args
+    kernel.csa2_wk = ("fragments_k2" if proj_k_split == 2 else "fragments") if regs else wk
     return kernel
 
 
@@ -940,6 +1033,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("pool_math", "ieee"),
         cfg.get("proj_accumulators", "shared"),
         cfg.get("norm_pass", "separate"),
+        cfg.get("proj_k_split", 1),
     )
 
 
@@ -960,8 +1054,8 @@ def _wk_args(kernel, wk: torch.Tensor, prepared: dict | None = None) -> tuple[to
         return w, w
     prepared = {} if prepared is None else prepared
     if form not in prepared:
-        if form == "fragments":
-            w = wk_fragment_order(wk)
+        if form in ("fragments", "fragments_k2"):
+            w = wk_fragment_order(wk, 32 if form == "fragments_k2" else 16)
             prepared[form] = (w, w)
         else:
             prepared[form] = split_tf32(wk)
@@ -1186,6 +1280,12 @@ class CompressorTile(Tile):
                 "no effect at ratio 1",
             ),
             Param(
+                "proj_k_split",
+                PROJ_K_SPLITS,
+                "register projection: each warp covers all 512 k for 16 output columns (every warp reads and splits the "
+                "whole latent), or half of them for 32 columns (half the latent reads and splits; the halves added in k_s)",
+            ),
+            Param(
                 "norm_pass",
                 NORM_PASSES,
                 "kv_load=direct: RMSNorm as its own passes over rot_s (sum of squares, barrier, scale), or on the pooled "
@@ -1236,6 +1336,7 @@ class CompressorTile(Tile):
                 # 64K ratio 2 0.1478 -> 0.1450 ms, ratio 1 0.2493 -> 0.2312 ms, decode B=64 ratio 2 0.0124 -> 0.0122 ms,
                 # ratio 1 0.0119 -> 0.0109 ms (three CTAs of 16, below).
                 "norm_pass": "in_pool",
+                "proj_k_split": 1,
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
             # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
@@ -1248,7 +1349,7 @@ class CompressorTile(Tile):
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
-            cfg.update(proj_accumulators="shared", norm_pass="separate")
+            cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1)
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
@@ -1438,6 +1539,11 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"unknown proj_accumulators {config['proj_accumulators']!r}: use one of {', '.join(PROJ_ACCUMULATORS)}"
     if config.get("proj_accumulators", "shared") == "split" and proj_operands != "registers":
         return "proj_accumulators=split exists in the register projection only (proj_operands=registers)"
+    k_split = config.get("proj_k_split", 1)
+    if k_split not in PROJ_K_SPLITS:
+        return f"unknown proj_k_split {k_split!r}: use one of {', '.join(map(str, PROJ_K_SPLITS))}"
+    if k_split == 2 and (proj_operands != "registers" or config.get("proj_accumulators", "shared") != "shared"):
+        return "proj_k_split=2 exists in the register projection with one accumulator (proj_operands=registers, proj_accumulators=shared)"
     norm_pass = config.get("norm_pass", "separate")
     if norm_pass not in NORM_PASSES:
         return f"unknown norm_pass {norm_pass!r}: use one of {', '.join(NORM_PASSES)}"
