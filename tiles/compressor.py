@@ -345,6 +345,10 @@ def _split_accumulator_cuda() -> str:
 # chunk ahead, each n tile's float4 reloaded as soon as it is split. The halves meet in `out`: half 1 stores its sums, a
 # barrier, half 0 adds its own to them (a fixed order: two runs give the same bits). The same three products per tile in
 # the shared template's order; the K halves are summed apart, so the index keys may differ in the last bits.
+# Measured (H200, session 10, results/sm90/profile_compressor_k_split_session10.json): slower at three CTAs of 16
+# (ratio 2 at 64K 0.1443 -> 0.1664 ms; Nsight: its warps wait on the Wk loads, one chunk ahead is not enough, and L1
+# throughput rose 68 -> 83%), faster at two CTAs of 32 (ratio 2 0.1418 ms, ratio 1 0.2147 ms, against the default's
+# 0.1443 / 0.2292): a tuning candidate there, not a default.
 _PROJ_REGS_K2_CUDA = r"""
 template <int MT, int RS>
 __device__ __forceinline__ void csa2_proj_tf32x3_regs_k2(const float* rot, const float* __restrict__ wkf, float* out) {
@@ -1358,8 +1362,15 @@ class CompressorTile(Tile):
         """Ratio 1 on Hopper: the flat kernel with 64 groups per CTA and the block's kv rows in one copy beat the
         default there (results/sm90/profile_queued_session6.json, same run: 0.327 / 0.349 vs 0.377 ms at
         prefill_r1_s64k); at ratio 2 block_g 64 was 2% slower and kv_load=whole does not exist. Not a default, which
-        serves both ratios."""
-        if arch.family != "hopper" or shape.dims.get("ratio") != 1:
+        serves both ratios.
+        Prefill at ratio 2 on Hopper: two CTAs of 32 with the k-split projection, 1.7% faster than the default in one run
+        (results/sm90/profile_compressor_k_split_session10.json: 0.1418 vs 0.1443 ms at 64K); not a default (two CTAs of
+        32 were 70% slower at decode, session 9)."""
+        if arch.family != "hopper":
+            return []
+        if shape.dims.get("ratio") == 2 and shape.phase == "prefill":
+            return [({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2}, "r2 64K 0.1418 vs 0.1443 ms (H200, session 10)")]
+        if shape.dims.get("ratio") != 1:
             return []
         return [
             ({"schedule": "flat", "block_g": 64, "kv_load": "whole", "wk_stages": 4}, "r1 64K 0.327 vs 0.377 ms (H200)"),
@@ -1372,6 +1383,7 @@ class CompressorTile(Tile):
                 {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split"},
                 "r1 64K 0.2115 vs 0.2251 ms with one accumulator, 0.2312 the default (H200, session 10, norm_pass=in_pool)",
             ),
+            ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2}, "r1 64K 0.2147 vs 0.2292 ms the default (H200, session 10)"),
         ]
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
