@@ -1056,19 +1056,16 @@ def test_split_accumulators_compile_sm90_and_fit(label, over, tmp_path):
         tile.build(tile.shape("prefill_r2_s4k"), smem_cfg, SM90)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("label, over", SPLIT_ACC, ids=[c[0] for c in SPLIT_ACC])
-def test_split_accumulators_match_reference(label, over):
-    """Against the torch reference (fp4-near-exact rule) at 4K, 64K (both ratios), decode and odd shapes; the main cache
-    byte-identical to the shared accumulator's (the projection does not touch it), the index cache within the rule;
-    the decode tail state and two runs bitwise equal."""
+def _variant_matches_reference_and_base(cfg, base_over: dict, two_run_shapes=("prefill_r2_s64k",)) -> None:
+    """A projection variant ``cfg`` (GPU): against the torch reference (fp4-near-exact rule) at 4K, 64K (both ratios),
+    decode and odd shapes; the main cache byte-identical to ``cfg | base_over``'s (the projection does not touch it),
+    the index cache within the rule of it; the decode tail state; two runs bitwise equal at ``two_run_shapes``."""
     arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    cfg = tile.with_defaults(arch, over)
     for shape in _flat_shapes("direct"):
         ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
         inputs = tile.make_inputs(shape, 11, "cuda")
-        base = tile.run(tile.build(shape, {**cfg, "proj_accumulators": "shared"}, arch), inputs)
+        base = tile.run(tile.build(shape, {**cfg, **base_over}, arch), inputs)
         new = tile.run(tile.build(shape, cfg, arch), inputs)
         for name in ("main_packed", "main_scales"):
             assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
@@ -1076,7 +1073,16 @@ def test_split_accumulators_match_reference(label, over):
     full, inputs = _decode_tail_entries_equal(cfg)
     names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
     assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
-    _two_runs_bitwise_equal(tile.shape("prefill_r2_s64k"), cfg)
+    for name in two_run_shapes:
+        _two_runs_bitwise_equal(tile.shape(name), cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, over", SPLIT_ACC, ids=[c[0] for c in SPLIT_ACC])
+def test_split_accumulators_match_reference(label, over):
+    """Against the torch reference and the shared accumulator's caches (the main cache byte-identical), the decode tail
+    state and two runs bitwise equal (:func:`_variant_matches_reference_and_base`)."""
+    _variant_matches_reference_and_base(cp.COMPRESSOR.with_defaults(get_arch("sm90"), over), {"proj_accumulators": "shared"})
 
 
 # ---------------------------------------------------------------------------------- proj_operands="wgmma"
@@ -1155,26 +1161,11 @@ def test_proj_wgmma_compiles_sm90_and_fits(ratio, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", [WGMMA], ids=["default_layout"])
 def test_proj_wgmma_matches_reference(over):
-    """Against the torch reference (fp4-near-exact rule) at 4K, 64K (both ratios), decode and odd shapes; the main
-    cache byte-identical to the register projection's (the projection does not touch it), the index cache within the
-    rule of it (the same products, summed in the tensor cores' order); the decode tail state and two runs bitwise
-    equal at both ratios."""
-    arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    cfg = tile.with_defaults(arch, over)
-    for shape in _flat_shapes("direct"):
-        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
-        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
-        inputs = tile.make_inputs(shape, 11, "cuda")
-        base = tile.run(tile.build(shape, {**cfg, "proj_operands": "registers"}, arch), inputs)
-        new = tile.run(tile.build(shape, cfg, arch), inputs)
-        for name in ("main_packed", "main_scales"):
-            assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
-        assert cp.compare_fp4_caches(new, base).ok, shape.name
-    full, inputs = _decode_tail_entries_equal(cfg)
-    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
-    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
-    for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
-        _two_runs_bitwise_equal(shape, cfg)
+    """Against the torch reference and the register projection's caches (the main cache byte-identical; the index keys
+    are the same products summed in the tensor cores' order), the decode tail state and two runs bitwise equal at both
+    ratios (:func:`_variant_matches_reference_and_base`)."""
+    cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), over)
+    _variant_matches_reference_and_base(cfg, {"proj_operands": "registers"}, ("prefill_r2_s64k", "prefill_r1_s64k"))
 
 
 # ---------------------------------------------------------------------------------- norm_pass="in_pool"
@@ -1310,22 +1301,7 @@ def test_proj_k_split_compiles_sm90_and_fits(label, over, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("label, over", K_SPLIT, ids=[c[0] for c in K_SPLIT])
 def test_proj_k_split_matches_reference(label, over):
-    """Against the torch reference (fp4-near-exact rule) at 4K, 64K (both ratios), decode and odd shapes; the main cache
-    byte-identical to the one-half projection's (the projection does not touch it), the index cache within the rule of
-    it; the decode tail state and two runs bitwise equal."""
-    arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    cfg = tile.with_defaults(arch, over)
-    for shape in _flat_shapes("direct"):
-        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
-        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
-        inputs = tile.make_inputs(shape, 11, "cuda")
-        base = tile.run(tile.build(shape, {**cfg, "proj_k_split": 1}, arch), inputs)
-        new = tile.run(tile.build(shape, cfg, arch), inputs)
-        for name in ("main_packed", "main_scales"):
-            assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
-        assert cp.compare_fp4_caches(new, base).ok, shape.name
-    full, inputs = _decode_tail_entries_equal(cfg)
-    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
-    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
-    for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
-        _two_runs_bitwise_equal(shape, cfg)
+    """Against the torch reference and the one-half projection's caches (the main cache byte-identical), the decode tail
+    state and two runs bitwise equal at both ratios (:func:`_variant_matches_reference_and_base`)."""
+    cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), over)
+    _variant_matches_reference_and_base(cfg, {"proj_k_split": 1}, ("prefill_r2_s64k", "prefill_r1_s64k"))

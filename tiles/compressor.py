@@ -883,28 +883,15 @@ def _compress_kernel(
             # 5. Index-K projection of the rotated latent (fp32 accuracy, see module docstring).
             if not regs:
                 T.clear(kacc)
-            if wgmma:
-                # wgmma into k_s (see _PROJ_WGMMA_CUDA); rot_s is final (barrier after the main stores) and is overwritten
-                # by the latent's high part: nothing reads it after this.
-                T.call_extern(
-                    "handle",
-                    f"csa2_proj_tf32x3_wgmma<{block_g}, {D + ROT_PAD}, {D}>",
-                    T.address_of(rot_s[0, 0]),
-                    T.address_of(lo_s[0, 0]),
-                    T.address_of(wk_hi[0, 0]),
-                    T.address_of(k_s[0, 0]),
-                )
-                T.sync_threads()
-            elif regs:
-                # Out of registers into k_s (see _PROJ_REGS_CUDA); rot_s is final (barrier after the main stores).
-                variant = "_split" if proj_accumulators == "split" else ("_k2" if proj_k_split == 2 else "")
-                T.call_extern(
-                    "handle",
-                    f"csa2_proj_tf32x3_regs{variant}<{block_g // 16}, {D + ROT_PAD}>",
-                    T.address_of(rot_s[0, 0]),
-                    T.address_of(wk_hi[0, 0]),
-                    T.address_of(k_s[0, 0]),
-                )
+            if regs:
+                # Out of registers (see _PROJ_REGS_CUDA) or on wgmma (_PROJ_WGMMA_CUDA: the latent's high part overwrites
+                # rot_s, its remainder goes to lo_s) into k_s; rot_s is final (barrier after the main stores).
+                if wgmma:
+                    fn, operands = f"csa2_proj_tf32x3_wgmma<{block_g}, {D + ROT_PAD}, {D}>", (rot_s, lo_s, wk_hi, k_s)
+                else:
+                    variant = "_split" if proj_accumulators == "split" else ("_k2" if proj_k_split == 2 else "")
+                    fn, operands = f"csa2_proj_tf32x3_regs{variant}<{block_g // 16}, {D + ROT_PAD}>", (rot_s, wk_hi, k_s)
+                T.call_extern("handle", fn, *[T.address_of(buf[0, 0]) for buf in operands])
                 T.sync_threads()
             elif wk == "fp32":
                 # Half the L2 -> SM bytes of "hi_lo": the chunk of Wk itself, split here like the latent.
