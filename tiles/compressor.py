@@ -22,9 +22,11 @@ reference caches (1e-2, which follows from the next bound), at most 1e-3 of the 
 and of the scale bytes different, every differing scale byte one step off, and every differing
 code one step off where its group's scale byte is equal (a scale one step off requantises its
 group). Measured on the H200 (notes/indexer.md): at 64K tokens about 2e-7 of the main cache's
-bytes differ with the reference's pooling expression (``pool_math="ieee"``: the RMSNorm's order) and
-about 5e-7 with Hopper's ``"fast"`` pooling; the index cache differs in about 1e-5 of its bytes with
-the ``tf32x3`` projection and was bit-exact with ``simt`` at 4K tokens.
+bytes differ with the reference's pooling expression (``pool_math="ieee"``: the RMSNorm's order),
+about 5e-7 with Hopper's ``"fast"`` pooling and 4e-7 with it and ``norm_pass="in_pool"`` (Hopper's
+default since session 10; ratio 1: no packed byte and 5e-7 of the scale bytes); the index cache
+differs in about 1e-5 of its bytes with the ``tf32x3`` projection and was bit-exact with ``simt``
+at 4K tokens.
 
 Decode tail state (ratio 2): when a step brings the second token of a group, pass the stored
 first token's projections as ``tail_kv`` / ``tail_gate`` [B, 512]; they are placed in front of
