@@ -648,6 +648,9 @@ def _compress_kernel(
     sums the squares from rot_s, a barrier, a pass that reads, scales and writes it back); "in_pool" sums each pooled
     row's squares in registers (one warp-wide shuffle reduction) and writes rot_s once, normalised: no rot_s round trip
     and no barriers for the norm (the latent moves by a few ulps: another summation order).
+    ``proj_k_split`` (register projection, one accumulator): 1, every warp covers all 512 k for 16 output columns; 2, a
+    warp covers half of them for 32 columns (:data:`_PROJ_REGS_K2_CUDA`: half the latent reads and splits per warp, Wk in
+    ``wk_fragment_order(Wk, 32)``, the two halves added in k_s).
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -681,12 +684,12 @@ def _compress_kernel(
     regs, wgmma = proj_operands in ("registers", "wgmma"), proj_operands == "wgmma"
     if regs and (not flat or wk != "fp32" or kv_load == "whole" or threads != PROJ_WARPS * 32 or block_g not in (16, 32, 64)):
         raise TileError(
-            "proj_operands='registers' is built for the flat kernel with wk=fp32, 256 threads, block_g 16/32/64 and "
+            f"proj_operands={proj_operands!r} is built for the flat kernel with wk=fp32, 256 threads, block_g 16/32/64 and "
             f"kv_load slabs/direct (got schedule {schedule}, ctas_per_sm {ctas_per_sm}, wk {wk}, threads {threads}, "
             f"block_g {block_g}, kv_load {kv_load})"
         )
     if regs and wk_stages != 2:
-        raise TileError(f"proj_operands='registers' has no Wk stages (wk_stages {wk_stages}: use 2)")
+        raise TileError(f"proj_operands={proj_operands!r} has no Wk stages (wk_stages {wk_stages}: use 2)")
     if wgmma and (block_g != 16 or not target.startswith("sm_90")):
         raise TileError(f"proj_operands='wgmma' is built for sm_90a at block_g 16 (got {target}, block_g {block_g})")
     if wk not in WK_LOADS or (wk == "fp32" and not flat):
@@ -1038,8 +1041,8 @@ def _schedule(cfg: Config) -> str:
 
 def _wk_args(kernel, wk: torch.Tensor, prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's (wk_hi, wk_lo) arguments for fp32 ``wk`` [128, 512]: the TF32 split, (``wk="fp32"``) Wk itself in
-    the first slot (the kernel splits it; the second slot is not read), or (``proj_operands="registers"``) Wk in
-    :func:`wk_fragment_order`, also in the first slot. ``prepared``: a dict that keeps the split or the reordered copy
+    the first slot (the kernel splits it; the second slot is not read), or (``proj_operands="registers"``/``"wgmma"``) Wk
+    in :func:`wk_fragment_order` (32 columns per group with ``proj_k_split=2``), also in the first slot. ``prepared``: a dict that keeps the split or the reordered copy
     of this ``wk`` across calls (a per-layer constant: made once)."""
     form = getattr(kernel, "csa2_wk", "hi_lo")
     if form == "fp32":
