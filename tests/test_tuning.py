@@ -304,6 +304,21 @@ def test_compile_only_compiles_the_whole_space_with_tilelang(tmp_path):
     assert not (opts.results_root / "sm90").exists()  # compile-only exports nothing
 
 
+def test_compile_only_never_compiles_a_trial_the_sampler_made_up(tmp_path):
+    """Compile-only runs the enqueued grid. When lanes or processes sharing a study find the queue empty at once, ask()
+    makes trials up; two processes with the same seed make up the same config, each before the other's params are
+    written, and both compiled it (CI, PostgreSQL). A made-up trial is dropped as a duplicate, never compiled (no
+    compile pool here: a compile would raise)."""
+    opts = _opts(tmp_path, compile_only=True)
+    tile = toys.ScaleToy()
+    runner = study_mod.StudyRunner(tile, tile.shapes()[0], opts, open_storage(opts.storage), compile_pool=None, gpu_pool=None)
+    made_up = runner.study.ask(runner.dists)  # nothing enqueued: the sampler's own proposal
+    runner.run_trial(made_up)
+    [frozen] = runner.study.get_trials()
+    assert frozen.state == TrialState.PRUNED and frozen.user_attrs["outcome"] == study_mod.DUPLICATE
+    assert not counts_toward_budget(frozen)
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 

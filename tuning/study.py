@@ -353,6 +353,13 @@ class StudyRunner:
         key = config_key(config)
         trial.set_user_attr("owner", self.owner)
         trial.set_user_attr("config_key", key)
+        if self.opts.compile_only and "fixed_params" not in self.study._storage.get_trial_system_attrs(trial._trial_id):
+            # Compile-only runs the enqueued grid. A trial the sampler made up (another lane or process took the last
+            # queued one between the check and the ask) is dropped: processes sharing a study sample with the same seed,
+            # so two of them can make up the same config at once, each before the other's params are written, and the
+            # duplicate check below would see neither (CI, PostgreSQL: one config compiled twice).
+            self._finish(trial, {"outcome": DUPLICATE, "message": "compile-only: not from the grid's queue"}, TrialState.PRUNED)
+            return
         earlier = [
             t
             for t in self.study.get_trials(deepcopy=False)
