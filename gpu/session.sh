@@ -83,8 +83,12 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
 }
 
 phase_queued() {  # the options written after a session's device time, checked and timed against the defaults
-  # Session 9 ran everything it wrote (notes/indexer.md and notes/sparse_attn.md, session 9): nothing is queued.
-  note "queued: nothing queued"
+  # Session 10, after its device time: the compressor's main_pass=in_pool (notes/indexer.md, session 10): its GPU tests,
+  # then the default against it at the 64K and decode shapes of both ratios (and at two CTAs of 32 with the k-split).
+  PYTEST_K="main_pass" PYTEST_ARGS="tests/test_compressor.py" PYTEST_N="${PYTEST_N:-2}" phase_pytest
+  local m='{"main_pass":"in_pool"}' m2='{"main_pass":"in_pool","block_g":32,"ctas_per_sm":2,"proj_k_split":2}'
+  PROFILE_ARGS="compressor:prefill_r2_s64k compressor:prefill_r2_s64k:$m compressor:prefill_r1_s64k compressor:prefill_r1_s64k:$m \
+compressor:decode_r2_b64 compressor:decode_r2_b64:$m compressor:decode_r1_b64 compressor:decode_r1_b64:$m compressor:prefill_r2_s64k:$m2" phase_profile
 }
 
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)

@@ -1305,3 +1305,56 @@ def test_proj_k_split_matches_reference(label, over):
     state and two runs bitwise equal at both ratios (:func:`_variant_matches_reference_and_base`)."""
     cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), over)
     _variant_matches_reference_and_base(cfg, {"proj_k_split": 1}, ("prefill_r2_s64k", "prefill_r1_s64k"))
+
+
+# ---------------------------------------------------------------------------------- main_pass="in_pool"
+# With norm_pass="in_pool" the normalised rows are in registers (one warp per row): csa2_main_from_rows applies the RoPE,
+# writes rot_s the final latent and encodes the main cache from them (the group max by two xor shuffles), replacing the
+# RoPE, amax, scale and code passes over rot_s and their barriers. NOT yet run on a GPU (gpu/session.sh queued).
+
+MAIN_IN_POOL = {"main_pass": "in_pool"}
+
+
+def test_main_pass_in_the_space_and_refused_without_the_rows_in_registers():
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2 = tile.shape("prefill_r2_s64k")
+    assert {p.name: p.choices for p in space.params}["main_pass"] == ("separate", "in_pool")
+    assert tile.default_config(SM90)["main_pass"] == "separate"
+    cfg = tile.with_defaults(SM90, MAIN_IN_POOL)
+
+    def why(c):
+        return " | ".join(space.violations(c, r2, SM90))
+
+    assert why(cfg) == ""
+    assert "main_pass=in_pool" in why({**cfg, "norm_pass": "separate"}) and "main_pass=in_pool" in why({**cfg, "encode": "divide"})
+    assert "unknown main_pass" in why({**cfg, "main_pass": "bogus"})
+    assert tile.with_defaults(SM90, {"main_pass": "in_pool", "kv_load": "slabs"})["norm_pass"] == "separate"  # then refused
+    # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc,
+    #  norm, k_split)
+    base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
+    with pytest.raises(TileError, match="main_pass"):
+        cp._compress_kernel(*base, "separate", 1, "in_pool")
+
+
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_main_pass_in_pool_compiles_sm90_and_fits(ratio, tmp_path):
+    """One call of csa2_main_from_rows per 8-row batch, the RoPE and encode passes gone (three barriers fewer than the
+    separate passes), bytes_m stored unswizzled in one TMA store, the build within the default's shared memory and 80
+    registers, no spills."""
+    tile = cp.COMPRESSOR
+    cfg = tile.with_defaults(SM90, MAIN_IN_POOL)
+    kernel, src = _build_without_producer(ratio, cfg, 3)
+    _, separate = _build_without_producer(ratio, {**cfg, "main_pass": "separate"}, 3)
+    assert src.count("csa2_main_from_rows((&(pooled_f[0]))") == 1
+    assert "csa2_e2m1_pair_bounded(((float*)rot_s)" in separate and "csa2_e2m1_pair_bounded(((float*)rot_s)" not in src
+    assert src.count("__syncthreads()") == separate.count("__syncthreads()") - 3
+    assert src.count("tl::tma_store(main_packed_desc") == 1
+    _assert_flat_build_fits(kernel, src, cfg, ratio, 3, tmp_path)
+
+
+@pytest.mark.gpu
+def test_main_pass_in_pool_matches_reference():
+    """Against the torch reference and the separate passes' caches (the main cache expected byte-identical: the same
+    RoPE, max, scale and code expressions), the decode tail state and two runs bitwise equal at both ratios."""
+    cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), MAIN_IN_POOL)
+    _variant_matches_reference_and_base(cfg, {"main_pass": "separate"}, ("prefill_r2_s64k", "prefill_r1_s64k"))

@@ -40,6 +40,7 @@ import tilelang
 import tilelang.language as T
 import torch
 import tvm
+from tilelang.layout import make_linear_layout
 
 from model import formats
 from model.ops.compressor import compressor_entries, index_keys
@@ -140,7 +141,11 @@ def _e2m1_code_search(v):
 
 POOL_MATHS = ("ieee", "fast")  # how the ratio-2 softmax over a group's two tokens is computed (see _pool_pair)
 PROJ_K_SPLITS = (1, 2)  # register projection: each warp covers all 512 k, or half of them with twice the output columns
-NORM_PASSES = ("separate", "in_pool")  # RMSNorm after the pooling from rot_s, or on the pooled rows in registers (kv_load=direct)
+NORM_PASSES = ("separate", "in_pool")
+MAIN_PASSES = (
+    "separate",
+    "in_pool",
+)  # RoPE + main cache as passes over rot_s, or from the rows in registers (norm_pass=in_pool)  # RMSNorm after the pooling from rot_s, or on the pooled rows in registers (kv_load=direct)
 
 
 def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
@@ -167,6 +172,52 @@ def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
         w_small = t * inv
         return T.if_then_else(first_larger, inv, w_small) * kv0 + T.if_then_else(first_larger, w_small, inv) * kv1
     raise TileError(f"unknown pool_math {pool_math!r}: use one of {', '.join(POOL_MATHS)}")
+
+
+# main_pass="in_pool" (with norm_pass="in_pool"): the main cache from the normalised rows while they are in registers.
+# Lane l of warp w holds row w of the 8-row batch at columns 128 j + 4 l .. + 3 (j = 0..3: v[4 j ..], the annotated
+# one-warp-per-row layout). It applies the RoPE to its pairs (lanes 16-31 at j = 3: columns 448 + 4 (l - 16) ..), stores
+# the final latent into rot (the projection reads it), takes each 16-value group's |x| max over the group's four lanes
+# (two xor shuffles), its E4M3 scale (the separate pass's expression, the same fp8 cast), and writes its two packed
+# bytes per j; the group's first lane writes the scale byte. The separate RoPE, amax, scale and encode passes (each a
+# sweep of rot_s, with barriers between) are gone; the arithmetic is theirs, expression for expression.
+_MAIN_FROM_ROWS_CUDA = r"""
+#include <tl_templates/cuda/cuda_fp8.h>  // fp8_e4_t, the type TileLang's own scale cast uses (imported sources come first)
+__device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const float* __restrict__ cs, const float* __restrict__ sn,
+                                                    int grow, float* rot_row, unsigned char* bytes_row, unsigned char* sbyte_row) {
+  const int lane = threadIdx.x & 31;
+  float v[16];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) v[k] = v_in[k];
+  if (lane >= 16) {  // RoPE of pairs p and p + 1 at the group's first position (cos/sin [G, 32])
+    const int p = 2 * (lane - 16);
+    const float c0 = cs[grow * 32 + p], s0 = sn[grow * 32 + p], c1 = cs[grow * 32 + p + 1], s1 = sn[grow * 32 + p + 1];
+    float ev = v[12], od = v[13];
+    v[12] = ev * c0 - od * s0;
+    v[13] = ev * s0 + od * c0;
+    ev = v[14];
+    od = v[15];
+    v[14] = ev * c1 - od * s1;
+    v[15] = ev * s1 + od * c1;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    *reinterpret_cast<float4*>(rot_row + 128 * j + 4 * lane) = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+    float a = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a = max(a, fabsf(v[4 * j + e]));
+    a = max(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    a = max(a, __shfl_xor_sync(0xffffffffu, a, 2));
+    const float raw = min((max(a, 0x1.8p-7f) / 0x1.8p+2f), 0x1.cp+8f);
+    fp8_e4_t code8 = (fp8_e4_t)raw;
+    const float s = (float)code8;
+    if ((lane & 3) == 0) sbyte_row[8 * j + (lane >> 2)] = *(unsigned char*)(&code8);
+    const unsigned lo = csa2_e2m1_pair_bounded(v[4 * j], v[4 * j + 1], s) & 0xFFu;
+    const unsigned hi = csa2_e2m1_pair_bounded(v[4 * j + 2], v[4 * j + 3], s) & 0xFFu;
+    *reinterpret_cast<unsigned short*>(bytes_row + 64 * j + 2 * lane) = static_cast<unsigned short>(lo | (hi << 8));
+  }
+}
+"""
 
 
 LOAD_CHUNK = 32  # channels per staged kv/gate slab: [2 * block_g, 32] fp32 = 8 KiB per tensor at block_g 32
@@ -597,6 +648,7 @@ def _compress_kernel(
     proj_accumulators: str = "shared",
     norm_pass: str = "separate",
     proj_k_split: int = 1,
+    main_pass: str = "separate",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -648,6 +700,10 @@ def _compress_kernel(
     sums the squares from rot_s, a barrier, a pass that reads, scales and writes it back); "in_pool" sums each pooled
     row's squares in registers (one warp-wide shuffle reduction) and writes rot_s once, normalised: no rot_s round trip
     and no barriers for the norm (the latent moves by a few ulps: another summation order).
+    ``main_pass`` (norm_pass="in_pool", encode="thresholds"): "separate" applies the RoPE and encodes the main cache in
+    passes over rot_s (RoPE; amax; scale; codes, with barriers between); "in_pool" does all of it from the normalised
+    rows in registers (:data:`_MAIN_FROM_ROWS_CUDA`: the same arithmetic, the group max by two shuffles) and writes
+    rot_s the final latent; bytes_m and sbyte_m get plain layouts (the TMA stores read them unswizzled).
     ``proj_k_split`` (register projection, one accumulator): 1, every warp covers all 512 k for 16 output columns; 2, a
     warp covers half of them for 32 columns (:data:`_PROJ_REGS_K2_CUDA`: half the latent reads and splits per warp, Wk in
     ``wk_fragment_order(Wk, 32)``, the two halves added in k_s).
@@ -678,6 +734,8 @@ def _compress_kernel(
         raise TileError(f"unknown norm_pass {norm_pass!r}: use one of {', '.join(NORM_PASSES)}")
     if norm_pass == "in_pool" and kv_load != "direct":
         raise TileError(f"norm_pass='in_pool' normalises the direct loads' pooled rows: it needs kv_load='direct' (got {kv_load!r})")
+    if main_pass not in MAIN_PASSES or (main_pass == "in_pool" and (norm_pass != "in_pool" or encode != "thresholds")):
+        raise TileError(f"main_pass {main_pass!r}: use 'separate', or 'in_pool' with norm_pass='in_pool' and encode='thresholds'")
     if proj_operands not in PROJ_OPERANDS:
         raise TileError(f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}")
     # "wgmma" reads Wk like "registers" (fragment order from L2, no Wk stages): the same refusals, and then its own.
@@ -778,10 +836,13 @@ def _compress_kernel(
                         forward_index_fn=lambda i, d: (d // 128) * 4 + d % 4,
                     )
                     T.annotate_layout({buf: row_per_warp for buf in (*kv_f, *gate_f, pooled_f, sq_f)})
+                    if main_pass == "in_pool":  # the helper writes plain rows (the TMA stores read them unswizzled)
+                        T.annotate_layout({bytes_m: make_linear_layout(bytes_m), sbyte_m: make_linear_layout(sbyte_m)})
             if encode == "thresholds" or regs:  # one import_source per kernel
                 extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
                 extra += _PROJ_REGS_K2_CUDA if proj_k_split == 2 else ""
-                T.import_source((_bounds_cuda() if encode == "thresholds" else "") + (_PROJ_REGS_CUDA + extra if regs else ""))
+                bounds = (_bounds_cuda() + (_MAIN_FROM_ROWS_CUDA if main_pass == "in_pool" else "")) if encode == "thresholds" else ""
+                T.import_source(bounds + (_PROJ_REGS_CUDA + extra if regs else ""))
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
@@ -818,9 +879,27 @@ def _compress_kernel(
                             for i, d in T.Parallel(DIRECT_ROWS, D):
                                 sq_f[i, d] = pooled_f[i, d] * pooled_f[i, d]
                             T.reduce_sum(sq_f, ss_f, dim=1)
-                            for i, d in T.Parallel(DIRECT_ROWS, D):
-                                inv = T.rsqrt(ss_f[i] / D + eps[0])
-                                rot_s[r * DIRECT_ROWS + i, d] = pooled_f[i, d] * inv * w_s[d]
+                            if main_pass == "in_pool":
+                                # Normalised in place; then RoPE, rot_s and the main cache from the registers.
+                                for i, d in T.Parallel(DIRECT_ROWS, D):
+                                    inv = T.rsqrt(ss_f[i] / D + eps[0])
+                                    pooled_f[i, d] = pooled_f[i, d] * inv * w_s[d]
+                                row = r * DIRECT_ROWS + T.get_thread_binding() // 32
+                                T.call_extern(
+                                    "handle",
+                                    "csa2_main_from_rows",
+                                    T.address_of(pooled_f[0, 0]),
+                                    T.address_of(cos[0, 0]),
+                                    T.address_of(sin[0, 0]),
+                                    T.max(T.min(g0 + row, G - 1), 0),
+                                    T.address_of(rot_s[row, 0]),
+                                    T.address_of(bytes_m[row, 0]),
+                                    T.address_of(sbyte_m[row, 0]),
+                                )
+                            else:
+                                for i, d in T.Parallel(DIRECT_ROWS, D):
+                                    inv = T.rsqrt(ss_f[i] / D + eps[0])
+                                    rot_s[r * DIRECT_ROWS + i, d] = pooled_f[i, d] * inv * w_s[d]
                         else:
                             for i, d in T.Parallel(DIRECT_ROWS, D):
                                 if ratio == 1:
@@ -850,34 +929,38 @@ def _compress_kernel(
                 T.reduce_sum(sq, ss, dim=1)
                 for i, d in T.Parallel(block_g, D):
                     rot_s[i, d] = lat[i, d] * T.rsqrt(ss[i] / D + eps[0]) * w_s[d]
-            # 3. RoPE on the last 64 dims, interleaved pairs; each pair is read and written by one thread.
-            for i, p in T.Parallel(block_g, R):
-                g = T.min(g0 + i, G - 1)
-                ev, od = rot_s[i, D - ROPE + 2 * p], rot_s[i, D - ROPE + 2 * p + 1]
-                c, s = cos[g, p], sin[g, p]
-                rot_s[i, D - ROPE + 2 * p] = ev * c - od * s
-                rot_s[i, D - ROPE + 2 * p + 1] = ev * s + od * c
-            # 4. FP4 into the main cache: E4M3 scale per 16 (the stored scale divides).
-            for i, q in T.Parallel(block_g, D // MAIN_GROUP):
-                amax_m[i, q] = 0.0
-                for e in T.serial(MAIN_GROUP):
-                    # Rotated start per group: neighbouring threads' groups sit 16 words apart, so
-                    # reading e in lockstep hit 2 banks (16-way conflicts); max ignores the order.
-                    amax_m[i, q] = T.max(amax_m[i, q], T.abs(rot_s[i, q * MAIN_GROUP + (e + q) % MAIN_GROUP]))
-            for i, q in T.Parallel(block_g, D // MAIN_GROUP):
-                raw = T.min(T.max(amax_m[i, q], 6.0 * 2.0**-9) / 6.0, 448.0)
-                code8 = T.Cast("float8_e4m3fn", raw)
-                scale_m[i, q] = T.Cast("float32", code8)
-                sbyte_m[i, q] = T.reinterpret(code8, "uint8")
-            for i, j in T.Parallel(block_g, D // 2):
-                sc = scale_m[i, j // (MAIN_GROUP // 2)]
-                if encode == "thresholds":
-                    pair = T.call_extern("uint32", "csa2_e2m1_pair_bounded", rot_s[i, 2 * j], rot_s[i, 2 * j + 1], sc)
-                    bytes_m[i, j] = T.Cast("uint8", pair)
-                else:
-                    lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
-                    hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
-                    bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
+            if main_pass == "in_pool":
+                T.sync_threads()  # the rows' bytes (written by csa2_main_from_rows, unseen by TileLang) before the stores
+            else:
+                # 3. RoPE on the last 64 dims, interleaved pairs; each pair is read and written by one thread.
+                # (main_pass="in_pool": done with 4. from the rows in registers, csa2_main_from_rows.)
+                for i, p in T.Parallel(block_g, R):
+                    g = T.min(g0 + i, G - 1)
+                    ev, od = rot_s[i, D - ROPE + 2 * p], rot_s[i, D - ROPE + 2 * p + 1]
+                    c, s = cos[g, p], sin[g, p]
+                    rot_s[i, D - ROPE + 2 * p] = ev * c - od * s
+                    rot_s[i, D - ROPE + 2 * p + 1] = ev * s + od * c
+                # 4. FP4 into the main cache: E4M3 scale per 16 (the stored scale divides).
+                for i, q in T.Parallel(block_g, D // MAIN_GROUP):
+                    amax_m[i, q] = 0.0
+                    for e in T.serial(MAIN_GROUP):
+                        # Rotated start per group: neighbouring threads' groups sit 16 words apart, so
+                        # reading e in lockstep hit 2 banks (16-way conflicts); max ignores the order.
+                        amax_m[i, q] = T.max(amax_m[i, q], T.abs(rot_s[i, q * MAIN_GROUP + (e + q) % MAIN_GROUP]))
+                for i, q in T.Parallel(block_g, D // MAIN_GROUP):
+                    raw = T.min(T.max(amax_m[i, q], 6.0 * 2.0**-9) / 6.0, 448.0)
+                    code8 = T.Cast("float8_e4m3fn", raw)
+                    scale_m[i, q] = T.Cast("float32", code8)
+                    sbyte_m[i, q] = T.reinterpret(code8, "uint8")
+                for i, j in T.Parallel(block_g, D // 2):
+                    sc = scale_m[i, j // (MAIN_GROUP // 2)]
+                    if encode == "thresholds":
+                        pair = T.call_extern("uint32", "csa2_e2m1_pair_bounded", rot_s[i, 2 * j], rot_s[i, 2 * j + 1], sc)
+                        bytes_m[i, j] = T.Cast("uint8", pair)
+                    else:
+                        lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
+                        hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
+                        bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
             if flat:
                 # Stored now, not at the end: bytes_m's shared memory is then free for the Wk stages.
                 T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
@@ -1030,6 +1113,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("proj_accumulators", "shared"),
         cfg.get("norm_pass", "separate"),
         cfg.get("proj_k_split", 1),
+        cfg.get("main_pass", "separate"),
     )
 
 
@@ -1287,6 +1371,12 @@ class CompressorTile(Tile):
                 "kv_load=direct: RMSNorm as its own passes over rot_s (sum of squares, barrier, scale), or on the pooled "
                 "rows in registers (one warp per row, a shuffle reduction) so that rot_s is written once, normalised",
             ),
+            Param(
+                "main_pass",
+                MAIN_PASSES,
+                "norm_pass=in_pool, encode=thresholds: RoPE and the main cache's amax, scale and codes as passes over rot_s "
+                "(barriers between), or from the normalised rows in registers (the group max by two shuffles; the same bits)",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -1333,6 +1423,7 @@ class CompressorTile(Tile):
                 # ratio 1 0.0119 -> 0.0109 ms (three CTAs of 16, below).
                 "norm_pass": "in_pool",
                 "proj_k_split": 1,
+                "main_pass": "separate",  # "in_pool": NOT yet run on a GPU (gpu/session.sh queued)
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
             # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
@@ -1345,7 +1436,7 @@ class CompressorTile(Tile):
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
-            cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1)
+            cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1, main_pass="separate")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
@@ -1408,6 +1499,8 @@ class CompressorTile(Tile):
             cfg["proj_operands"] = "smem"  # what the picked choices leave the register operands unable to run with
         if "norm_pass" not in config and cfg.get("norm_pass") == "in_pool" and cfg.get("kv_load") != "direct":
             cfg["norm_pass"] = "separate"  # the pooled rows are in registers only with the direct loads
+        if "main_pass" not in config and cfg.get("main_pass") == "in_pool" and cfg["norm_pass"] != "in_pool":
+            cfg["main_pass"] = "separate"  # and only then can the main cache be encoded from them
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
@@ -1553,6 +1646,11 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"unknown norm_pass {norm_pass!r}: use one of {', '.join(NORM_PASSES)}"
     if norm_pass == "in_pool" and kv_load != "direct":
         return "norm_pass=in_pool normalises the direct loads' pooled rows in registers: it needs kv_load=direct"
+    main_pass = config.get("main_pass", "separate")
+    if main_pass not in MAIN_PASSES:
+        return f"unknown main_pass {main_pass!r}: use one of {', '.join(MAIN_PASSES)}"
+    if main_pass == "in_pool" and (norm_pass != "in_pool" or config.get("encode", "divide") != "thresholds"):
+        return "main_pass=in_pool encodes the normalised rows in registers: it needs norm_pass=in_pool and encode=thresholds"
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2 and config.get("pool_math", "ieee") == "ieee":
         # ptxas: 80 registers (the cap of 3 x 256 threads) and 36-40 bytes of spills at block_g 16, ratio 2, with the
         # reference's pooling expression; pool_math="fast" compiles to 80 registers without spills (session 9).
