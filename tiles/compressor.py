@@ -628,6 +628,18 @@ def _rmsnorm_in_smem(rot_s, w_s, part, ss, inv_s, eps, block_g: int):
         rot_s[i, d] = rot_s[i, d] * inv_s[i] * w_s[d]
 
 
+@T.macro
+def _rope_last_dims(buf, width: int, block_g: int, g0, G, cos, sin):
+    """RoPE on the last 64 of the ``width`` columns of ``buf`` [block_g, *] at each row's group position (``cos``/``sin``
+    [G, 32]), interleaved pairs; each pair is read and written by one thread."""
+    for i, p in T.Parallel(block_g, ROPE // 2):
+        g = T.min(g0 + i, G - 1)
+        ev, od = buf[i, width - ROPE + 2 * p], buf[i, width - ROPE + 2 * p + 1]
+        c, s = cos[g, p], sin[g, p]
+        buf[i, width - ROPE + 2 * p] = ev * c - od * s
+        buf[i, width - ROPE + 2 * p + 1] = ev * s + od * c
+
+
 @functools.cache
 def _compress_kernel(
     target: str,
@@ -932,14 +944,8 @@ def _compress_kernel(
             if main_pass == "in_pool":
                 T.sync_threads()  # the rows' bytes (written by csa2_main_from_rows, unseen by TileLang) before the stores
             else:
-                # 3. RoPE on the last 64 dims, interleaved pairs; each pair is read and written by one thread.
-                # (main_pass="in_pool": done with 4. from the rows in registers, csa2_main_from_rows.)
-                for i, p in T.Parallel(block_g, R):
-                    g = T.min(g0 + i, G - 1)
-                    ev, od = rot_s[i, D - ROPE + 2 * p], rot_s[i, D - ROPE + 2 * p + 1]
-                    c, s = cos[g, p], sin[g, p]
-                    rot_s[i, D - ROPE + 2 * p] = ev * c - od * s
-                    rot_s[i, D - ROPE + 2 * p + 1] = ev * s + od * c
+                # 3. RoPE on the last 64 dims (main_pass="in_pool": done with 4. from the rows in registers).
+                _rope_last_dims(rot_s, D, block_g, g0, G, cos, sin)
                 # 4. FP4 into the main cache: E4M3 scale per 16 (the stored scale divides).
                 for i, q in T.Parallel(block_g, D // MAIN_GROUP):
                     amax_m[i, q] = 0.0
@@ -1038,12 +1044,7 @@ def _compress_kernel(
                 T.reduce_sum(ksq, kss, dim=1)
                 for i, n in T.Parallel(block_g, DI):
                     k_s[i, n] = k_s[i, n] * T.rsqrt(kss[i] / DI + eps[0]) * kw_s[n]
-            for i, p in T.Parallel(block_g, R):
-                g = T.min(g0 + i, G - 1)
-                ev, od = k_s[i, DI - ROPE + 2 * p], k_s[i, DI - ROPE + 2 * p + 1]
-                c, s = cos[g, p], sin[g, p]
-                k_s[i, DI - ROPE + 2 * p] = ev * c - od * s
-                k_s[i, DI - ROPE + 2 * p + 1] = ev * s + od * c
+            _rope_last_dims(k_s, DI, block_g, g0, G, cos, sin)
             for i, q in T.Parallel(block_g, DI // INDEX_GROUP):
                 amax_i[i, q] = 0.0
                 for e in T.serial(INDEX_GROUP):
