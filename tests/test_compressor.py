@@ -21,7 +21,7 @@ from tiles import compressor as cp
 from tiles.arch import get_arch
 from tiles.contract import Shape, TileError
 from tiles.harness import OK, evaluate
-from tiles.ptxas import ptxas_log, resource_usage
+from tiles.ptxas import parse_resource_usage, ptxas_log, resource_usage
 
 SM90 = get_arch("sm90")
 # The one-CTA-per-SM kernel (Hopper's default until ctas_per_sm 2): the base of the tests that vary load, proj or encode
@@ -593,16 +593,18 @@ def _flat_config(block_g, ctas, wk="fp32", wk_stages=2, kv_load="slabs"):
     return {**cfg, "schedule": "flat", "wk_stages": wk_stages, "kv_load": kv_load}
 
 
-def _assert_flat_build_fits(kernel, src: str, cfg, ratio: int, ctas: int, tmp_path) -> None:
+def _assert_flat_build_fits(kernel, src: str, cfg, ratio: int, ctas: int, tmp_path) -> str:
     """A flat-kernel build launches with the shared memory the model says, ``ctas`` of them fit an SM, and ptxas keeps
-    256 x ``ctas`` threads' registers within the SM without spilling (skipped without nvcc)."""
+    256 x ``ctas`` threads' registers within the SM without spilling (skipped without nvcc). Returns ptxas's log."""
     smem = _dynamic_smem(kernel, 256)
     assert smem == cp._smem_flat(cfg, ratio)
     assert ctas * (smem + 1024) <= SM90.smem_per_sm and smem <= SM90.smem_per_block
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found: registers and spills not checked")
-    regs, spills = _ptxas(src, tmp_path)
+    log = ptxas_log(src, tmp_path)
+    regs, spills = parse_resource_usage(log)
     assert spills == 0 and regs * 256 * ctas <= SM90.registers_per_sm, (regs, spills)
+    return log
 
 
 @pytest.mark.parametrize("ratio, block_g, ctas, wk, stages, kv_load", FLAT_BUILDS)
@@ -1153,8 +1155,7 @@ def test_proj_wgmma_compiles_sm90_and_fits(ratio, tmp_path):
     assert src.count("csa2_proj_tf32x3_wgmma<16, 516, 512>(") == 1
     assert "mma_sync<" not in src and "ldmatrix" not in src
     assert cp._smem_flat(cfg, ratio) == 68352
-    _assert_flat_build_fits(kernel, src, cfg, ratio, 3, tmp_path)
-    log = ptxas_log(src, tmp_path)
+    log = _assert_flat_build_fits(kernel, src, cfg, ratio, 3, tmp_path)
     assert "Potential Performance Loss" not in log, log  # e.g. "wgmma.mma_async instructions are serialized"
 
 

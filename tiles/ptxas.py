@@ -29,7 +29,11 @@ def ptxas_log(src: str, workdir: Path, arch: str = "sm_90a") -> str:
 def resource_usage(src: str, workdir: Path, arch: str = "sm_90a") -> tuple[int, int]:
     """(registers per thread, spill bytes stored + loaded) of the kernel in ``src`` compiled for ``arch``
     (:func:`ptxas_log`)."""
-    log = ptxas_log(src, workdir, arch)
+    return parse_resource_usage(ptxas_log(src, workdir, arch))
+
+
+def parse_resource_usage(log: str) -> tuple[int, int]:
+    """(registers per thread, spill bytes stored + loaded) from a :func:`ptxas_log` output."""
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     return regs, spills
