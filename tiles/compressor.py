@@ -192,13 +192,16 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
   if (lane >= 16) {  // RoPE of pairs p and p + 1 at the group's first position (cos/sin [G, 32])
     const int p = 2 * (lane - 16);
     const float c0 = cs[grow * 32 + p], s0 = sn[grow * 32 + p], c1 = cs[grow * 32 + p + 1], s1 = sn[grow * 32 + p + 1];
+    // Rounded as TileLang's separate RoPE pass compiles (nvcc 13: two products and a subtraction; od * c fused onto
+    // the rounded ev * s), so the main cache is byte-identical to it: left to nvcc, `ev * s + od * c` here fused the
+    // other product (session 11 on the H200: rare code differences at ratio 1, 64K).
     float ev = v[12], od = v[13];
-    v[12] = ev * c0 - od * s0;
-    v[13] = ev * s0 + od * c0;
+    v[12] = __fsub_rn(__fmul_rn(ev, c0), __fmul_rn(od, s0));
+    v[13] = __fmaf_rn(od, c0, __fmul_rn(ev, s0));
     ev = v[14];
     od = v[15];
-    v[14] = ev * c1 - od * s1;
-    v[15] = ev * s1 + od * c1;
+    v[14] = __fsub_rn(__fmul_rn(ev, c1), __fmul_rn(od, s1));
+    v[15] = __fmaf_rn(od, c1, __fmul_rn(ev, s1));
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -1449,11 +1452,19 @@ class CompressorTile(Tile):
         serves both ratios.
         Prefill at ratio 2 on Hopper: two CTAs of 32 with the k-split projection, 1.7% faster than the default in one run
         (results/sm90/profile_compressor_k_split_session10.json: 0.1418 vs 0.1443 ms at 64K); not a default (two CTAs of
-        32 were 70% slower at decode, session 9)."""
+        32 were 70% slower at decode, session 9). With ``main_pass="in_pool"`` on top: 0.1354 vs 0.1457 ms the default (session
+        11, results/sm90/profile_compressor_main_pass_session11.json); main_pass alone was even at ratio 2 and slower
+        at decode there."""
         if arch.family != "hopper":
             return []
         if shape.dims.get("ratio") == 2 and shape.phase == "prefill":
-            return [({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2}, "r2 64K 0.1418 vs 0.1443 ms (H200, session 10)")]
+            return [
+                ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2}, "r2 64K 0.1418 vs 0.1443 ms (H200, session 10)"),
+                (
+                    {"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, "main_pass": "in_pool"},
+                    "r2 64K 0.1354 vs 0.1457 ms the default (H200, session 11)",
+                ),
+            ]
         if shape.dims.get("ratio") != 1:
             return []
         return [
@@ -1468,6 +1479,7 @@ class CompressorTile(Tile):
                 "r1 64K 0.2115 vs 0.2251 ms with one accumulator, 0.2312 the default (H200, session 10, norm_pass=in_pool)",
             ),
             ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2}, "r1 64K 0.2147 vs 0.2292 ms the default (H200, session 10)"),
+            ({"main_pass": "in_pool"}, "r1 64K 0.2260 vs 0.2317 ms the default (H200, session 11)"),
         ]
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
