@@ -1348,7 +1348,7 @@ def test_main_pass_in_pool_compiles_sm90_and_fits(ratio, tmp_path):
     _, separate = _build_without_producer(ratio, {**cfg, "main_pass": "separate"}, 3)
     assert src.count("csa2_main_from_rows((&(pooled_f[0]))") == 1
     # the RoPE rounded as the separate pass's compiles (left to nvcc it fused the other product: rare code differences)
-    assert "__fmaf_rn(od, c0, __fmul_rn(ev, s0))" in src and "__fsub_rn(__fmul_rn(ev, c0), __fmul_rn(od, s0))" in src
+    assert "__fmaf_rn(od, c0, __fmul_rn(ev, s0))" in src and "__fmaf_rn(ev, c0, -__fmul_rn(od, s0))" in src
     assert "csa2_e2m1_pair_bounded(((float*)rot_s)" in separate and "csa2_e2m1_pair_bounded(((float*)rot_s)" not in src
     assert src.count("__syncthreads()") == separate.count("__syncthreads()") - 3
     assert src.count("tl::tma_store(main_packed_desc") == 1

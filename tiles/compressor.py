@@ -192,15 +192,15 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
   if (lane >= 16) {  // RoPE of pairs p and p + 1 at the group's first position (cos/sin [G, 32])
     const int p = 2 * (lane - 16);
     const float c0 = cs[grow * 32 + p], s0 = sn[grow * 32 + p], c1 = cs[grow * 32 + p + 1], s1 = sn[grow * 32 + p + 1];
-    // Rounded as TileLang's separate RoPE pass compiles (nvcc 13: two products and a subtraction; od * c fused onto
-    // the rounded ev * s), so the main cache is byte-identical to it: left to nvcc, `ev * s + od * c` here fused the
-    // other product (session 11 on the H200: rare code differences at ratio 1, 64K).
+    // Rounded as TileLang's separate RoPE pass compiles (its SASS, nvcc 13: ev * c fused onto the rounded od * s,
+    // od * c onto the rounded ev * s), so the main cache is byte-identical to it; left to nvcc, the products fused
+    // here differed (session 11 on the H200: rare code differences at 64K).
     float ev = v[12], od = v[13];
-    v[12] = __fsub_rn(__fmul_rn(ev, c0), __fmul_rn(od, s0));
+    v[12] = __fmaf_rn(ev, c0, -__fmul_rn(od, s0));
     v[13] = __fmaf_rn(od, c0, __fmul_rn(ev, s0));
     ev = v[14];
     od = v[15];
-    v[14] = __fsub_rn(__fmul_rn(ev, c1), __fmul_rn(od, s1));
+    v[14] = __fmaf_rn(ev, c1, -__fmul_rn(od, s1));
     v[15] = __fmaf_rn(od, c1, __fmul_rn(ev, s1));
   }
 #pragma unroll
