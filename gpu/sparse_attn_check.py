@@ -57,6 +57,11 @@ LABELS = {
     "fp4_prmt": {"fp4_decode": "prmt"},
     "fp4_prmt_col_early": {"fp4_decode": "prmt", "lanes": "column", "handoff": "before_pv"},
     "fp4_fma": {"fp4_decode": "fma"},
+    # the consumer warpgroups take whole blocks in turn, P, the rescale and the running max handed over (FlashMLA's
+    # seesaw): one warpgroup's QK^T under the other's softmax, both doing the same work
+    "seesaw": {"consumers": "seesaw"},
+    "seesaw_col": {"consumers": "seesaw", "lanes": "column"},
+    "seesaw_split4": {"consumers": "seesaw", "n_split": 4},
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -124,6 +129,10 @@ CHECKS = [
     *_option_rows("balanced", bf16=("prefill_s4k", "decode_b128_s2")),
     *_option_rows("overlap", bf16=("prefill_s4k", "decode_b128_s2")),
     *_option_rows("overlap_prefetch"),  # prefetch is FP4-only
+    *_option_rows("seesaw", bf16=("prefill_s4k", "decode_b128_s2", "decode_b64_s1")),
+    *_option_rows("seesaw_col", bf16=("prefill_s4k",)),
+    ("sparse_attn_decode", "decode_b64_s1", "seesaw_split4"),  # 2-3 blocks per split: the taken last block
+    ("sparse_attn_decode", "decode_b64_s1", "split4"),
 ]
 
 

@@ -17,6 +17,7 @@ from model.ops import sparse_attention as ref_attention
 from tiles.arch import get_arch
 from tiles.compare import relative_l2
 from tiles.contract import Shape, TileError
+from tiles.ptxas import parse_resource_usage, ptxas_log
 from tiles.registry import all_tiles
 
 SM90 = get_arch("sm90")
@@ -139,6 +140,31 @@ def test_balanced_consumers_compile_for_sm90(tile, shape_name, consumers):
     assert (len(pv_waits) == 0) == (consumers == "balanced_overlap")
     pipelined = {**config, "schedule": "pipelined"}
     assert any("schedule=ws" in r for r in tile.search_space(SM90).violations(pipelined, shape, SM90))
+
+
+@pytest.mark.parametrize(
+    "tile,shape_name",
+    [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k"), (sa.BF16_TILE, "decode_b128_s2")],
+    ids=["decode", "prefill", "bf16"],
+)
+def test_seesaw_consumers_compile_for_sm90(tile, shape_name, tmp_path):
+    """consumers=seesaw (GPU checks in GPU_CASES): each consumer warpgroup issues the whole QK^T of its own blocks
+    (N = block_I) from its own buffer, hands P over in its own tile, leaves the taken block's P V in flight under its
+    softmax (wgmma wait 1), and fits its registers: ptxas without spills at the level the tile compiles with."""
+    shape = tile.shape(shape_name)
+    config = tile.with_defaults(SM90, {"consumers": "seesaw"})
+    assert tile.search_space(SM90).violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    full_s = re.findall(r"wgmma_ss<[^>]*, 64, 64, 16,[^>]*>\([^;]*\(\(uint32_t\*\)\((__\d+) \+ 0\)\)", src)
+    assert len(set(full_s)) == 2, "each warpgroup computes a 64 x 64 block of S in its own fragment"
+    assert "P1_shared" in src and "S_shared" in src and "handed_shared" in src
+    assert src.count("tl::wait_wgmma<1>();") == 2, "both warpgroups wait for S only while the taken P V runs"
+    assert src.count(f"tl::warpgroup_reg_alloc<{sa.SEESAW_NREG}>();") == 2
+    assert f"tl::warpgroup_reg_dealloc<{504 - 2 * sa.SEESAW_NREG}>();" in src
+    log = ptxas_log(src, tmp_path, ptxas_options=(f"--register-usage-level={config['ptxas_level']}",))
+    assert parse_resource_usage(log)[1] == 0, "no spills"
+    serial = {**config, "produce": "serial"}
+    assert any("produce=batched or prefetch" in r for r in tile.search_space(SM90).violations(serial, shape, SM90))
 
 
 @pytest.mark.parametrize(
@@ -572,6 +598,18 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "balanced_overlap", "n_split": 4}),
     (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced", "block_I": 32, "io": "direct"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced_overlap", "produce": "prefetch"}),
+    # consumers=seesaw: the warpgroups take whole blocks in turn (odd and even block counts per split, a taken last
+    # block, one block per split, 32-row blocks with io=direct, the prefetch producer, bf16 KV)
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "seesaw"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "seesaw"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "seesaw", "n_split": 4}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "seesaw", "n_split": 8}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "seesaw", "block_I": 32, "io": "direct"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "seesaw", "produce": "prefetch"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "seesaw"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "seesaw", "lanes": "column"}),
+    (sa.BF16_TILE, "prefill_s4k", {"consumers": "seesaw"}),
+    (sa.BF16_TILE, "decode_b64_s1", {"consumers": "seesaw"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     (sa.DECODE_TILE, "decode_b16_s2", {"schedule": "pipelined", "dequant": "staged", "n_split": 1}),
@@ -688,6 +726,17 @@ def test_balanced_consumers_odd_shapes(consumers, shape):
     """The split S (half a block per warpgroup) with partial blocks (W=37, K=100), H=128, odd S, -1 rows."""
     tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
     _check(tile, shape, {"consumers": consumers})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
+def test_seesaw_consumers_odd_shapes(tile, shape):
+    """Whole blocks in turn with partial blocks (W=37, K=100: -1 rows), odd block counts (the last block taken after
+    the loop), H=128 (two head blocks per token) and odd S."""
+    if tile is sa.DECODE_TILE and shape.phase == "prefill":
+        tile = sa.PREFILL_TILE
+    _check(tile, shape, {"consumers": "seesaw"})
 
 
 @pytest.mark.gpu

@@ -11,17 +11,30 @@ import subprocess
 from pathlib import Path
 
 
-def ptxas_log(src: str, workdir: Path, arch: str = "sm_90a") -> str:
+def ptxas_log(src: str, workdir: Path, arch: str = "sm_90a", ptxas_options: tuple[str, ...] = ()) -> str:
     """nvcc's output (ptxas -v info and warnings) for the kernel in ``src`` compiled for ``arch`` with TileLang's
-    include paths (``nvcc -cubin -O3 -Xptxas -v``); files go to ``workdir``. Raises CalledProcessError when nvcc
-    fails, FileNotFoundError when nvcc is not on the PATH."""
+    include paths (``nvcc -cubin -O3 -Xptxas -v``, plus ``ptxas_options`` such as ``--register-usage-level=10``);
+    files go to ``workdir``. Raises CalledProcessError when nvcc fails, FileNotFoundError when nvcc is not on the
+    PATH."""
     import tilelang
 
     root = Path(tilelang.__file__).parent
     cu = Path(workdir) / "k.cu"
     cu.write_text(src)
     inc = [f"-I{root / d}" for d in ("src", "src/cuda", "3rdparty/cutlass/include")]
-    cmd = ["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", *inc, str(cu), "-o", str(cu.with_suffix(".cubin"))]
+    cmd = [
+        "nvcc",
+        f"-arch={arch}",
+        "-cubin",
+        "-std=c++17",
+        "-O3",
+        "-Xptxas",
+        ",".join(("-v", *ptxas_options)),
+        *inc,
+        str(cu),
+        "-o",
+        str(cu.with_suffix(".cubin")),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return out.stdout + out.stderr
 

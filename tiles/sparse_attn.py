@@ -519,6 +519,13 @@ def _sparse_attn_ws(
       (a second phase), and both compute their half of O from the whole P. Both carry the same running max, so
       each keeps its own partial row sum; the two sums meet once at the end. Each warpgroup does half the FLOPs.
     * ``balanced_overlap``: ``balanced`` with P V left in flight; it completes under the next block's QK^T.
+    * ``seesaw`` (FlashMLA's decode schedule): the warpgroups take whole blocks in turn, warpgroup w the blocks
+      g = w, w + 2, ... (always in buffer w): each computes all of S for its block (N = block_I) and the softmax with
+      the running max the other left after block g - 1, hands P, its rescale and the new max to the other through
+      shared memory, and both add their half of O += P V for every block. The softmaxes still run one after the
+      other, but each warpgroup's QK^T of its next block runs on the tensor cores under the other's softmax, and
+      both do the same work (warpgroup 1 no longer idles through QK^T and the softmax). Each keeps the row sum of
+      its own blocks; the two meet once at the end. See :func:`_ws_seesaw_consumer`.
 
     ``wg1_rows`` (0 or 16, FP4 with the batched producer and ``wg0_scores``): rows of each main block that consumer
     warpgroup 1 gathers and dequantises itself. In Nsight Compute (prefill 4K, io=staged; results/sm90/ncu_roles_*)
@@ -584,6 +591,7 @@ def _sparse_attn_ws(
     main_passes = tuple(range(BI // ROWS - 1)) if helped else None  # the producer's passes over a main block
     balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
+    seesaw = consumers == "seesaw"  # the consumer warpgroups take whole blocks in turn (both compute S)
     batched = produce in ("batched", "prefetch")
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
@@ -624,10 +632,10 @@ def _sparse_attn_ws(
             m_i = T.alloc_fragment([HB], f32)
             m_i_prev = T.alloc_fragment([HB], f32)
             row_local = T.alloc_local([1], "int32")
-            if balanced:
+            if balanced or seesaw:
                 # warpgroup 1's scores and softmax state (warpgroup 0 uses acc_s, m_i, ...): a fragment's layout
                 # belongs to one thread range
-                acc_s1 = T.alloc_fragment([HB, BI // 2], f32)
+                acc_s1 = T.alloc_fragment([HB, BI // 2 if balanced else BI], f32)
                 sumexp1 = T.alloc_fragment([HB], f32)
                 sumexp_i1 = T.alloc_fragment([HB], f32)
                 alpha1 = T.alloc_fragment([HB], f32)
@@ -635,6 +643,9 @@ def _sparse_attn_ws(
                 m_i_prev1 = T.alloc_fragment([HB], f32)
                 rowmax_shared = T.alloc_shared([2, HB], f32, scope="shared")  # each warpgroup's row max of the block
                 rowsum_shared = T.alloc_shared([2, HB], f32, scope="shared")  # each warpgroup's partial row sums
+            if seesaw:
+                P1_shared = T.alloc_shared([HB, BI], bf16)  # warpgroup 1's P (warpgroup 0's goes to S_shared)
+                handed_shared = T.alloc_shared([2, 2, HB], f32, scope="shared")  # per warpgroup: its block's rescale, new max
             if batched:
                 rows_cur = T.alloc_local([BI // ROWS], "int32")  # this thread's rows of the block being filled
                 rows_next = T.alloc_local([BI // ROWS], "int32")  # ... and of the next one, fetched early
@@ -659,6 +670,11 @@ def _sparse_attn_ws(
             if balanced:
                 bar_max = T.alloc_barrier(arrive_count=256)  # both warpgroups' block row maxima are in rowmax_shared
                 bar_p = T.alloc_barrier(arrive_count=256)  # both halves of P are in S_shared
+            if seesaw:
+                bar_p0 = T.alloc_barrier(arrive_count=128)  # warpgroup 0's P, rescale and max are in shared memory
+                bar_p1 = T.alloc_barrier(arrive_count=128)  # warpgroup 1's
+                bar_p0_free = T.alloc_barrier(arrive_count=128)  # warpgroup 1 is done with warpgroup 0's P (its P V completed)
+                bar_p1_free = T.alloc_barrier(arrive_count=128)  # warpgroup 0 is done with warpgroup 1's
             if fused:  # see _ws_fused_combine
                 comb_shared = T.alloc_shared([2, NS + 2, HB], f32, scope="shared")  # per warpgroup: weights, max, denominator
                 last_shared = T.alloc_shared([1], "int32", scope="shared")  # the counter's old value: NS - 1 in the last CTA
@@ -715,9 +731,29 @@ def _sparse_attn_ws(
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
                 balanced_args = (pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse)
+            if seesaw:  # what both seesaw consumer warpgroups share
+                see = _WsSeesaw(
+                    Q,
+                    Q_l,
+                    Q_r,
+                    Out,
+                    LsePart,
+                    Sink,
+                    (S_shared, P1_shared),
+                    handed_shared,
+                    rowsum_shared,
+                    bar_q,
+                    (bar_p0, bar_p1),
+                    (bar_p0_free, bar_p1_free),
+                    bar_final,
+                )
+                seesaw_args = (see, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io)
 
             if tx < 128:
-                if balanced:
+                if seesaw:
+                    T.set_max_nreg(SEESAW_NREG, 1)
+                    _ws_seesaw_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *seesaw_args)
+                elif balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
                     _ws_balanced_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *balanced_args)
                 else:
@@ -732,7 +768,10 @@ def _sparse_attn_ws(
                             if bx * TPC + j < S * REP:
                                 _ws_wg0_token(cta, sm, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif tx < 256:
-                if balanced:
+                if seesaw:
+                    T.set_max_nreg(SEESAW_NREG, 1)
+                    _ws_seesaw_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *seesaw_args)
+                elif balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
                     _ws_balanced_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *balanced_args)
                 else:
@@ -752,9 +791,9 @@ def _sparse_attn_ws(
                             if bx * TPC + j < S * REP:
                                 _ws_wg1_token(cta, acc_o_r, helper, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif batched:
-                # 240 + 168 + 96 (balanced: 200 + 200 + 104) = 504 registers per thread slot: what the 384-thread
-                # launch allocates (168 x 3)
-                T.set_max_nreg(504 - 2 * BALANCED_NREG if balanced else 96, 0)
+                # 240 + 168 + 96 (balanced: 200 + 200 + 104; seesaw: 2 x SEESAW_NREG + the rest) = 504 registers per
+                # thread slot: what the 384-thread launch allocates (168 x 3)
+                T.set_max_nreg(504 - 2 * BALANCED_NREG if balanced else (504 - 2 * SEESAW_NREG if seesaw else 96), 0)
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
@@ -1039,6 +1078,137 @@ def _ws_balanced_step(half, pair, buf, prev_buf, it, HB, BI2, D2, scale2, overla
     else:
         T.gemm(pair.S_shared, KV_l if w == 0 else KV_r, acc_o)
         T.barrier_arrive(bar_free)
+
+
+SEESAW_NREG = 208  # per consumer thread under consumers="seesaw": O half (128) + all of S (32) + softmax + addresses
+
+
+class _WsSeesaw(NamedTuple):
+    """What the two seesaw consumer warpgroups share: Q, the outputs, each one's P tile and hand-over values, barriers."""
+
+    Q: Any
+    Q_l: Any
+    Q_r: Any
+    Out: Any
+    LsePart: Any
+    Sink: Any
+    P: Any  # (warpgroup 0's, warpgroup 1's) [HB, BI] bf16 P of its latest block
+    handed: Any  # [2, 2, HB] f32: [w, 0] warpgroup w's latest block's rescale of O and the sums, [w, 1] the max after it
+    rowsum_shared: Any  # [2, HB] each warpgroup's final partial row sum
+    bar_q: Any
+    bar_p: Any  # (warpgroup 0's, warpgroup 1's) P, rescale and max handed over: 128 arrivals
+    bar_p_free: Any  # (for warpgroup 0's P, for warpgroup 1's) the other's P V with it completed: 128 arrivals
+    bar_final: Any
+
+
+@T.macro
+def _ws_seesaw_take(half, see, other_buf, kp, HB, D2):
+    """Warpgroup ``half.w`` takes the other's block (its ``kp``-th): wait for its P, rescale O and the row sum by the
+    block's rescale, adopt the running max after it, and issue this half of O += P V (left in flight)."""
+    w, _, _, acc_o, sumexp, _, alpha, m_i, _ = half
+    T.barrier_wait(see.bar_p[1 - w], kp & 1)
+    for h in T.Parallel(HB):
+        alpha[h] = see.handed[1 - w, 0, h]
+        m_i[h] = see.handed[1 - w, 1, h]
+        sumexp[h] = sumexp[h] * alpha[h]
+    for h, d in T.Parallel(HB, D2):
+        acc_o[h, d] = acc_o[h, d] * alpha[h]
+    T.wgmma_gemm(see.P[1 - w], other_buf.KV_l if w == 0 else other_buf.KV_r, acc_o)
+
+
+@T.macro
+def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io):
+    """Consumer warpgroup ``half.w`` under ``consumers="seesaw"``: Q load, its blocks g = w, w + 2, ... (in buffer w),
+    the other's blocks in between, the sink and the O store.
+
+    Per own block g (the ``k``-th, g = 2 k + w): issue S = Q K^T; take the other's block g - 1 (its P V in flight,
+    :func:`_ws_seesaw_take`), which also brings the running max m after g - 1; wait for S only (wgmma groups complete
+    in order); the online softmax from that max; wait until the other has finished with this warpgroup's previous
+    P; hand over P, the rescale and the new max; wait for the taken P V, release that buffer and P; rescale O; its
+    half of O += P V for g. Both warpgroups see every block's rescale in the same order, so both carry the same
+    running max and scale their own row sums alike; the sums meet at the end as under ``balanced``."""
+    w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
+    Q, Sink, Out, LsePart = see.Q, see.Sink, see.Out, see.LsePart
+    own, other = bufs[w], bufs[1 - w]
+    if io == "staged":
+        T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
+        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
+        T.barrier_arrive(see.bar_q)
+    T.fill(sumexp, 0)
+    T.fill(m_i, -(2**30))
+    T.fill(acc_o, 0)
+    T.barrier_wait(see.bar_q, 0)
+    for k in T.serial((n_blk + 1 - w) // 2):
+        T.barrier_wait(own.ready, k & 1)
+        for h, bi in T.Parallel(HB, BI):
+            acc_s[h, bi] = T.if_then_else(own.valid[bi], 0, -T.infinity("float32"))
+        T.wgmma_gemm(see.Q_l, own.KV_l, acc_s, transpose_B=True)
+        T.wgmma_gemm(see.Q_r, own.KV_r, acc_s, transpose_B=True)
+        if w == 1 or k > 0:  # the other's block g - 1 (its (k + w - 1)-th) comes first in the running max
+            _ws_seesaw_take(half, see, other, k + w - 1, HB, D2)
+            T.wait_wgmma(1)  # S only: the taken P V stays in flight
+        else:
+            T.wait_wgmma(0)
+        T.copy(m_i, m_i_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
+        for h, bi in T.Parallel(HB, BI):
+            acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
+        T.reduce_sum(acc_s, sumexp_i, dim=1)
+        for h in T.Parallel(HB):
+            sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
+        if k > 0:  # the other's P V with this warpgroup's previous P (and its read of the hand-over values) is done
+            T.barrier_wait(see.bar_p_free[w], (k - 1) & 1)
+        T.copy(acc_s, see.P[w])
+        for h in T.Parallel(HB):
+            see.handed[w, 0, h] = alpha[h]
+            see.handed[w, 1, h] = m_i[h]
+        T.fence_proxy_async()  # P goes to the other warpgroup's wgmma (async proxy)
+        T.barrier_arrive(see.bar_p[w])
+        T.wait_wgmma(0)
+        if w == 1 or k > 0:
+            T.barrier_arrive(other.free)
+            T.barrier_arrive(see.bar_p_free[1 - w])
+        for h, d in T.Parallel(HB, D2):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        T.gemm(see.P[w], own.KV_l if w == 0 else own.KV_r, acc_o)
+        T.barrier_arrive(own.free)
+    if n_blk > 0:  # noqa: SIM102  (a Python flag around a TileLang condition)
+        if (n_blk - 1) % 2 == 1 - w:  # the last block is the other's: take it after the loop
+            _ws_seesaw_take(half, see, other, (n_blk - 2 + w) // 2, HB, D2)
+            T.wait_wgmma(0)
+            T.barrier_arrive(other.free)
+            T.barrier_arrive(see.bar_p_free[1 - w])
+    # the two partial row sums meet; past this barrier both warpgroups' last QK^T is done, so Q is free
+    for h in T.Parallel(HB):
+        see.rowsum_shared[w, h] = sumexp[h]
+    T.barrier_arrive(see.bar_final)
+    T.barrier_wait(see.bar_final, 0)
+    for h in T.Parallel(HB):
+        sumexp[h] = see.rowsum_shared[0, h] + see.rowsum_shared[1, h]  # the same order in both warpgroups
+    if NS == 1:
+        for h in T.Parallel(HB):  # alpha: first M = max(m, sink) (no overflow for a large sink), then the final scale
+            alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
+            sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
+            alpha[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
+    else:
+        for h in T.Parallel(HB):
+            alpha[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
+        if w == 0:
+            for h in T.Parallel(HB):
+                LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
+                    sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity("float32")
+                )
+    for h, d in T.Parallel(HB, D2):
+        acc_o[h, d] = acc_o[h, d] * alpha[h]
+    if NS == 1 and io == "staged":
+        T.copy(acc_o, Q_own)
+        T.copy(Q_own, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+    elif NS == 1:
+        T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+    else:
+        T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, w * D2 : (w + 1) * D2])
 
 
 class _WsCta(NamedTuple):
@@ -1897,7 +2067,8 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     q = hb * d * 2
     s = hb * bi * 2
     if config["schedule"] == "ws":
-        return q + 2 * bi * d * 2 + s + 2 * bi + 8 * hb
+        seesaw = config.get("consumers") == "seesaw"  # a second P tile and the hand-over values
+        return q + 2 * bi * d * 2 + s * (2 if seesaw else 1) + 2 * bi + 8 * hb + (32 * hb if seesaw else 0)
     stages = max(1, config["num_stages"])
     kv = bi * d * 2 * stages
     raw = bi * (d // 2 + d // 16) * stages if (config.get("dequant") == "staged" and kv_format == "fp4") else 0
@@ -1958,6 +2129,9 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "lanes=column maps the ws producer warpgroup's lanes: schedule=ws"
         if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
             return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
+        if c.get("consumers", "wg0_scores") == "seesaw" and c.get("produce", "serial") not in ("batched", "prefetch"):
+            # the serial producer's fixed 80 registers and the seesaw consumers' 2 x SEESAW_NREG are not balanced
+            return "consumers=seesaw is built with the batched producer: produce=batched or prefetch"
         if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
             return "io=staged splits the Q load between the ws consumer warpgroups: schedule=ws"
         if c.get("produce", "serial") == "prefetch" and kv_format != "fp4":
@@ -1988,6 +2162,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         if int(c.get("wg1_rows", 0)):
             # warpgroup 1 then holds producer registers besides its accumulator: ptxas spills ~500 bytes
             return "combine=fused with wg1_rows spills in consumer warpgroup 1 (ptxas): wg1_rows=0"
+        if c.get("consumers", "wg0_scores") == "seesaw":
+            return "combine=fused is not built into the seesaw consumers: combine=separate"
         n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
         return None if n_split > 1 else "combine=fused merges split partials: n_split resolves to 1 here, nothing to combine"
 
@@ -2029,10 +2205,11 @@ class SparseAttnTile(Tile):
             ),
             Param(
                 "consumers",
-                ("wg0_scores", "balanced", "balanced_overlap"),
+                ("wg0_scores", "balanced", "balanced_overlap", "seesaw"),
                 "ws consumer split: warpgroup 0 computes all of S and the softmax (both then compute half of O), or each "
                 "warpgroup half of S's rows and its softmax with the row max exchanged through shared memory (overlap: "
-                "P V left in flight under the next block's QK^T)",
+                "P V left in flight under the next block's QK^T), or whole blocks in turn with P, the rescale and the "
+                "running max handed over (seesaw: one warpgroup's QK^T under the other's softmax)",
             ),
             Param(
                 "tokens_per_cta",
