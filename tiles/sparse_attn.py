@@ -747,7 +747,7 @@ def _sparse_attn_ws(
                     (bar_p0_free, bar_p1_free),
                     bar_final,
                 )
-                seesaw_args = (see, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io)
+                seesaw_args = (see, bufs, b_i, s_i, h0, bz, n_blk, -(-NB // NS), HB, BI, D2, NS, scale2, io)
 
             if tx < 128:
                 if seesaw:
@@ -1117,9 +1117,10 @@ def _ws_seesaw_take(half, see, other_buf, kp, HB, D2):
 
 
 @T.macro
-def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io):
+def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io):
     """Consumer warpgroup ``half.w`` under ``consumers="seesaw"``: Q load, its blocks g = w, w + 2, ... (in buffer w),
-    the other's blocks in between, the sink and the O store.
+    the other's blocks in between, the sink and the O store. ``n_blk``: the split's blocks, at most ``max_blk`` (a
+    Python int).
 
     Per own block g (the ``k``-th, g = 2 k + w): issue S = Q K^T; take the other's block g - 1 (its P V in flight,
     :func:`_ws_seesaw_take`), which also brings the running max m after g - 1; wait for S only (wgmma groups complete
@@ -1138,42 +1139,46 @@ def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS
     T.fill(m_i, -(2**30))
     T.fill(acc_o, 0)
     T.barrier_wait(see.bar_q, 0)
-    for k in T.serial((n_blk + 1 - w) // 2):
-        T.barrier_wait(own.ready, k & 1)
-        for h, bi in T.Parallel(HB, BI):
-            acc_s[h, bi] = T.if_then_else(own.valid[bi], 0, -T.infinity("float32"))
-        T.wgmma_gemm(see.Q_l, own.KV_l, acc_s, transpose_B=True)
-        T.wgmma_gemm(see.Q_r, own.KV_r, acc_s, transpose_B=True)
-        if w == 1 or k > 0:  # the other's block g - 1 (its (k + w - 1)-th) comes first in the running max
-            _ws_seesaw_take(half, see, other, k + w - 1, HB, D2)
-            T.wait_wgmma(1)  # S only: the taken P V stays in flight
-        else:
+    # A static trip count (the most blocks a split has) and a guard: with the trip count (n_blk + 1 - w) // 2, where it
+    # can only be 0 or 1 (splits of 1-2 blocks) TileLang 0.1.15 replaced the loop by one unguarded pass, and a guard
+    # inside it was proven true from the loop's own bound (the H200 hung on a buffer never filled, session 11).
+    for k in T.serial((max_blk + 1 - w) // 2):
+        if 2 * k + w < n_blk:
+            T.barrier_wait(own.ready, k & 1)
+            for h, bi in T.Parallel(HB, BI):
+                acc_s[h, bi] = T.if_then_else(own.valid[bi], 0, -T.infinity("float32"))
+            T.wgmma_gemm(see.Q_l, own.KV_l, acc_s, transpose_B=True)
+            T.wgmma_gemm(see.Q_r, own.KV_r, acc_s, transpose_B=True)
+            if w == 1 or k > 0:  # the other's block g - 1 (its (k + w - 1)-th) comes first in the running max
+                _ws_seesaw_take(half, see, other, k + w - 1, HB, D2)
+                T.wait_wgmma(1)  # S only: the taken P V stays in flight
+            else:
+                T.wait_wgmma(0)
+            T.copy(m_i, m_i_prev)
+            T.reduce_max(acc_s, m_i, dim=1, clear=False)
+            for h in T.Parallel(HB):
+                alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
+            for h, bi in T.Parallel(HB, BI):
+                acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
+            T.reduce_sum(acc_s, sumexp_i, dim=1)
+            for h in T.Parallel(HB):
+                sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
+            if k > 0:  # the other's P V with this warpgroup's previous P (and its read of the hand-over values) is done
+                T.barrier_wait(see.bar_p_free[w], (k - 1) & 1)
+            T.copy(acc_s, see.P[w])
+            for h in T.Parallel(HB):
+                see.handed[w, 0, h] = alpha[h]
+                see.handed[w, 1, h] = m_i[h]
+            T.fence_proxy_async()  # P goes to the other warpgroup's wgmma (async proxy)
+            T.barrier_arrive(see.bar_p[w])
             T.wait_wgmma(0)
-        T.copy(m_i, m_i_prev)
-        T.reduce_max(acc_s, m_i, dim=1, clear=False)
-        for h in T.Parallel(HB):
-            alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
-        for h, bi in T.Parallel(HB, BI):
-            acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
-        T.reduce_sum(acc_s, sumexp_i, dim=1)
-        for h in T.Parallel(HB):
-            sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
-        if k > 0:  # the other's P V with this warpgroup's previous P (and its read of the hand-over values) is done
-            T.barrier_wait(see.bar_p_free[w], (k - 1) & 1)
-        T.copy(acc_s, see.P[w])
-        for h in T.Parallel(HB):
-            see.handed[w, 0, h] = alpha[h]
-            see.handed[w, 1, h] = m_i[h]
-        T.fence_proxy_async()  # P goes to the other warpgroup's wgmma (async proxy)
-        T.barrier_arrive(see.bar_p[w])
-        T.wait_wgmma(0)
-        if w == 1 or k > 0:
-            T.barrier_arrive(other.free)
-            T.barrier_arrive(see.bar_p_free[1 - w])
-        for h, d in T.Parallel(HB, D2):
-            acc_o[h, d] = acc_o[h, d] * alpha[h]
-        T.gemm(see.P[w], own.KV_l if w == 0 else own.KV_r, acc_o)
-        T.barrier_arrive(own.free)
+            if w == 1 or k > 0:
+                T.barrier_arrive(other.free)
+                T.barrier_arrive(see.bar_p_free[1 - w])
+            for h, d in T.Parallel(HB, D2):
+                acc_o[h, d] = acc_o[h, d] * alpha[h]
+            T.gemm(see.P[w], own.KV_l if w == 0 else own.KV_r, acc_o)
+            T.barrier_arrive(own.free)
     if n_blk > 0:  # noqa: SIM102  (a Python flag around a TileLang condition)
         if (n_blk - 1) % 2 == 1 - w:  # the last block is the other's: take it after the loop
             _ws_seesaw_take(half, see, other, (n_blk - 2 + w) // 2, HB, D2)
