@@ -167,6 +167,17 @@ def test_seesaw_consumers_compile_for_sm90(tile, shape_name, tmp_path):
     assert any("produce=batched or prefetch" in r for r in tile.search_space(SM90).violations(serial, shape, SM90))
 
 
+def test_seesaw_guards_own_blocks_of_short_splits():
+    """At 8 splits of 10 blocks (1 or 2 per split), warpgroup 1's own block (the second) exists only in the 2-block
+    splits: its wait on the buffer is guarded in the generated CUDA (TileLang had replaced a loop of trip count 0 or 1
+    by one unguarded pass, and the H200 hung there)."""
+    tile = sa.DECODE_TILE
+    config = tile.with_defaults(SM90, {"consumers": "seesaw", "n_split": 8})
+    src = tile.build(tile.shape("decode_b64_s1"), config, SM90).main.get_kernel_source()
+    waits = re.findall(r"(.*)\n\s*bar_ready_1\[0\]\.wait", src)
+    assert waits and all(w.strip().startswith("if (") for w in waits), waits
+
+
 @pytest.mark.parametrize(
     "tile,shape_name", [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k")], ids=["decode", "prefill"]
 )
