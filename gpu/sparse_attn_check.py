@@ -62,6 +62,9 @@ LABELS = {
     "seesaw": {"consumers": "seesaw"},
     "seesaw_col": {"consumers": "seesaw", "lanes": "column"},
     "seesaw_split4": {"consumers": "seesaw", "n_split": 4},
+    # the split partials of O stored and combined as bf16 (half the bytes of the fp32 partials)
+    "parts_bf16": {"partials": "bf16"},
+    "parts_bf16_split4": {"partials": "bf16", "n_split": 4},
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -133,6 +136,13 @@ CHECKS = [
     *_option_rows("seesaw_col", bf16=("prefill_s4k",)),
     ("sparse_attn_decode", "decode_b64_s1", "seesaw_split4"),  # 2-3 blocks per split: the taken last block
     ("sparse_attn_decode", "decode_b64_s1", "split4"),
+    ("sparse_attn_decode", "decode_b64_s1", "parts_bf16"),
+    ("sparse_attn_decode", "decode_b64_s1", "parts_bf16_split4"),
+    ("sparse_attn_decode", "decode_b128_s2", "parts_bf16_split4"),
+    ("sparse_attn_decode", "decode_b128_s2", "split4"),
+    ("sparse_attn_decode", H128, "parts_bf16"),
+    ("sparse_attn_decode", W37, "parts_bf16"),
+    ("sparse_attn_bf16", "decode_b64_s1", "parts_bf16"),
 ]
 
 

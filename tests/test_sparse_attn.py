@@ -167,6 +167,25 @@ def test_seesaw_consumers_compile_for_sm90(tile, shape_name, tmp_path):
     assert any("produce=batched or prefetch" in r for r in tile.search_space(SM90).violations(serial, shape, SM90))
 
 
+def test_bf16_partials_compile_for_sm90():
+    """partials=bf16 (GPU checks in GPU_CASES): the split CTAs store their partial O as bf16 in 16-byte vectors through
+    the freed Q halves (fp32 partials: 8-byte fragment stores), the combine kernel reads bf16; refused where it is not
+    built (balanced or seesaw consumers, the fused combine, the pipelined schedule)."""
+    tile, shape = sa.DECODE_TILE, sa.DECODE_TILE.shape("decode_b64_s1")
+    space = tile.search_space(SM90)
+    config = tile.with_defaults(SM90, {"partials": "bf16"})
+    assert space.violations(config, shape, SM90) == []
+    kernel = tile.build(shape, config, SM90)
+    src = kernel.main.get_kernel_source()
+    assert "Out" in src and len(re.findall(r"\*\(uint4\*\)\(Out \+", src)) == 2, "both halves staged in 16-byte vectors"
+    assert "bfloat16_t* __restrict__ OPart" in kernel.combine.get_kernel_source()
+    fp32 = tile.build(shape, tile.with_defaults(SM90, {}), SM90)
+    assert "float* __restrict__ OPart" in fp32.combine.get_kernel_source() and "uint4*)(Out +" not in fp32.main.get_kernel_source()
+    for other in ({"consumers": "balanced"}, {"consumers": "seesaw"}, {"combine": "fused"}, {"schedule": "pipelined"}):
+        refused = tile.with_defaults(SM90, {**other, "partials": "bf16"})
+        assert any("partials=bf16" in r for r in space.violations(refused, shape, SM90)), other
+
+
 def test_seesaw_guards_own_blocks_of_short_splits():
     """At 8 splits of 10 blocks (1 or 2 per split), warpgroup 1's own block (the second) exists only in the 2-block
     splits: its wait on the buffer is guarded in the generated CUDA (TileLang had replaced a loop of trip count 0 or 1
@@ -609,6 +628,11 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "balanced_overlap", "n_split": 4}),
     (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced", "block_I": 32, "io": "direct"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "balanced_overlap", "produce": "prefetch"}),
+    # partials=bf16: the split partials of O stored and combined as bf16 (2, 4 and 8 splits, H=128 via ODD_SHAPES)
+    (sa.DECODE_TILE, "decode_b64_s1", {"partials": "bf16"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"partials": "bf16", "n_split": 4}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"partials": "bf16", "n_split": 8}),
+    (sa.BF16_TILE, "decode_b64_s1", {"partials": "bf16"}),
     # consumers=seesaw: the warpgroups take whole blocks in turn (odd and even block counts per split, a taken last
     # block, one block per split, 32-row blocks with io=direct, the prefetch producer, bf16 KV)
     (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "seesaw"}),
@@ -737,6 +761,13 @@ def test_balanced_consumers_odd_shapes(consumers, shape):
     """The split S (half a block per warpgroup) with partial blocks (W=37, K=100), H=128, odd S, -1 rows."""
     tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
     _check(tile, shape, {"consumers": consumers})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [s for s in ODD_SHAPES if s.phase == "decode"], ids=lambda s: s.name)
+def test_bf16_partials_odd_shapes(shape):
+    """bf16 split partials at H=128, W=37 and K=100 (auto splits: 8 over 4-10 blocks, some splits empty)."""
+    _check(sa.DECODE_TILE, shape, {"partials": "bf16"})
 
 
 @pytest.mark.gpu

@@ -216,6 +216,7 @@ def sparse_attn_kernel(
     handoff: str = "after_pv",
     lanes: str = "row",
     fp4_decode: str = "fma",
+    partials: str = "fp32",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -230,9 +231,14 @@ def sparse_attn_kernel(
     ``combine="fused"`` (ws, ``n_split > 1``): Out is bf16 [B, S, H, D], then LsePart fp32 [B, S, NS, H],
     OPart fp32 [B, S, NS, H, D] (scratch) and Counter int32 [B, S, H / heads_per_block] (zero before the launch,
     left zero after it).
+    ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
     """
     if combine == "fused" and (schedule != "ws" or n_split == 1 or tokens_per_cta != 1):
         raise ValueError("combine='fused' merges split partials in the ws kernel: schedule='ws', n_split > 1, tokens_per_cta=1")
+    if partials not in PARTIALS:
+        raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
+    if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
+        raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if schedule == "ws":
         return _sparse_attn_ws(
             heads,
@@ -253,6 +259,7 @@ def sparse_attn_kernel(
             handoff,
             lanes,
             fp4_decode,
+            partials,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -425,9 +432,9 @@ def _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sum
     T.gemm(S_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
 
-def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
-    """Merge split partials with the sink: OPart fp32 [B, S, NS, H, D], LsePart fp32 [B, S, NS, H],
-    Sink fp32 [H] -> Out bf16 [B, S, H, D]. One block per (token, head)."""
+def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128, partials: str = "fp32"):
+    """Merge split partials with the sink: OPart fp32 (``partials="bf16"``: bf16) [B, S, NS, H, D], LsePart fp32
+    [B, S, NS, H], Sink fp32 [H] -> Out bf16 [B, S, H, D]. One block per (token, head); the sum in fp32."""
     B, S = T.dynamic("B"), T.dynamic("S")
     H, D, NS = heads, dim, n_split
     f32 = "float32"
@@ -435,7 +442,7 @@ def combine_kernel(heads: int, dim: int, n_split: int, threads: int = 128):
     # named apart from the attention kernel ("main_kernel") so profilers report the two separately
     @T.prim_func
     def combine(
-        OPart: T.Tensor([B, S, NS, H, D], f32),
+        OPart: T.Tensor([B, S, NS, H, D], "bfloat16" if partials == "bf16" else f32),
         LsePart: T.Tensor([B, S, NS, H], f32),
         Sink: T.Tensor([H], f32),
         Out: T.Tensor([B, S, H, D], "bfloat16"),
@@ -481,6 +488,7 @@ def _sparse_attn_ws(
     handoff="after_pv",
     lanes="row",
     fp4_decode="fma",
+    partials="fp32",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -570,6 +578,12 @@ def _sparse_attn_ws(
     ``prmt`` (``csa2_fp4x8_bf16_prmt``: byte-permute lookups into constant tables of the 8 magnitudes' bf16 bytes, the
     signs merged, one exact multiply by the scale pair). The same output bits; fewer producer instructions per block.
     Not yet run on a GPU (session 7).
+
+    ``partials`` (``n_split > 1``, ``wg0_scores``, separate combine): the dtype of the splits' partial O. ``fp32``, or
+    ``bf16``: half the bytes each split CTA writes at its end (at decode B=64/S=1 every CTA of the one wave stores its
+    128 KiB of fp32 partials at about the same moment, 16 MiB in all) and half what the combine reads; each partial is
+    staged through the freed Q half and stored in 16-byte vectors like O. One more bf16 rounding of each partial
+    before the fp32 merge.
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -585,6 +599,8 @@ def _sparse_attn_ws(
     bf16, f32 = "bfloat16", "float32"
     fp4 = kv_format == "fp4"
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
+    out_dtype = bf16 if NS == 1 or partials == "bf16" else f32
+    bf16_parts = NS > 1 and partials == "bf16"  # split partials staged out as bf16 like O
     prefetch = produce == "prefetch"  # the batched producer with the next main block's loads issued early
     helped = wg1_rows > 0  # consumer warpgroup 1 fills the last pass of rows of each main block
     TPC = tokens_per_cta
@@ -727,6 +743,7 @@ def _sparse_attn_ws(
                 io,
                 fuse,
                 handoff == "before_pv",
+                bf16_parts,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
@@ -887,7 +904,7 @@ def _sparse_attn_ws(
         MainB: T.Tensor(main_args[2], main_args[3]),
         TopkIdx: T.Tensor([B, S, K], "int32"),
         Sink: T.Tensor([H], f32),
-        Out: T.Tensor(out_shape, bf16 if NS == 1 else f32),
+        Out: T.Tensor(out_shape, out_dtype),
         LsePart: T.Tensor([B, S, NS, H], f32),
     ):
         body(Q, WinA, WinB, WinIdx, MainA, MainB, TopkIdx, Sink, Out, LsePart, None, None)
@@ -1245,6 +1262,7 @@ class _WsCta(NamedTuple):
     io: str
     fuse: Any = None  # combine="fused": the _WsFuse of the fused combine
     early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
+    bf16_parts: bool = False  # partials="bf16": the split's partial O staged out as bf16 through the freed Q half
 
 
 class _WsHelper(NamedTuple):
@@ -1295,6 +1313,9 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     if NS == 1 and cta.io == "staged":
         T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
         T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+    elif cta.bf16_parts and cta.io == "staged":
+        T.copy(acc_o_l, Q_l)
+        T.copy(Q_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
     elif NS == 1:
         T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
     elif cta.fuse is None:
@@ -1353,6 +1374,9 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
     if NS == 1 and cta.io == "staged":
         T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
         T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
+    elif cta.bf16_parts and cta.io == "staged":
+        T.copy(acc_o_r, Q_r)
+        T.copy(Q_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])
     elif NS == 1:
         T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
     elif cta.fuse is None:
@@ -1763,6 +1787,7 @@ class CompiledAttention:
         self.heads, self.dim, self.window, self.topk, self.kv_format = heads, dim, window, topk, kv_format
         self.n_split = int(config.get("n_split", 1))
         self.fused = config.get("combine", "separate") == "fused"
+        self.partials_dtype = torch.bfloat16 if config.get("partials", "fp32") == "bf16" else torch.float32
         self.rep = heads // int(config.get("heads_per_block", 64))  # head blocks per token: counters per token
         self.counters: dict[torch.device, torch.Tensor] = {}
         target = tilelang.tvm.target.Target(arch.tilelang_target())
@@ -1784,6 +1809,7 @@ class CompiledAttention:
                 "handoff",
                 "lanes",
                 "fp4_decode",
+                "partials",
             )
             if k in config
         }
@@ -1799,7 +1825,8 @@ class CompiledAttention:
         self.main = tilelang.compile(prim, target=target, pass_configs=passes)
         self.combine = None
         if self.n_split > 1 and not self.fused:
-            self.combine = tilelang.compile(combine_kernel(heads, dim, self.n_split), target=target, pass_configs=_PASS_CONFIGS)
+            kernel = combine_kernel(heads, dim, self.n_split, partials=config.get("partials", "fp32"))
+            self.combine = tilelang.compile(kernel, target=target, pass_configs=_PASS_CONFIGS)
 
     def __call__(self, q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out: torch.Tensor | None = None) -> torch.Tensor:
         B, S, H, D = q.shape
@@ -1811,7 +1838,7 @@ class CompiledAttention:
             lse = torch.empty(B, S, 1, H, dtype=torch.float32, device=q.device)  # [B, S, 1, H], unused
             self.main(q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out, lse)
             return out
-        opart = torch.empty(B, S, self.n_split, H, D, dtype=torch.float32, device=q.device)  # [B, S, NS, H, D]
+        opart = torch.empty(B, S, self.n_split, H, D, dtype=self.partials_dtype, device=q.device)  # [B, S, NS, H, D]
         lse = torch.empty(B, S, self.n_split, H, dtype=torch.float32, device=q.device)  # [B, S, NS, H]
         if self.fused:
             counter = self.counter(B, S, q.device)  # [B, S, REP], all zero
@@ -2046,6 +2073,7 @@ def sparse_attention_bf16(
 # Tiles
 # ----------------------------------------------------------------------------------------------
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
+PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
@@ -2160,6 +2188,10 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
 
     def combine(c, s, a):
+        if c.get("partials", "fp32") == "bf16" and (
+            c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores" or c.get("combine", "separate") != "separate"
+        ):
+            return "partials=bf16 is built into the ws kernel's wg0_scores consumers with the separate combine"
         if c.get("combine", "separate") != "fused":
             return None
         if c["schedule"] != "ws" or int(c.get("tokens_per_cta", 1)) != 1:
@@ -2267,6 +2299,14 @@ class SparseAttnTile(Tile):
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
                 Param(
+                    "partials",
+                    PARTIALS,
+                    "dtype of the splits' partial O: fp32, or bf16 (ws, wg0_scores, separate combine: half the bytes the "
+                    "split CTAs store at their end and the combine reads, one more bf16 rounding)",
+                )
+            )
+            params.append(
+                Param(
                     "combine",
                     ("separate", "fused"),
                     "merge the splits in a second kernel, or in the ws kernel's last split CTA per token (an arrival "
@@ -2304,6 +2344,7 @@ class SparseAttnTile(Tile):
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
+            cfg["partials"] = "fp32"
         return cfg
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
