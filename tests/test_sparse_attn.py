@@ -130,7 +130,7 @@ def test_balanced_consumers_compile_for_sm90(tile, shape_name, consumers):
     """consumers=balanced[_overlap] (GPU checks in GPU_CASES): both consumer warpgroups issue QK^T over half of the
     block's rows (N = block_I / 2) and exchange row maxima; overlap leaves P V in flight (no wgmma wait after it)."""
     shape = tile.shape(shape_name)
-    config = {**tile.default_config(SM90), "consumers": consumers}
+    config = tile.with_defaults(SM90, {"consumers": consumers})  # fp32 split partials (bf16 is wg0_scores')
     assert tile.search_space(SM90).violations(config, shape, SM90) == []
     src = tile.build(shape, config, SM90).main.get_kernel_source()
     half_s = re.findall(r"wgmma_ss<[^>]*, 64, 32, 16,[^>]*>\([^;]*\(\(uint32_t\*\)\(acc_s(_1)? \+ 0\)\)", src)
@@ -179,11 +179,16 @@ def test_bf16_partials_compile_for_sm90():
     src = kernel.main.get_kernel_source()
     assert "Out" in src and len(re.findall(r"\*\(uint4\*\)\(Out \+", src)) == 2, "both halves staged in 16-byte vectors"
     assert "bfloat16_t* __restrict__ OPart" in kernel.combine.get_kernel_source()
-    fp32 = tile.build(shape, tile.with_defaults(SM90, {}), SM90)
+    fp32 = tile.build(shape, tile.with_defaults(SM90, {"partials": "fp32"}), SM90)
     assert "float* __restrict__ OPart" in fp32.combine.get_kernel_source() and "uint4*)(Out +" not in fp32.main.get_kernel_source()
     for other in ({"consumers": "balanced"}, {"consumers": "seesaw"}, {"combine": "fused"}, {"schedule": "pipelined"}):
         refused = tile.with_defaults(SM90, {**other, "partials": "bf16"})
         assert any("partials=bf16" in r for r in space.violations(refused, shape, SM90)), other
+        # the Hopper default (bf16) gives way when a config picks what it is not built for without naming it
+        assert (
+            tile.with_defaults(SM90, other)["partials"] == "fp32" and space.violations(tile.with_defaults(SM90, other), shape, SM90) == []
+        )
+    assert tile.default_config(SM90)["partials"] == "bf16" and tile.default_config(get_arch("sm80"))["partials"] == "fp32"
 
 
 def test_seesaw_guards_own_blocks_of_short_splits():
@@ -457,7 +462,7 @@ def test_tokens_per_cta_compiles_for_sm90(tpc):
         assert any("tokens_per_cta" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
-FUSED = {"combine": "fused"}
+FUSED = {"combine": "fused", "partials": "fp32"}  # the fused combine merges fp32 partials (the Hopper default is bf16)
 H128 = _shape("h128", "decode", B=3, S=2, Nc=5000, Nw=130, H=128)
 W37 = _shape("w37", "decode", B=5, S=1, Nc=700, Nw=38, W=37)
 

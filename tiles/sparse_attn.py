@@ -2108,6 +2108,13 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     return q + kv + s + raw + 4 * bi * stages
 
 
+def _bf16_partials_refusal(c: Config) -> str | None:
+    """Why partials="bf16" cannot run with config ``c``, or None."""
+    if c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores" or c.get("combine", "separate") != "separate":
+        return "partials=bf16 is built into the ws kernel's wg0_scores consumers with the separate combine"
+    return None
+
+
 def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
     """Why fp4_decode="prmt" cannot run with config ``c``, or None."""
     if kv_format != "fp4" or c["schedule"] != "ws" or c.get("produce", "serial") not in ("batched", "prefetch"):
@@ -2188,10 +2195,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
 
     def combine(c, s, a):
-        if c.get("partials", "fp32") == "bf16" and (
-            c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores" or c.get("combine", "separate") != "separate"
-        ):
-            return "partials=bf16 is built into the ws kernel's wg0_scores consumers with the separate combine"
+        if c.get("partials", "fp32") == "bf16" and (why := _bf16_partials_refusal(c)):
+            return why
         if c.get("combine", "separate") != "fused":
             return None
         if c["schedule"] != "ws" or int(c.get("tokens_per_cta", 1)) != 1:
@@ -2344,7 +2349,9 @@ class SparseAttnTile(Tile):
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
-            cfg["partials"] = "fp32"
+            # Hopper: bf16 split partials, H200, one run against fp32 (results/sm90/sparse_attn_run16_bf16_partials.json):
+            # decode B=64/S=1 0.0313 -> 0.0273 ms (bf16 KV 0.0291 -> 0.0254), rel L2 2.0e-3 -> 2.5e-3 (bound 1e-2).
+            cfg["partials"] = "bf16" if cfg["schedule"] == "ws" else "fp32"
         return cfg
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
@@ -2364,6 +2371,8 @@ class SparseAttnTile(Tile):
                 cfg[key] = config.get(key, plain)
         if "fp4_decode" not in config and cfg.get("fp4_decode") == "prmt" and _prmt_decode_refusal(cfg, self.kv_format):
             cfg["fp4_decode"] = "fma"  # prmt is the batched producer's word decode: {"produce": "serial"} alone is valid
+        if "partials" not in config and cfg.get("partials") == "bf16" and _bf16_partials_refusal(cfg):
+            cfg["partials"] = "fp32"  # bf16 partials are the wg0_scores consumers': {"consumers": "seesaw"} alone is valid
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch) -> CompiledAttention:
