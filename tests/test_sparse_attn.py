@@ -596,7 +596,7 @@ def test_sparse_attention_bf16_rejects_bad_input():
 # GPU: against the reference
 # --------------------------------------------------------------------------------------------
 def _check(tile, shape, config=None, seed=0):
-    config = {**tile.default_config(SM90), **(config or {})}
+    config = tile.with_defaults(SM90, config or {})  # the defaults give way where config picks what they exclude
     kernel = tile.build(shape, config, SM90)
     inputs = tile.make_inputs(shape, seed, "cuda")
     out1 = tile.run(kernel, inputs)["out"]  # poisoned with NaN before the launch
@@ -794,7 +794,8 @@ def test_fused_combine_odd_shapes(shape):
     the separate combine's up to fp32 rounding (the own split is added first, 1 / den is multiplied)."""
     kernel, inputs = _check(sa.DECODE_TILE, shape, FUSED)
     assert not kernel.counters[inputs["q"].device].any(), "the last CTA of each token resets its counter"
-    separate = sa.DECODE_TILE.build(shape, {**sa.DECODE_TILE.default_config(SM90), "n_split": kernel.n_split}, SM90)
+    fp32_parts = {"n_split": kernel.n_split, "partials": "fp32"}  # the same partials the fused combine merges
+    separate = sa.DECODE_TILE.build(shape, sa.DECODE_TILE.with_defaults(SM90, fp32_parts), SM90)
     cmp = relative_l2(sa.DECODE_TILE.run(kernel, inputs), sa.DECODE_TILE.run(separate, inputs), 1e-3)
     assert cmp.ok, str(cmp)
 
