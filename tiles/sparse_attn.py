@@ -27,7 +27,7 @@ are cp.async'ed into smem one block ahead, then dequantised smem -> smem). FP4 c
 words, 8 codes per load, all inside one 16-wide scale group.
 
 Split-KV (``n_split`` > 1, decode): each split takes a share of the window blocks and of the top-k
-blocks, writes its partial output (normalised by its own sum) and its log2-sum-exp, and a small
+blocks, writes its partial output (normalised by its own sum; bf16 on Hopper, ``partials``) and its log2-sum-exp, and a small
 combine kernel merges the splits together with the sink (``combine="fused"``, ws only: the last split CTA of
 each token merges them itself, after an arrival counter). ``n_split="auto"`` picks the fewest
 power-of-two splits that give at least two blocks per SM.
