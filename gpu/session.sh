@@ -83,8 +83,10 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
 }
 
 phase_queued() {  # the options written after a session's device time, checked and timed against the defaults
-  # Session 11 measured everything it wrote (notes/sparse_attn.md and notes/indexer.md, session 11): nothing queued.
-  note "queued: nothing written after session 11's device time"
+  # After session 11: bf16 split partials became the Hopper default late in its device time, and only the default,
+  # fused, balanced, seesaw and partials GPU tests ran under it; the attention's other GPU cases at split decode shapes
+  # (serial/prefetch producers, io=direct, tokens_per_cta, wg1_rows, lanes, handoff) now run with it: run them all.
+  PYTEST_ARGS="tests/test_sparse_attn.py" PYTEST_S="${PYTEST_S:-400}" phase_pytest
 }
 
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
