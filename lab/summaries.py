@@ -33,8 +33,8 @@ def bench_markdown(paths: list[Path]) -> str:
     for path in sorted(paths):
         doc = json.loads(path.read_text())
         env = doc.get("environment", {})
-        cfg = ", ".join(f"{k}={v}" for k, v in sorted(doc.get("config", {}).items()))
         for r in doc.get("rows", []):
+            cfg = ", ".join(f"{k}={v}" for k, v in sorted((r.get("config") or doc.get("config") or {}).items()))
             lines.append(
                 f"| {doc.get('tile')} | {r['shape']} | {_f(r.get('ms'), '.4f')} | {r.get('timing') or 'eager'} | {_f(r.get('eager_ms'), '.4f')}"
                 f" | {_f(r.get('tflops'), '.1f')} | {_f(r.get('gbps'), '.0f')}"

@@ -45,3 +45,32 @@ def test_parse_config_forms():
     assert parse_config("scale=0.5,flag=true") == {"scale": 0.5, "flag": True}
     with pytest.raises(LabError, match="must be an object"):
         parse_config("[1, 2]")
+
+
+def test_tuned_config_is_each_shapes_winner(tmp_path):
+    """`--config tuned`: each shape runs its stored winner (the nearest bucket), the default where none is stored or
+    the entry is stale, each named with its source; overrides keep one config for every shape."""
+    from types import SimpleNamespace
+
+    from lab.commands.bench import shape_configs
+    from tiles.arch import get_arch
+    from tiles.registry import get_tile
+    from tuning.export import export_results
+
+    sm90, tile = get_arch("sm90"), get_tile("fp4_quant_main")
+    default = tile.default_config(sm90)
+    winner = {**default, "threads": 128}
+    best = SimpleNamespace(params=winner, user_attrs={"ms": 1.0, "tflops": None, "gbps": 100.0})
+    summary = SimpleNamespace(
+        shape="decode_b64", best=best, best_ms=1.0, default_ms=1.5, speedup=1.5, trials=9, outcomes={"ok": 9}, study="s", default=default
+    )
+    export_results(tile, sm90, [summary], "lab tune", tmp_path, environment={"gpu": "test"})
+    shapes = [tile.shape("decode_b64"), tile.shapes()[-1]]
+    (first, src1), (last, src2) = shape_configs(tile, sm90, shapes, "tuned", root=tmp_path)
+    assert first == winner and src1.startswith("tuned:")
+    assert last == default and src2.startswith("default"), src2
+    pairs = shape_configs(tile, sm90, shapes, "threads=128", root=tmp_path)
+    assert [p[1] for p in pairs] == ["override", "override"] and all(p[0] == winner for p in pairs)
+    assert shape_configs(tile, sm90, shapes, None) == [(default, "default")] * 2
+    with pytest.raises(LabError, match="invalid for fp4_quant_main"):
+        shape_configs(tile, sm90, shapes, "threads=3")

@@ -21,7 +21,12 @@ from tiles.registry import get_tile
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tile", required=True, help="tile name (see `lab check --compile-only --arch sm90`)")
     parser.add_argument("--shape", default="all", help="a shape name of the tile, or 'all'")
-    parser.add_argument("--config", default=None, help="config overrides: JSON ('{\"threads\": 128}') or k=v,k=v")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="config overrides: JSON ('{\"threads\": 128}') or k=v,k=v; or 'tuned': each shape's stored winner "
+        "(results/<arch>/<tile>.yaml; the default where none applies)",
+    )
     parser.add_argument("--arch", default="auto", help="'auto' (the GPU present) or its name, e.g. sm90")
     parser.add_argument("--runs", type=int, default=50, help="timed runs per shape (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the check and timing inputs")
@@ -68,13 +73,37 @@ def _shapes(tile: Tile, name: str):
         raise LabError(str(exc)) from None
 
 
+def shape_configs(tile: Tile, arch, shapes: list, config_text: str | None, root=None) -> list[tuple[Config, str]]:
+    """(config, where it came from) per shape: ``--config`` over the tile's default ("override"/"default"), or with
+    ``tuned`` each shape's stored winner by :func:`tiles.results.load_winner` (its source: the winner's file and bucket,
+    or why the default runs); every config checked against the search space at its shape (a :class:`LabError` if not)."""
+    if (config_text or "").strip() == "tuned":
+        from tiles.results import ResultsError, load_winner
+
+        try:
+            pairs = [load_winner(tile.name, arch, shape, root=root) for shape in shapes]
+        except ResultsError as exc:
+            raise LabError(str(exc)) from None
+        pairs = [(tile.with_defaults(arch, config), source) for config, source in pairs]
+    else:
+        overrides = parse_config(config_text)
+        config = tile.with_defaults(arch, overrides)
+        pairs = [(config, "override" if overrides else "default")] * len(shapes)
+    for shape, (config, _) in zip(shapes, pairs, strict=True):
+        bad = tile.search_space(arch).violations(config, shape, arch)
+        if bad:
+            raise LabError(f"config {config} is invalid for {tile.name} at shape {shape.name}: {'; '.join(bad)}")
+    return pairs
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         tile = get_tile(args.tile)
     except TileError as exc:
         raise LabError(str(exc)) from None
     shapes = _shapes(tile, args.shape)
-    overrides = parse_config(args.config)
+    if (args.config or "").strip() != "tuned":
+        parse_config(args.config)  # a malformed --config is reported before the GPU is looked for
     if args.runs < 1:
         raise LabError(f"--runs must be at least 1, got {args.runs}")
     try:
@@ -82,22 +111,20 @@ def run(args: argparse.Namespace) -> int:
         require_present(arch)
     except ArchError as exc:
         raise LabError(f"{exc}; `lab bench` times on a GPU (use `lab check --compile-only` to only compile)") from None
-    config = tile.with_defaults(arch, overrides)
-    for shape in shapes:
-        bad = tile.search_space(arch).violations(config, shape, arch)
-        if bad:
-            raise LabError(f"config {config} is invalid for {tile.name} at shape {shape.name}: {'; '.join(bad)}")
+    configs = shape_configs(tile, arch, shapes, args.config)
 
     from tiles.harness import evaluate, time_reference
     from tiles.timing import describe_environment, device_copy_bandwidth
 
     copy_bw = device_copy_bandwidth()
     rows = []
-    for shape in shapes:
+    for shape, (config, source) in zip(shapes, configs, strict=True):
         ev = evaluate(tile, shape, config, arch, seed=args.seed, runs=args.runs)
         row = {
             "shape": shape.name,
             "dims": dict(shape.dims),
+            "config": config,
+            "config_source": source,
             "outcome": ev.outcome,
             "check": ev.message or "ok",
             "compile_s": ev.compile_s,
@@ -125,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     doc = {
         "tile": tile.name,
         "arch": arch.name,
-        "config": config,
+        "config": configs[0][0] if all(c == configs[0][0] for c, _ in configs) else None,  # per row otherwise
         "command": " ".join(["lab"] + sys.argv[1:]),
         "environment": describe_environment(),
         "copy_gbps": copy_bw / 1e9,
@@ -167,6 +194,7 @@ def _print_table(doc: dict) -> None:
         table.add_row(*cells)
     console = Console()
     console.print(table)
-    console.print(f"config {doc['config']}", highlight=False)
+    for r in doc["rows"]:
+        console.print(f"{r['shape']}: config ({r['config_source']}) {r['config']}", highlight=False)
     console.print("ms: device time per launch, replayed from a CUDA graph (per call where the launch cannot be captured);", highlight=False)
     console.print("per-call ms: each launch between its own events, the host's launch overhead included.", highlight=False)
