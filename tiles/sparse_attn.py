@@ -2100,16 +2100,16 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     q = hb * d * 2
     s = hb * bi * 2
     if config["schedule"] == "ws":
-        seesaw = config.get("consumers") == "seesaw"  # a second P tile and the hand-over values
-        return q + 2 * bi * d * 2 + s * (2 if seesaw else 1) + 2 * bi + 8 * hb + (32 * hb if seesaw else 0)
+        seesaw = config.get("consumers") == "seesaw"  # a second P tile, the hand-over values and the row sums (fp32)
+        return q + 2 * bi * d * 2 + s * (2 if seesaw else 1) + 2 * bi + 8 * hb + (24 * hb if seesaw else 0)
     stages = max(1, config["num_stages"])
     kv = bi * d * 2 * stages
     raw = bi * (d // 2 + d // 16) * stages if (config.get("dequant") == "staged" and kv_format == "fp4") else 0
     return q + kv + s + raw + 4 * bi * stages
 
 
-def _bf16_partials_refusal(c: Config) -> str | None:
-    """Why partials="bf16" cannot run with config ``c``, or None."""
+def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
+    """Why partials="bf16" cannot run with config ``c``, or None (either KV format)."""
     if c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores" or c.get("combine", "separate") != "separate":
         return "partials=bf16 is built into the ws kernel's wg0_scores consumers with the separate combine"
     return None
@@ -2123,6 +2123,13 @@ def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
             "produce=batched or prefetch (bf16 KV has nothing to decode; the other paths decode per value)"
         )
     return None
+
+
+# (key, its Hopper default built for one path only, the choice every path has, why the default cannot run with a config)
+_NARROW_DEFAULTS = (
+    ("fp4_decode", "prmt", "fma", _prmt_decode_refusal),  # the ws batched producer's packed word decode
+    ("partials", "bf16", "fp32", _bf16_partials_refusal),  # the ws wg0_scores consumers' split epilogue
+)
 
 
 def _constraints(kv_format: str) -> tuple[Constraint, ...]:
@@ -2195,7 +2202,7 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
 
     def combine(c, s, a):
-        if c.get("partials", "fp32") == "bf16" and (why := _bf16_partials_refusal(c)):
+        if c.get("partials", "fp32") == "bf16" and (why := _bf16_partials_refusal(c, kv_format)):
             return why
         if c.get("combine", "separate") != "fused":
             return None
@@ -2369,10 +2376,11 @@ class SparseAttnTile(Tile):
             )
             for key, plain in plain_choices:
                 cfg[key] = config.get(key, plain)
-        if "fp4_decode" not in config and cfg.get("fp4_decode") == "prmt" and _prmt_decode_refusal(cfg, self.kv_format):
-            cfg["fp4_decode"] = "fma"  # prmt is the batched producer's word decode: {"produce": "serial"} alone is valid
-        if "partials" not in config and cfg.get("partials") == "bf16" and _bf16_partials_refusal(cfg):
-            cfg["partials"] = "fp32"  # bf16 partials are the wg0_scores consumers': {"consumers": "seesaw"} alone is valid
+        # Hopper-default choices built for one path only give way, when not named, to the choice every path has:
+        # {"produce": "serial"} or {"consumers": "seesaw"} alone is valid.
+        for key, narrow, broad, refusal in _NARROW_DEFAULTS:
+            if key not in config and cfg.get(key) == narrow and refusal(cfg, self.kv_format):
+                cfg[key] = broad
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch) -> CompiledAttention:
