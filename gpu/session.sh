@@ -31,12 +31,14 @@ phase_pytest() {  # every GPU test (PYTEST_ARGS: a subset), 4 workers (compile-b
 }
 
 bench() {  # bench TILE SHAPE[,SHAPE]: the JSON lands in results/<arch>/bench/ (packed with results/ at the end)
+  # BENCH_CONFIG=tuned: each shape's stored winner (lab bench --config tuned), written as bench_<tile>_tuned.json
   local tile=$1 shapes=$2 dir=results/$(python3 -c "from tiles.arch import detect; print(detect().name)")/bench
+  local name=bench_$tile${BENCH_CONFIG:+_$BENCH_CONFIG}
   mkdir -p "$dir"
-  timeout "${BENCH_S:-60}" $LAB bench --tile "$tile" --shape "$shapes" --json > "$OUT/bench_$tile.json" 2> "$OUT/bench_$tile.log"
+  timeout "${BENCH_S:-60}" $LAB bench --tile "$tile" --shape "$shapes" ${BENCH_CONFIG:+--config "$BENCH_CONFIG"} --json > "$OUT/$name.json" 2> "$OUT/$name.log"
   local rc=$?
-  [ $rc -eq 0 ] && cp "$OUT/bench_$tile.json" "$dir/bench_$tile.json"
-  note "bench $tile $shapes rc=$rc"
+  [ $rc -eq 0 ] && cp "$OUT/$name.json" "$dir/$name.json"
+  note "bench $tile $shapes ${BENCH_CONFIG:-} rc=$rc"
 }
 
 phase_bench() {
@@ -64,6 +66,12 @@ phase_bench-indexer() {  # issue 6's tiles at their target shapes, torch in the 
 
 phase_bench-compressor() {  # the compressor's two 64K shapes, torch in the same run
   bench compressor prefill_r2_s64k,prefill_r1_s64k
+}
+
+phase_bench-tuned() {  # the tiles whose stored winners differ from their defaults, each shape on its winner (torch in the same run)
+  BENCH_CONFIG=tuned bench compressor prefill_r2_s64k,prefill_r1_s64k
+  BENCH_CONFIG=tuned bench sparse_attn_prefill prefill_s4k
+  BENCH_CONFIG=tuned bench indexer_topk decode_b64_n128k,prefill_s4k
 }
 
 phase_bench-attn() {  # issue 5's attention tiles at their target shapes, torch in the same run
