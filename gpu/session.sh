@@ -139,17 +139,18 @@ phase_ncu() {  # Nsight Compute on the attention prefill default (NCU_CONFIG: a 
 
 phase_ncu-source() {  # per-instruction stall sampling of a tile (default: the attention prefill default): which warps wait, on what
   # NCU_TILE / NCU_SHAPE / NCU_CONFIG (a JSON override of the default config) / NCU_KERNEL (kernel name regex) /
+  # NCU_SKIP / NCU_COUNT (matching launches skipped, then profiled: default 1 / 1) /
   # NCU_REP (the report path, without .ncu-rep: one per job when two GPUs profile at once) / NCU_NAME (the output files'
   # prefix, default ncu_source: two profiles in one job)
   if ! command -v ncu > /dev/null; then note "ncu: not installed"; return; fi
-  timeout "${NCU_S:-120}" ncu --kernel-name "regex:${NCU_KERNEL:-main}" --launch-skip 1 --launch-count 1 --section WarpStateStats --section SourceCounters \
+  timeout "${NCU_S:-120}" ncu --kernel-name "regex:${NCU_KERNEL:-main}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" --section WarpStateStats --section SourceCounters \
     --section SpeedOfLight --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section Occupancy --section ComputeWorkloadAnalysis \
     -o "${NCU_REP:-/tmp/attn_src}" -f python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" "${NCU_CONFIG:-{\}}" > "$OUT/${NCU_NAME:-ncu_source}_run.log" 2>&1
   note "ncu-source rc=$?"
   ncu -i "${NCU_REP:-/tmp/attn_src}.ncu-rep" --page details > "$OUT/${NCU_NAME:-ncu_source}_details.log" 2>&1
   # per-pipe utilisation (ComputeWorkloadAnalysis's raw metrics: tensor, ALU, FMA, shared pipes ...), one row per metric
   ncu -i "${NCU_REP:-/tmp/attn_src}.ncu-rep" --page raw --csv 2> /dev/null \
-    | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); [print(f"{n},{u},{v}") for n,u,v in zip(*r[:3]) if "pipe" in n]' \
+    | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); [print(f"{n},{u},{v}") for row in r[2:] for n,u,v in zip(r[0],r[1],row) if "pipe" in n or n == "Kernel Name"]' \
     > "$OUT/${NCU_NAME:-ncu_source}_pipes.csv" 2>&1
   ncu -i "${NCU_REP:-/tmp/attn_src}.ncu-rep" --page source --csv --print-source sass > "$OUT/${NCU_NAME:-ncu_source}_sass.csv" 2>&1 \
     || ncu -i "${NCU_REP:-/tmp/attn_src}.ncu-rep" --page raw --csv > "$OUT/${NCU_NAME:-ncu_source}_raw.csv" 2>&1

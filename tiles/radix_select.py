@@ -23,7 +23,7 @@ fill. One CTA per row (or per row part, see below) runs:
    first ``k - above`` such entries in position order, lands at ``above_before + min(eq_before, k -
    above)``, which is both the tie rule and the ascending output order, with no sort.
 
-The kernel body is CUDA (``_SELECT_CUDA``, called through ``T.call_extern`` like the histogram
+The kernel body is CUDA (``select_cuda(count)``, called through ``T.call_extern`` like the histogram
 helper of ``tiles.indexer``): TileLang has no ballot/match/ordered-compaction primitives, and the
 whole algorithm is warp-synchronous control flow. TileLang builds the launch, the shared-memory
 plan and the argument checks.
@@ -49,7 +49,9 @@ from tiles.contract import Config, TileError
 
 # CUDA body of the select. Template parameters: THREADS per CTA, HB histogram bits per radix digit,
 # E loads in flight per thread, CAP shared-memory candidate slots, AGG warp-aggregated histogram atomics.
-_SELECT_CUDA = r"""
+# The select's CUDA in three parts: the ordered pass comes in two forms (COUNTS), spliced between the shared head
+# and tail, so the default ("ballot") source is the text it always was.
+_SELECT_HEAD_CUDA = r"""
 namespace csa2_rs {
 
 // Order-preserving key of an fp32 (larger float -> larger key). -0 is folded into +0 first: the reference
@@ -193,7 +195,10 @@ __device__ void find_bin(const int* hist, int nbins, int need, int* wsum, int* r
   __syncthreads();
 }
 
-// Ordered pass: every valid entry with (key & mask) > prefix ("above") and the first take_eq entries with
+"""
+
+_ORDERED_PASS_CUDA = {
+    "ballot": r"""// Ordered pass: every valid entry with (key & mask) > prefix ("above") and the first take_eq entries with
 // (key & mask) == prefix go to emit(ordinal, key, position), ordinal = above_before + min(eq_before, take_eq):
 // the entry's rank in position order among the chosen. Returns the chosen count (every thread).
 // wcount: 2 * WARPS ints (double-buffered per-tile warp counts, so one barrier per tile).
@@ -251,7 +256,71 @@ __device__ int ordered_pass(const Src& src, unsigned mask, unsigned prefix, int 
   return gt_run + min(eq_run, take_eq);
 }
 
-struct ToShared {
+""",
+    "redux": r"""// Ordered pass: every valid entry with (key & mask) > prefix ("above") and the first take_eq entries with
+// (key & mask) == prefix go to emit(ordinal, key, position), ordinal = above_before + min(eq_before, take_eq):
+// the entry's rank in position order among the chosen. Returns the chosen count (every thread).
+// wcount: 2 * WARPS ints (double-buffered per-tile warp counts, so one barrier per tile).
+// count="redux": the warp's counts come from one add-reduction each (sm_80 REDUX) of the lanes' flag bits instead
+// of a ballot and a popc per load, and an OR-reduction marks the loads that hold any chosen entry, so the ordering
+// loop after the barrier visits those only (warp-uniform: a row keeps ~k of its entries, most loads hold none). The
+// ordinals are the ballot form's: a skipped load's ballots are zero.
+template <int THREADS, int E, class Src, class Emit>
+__device__ int ordered_pass(const Src& src, unsigned mask, unsigned prefix, int take_eq, int* wcount, Emit emit) {
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned lt = (1u << lane) - 1u;
+  const int warp_run = warp * 32 * E;
+  int gt_run = 0, eq_run = 0, buf = 0;
+  for (int base = 0; base < src.n; base += THREADS * E, buf ^= 1) {
+    unsigned key[E];
+    bool ok[E];
+    int j[E];
+    load_keys<E>(src, base, key, ok, j, warp_run);
+    unsigned my_gt = 0u, my_eq = 0u;  // bit e: entry e of this lane is above / equal
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const unsigned mk = key[e] & mask;
+      my_gt |= (unsigned)(ok[e] && mk > prefix) << e;
+      my_eq |= (unsigned)(ok[e] && mk == prefix) << e;
+    }
+    const int wg = (int)__reduce_add_sync(0xffffffffu, (unsigned)__popc(my_gt));
+    const int we = (int)__reduce_add_sync(0xffffffffu, (unsigned)__popc(my_eq));
+    const unsigned busy = __reduce_or_sync(0xffffffffu, my_gt | my_eq);  // loads with a chosen entry in this warp
+    // Two counts in one int (each < 65536: a tile holds THREADS * E <= 32768 entries) so one scan orders both.
+    if (lane == 0) wcount[buf * WARPS + warp] = (wg << 16) | we;
+    __syncthreads();
+    const int c = lane < WARPS ? wcount[buf * WARPS + lane] : 0;
+    int incl = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += o;
+    }
+    const int tile_total = __shfl_sync(0xffffffffu, incl, 31);
+    const int before = __shfl_sync(0xffffffffu, incl - c, warp);  // exclusive prefix of this warp
+    int g_before = gt_run + (before >> 16), e_before = eq_run + (before & 0xffff);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if (!((busy >> e) & 1u)) continue;  // warp-uniform
+      const bool is_gt = (my_gt >> e) & 1u, is_eq = (my_eq >> e) & 1u;
+      const unsigned gm = __ballot_sync(0xffffffffu, is_gt), em = __ballot_sync(0xffffffffu, is_eq);
+      const int gb = g_before + __popc(gm & lt), eb = e_before + __popc(em & lt);
+      if (is_gt || (is_eq && eb < take_eq)) emit(gb + min(eb, take_eq), key[e], src.pos(j[e]));
+      g_before += __popc(gm);
+      e_before += __popc(em);
+    }
+    gt_run += tile_total >> 16;
+    eq_run += tile_total & 0xffff;
+  }
+  __syncthreads();  // wcount and the emitted slots are reused by the caller
+  return gt_run + min(eq_run, take_eq);
+}
+
+""",
+}
+
+_SELECT_TAIL_CUDA = r"""struct ToShared {
   unsigned* key;
   int* pos;
   __device__ __forceinline__ void operator()(int o, unsigned k, int p) const { key[o] = k; pos[o] = p; }
@@ -334,16 +403,27 @@ __device__ void select_row(const float* values, long long L, int r, int p, int p
 }  // namespace csa2_rs
 """
 
+COUNTS = tuple(_ORDERED_PASS_CUDA)  # how the ordered pass counts and orders a tile (see the two ordered_pass forms)
+
+
+def select_cuda(count: str = "ballot") -> str:
+    """The select's CUDA source with the ``count`` form of its ordered pass."""
+    return _SELECT_HEAD_CUDA + _ORDERED_PASS_CUDA[count] + _SELECT_TAIL_CUDA
+
+
 # Defaults from the H200 sweep of gpu/select_check.py (plain atomics beat match.any aggregation, 8 loads in
 # flight keep a 256-thread CTA's registers low enough for several CTAs per SM, which the prefill-like row
 # counts need; decode rows get their CTAs from parts instead).
-DEFAULT_CONFIG: Config = {"threads": 256, "hist_bits": 11, "loads": 8, "cap": 4096, "agg": False, "parts": "auto"}
+DEFAULT_CONFIG: Config = {"threads": 256, "hist_bits": 11, "loads": 8, "cap": 4096, "agg": False, "parts": "auto", "count": "ballot"}
 PARAMS = {
     "threads": (256, 512, 1024),  # threads per CTA
     "hist_bits": (11, 12),  # bits per radix digit (2048 / 4096 histogram bins)
     "loads": (4, 8, 16, 32),  # loads in flight per thread per pass
     "cap": (2048, 4096, 8192),  # shared-memory candidate slots (8 bytes each); any value >= k is accepted
     "agg": (False, True),  # plain histogram atomics, or warp-aggregated ones (match.any)
+    # the ordered pass: a ballot and a popc per load for the warp counts, every load ordered; or one REDUX per tile
+    # for the counts and only the loads holding a chosen entry ordered (sm_80+)
+    "count": COUNTS,
     "parts": ("auto", 1, 2, 4, 8, 16, 32),  # row slices selected separately before a merge launch
 }
 MAX_PARTS = 32
@@ -390,6 +470,7 @@ def select_kernel(
     emit_values: bool = False,
     remap_block: int = 0,
     all_valid: bool = False,
+    count: str = "ballot",
 ):
     """Build the select kernel for one config and ``target`` (an nvcc arch such as ``"sm_90a"``).
 
@@ -401,8 +482,11 @@ def select_kernel(
         row r writes its ascending positions, global within the row, to ``[p * k, (p + 1) * k)``,
         -1 fill); out_val fp32 [R, V] (with ``emit_values`` V = parts * k and the chosen values
         land beside their positions, -inf fill; else V may be 1 and it is not written).
-    Dims R, L, M, V are dynamic: one kernel serves every row count and row length.
+    Dims R, L, M, V are dynamic: one kernel serves every row count and row length. ``count``: the ordered pass's
+    form (``COUNTS``; the same output either way).
     """
+    if count not in COUNTS:
+        raise TileError(f"radix_select count={count!r} is not one of {COUNTS}")
     R, L, M, V = T.dynamic("R, L, M, V")
     nb = 1 << hist_bits
     warps = threads // 32
@@ -419,7 +503,12 @@ def select_kernel(
     ):
         # Rows in grid x (a 64K prefill has 65536 rows; grid y stops at 65535), parts in y.
         with T.Kernel(R, parts, threads=threads) as (r, p):
-            T.import_source(_SELECT_CUDA)
+            if count == "redux":
+                # Left alone, ptxas gave the redux form 75 registers at 256 threads (the ballot form 63): 3 CTAs per SM
+                # where the parts path is sized for CTAS_PER_SM. A cap of 64 (the ballot form's level) fits without
+                # spills (53 at 256 threads, sm_90a).
+                T.annotate_min_blocks_per_sm(max(1, min(CTAS_PER_SM, 1024 // threads)))
+            T.import_source(select_cuda(count))
             hist = T.alloc_shared((nb,), "int32")
             skey = T.alloc_shared((cap,), "uint32")
             spos = T.alloc_shared((cap,), "int32")
@@ -473,9 +562,9 @@ def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
     """(first launch, merge launch or None) for a full config and a resolved part count."""
     knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
     if parts == 1:
-        return select_kernel(arch.nvcc_arch, k, *knobs), None
-    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True)
-    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True)
+        return select_kernel(arch.nvcc_arch, k, *knobs, count=cfg["count"]), None
+    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, count=cfg["count"])
+    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True, count=cfg["count"])
     return first, merge
 
 
@@ -487,7 +576,7 @@ def remapped_kernel(arch: Arch, k: int, config: Config | None = None, block: int
     candidate slots map back to cache positions without a per-call map."""
     cfg = check_config(config or {}, k)
     knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
-    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True)
+    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, count=cfg["count"])
 
 
 def build_kernels(arch: Arch, k: int, parts: int, config: Config | None = None):
