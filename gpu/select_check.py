@@ -47,6 +47,13 @@ LABELS.update(
     redux_loads16={"count": "redux", "loads": 16},
     redux_t512_p2={"count": "redux", "threads": 512, "parts": 2},
     redux_t1024_p2={"count": "redux", "threads": 1024, "parts": 2},
+    # stage="shared": the part copied into shared memory once, both passes read it there (session 12)
+    staged={"stage": "shared"},
+    staged_p16={"stage": "shared", "parts": 16},
+    staged_cap2k={"stage": "shared", "cap": 2048},
+    staged_t512={"stage": "shared", "threads": 512},
+    staged_t1024={"stage": "shared", "threads": 1024},
+    staged_loads16={"stage": "shared", "loads": 16},
 )
 
 

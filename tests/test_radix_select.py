@@ -52,6 +52,20 @@ def test_redux_count_compiles_without_spills(arch, threads, tmp_path):
     assert "__reduce_add_sync" not in ballot
 
 
+@pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
+def test_shared_stage_compiles_without_spills(arch, tmp_path):
+    """stage="shared" (the part's scores copied into shared memory, both passes read there; wider parts run the global
+    path): the parts launch and the merge build, no spills, and the staged source calls the staged row."""
+    from tiles.ptxas import resource_usage
+
+    cfg = rs.check_config({"stage": "shared"}, K)
+    assert rs.smem_bytes(cfg) == rs.smem_bytes(rs.DEFAULT_CONFIG) + 4 * rs.STAGE_ENTRIES
+    for kernel in rs._kernels(arch, K, cfg, 4):
+        src = kernel.get_kernel_source()
+        assert f"select_row_staged<256, 11, 8, 4096, false, 1, {rs.STAGE_ENTRIES}>" in src
+        assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
+
+
 def test_config_checks():
     with pytest.raises(TileError, match="unknown radix_select config keys"):
         rs.check_config({"thread": 512}, K)
@@ -59,6 +73,8 @@ def test_config_checks():
         rs.check_config({"threads": 384}, K)
     with pytest.raises(TileError, match="count='popc'"):
         rs.check_config({"count": "popc"}, K)
+    with pytest.raises(TileError, match="stage='l2'"):
+        rs.check_config({"stage": "l2"}, K)
     with pytest.raises(TileError, match="cap=2048 is smaller than k=4096"):
         rs.check_config({"cap": 2048}, 4096)
     assert rs.smem_bytes(rs.DEFAULT_CONFIG) <= SM80.smem_per_block
@@ -128,6 +144,9 @@ CONFIGS = {
     "redux_parts8": {"count": "redux", "parts": 8},
     "redux_t1024_loads16": {"count": "redux", "threads": 1024, "loads": 16},
     "redux_small_cap": {"count": "redux", "cap": K},
+    "staged": {"stage": "shared"},
+    "staged_parts8_t512": {"stage": "shared", "parts": 8, "threads": 512},
+    "staged_small_cap": {"stage": "shared", "cap": K},
 }
 
 
@@ -137,6 +156,16 @@ def test_configs_match_reference(config):
     for case in rs.CASES:
         for R, N in [(64, 32768), (3, 1000), (2, 77)]:
             _run(R, N, case, CONFIGS[config], seed=7 * R + N)
+
+
+@pytest.mark.gpu
+def test_shared_stage_falls_back_for_wide_parts():
+    """A part wider than the stage (70001 in 4 parts of 17501 > STAGE_ENTRIES) runs the global path in the same kernel;
+    rows of 16383 (one part, just under the stage) and of 77 are staged by the 4-byte copy (their rows are not 16-byte
+    aligned)."""
+    for R, N, parts in [(7, 70001, 4), (3, 16383, 1), (5, 77, 1)]:
+        for case in rs.CASES:
+            _run(R, N, case, {"stage": "shared", "parts": parts}, seed=R + N)
 
 
 @pytest.mark.gpu

@@ -263,8 +263,10 @@ __device__ int ordered_pass(const Src& src, unsigned mask, unsigned prefix, int 
 // wcount: 2 * WARPS ints (double-buffered per-tile warp counts, so one barrier per tile).
 // count="redux": the warp's counts come from one add-reduction each (sm_80 REDUX) of the lanes' flag bits instead
 // of a ballot and a popc per load, and an OR-reduction marks the loads that hold any chosen entry, so the ordering
-// loop after the barrier visits those only (warp-uniform: a row keeps ~k of its entries, most loads hold none). The
-// ordinals are the ballot form's: a skipped load's ballots are zero.
+// loop after the barrier visits those only (warp-uniform). The ordinals are the ballot form's: a skipped load's
+// ballots are zero. Measured slower on the H200 (notes/indexer.md, session 12): ~3.4% of a decode part's entries
+// reach this pass, so about two thirds of the 32-entry loads still hold one, and the reductions cost more than the
+// ballots they replace.
 template <int THREADS, int E, class Src, class Emit>
 __device__ int ordered_pass(const Src& src, unsigned mask, unsigned prefix, int take_eq, int* wcount, Emit emit) {
   constexpr int WARPS = THREADS / 32;
@@ -405,16 +407,86 @@ __device__ void select_row(const float* values, long long L, int r, int p, int p
 
 COUNTS = tuple(_ORDERED_PASS_CUDA)  # how the ordered pass counts and orders a tile (see the two ordered_pass forms)
 
+# stage="shared": the part's scores are copied into shared memory once (16-byte loads, a batch of them in flight per
+# thread), and the histogram and ordered passes read them there instead of from L2. Why: the global passes re-read each
+# tile of a part behind a barrier with ``loads`` loads in flight per thread, and at the decode shape the parts launch
+# spends most of its samples in those passes waiting on their loads (notes/indexer.md, session 12). topk_cta is the
+# same code either way: it reads through a plain pointer, which nvcc resolves to shared memory here. A part wider than
+# the stage (odd shapes: 7 x 70001 in 4 parts) runs the global path.
+_STAGED_ROW_CUDA = r"""
+namespace csa2_rs {
 
-def select_cuda(count: str = "ballot") -> str:
-    """The select's CUDA source with the ``count`` form of its ordered pass."""
-    return _SELECT_HEAD_CUDA + _ORDERED_PASS_CUDA[count] + _SELECT_TAIL_CUDA
+// n scores from src (global) to stage (shared), then a barrier.
+template <int THREADS>
+__device__ __forceinline__ void stage_part(const float* src, int n, float* stage) {
+  constexpr int B = 8;  // 16-byte (or 4-byte) loads per thread in flight before the first store
+  if ((((unsigned long long)src) & 15ull) == 0ull && (n & 3) == 0) {
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    float4* d4 = reinterpret_cast<float4*>(stage);
+    const int n4 = n >> 2;
+    for (int i0 = threadIdx.x; i0 < n4; i0 += THREADS * B) {
+      float4 v[B];
+#pragma unroll
+      for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n4) v[b] = s4[i0 + b * THREADS];
+#pragma unroll
+      for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n4) d4[i0 + b * THREADS] = v[b];
+    }
+  } else {
+    for (int i0 = threadIdx.x; i0 < n; i0 += THREADS * B) {
+      float v[B];
+#pragma unroll
+      for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n) v[b] = src[i0 + b * THREADS];
+#pragma unroll
+      for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n) stage[i0 + b * THREADS] = v[b];
+    }
+  }
+  __syncthreads();
+}
+
+// select_row with the part staged in shared memory first (STAGE scores at most).
+template <int THREADS, int HB, int E, int CAP, bool AGG, int MB, int STAGE>
+__device__ void select_row_staged(const float* values, long long L, int r, int p, int parts, int n_valid, int k, int* out,
+                                  float* out_val, int emit_values, const int* map, int remap_block, long long map_stride,
+                                  int* hist, unsigned* skey, int* spos, int* scratch, float* stage) {
+  const long long n_row = max(0LL, min((long long)n_valid, L));
+  const long long width = (L + parts - 1) / parts;
+  const long long base = (long long)p * width;
+  const long long n = max(0LL, min(n_row - base, width));
+  const long long o = ((long long)r * parts + p) * k;
+  ToOutput<MB> dst{out + o, emit_values ? out_val + o : nullptr, remap_block ? map + (long long)r * map_stride : nullptr, (int)base};
+  const float* row = values + (long long)r * L + base;
+  if (n <= STAGE) {
+    stage_part<THREADS>(row, (int)n, stage);
+    topk_cta<THREADS, HB, E, CAP, AGG>(stage, (int)n, k, dst, hist, skey, spos, scratch);
+  } else {
+    topk_cta<THREADS, HB, E, CAP, AGG>(row, (int)n, k, dst, hist, skey, spos, scratch);
+  }
+}
+
+}  // namespace csa2_rs
+"""
+STAGES = ("global", "shared")  # where the passes read a part's scores (see _STAGED_ROW_CUDA)
+STAGE_ENTRIES = 16384  # stage="shared": scores per part staged (64 KiB): the decode parts of 128K rows in 8 parts
+
+
+def select_cuda(count: str = "ballot", stage: str = "global") -> str:
+    """The select's CUDA source with the ``count`` form of its ordered pass (and the staged row for ``stage``)."""
+    return _SELECT_HEAD_CUDA + _ORDERED_PASS_CUDA[count] + _SELECT_TAIL_CUDA + (_STAGED_ROW_CUDA if stage == "shared" else "")
 
 
 # Defaults from the H200 sweep of gpu/select_check.py (plain atomics beat match.any aggregation, 8 loads in
 # flight keep a 256-thread CTA's registers low enough for several CTAs per SM, which the prefill-like row
 # counts need; decode rows get their CTAs from parts instead).
-DEFAULT_CONFIG: Config = {"threads": 256, "hist_bits": 11, "loads": 8, "cap": 4096, "agg": False, "parts": "auto", "count": "ballot"}
+DEFAULT_CONFIG: Config = {
+    "threads": 256,
+    "hist_bits": 11,
+    "loads": 8,
+    "cap": 4096,
+    "agg": False,
+    "parts": "auto",
+    "count": "ballot",
+    "stage": "global",
+}
 PARAMS = {
     "threads": (256, 512, 1024),  # threads per CTA
     "hist_bits": (11, 12),  # bits per radix digit (2048 / 4096 histogram bins)
@@ -422,8 +494,11 @@ PARAMS = {
     "cap": (2048, 4096, 8192),  # shared-memory candidate slots (8 bytes each); any value >= k is accepted
     "agg": (False, True),  # plain histogram atomics, or warp-aggregated ones (match.any)
     # the ordered pass: a ballot and a popc per load for the warp counts, every load ordered; or one REDUX per tile
-    # for the counts and only the loads holding a chosen entry ordered (sm_80+)
+    # for the counts and only the loads holding a chosen entry ordered (sm_80+; H200: 1-17% slower at decode, 2.5%
+    # faster at 4096 rows of 8K, select_check_run2_redux.json)
     "count": COUNTS,
+    # the passes read the part from global memory (L2), or from a copy in shared memory (STAGE_ENTRIES at most)
+    "stage": STAGES,
     "parts": ("auto", 1, 2, 4, 8, 16, 32),  # row slices selected separately before a merge launch
 }
 MAX_PARTS = 32
@@ -454,7 +529,8 @@ def check_config(config: Config, k: int) -> Config:
 def smem_bytes(config: Config) -> int:
     """Shared memory one CTA needs: histogram, candidate keys and positions, scan scratch."""
     cfg = {**DEFAULT_CONFIG, **config}
-    return 4 * ((1 << cfg["hist_bits"]) + 2 * cfg["cap"] + 3 * (cfg["threads"] // 32) + 4)
+    staged = STAGE_ENTRIES if cfg["stage"] == "shared" else 0
+    return 4 * ((1 << cfg["hist_bits"]) + 2 * cfg["cap"] + 3 * (cfg["threads"] // 32) + 4 + staged)
 
 
 @functools.cache
@@ -471,6 +547,7 @@ def select_kernel(
     remap_block: int = 0,
     all_valid: bool = False,
     count: str = "ballot",
+    stage: str = "global",
 ):
     """Build the select kernel for one config and ``target`` (an nvcc arch such as ``"sm_90a"``).
 
@@ -483,14 +560,18 @@ def select_kernel(
         -1 fill); out_val fp32 [R, V] (with ``emit_values`` V = parts * k and the chosen values
         land beside their positions, -inf fill; else V may be 1 and it is not written).
     Dims R, L, M, V are dynamic: one kernel serves every row count and row length. ``count``: the ordered pass's
-    form (``COUNTS``; the same output either way).
+    form (``COUNTS``; the same output either way); ``stage``: where the passes read a part (``STAGES``; likewise).
     """
     if count not in COUNTS:
         raise TileError(f"radix_select count={count!r} is not one of {COUNTS}")
+    if stage not in STAGES:
+        raise TileError(f"radix_select stage={stage!r} is not one of {STAGES}")
     R, L, M, V = T.dynamic("R, L, M, V")
     nb = 1 << hist_bits
     warps = threads // 32
     fn = f"csa2_rs::select_row<{threads}, {hist_bits}, {loads}, {cap}, {'true' if agg else 'false'}, {max(remap_block, 1)}>"
+    if stage == "shared":
+        fn = fn.replace("select_row<", "select_row_staged<")[:-1] + f", {STAGE_ENTRIES}>"
     out_w = parts * k
 
     @T.prim_func
@@ -508,11 +589,15 @@ def select_kernel(
                 # where the parts path is sized for CTAS_PER_SM. A cap of 64 (the ballot form's level) fits without
                 # spills (53 at 256 threads, sm_90a).
                 T.annotate_min_blocks_per_sm(max(1, min(CTAS_PER_SM, 1024 // threads)))
-            T.import_source(select_cuda(count))
+            T.import_source(select_cuda(count, stage))
             hist = T.alloc_shared((nb,), "int32")
             skey = T.alloc_shared((cap,), "uint32")
             spos = T.alloc_shared((cap,), "int32")
             scratch = T.alloc_shared((3 * warps + 4,), "int32")
+            staged = ()
+            if stage == "shared":
+                stage_s = T.alloc_shared((STAGE_ENTRIES,), "float32")
+                staged = (T.address_of(stage_s[0]),)
             T.call_extern(
                 "handle",
                 fn,
@@ -533,6 +618,7 @@ def select_kernel(
                 T.address_of(skey[0]),
                 T.address_of(spos[0]),
                 T.address_of(scratch[0]),
+                *staged,
             )
 
     return tilelang.compile(select, target=tvm.target.Target(_target_dict(target)))
@@ -562,9 +648,9 @@ def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
     """(first launch, merge launch or None) for a full config and a resolved part count."""
     knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
     if parts == 1:
-        return select_kernel(arch.nvcc_arch, k, *knobs, count=cfg["count"]), None
-    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, count=cfg["count"])
-    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True, count=cfg["count"])
+        return select_kernel(arch.nvcc_arch, k, *knobs, count=cfg["count"], stage=cfg["stage"]), None
+    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, count=cfg["count"], stage=cfg["stage"])
+    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True, count=cfg["count"], stage=cfg["stage"])
     return first, merge
 
 
@@ -576,7 +662,7 @@ def remapped_kernel(arch: Arch, k: int, config: Config | None = None, block: int
     candidate slots map back to cache positions without a per-call map."""
     cfg = check_config(config or {}, k)
     knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
-    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, count=cfg["count"])
+    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, count=cfg["count"], stage=cfg["stage"])
 
 
 def build_kernels(arch: Arch, k: int, parts: int, config: Config | None = None):
