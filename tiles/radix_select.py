@@ -412,7 +412,9 @@ COUNTS = tuple(_ORDERED_PASS_CUDA)  # how the ordered pass counts and orders a t
 # tile of a part behind a barrier with ``loads`` loads in flight per thread, and at the decode shape the parts launch
 # spends most of its samples in those passes waiting on their loads (notes/indexer.md, session 12). topk_cta is the
 # same code either way: it reads through a plain pointer, which nvcc resolves to shared memory here. A part wider than
-# the stage (odd shapes: 7 x 70001 in 4 parts) runs the global path.
+# the stage (odd shapes: 7 x 70001 in 4 parts) runs the global path. Measured on the H200 (select_check_run3_staged.json):
+# exact, 7-17% faster for one long row (1 x 128K), slower at decode 64 x 128K (55.1 vs 48.0 us: the 64 KiB stage leaves
+# 2 CTAs per SM where the default runs 4, whose loads already overlap) and at 4096 x 8K; not a default.
 _STAGED_ROW_CUDA = r"""
 namespace csa2_rs {
 
@@ -497,7 +499,8 @@ PARAMS = {
     # for the counts and only the loads holding a chosen entry ordered (sm_80+; H200: 1-17% slower at decode, 2.5%
     # faster at 4096 rows of 8K, select_check_run2_redux.json)
     "count": COUNTS,
-    # the passes read the part from global memory (L2), or from a copy in shared memory (STAGE_ENTRIES at most)
+    # the passes read the part from global memory (L2), or from a copy in shared memory (STAGE_ENTRIES at most;
+    # H200: faster for one long row, slower at decode and prefill-like rows, select_check_run3_staged.json)
     "stage": STAGES,
     "parts": ("auto", 1, 2, 4, 8, 16, 32),  # row slices selected separately before a merge launch
 }
