@@ -41,12 +41,6 @@ LABELS.update(
     loads16={"loads": 16},
     hb12={"hist_bits": 12},
     cap8k={"cap": 8192},
-    # count="redux": one REDUX per tile for the warp counts, loads without a chosen entry not ordered (session 12)
-    redux={"count": "redux"},
-    redux_loads4={"count": "redux", "loads": 4},
-    redux_loads16={"count": "redux", "loads": 16},
-    redux_t512_p2={"count": "redux", "threads": 512, "parts": 2},
-    redux_t1024_p2={"count": "redux", "threads": 1024, "parts": 2},
     # stage="shared": the part copied into shared memory once, both passes read it there (session 12)
     staged={"stage": "shared"},
     staged_p16={"stage": "shared", "parts": 16},

@@ -4,7 +4,7 @@ CPU: the kernels (plain, parts, merge) compile for sm_90a and sm_80, configs are
 one-line TileErrors, and the auto part count. GPU (marked): every case of ``radix_select.CASES`` against the
 torch reference, exactly (same scores, so the tie rule leaves no freedom), outputs poisoned with 12345 first,
 at the decode shape (64 x 128K), one long row, odd lengths and several configs (parts, threads, digit width,
-capacity small enough to force the in-global fallback, both forms of the ordered pass's counting).
+capacity small enough to force the in-global fallback, the part staged in shared memory).
 """
 
 import pytest
@@ -34,25 +34,6 @@ def test_other_knobs_compile_sm90():
 
 
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
-@pytest.mark.parametrize("threads", [256, 512, 1024])
-def test_redux_count_compiles_without_spills(arch, threads, tmp_path):
-    """count="redux" (one REDUX per tile for the warp counts, loads without a chosen entry skipped): the parts launch
-    and the merge build for every thread count, ptxas keeps them at <= 64 registers (the ballot form's level, so the
-    parts path still gets its CTAs per SM) with no spills, and only this form calls the warp reductions."""
-    from tiles.ptxas import resource_usage
-
-    cfg = rs.check_config({"threads": threads, "count": "redux"}, K)
-    first, merge = rs._kernels(arch, K, cfg, 4)
-    for kernel in (first, merge):
-        src = kernel.get_kernel_source()
-        assert "__reduce_add_sync" in src and "__reduce_or_sync" in src
-        regs, spills = resource_usage(src, tmp_path, arch.nvcc_arch)
-        assert spills == 0 and regs <= 64, (regs, spills)
-    ballot = rs._kernels(arch, K, rs.check_config({"threads": threads}, K), 4)[0].get_kernel_source()
-    assert "__reduce_add_sync" not in ballot
-
-
-@pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
 def test_shared_stage_compiles_without_spills(arch, tmp_path):
     """stage="shared" (the part's scores copied into shared memory, both passes read there; wider parts run the global
     path): the parts launch and the merge build, no spills, and the staged source calls the staged row."""
@@ -71,8 +52,6 @@ def test_config_checks():
         rs.check_config({"thread": 512}, K)
     with pytest.raises(TileError, match="threads=384"):
         rs.check_config({"threads": 384}, K)
-    with pytest.raises(TileError, match="count='popc'"):
-        rs.check_config({"count": "popc"}, K)
     with pytest.raises(TileError, match="stage='l2'"):
         rs.check_config({"stage": "l2"}, K)
     with pytest.raises(TileError, match="cap=2048 is smaller than k=4096"):
@@ -140,10 +119,6 @@ CONFIGS = {
     "t1024_agg": {"threads": 1024, "agg": True, "loads": 16},
     "t512_loads32_cap8k": {"threads": 512, "loads": 32, "cap": 8192},
     "small_cap": {"cap": K},  # most rows overflow the shared candidates: the in-global passes decide
-    "redux": {"count": "redux"},
-    "redux_parts8": {"count": "redux", "parts": 8},
-    "redux_t1024_loads16": {"count": "redux", "threads": 1024, "loads": 16},
-    "redux_small_cap": {"count": "redux", "cap": K},
     "staged": {"stage": "shared"},
     "staged_parts8_t512": {"stage": "shared", "parts": 8, "threads": 512},
     "staged_small_cap": {"stage": "shared", "cap": K},

@@ -23,7 +23,7 @@ fill. One CTA per row (or per row part, see below) runs:
    first ``k - above`` such entries in position order, lands at ``above_before + min(eq_before, k -
    above)``, which is both the tie rule and the ascending output order, with no sort.
 
-The kernel body is CUDA (``select_cuda(count)``, called through ``T.call_extern`` like the histogram
+The kernel body is CUDA (``_SELECT_CUDA``, called through ``T.call_extern`` like the histogram
 helper of ``tiles.indexer``): TileLang has no ballot/match/ordered-compaction primitives, and the
 whole algorithm is warp-synchronous control flow. TileLang builds the launch, the shared-memory
 plan and the argument checks.
@@ -49,9 +49,7 @@ from tiles.contract import Config, TileError
 
 # CUDA body of the select. Template parameters: THREADS per CTA, HB histogram bits per radix digit,
 # E loads in flight per thread, CAP shared-memory candidate slots, AGG warp-aggregated histogram atomics.
-# The select's CUDA in three parts: the ordered pass comes in two forms (COUNTS), spliced between the shared head
-# and tail, so the default ("ballot") source is the text it always was.
-_SELECT_HEAD_CUDA = r"""
+_SELECT_CUDA = r"""
 namespace csa2_rs {
 
 // Order-preserving key of an fp32 (larger float -> larger key). -0 is folded into +0 first: the reference
@@ -195,10 +193,7 @@ __device__ void find_bin(const int* hist, int nbins, int need, int* wsum, int* r
   __syncthreads();
 }
 
-"""
-
-_ORDERED_PASS_CUDA = {
-    "ballot": r"""// Ordered pass: every valid entry with (key & mask) > prefix ("above") and the first take_eq entries with
+// Ordered pass: every valid entry with (key & mask) > prefix ("above") and the first take_eq entries with
 // (key & mask) == prefix go to emit(ordinal, key, position), ordinal = above_before + min(eq_before, take_eq):
 // the entry's rank in position order among the chosen. Returns the chosen count (every thread).
 // wcount: 2 * WARPS ints (double-buffered per-tile warp counts, so one barrier per tile).
@@ -256,73 +251,7 @@ __device__ int ordered_pass(const Src& src, unsigned mask, unsigned prefix, int 
   return gt_run + min(eq_run, take_eq);
 }
 
-""",
-    "redux": r"""// Ordered pass: every valid entry with (key & mask) > prefix ("above") and the first take_eq entries with
-// (key & mask) == prefix go to emit(ordinal, key, position), ordinal = above_before + min(eq_before, take_eq):
-// the entry's rank in position order among the chosen. Returns the chosen count (every thread).
-// wcount: 2 * WARPS ints (double-buffered per-tile warp counts, so one barrier per tile).
-// count="redux": the warp's counts come from one add-reduction each (sm_80 REDUX) of the lanes' flag bits instead
-// of a ballot and a popc per load, and an OR-reduction marks the loads that hold any chosen entry, so the ordering
-// loop after the barrier visits those only (warp-uniform). The ordinals are the ballot form's: a skipped load's
-// ballots are zero. Measured slower on the H200 (notes/indexer.md, session 12): ~3.4% of a decode part's entries
-// reach this pass, so about two thirds of the 32-entry loads still hold one, and the reductions cost more than the
-// ballots they replace.
-template <int THREADS, int E, class Src, class Emit>
-__device__ int ordered_pass(const Src& src, unsigned mask, unsigned prefix, int take_eq, int* wcount, Emit emit) {
-  constexpr int WARPS = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned lt = (1u << lane) - 1u;
-  const int warp_run = warp * 32 * E;
-  int gt_run = 0, eq_run = 0, buf = 0;
-  for (int base = 0; base < src.n; base += THREADS * E, buf ^= 1) {
-    unsigned key[E];
-    bool ok[E];
-    int j[E];
-    load_keys<E>(src, base, key, ok, j, warp_run);
-    unsigned my_gt = 0u, my_eq = 0u;  // bit e: entry e of this lane is above / equal
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const unsigned mk = key[e] & mask;
-      my_gt |= (unsigned)(ok[e] && mk > prefix) << e;
-      my_eq |= (unsigned)(ok[e] && mk == prefix) << e;
-    }
-    const int wg = (int)__reduce_add_sync(0xffffffffu, (unsigned)__popc(my_gt));
-    const int we = (int)__reduce_add_sync(0xffffffffu, (unsigned)__popc(my_eq));
-    const unsigned busy = __reduce_or_sync(0xffffffffu, my_gt | my_eq);  // loads with a chosen entry in this warp
-    // Two counts in one int (each < 65536: a tile holds THREADS * E <= 32768 entries) so one scan orders both.
-    if (lane == 0) wcount[buf * WARPS + warp] = (wg << 16) | we;
-    __syncthreads();
-    const int c = lane < WARPS ? wcount[buf * WARPS + lane] : 0;
-    int incl = c;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int o = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += o;
-    }
-    const int tile_total = __shfl_sync(0xffffffffu, incl, 31);
-    const int before = __shfl_sync(0xffffffffu, incl - c, warp);  // exclusive prefix of this warp
-    int g_before = gt_run + (before >> 16), e_before = eq_run + (before & 0xffff);
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      if (!((busy >> e) & 1u)) continue;  // warp-uniform
-      const bool is_gt = (my_gt >> e) & 1u, is_eq = (my_eq >> e) & 1u;
-      const unsigned gm = __ballot_sync(0xffffffffu, is_gt), em = __ballot_sync(0xffffffffu, is_eq);
-      const int gb = g_before + __popc(gm & lt), eb = e_before + __popc(em & lt);
-      if (is_gt || (is_eq && eb < take_eq)) emit(gb + min(eb, take_eq), key[e], src.pos(j[e]));
-      g_before += __popc(gm);
-      e_before += __popc(em);
-    }
-    gt_run += tile_total >> 16;
-    eq_run += tile_total & 0xffff;
-  }
-  __syncthreads();  // wcount and the emitted slots are reused by the caller
-  return gt_run + min(eq_run, take_eq);
-}
-
-""",
-}
-
-_SELECT_TAIL_CUDA = r"""struct ToShared {
+struct ToShared {
   unsigned* key;
   int* pos;
   __device__ __forceinline__ void operator()(int o, unsigned k, int p) const { key[o] = k; pos[o] = p; }
@@ -405,8 +334,6 @@ __device__ void select_row(const float* values, long long L, int r, int p, int p
 }  // namespace csa2_rs
 """
 
-COUNTS = tuple(_ORDERED_PASS_CUDA)  # how the ordered pass counts and orders a tile (see the two ordered_pass forms)
-
 # stage="shared": the part's scores are copied into shared memory once (16-byte loads, a batch of them in flight per
 # thread), and the histogram and ordered passes read them there instead of from L2. Why: the global passes re-read each
 # tile of a part behind a barrier with ``loads`` loads in flight per thread, and at the decode shape the parts launch
@@ -418,29 +345,26 @@ COUNTS = tuple(_ORDERED_PASS_CUDA)  # how the ordered pass counts and orders a t
 _STAGED_ROW_CUDA = r"""
 namespace csa2_rs {
 
-// n scores from src (global) to stage (shared), then a barrier.
+// n values from src (global) to dst (shared): B loads per thread in flight before the first store.
+template <int THREADS, class V>
+__device__ __forceinline__ void copy_batched(const V* src, V* dst, int n) {
+  constexpr int B = 8;
+  for (int i0 = threadIdx.x; i0 < n; i0 += THREADS * B) {
+    V v[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n) v[b] = src[i0 + b * THREADS];
+#pragma unroll
+    for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n) dst[i0 + b * THREADS] = v[b];
+  }
+}
+
+// n scores from src (global) to stage (shared), by 16-byte vectors where src and n allow, then a barrier.
 template <int THREADS>
 __device__ __forceinline__ void stage_part(const float* src, int n, float* stage) {
-  constexpr int B = 8;  // 16-byte (or 4-byte) loads per thread in flight before the first store
   if ((((unsigned long long)src) & 15ull) == 0ull && (n & 3) == 0) {
-    const float4* s4 = reinterpret_cast<const float4*>(src);
-    float4* d4 = reinterpret_cast<float4*>(stage);
-    const int n4 = n >> 2;
-    for (int i0 = threadIdx.x; i0 < n4; i0 += THREADS * B) {
-      float4 v[B];
-#pragma unroll
-      for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n4) v[b] = s4[i0 + b * THREADS];
-#pragma unroll
-      for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n4) d4[i0 + b * THREADS] = v[b];
-    }
+    copy_batched<THREADS>(reinterpret_cast<const float4*>(src), reinterpret_cast<float4*>(stage), n >> 2);
   } else {
-    for (int i0 = threadIdx.x; i0 < n; i0 += THREADS * B) {
-      float v[B];
-#pragma unroll
-      for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n) v[b] = src[i0 + b * THREADS];
-#pragma unroll
-      for (int b = 0; b < B; ++b) if (i0 + b * THREADS < n) stage[i0 + b * THREADS] = v[b];
-    }
+    copy_batched<THREADS>(src, stage, n);
   }
   __syncthreads();
 }
@@ -471,9 +395,9 @@ STAGES = ("global", "shared")  # where the passes read a part's scores (see _STA
 STAGE_ENTRIES = 16384  # stage="shared": scores per part staged (64 KiB): the decode parts of 128K rows in 8 parts
 
 
-def select_cuda(count: str = "ballot", stage: str = "global") -> str:
-    """The select's CUDA source with the ``count`` form of its ordered pass (and the staged row for ``stage``)."""
-    return _SELECT_HEAD_CUDA + _ORDERED_PASS_CUDA[count] + _SELECT_TAIL_CUDA + (_STAGED_ROW_CUDA if stage == "shared" else "")
+def select_cuda(stage: str = "global") -> str:
+    """The select's CUDA source (with the staged row for ``stage="shared"``)."""
+    return _SELECT_CUDA + (_STAGED_ROW_CUDA if stage == "shared" else "")
 
 
 # Defaults from the H200 sweep of gpu/select_check.py (plain atomics beat match.any aggregation, 8 loads in
@@ -486,7 +410,6 @@ DEFAULT_CONFIG: Config = {
     "cap": 4096,
     "agg": False,
     "parts": "auto",
-    "count": "ballot",
     "stage": "global",
 }
 PARAMS = {
@@ -495,10 +418,6 @@ PARAMS = {
     "loads": (4, 8, 16, 32),  # loads in flight per thread per pass
     "cap": (2048, 4096, 8192),  # shared-memory candidate slots (8 bytes each); any value >= k is accepted
     "agg": (False, True),  # plain histogram atomics, or warp-aggregated ones (match.any)
-    # the ordered pass: a ballot and a popc per load for the warp counts, every load ordered; or one REDUX per tile
-    # for the counts and only the loads holding a chosen entry ordered (sm_80+; H200: 1-17% slower at decode, 2.5%
-    # faster at 4096 rows of 8K, select_check_run2_redux.json)
-    "count": COUNTS,
     # the passes read the part from global memory (L2), or from a copy in shared memory (STAGE_ENTRIES at most;
     # H200: faster for one long row, slower at decode and prefill-like rows, select_check_run3_staged.json)
     "stage": STAGES,
@@ -549,7 +468,6 @@ def select_kernel(
     emit_values: bool = False,
     remap_block: int = 0,
     all_valid: bool = False,
-    count: str = "ballot",
     stage: str = "global",
 ):
     """Build the select kernel for one config and ``target`` (an nvcc arch such as ``"sm_90a"``).
@@ -562,11 +480,9 @@ def select_kernel(
         row r writes its ascending positions, global within the row, to ``[p * k, (p + 1) * k)``,
         -1 fill); out_val fp32 [R, V] (with ``emit_values`` V = parts * k and the chosen values
         land beside their positions, -inf fill; else V may be 1 and it is not written).
-    Dims R, L, M, V are dynamic: one kernel serves every row count and row length. ``count``: the ordered pass's
-    form (``COUNTS``; the same output either way); ``stage``: where the passes read a part (``STAGES``; likewise).
+    Dims R, L, M, V are dynamic: one kernel serves every row count and row length. ``stage``: where the passes
+    read a part (``STAGES``; the same output either way).
     """
-    if count not in COUNTS:
-        raise TileError(f"radix_select count={count!r} is not one of {COUNTS}")
     if stage not in STAGES:
         raise TileError(f"radix_select stage={stage!r} is not one of {STAGES}")
     R, L, M, V = T.dynamic("R, L, M, V")
@@ -587,12 +503,7 @@ def select_kernel(
     ):
         # Rows in grid x (a 64K prefill has 65536 rows; grid y stops at 65535), parts in y.
         with T.Kernel(R, parts, threads=threads) as (r, p):
-            if count == "redux":
-                # Left alone, ptxas gave the redux form 75 registers at 256 threads (the ballot form 63): 3 CTAs per SM
-                # where the parts path is sized for CTAS_PER_SM. A cap of 64 (the ballot form's level) fits without
-                # spills (53 at 256 threads, sm_90a).
-                T.annotate_min_blocks_per_sm(max(1, min(CTAS_PER_SM, 1024 // threads)))
-            T.import_source(select_cuda(count, stage))
+            T.import_source(select_cuda(stage))
             hist = T.alloc_shared((nb,), "int32")
             skey = T.alloc_shared((cap,), "uint32")
             spos = T.alloc_shared((cap,), "int32")
@@ -651,9 +562,9 @@ def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
     """(first launch, merge launch or None) for a full config and a resolved part count."""
     knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
     if parts == 1:
-        return select_kernel(arch.nvcc_arch, k, *knobs, count=cfg["count"], stage=cfg["stage"]), None
-    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, count=cfg["count"], stage=cfg["stage"])
-    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True, count=cfg["count"], stage=cfg["stage"])
+        return select_kernel(arch.nvcc_arch, k, *knobs, stage=cfg["stage"]), None
+    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, stage=cfg["stage"])
+    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True, stage=cfg["stage"])
     return first, merge
 
 
@@ -665,7 +576,7 @@ def remapped_kernel(arch: Arch, k: int, config: Config | None = None, block: int
     candidate slots map back to cache positions without a per-call map."""
     cfg = check_config(config or {}, k)
     knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
-    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, count=cfg["count"], stage=cfg["stage"])
+    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, stage=cfg["stage"])
 
 
 def build_kernels(arch: Arch, k: int, parts: int, config: Config | None = None):
