@@ -17,6 +17,7 @@ from tiles.harness import OK, evaluate
 from tiles.ptxas import resource_usage
 
 SM90 = get_arch("sm90")
+DECODE_GRID = (64, 131072)  # score rows and length of decode B=64 x 128K: tiles_per_cta="auto" resolves to 16 there
 # The Hopper default's tile layout before session 7 (128-entry tiles on two consumer warpgroups, two stages): the tests
 # of occupancy, register split and fragment rows below were written for it and pin it.
 TWO_WARPGROUPS = {"block_n": 128, "threads": 256, "stages": 2}
@@ -278,7 +279,7 @@ def test_prmt_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(c
     thread reads one scale group (4 words) per row: one 16-byte shared load and one table per row and thread."""
     tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
     full = {**tile.default_config(SM90), **cfg}
-    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    src = ix._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     reads = _rs_source_reads(src, full["threads"], 0 if gather else full["threads"])
     _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
 
@@ -290,13 +291,13 @@ def test_prmt_rs_compiles_with_register_split():
     cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "epilogue": "hoisted", "dequant": "prmt_rs"}
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
-    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    src = ix._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" not in src and "csa2_fp4_pair_bf16" in src and "csa2_fp4_table_word" in src
     assert "void* k_deq" not in src and "bfloat16_t k_deq[64];" in src  # a register array, not a shared tile
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<104>" in src
     assert ix._rs_register_split(256, 2) == (24, 104) and ix._rs_register_split(128, 3) == (24, 136)
     cfg0 = {**cfg, "min_ctas": 0}  # no launch-bound cap: ptxas's own allocation, no setmaxnreg
-    assert "warpgroup_reg_alloc" not in ix._build_score(SM90, cfg0, False, 8).get_kernel_source()
+    assert "warpgroup_reg_alloc" not in ix._build_score(SM90, cfg0, False, 8, *DECODE_GRID).get_kernel_source()
 
 
 def test_hopper_default_is_one_consumer_warpgroup_of_256_entry_tiles():
@@ -306,7 +307,7 @@ def test_hopper_default_is_one_consumer_warpgroup_of_256_entry_tiles():
     assert (cfg["block_n"], cfg["threads"], cfg["stages"], cfg["dequant"]) == (256, 128, 1, "prmt_rs")
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
-    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    src = ix._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" not in src and "void* k_deq" not in src and "bfloat16_t k_deq[256];" in src
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<232>" in src
 
@@ -473,7 +474,7 @@ def test_fma_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cf
     scale group per thread and row; the pair's fragment slot is the one the emulation above fills."""
     tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
     full = {**tile.default_config(SM90), **cfg}
-    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    src = ix._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     assert "csa2_fp4_table_word" not in src and "rs_tab" not in src  # no table: the scale is two bf16 multiplies
     reads = _fma_source_reads(src, full["threads"], 0 if gather else full["threads"])
     _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
@@ -486,7 +487,7 @@ def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
     space = ix.INDEXER_TOPK.search_space(SM90)
     cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "epilogue": "hoisted", "dequant": "fma_rs"}
     assert space.violations(cfg, shape, SM90) == []
-    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    src = ix._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" not in src and "mul.rn.bf16x2" in src and "csa2_fp4_pair_bf16" not in src
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<104>" in src
     two_mtiles = {**cfg, "threads": 128, "block_n": 128, "stages": 4}
@@ -615,11 +616,11 @@ def test_prmt_rs2_generated_dequant_covers_every_pair_once_one_group_per_thread(
     if gather:
         full.update(block_n=256, threads=128, stages=1, tiles_per_cta=16, min_ctas=2, epilogue="fused")
     assert tile.search_space(SM90).violations(full, tile.shapes()[0], SM90) == []
-    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    src = ix._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     assert "csa2_fp4_pair_bf16(" not in src[src.index('extern "C"') :] and "wgmma_rs" in src
     reads = _rs2_source_reads(src, full["threads"], 0 if gather else full["threads"])
     _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
-    old = ix._build_score(SM90, {**full, "dequant": "prmt_rs"}, gather, 8).get_kernel_source()
+    old = ix._build_score(SM90, {**full, "dequant": "prmt_rs"}, gather, 8, *DECODE_GRID).get_kernel_source()
     assert _kernel_lines_but_dequant(src) == _kernel_lines_but_dequant(old)
 
 
@@ -633,7 +634,7 @@ def test_prmt_rs2_builds_at_the_indexer_shapes_without_spills(epilogue, tmp_path
         shape = ix.INDEXER_TOPK.shape(name)
         assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
         assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
-    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    src = ix._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "__launch_bounds__(256, 2)" in src and "mul.hi.u32" in src
     regs, spills = _ptxas(src, tmp_path)
     assert regs <= 128 and spills == 0, (regs, spills)
@@ -685,13 +686,13 @@ def test_hoisted_epilogue_keeps_per_cta_work_out_of_the_tile_loop(name):
     tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
     full = {**tile.default_config(SM90), **cfg, "epilogue": "hoisted"}
     assert tile.search_space(SM90).violations(full, tile.shapes()[0], SM90) == []
-    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    src = ix._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     loop = _tile_loop(src)
     assert "void* w_s" not in src and "float w_half[8];" in src and "csa2_pin_ptr(" in src
     assert "weights" not in loop and "0x1p-1f" not in loop and "out[" not in loop and "out_cta)[" in loop
     head = src[: src.index("tl::warpgroup_reg_dealloc")] if not gather else src[: src.index("for (int t = 0;")]
     assert head.rindex("__syncthreads();") > head.rindex("q_s)")  # after the last q_s write, before any consumer read
-    old = _tile_loop(ix._build_score(SM90, {**full, "epilogue": "per_tile"}, gather, 8).get_kernel_source())
+    old = _tile_loop(ix._build_score(SM90, {**full, "epilogue": "per_tile"}, gather, 8, *DECODE_GRID).get_kernel_source())
     assert "((float*)w_s)" in old and "0x1p-1f" in old and "out[" in old
 
 
@@ -756,7 +757,7 @@ def test_fused_epilogue_replaces_the_head_sum_and_store(name, tmp_path):
     tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
     full = {**tile.default_config(SM90), **cfg, "epilogue": "fused"}
     assert tile.search_space(SM90).violations(full, tile.shapes()[0], SM90) == []
-    src = ix._build_score(SM90, full, gather, 8).get_kernel_source()
+    src = ix._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     loop = _tile_loop(src)
     assert f"csa2_relu_wsum_store<{mtiles}>((&(acc[0])), (&(w_loc[0])), out_ptr, " in loop
     assert "AllReduce" not in src and "float row[" not in src and "float w_half[" not in src and "float w_loc[8];" in src
@@ -862,7 +863,7 @@ def test_prmt_compiles_with_two_ctas_per_sm():
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
     ix.INDEXER_TOPK.build(shape, cfg, SM90)
-    src = ix._build_score(SM90, cfg, False, 8).get_kernel_source()
+    src = ix._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "csa2_fp4_group_bf16" in src and "__launch_bounds__(512, 2)" in src
     default = ix.INDEXER_TOPK.default_config(SM90)
     assert (default["dequant"], default["min_ctas"], default["select_algo"]) == ("prmt_rs", 2, "two_pass")
@@ -909,9 +910,26 @@ def test_bits_dequant_formula_is_exact():
 
 def test_hopper_default_uses_the_new_score_path():
     cfg = ix.INDEXER_TOPK.default_config(SM90)
-    assert cfg["dequant"] == "prmt_rs" and cfg["tiles_per_cta"] == 16
+    assert cfg["dequant"] == "prmt_rs" and cfg["tiles_per_cta"] == "auto"
     assert ix.REINDEX_TOPK.default_config(SM90)["dequant"] == "prmt"
     assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["dequant"] == "shared"
+
+
+def test_auto_tiles_per_cta_fills_the_sms():
+    """tiles_per_cta="auto": 16 tiles where the rows fill the GPU (the kernels the fixed default ran), fewer for few rows
+    (one sequence over 128K entries: 4 tiles, 128 CTAs on the H200's 132 SMs), 1 for short caches; a number is kept."""
+    resolve = ix.resolve_tiles_per_cta
+    assert resolve("auto", 64, 131072, 256, SM90) == 16  # decode B=64: 2048 CTAs
+    assert resolve("auto", 4096, 4096, 256, SM90) == 16  # prefill 4K
+    assert resolve("auto", 1, 131072, 256, SM90) == 4  # decode B=1: 128 CTAs (16 tiles: 32)
+    assert resolve("auto", 8, 131072, 256, SM90) == 16  # 256 CTAs
+    assert resolve("auto", 1, 8192, 256, SM90) == 1
+    assert resolve(16, 1, 8192, 256, SM90) == 16
+    with pytest.raises(ValueError, match="resolved per grid"):
+        ix._build_score(SM90, ix.INDEXER_TOPK.default_config(SM90), False, 8)
+    # the B=64 decode kernel is the one 16 tiles built before
+    full = ix.INDEXER_TOPK.default_config(SM90)
+    assert ix._build_score(SM90, full, False, 8, *DECODE_GRID) is ix._build_score(SM90, {**full, "tiles_per_cta": 16}, False, 8)
 
 
 def test_smem_constraint_counts_the_pipelined_dequant_tile():

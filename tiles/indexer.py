@@ -1056,14 +1056,40 @@ def indexer_topk(
     return (out, scores) if return_scores else out
 
 
+TILES_PER_CTA = (1, 4, 16)
+AUTO_CTAS_PER_SM = 0.75  # tiles_per_cta="auto": the most tiles per CTA that still give the grid this many CTAs per SM
+
+
+def resolve_tiles_per_cta(setting, rows: int, n_out: int, block_n: int, arch: Arch) -> int:
+    """Entry tiles per score CTA: ``setting`` itself, or for ``"auto"`` the most of :data:`TILES_PER_CTA` whose grid
+    (``rows`` token rows x ``ceil(n_out / (block_n x tiles))``) still has ``AUTO_CTAS_PER_SM`` CTAs per SM, else 1.
+
+    Fewer tiles per CTA pay the CTA's prologue (q, weights, tables) more often; too many leave SMs idle when the rows
+    are few. H200 (results/sm90/profile_indexer_b1_tiles_session12.json), one sequence over 128K entries: 16 tiles
+    (32 CTAs) 20.9 us of score kernel, 4 tiles (128 CTAs) 6.7 us, 1 tile (512 CTAs) 7.7 us; auto picks 4 there, and 16
+    at decode B=64 x 128K (2048 CTAs) and prefill, as before.
+    """
+    if setting != "auto":
+        return int(setting)
+    for tiles in sorted(TILES_PER_CTA, reverse=True):
+        if rows * -(-n_out // (block_n * tiles)) >= AUTO_CTAS_PER_SM * arch.sm_count:
+            return tiles
+    return min(TILES_PER_CTA)
+
+
 def _score(cfg: Config, arch: Arch, gather: bool, block: int, q, weights, words, scales, nvis, pool, scores) -> None:
-    """Launch the score kernel the config names."""
-    score = _build_score(arch, cfg, gather, block)
+    """Launch the score kernel the config names (scores [B, S, n_out] give ``tiles_per_cta="auto"`` its grid)."""
+    B, S, n_out = scores.shape
+    score = _build_score(arch, cfg, gather, block, B * S, n_out)
     score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, scores)
 
 
-def _build_score(arch: Arch, cfg: Config, gather: bool, block: int):
-    common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], cfg["tiles_per_cta"])
+def _build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | None = None, n_out: int | None = None):
+    """The score kernel for ``cfg``; ``tiles_per_cta="auto"`` is resolved for ``rows`` token rows of ``n_out`` scores."""
+    if cfg["tiles_per_cta"] == "auto" and (rows is None or n_out is None):
+        raise ValueError("tiles_per_cta='auto' is resolved per grid: give the score rows and their length")
+    tiles = resolve_tiles_per_cta(cfg["tiles_per_cta"], rows, n_out, cfg["block_n"], arch)
+    common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], tiles)
     epilogue = cfg.get("epilogue", "per_tile")
     if epilogue == "per_tile":  # the call (and functools.cache key) of before the option: the same kernel object
         return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0))
@@ -1434,7 +1460,11 @@ def _score_params() -> tuple[Param, ...]:
         Param("block_n", (64, 128, 256), "entries per MMA tile (the wgmma M side)"),
         Param("threads", (128, 256), "consumer threads (one or two warpgroups; the TMA producer is added by TileLang)"),
         Param("stages", (1, 2, 3, 4), "software-pipeline depth of the packed-K loads"),
-        Param("tiles_per_cta", (1, 4, 16), "entry tiles per CTA: how finely N is split across CTAs"),
+        Param(
+            "tiles_per_cta",
+            ("auto", *TILES_PER_CTA),
+            "entry tiles per CTA: how finely N is split across CTAs (auto: the most that still fill the SMs, see resolve_tiles_per_cta)",
+        ),
         Param(
             "min_ctas",
             (0, 2, 3, 4),
@@ -1594,6 +1624,10 @@ class IndexerTopkTile(_ScoreAndSelectTile):
             # rows (results/sm90/profile_queued_session8.json, same run as hoisted): decode B=64 x 128K 0.3092 -> 0.2950
             # ms per call, prefill 4K 0.5851 -> 0.5583 ms.
             cfg.update(epilogue="fused")
+            # 16 tiles per CTA left one sequence's 128K entries 32 CTAs: the grid sized to the SMs instead
+            # (results/sm90/profile_indexer_b1_tiles_session12.json, same run): decode B=1 x 128K 0.0291 -> 0.0149 ms per
+            # call; B=64 and prefill resolve to 16 tiles, the kernels they ran before.
+            cfg.update(tiles_per_cta="auto")
         return cfg
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
@@ -1606,7 +1640,7 @@ class IndexerTopkTile(_ScoreAndSelectTile):
 
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
-        kernels = {"score": _build_score(arch, cfg, False, 8)}
+        kernels = {"score": _build_score(arch, cfg, False, 8, shape["B"] * shape["S"], shape["N"])}
         if cfg.get("select_algo", "multipass") == "two_pass":
             kernels.update(_build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"]))
         else:
@@ -1776,7 +1810,7 @@ class ReindexTopkTile(_ScoreAndSelectTile):
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
         blk = shape["block"]
-        kernels = {"score": _build_score(arch, cfg, True, blk)}
+        kernels = {"score": _build_score(arch, cfg, True, blk, shape["B"] * shape["S"], shape["P"] * blk)}
         if cfg["select_algo"] == "two_pass":
             kernels["select"] = radix_select.remapped_kernel(arch, shape["K"], block=blk)
         else:
