@@ -64,6 +64,10 @@ phase_bench-indexer() {  # issue 6's tiles at their target shapes, torch in the 
   bench compressor prefill_r2_s64k,prefill_r1_s64k
 }
 
+phase_bench-indexer-b1() {  # indexer_topk at its decode shapes (one sequence and B=64) and prefill 4K, torch in the same run
+  bench indexer_topk decode_b64_n128k,decode_b1_n128k,prefill_s4k
+}
+
 phase_bench-compressor() {  # the compressor's two 64K shapes, torch in the same run
   bench compressor prefill_r2_s64k,prefill_r1_s64k
 }
