@@ -138,6 +138,25 @@ def test_compare_rule():
 # ---------------------------------------------------------------------------------- GPU
 
 
+def test_compress_prepares_a_layers_wk_once():
+    """compress() keeps each Wk tensor's prepared forms across calls (a layer's constant), makes them again after an
+    in-place write to it, and gives another tensor its own."""
+
+    class K:
+        csa2_wk = "fragments"
+
+    w = torch.randn(128, 512)
+    first = cp._wk_args(K(), w, cp._prepared_forms(w))
+    again = cp._wk_args(K(), w, cp._prepared_forms(w))
+    assert again[0].data_ptr() == first[0].data_ptr()
+    assert torch.equal(first[0], cp.wk_fragment_order(w, 16))
+    w.mul_(2.0)  # a weight update in place
+    updated = cp._wk_args(K(), w, cp._prepared_forms(w))
+    assert torch.equal(updated[0], cp.wk_fragment_order(w, 16)) and not torch.equal(updated[0], first[0])
+    other = torch.randn(128, 512)
+    assert torch.equal(cp._wk_args(K(), other, cp._prepared_forms(other))[0], cp.wk_fragment_order(other, 16))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("load", ["direct", "staged"])
 @pytest.mark.parametrize("proj", ["tf32x3", "simt"])

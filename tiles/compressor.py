@@ -41,6 +41,7 @@ import tilelang.language as T
 import torch
 import tvm
 from tilelang.layout import make_linear_layout
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from model import formats
 from model.ops.compressor import compressor_entries, index_keys
@@ -1146,6 +1147,21 @@ def _wk_args(kernel, wk: torch.Tensor, prepared: dict | None = None) -> tuple[to
     return prepared[form]
 
 
+# compress()'s prepared Wk forms per weight tensor (the TF32 split, the fragment order): a layer's Wk is a constant, so
+# they are made on its first call, not on every call (a reorder of 256 KiB and its launches per layer and decode step).
+# Keyed weakly by the tensor; an in-place write to it (its version counter moves) makes them again.
+_PREPARED_WK = WeakTensorKeyDictionary()
+
+
+def _prepared_forms(wk: torch.Tensor) -> dict:
+    """The ``prepared`` dict of :func:`_wk_args` that belongs to this ``wk`` tensor as it is now."""
+    version, forms = _PREPARED_WK.get(wk, (None, None))
+    if version != wk._version:
+        forms = {}
+        _PREPARED_WK[wk] = (wk._version, forms)
+    return forms
+
+
 def split_tf32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 [..] -> (high part with the low 13 mantissa bits cleared = exact TF32, fp32 remainder)."""
     wf = w.float().contiguous()
@@ -1238,7 +1254,7 @@ def compress(
     gate = kv if ratio == 1 else gate[:, : G * ratio].contiguous()  # ratio 1 reads no gate
     eps_t = torch.full((1,), eps, dtype=torch.float32, device=dev)  # a fill, not a host copy: capturable
     kernel = _build(arch, ratio, cfg)
-    wk_hi, wk_lo = _wk_args(kernel, wk)
+    wk_hi, wk_lo = _wk_args(kernel, wk, _prepared_forms(wk))
     kernel(kv, gate, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(), wk_hi, wk_lo, k_norm_weight.contiguous(), eps_t, *outs)
     return outs
 
