@@ -95,10 +95,10 @@ phase_attn() {  # sparse attention: every schedule/producer checked against the 
 }
 
 phase_queued() {  # the options written after a session's device time, checked and timed against the defaults
-  # After session 11: bf16 split partials became the Hopper default late in its device time, and only the default,
-  # fused, balanced, seesaw and partials GPU tests ran under it; the attention's other GPU cases at split decode shapes
-  # (serial/prefetch producers, io=direct, tokens_per_cta, wg1_rows, lanes, handoff) now run with it: run them all.
-  PYTEST_ARGS="tests/test_sparse_attn.py" PYTEST_S="${PYTEST_S:-400}" phase_pytest
+  # After session 12: compress() keeps each layer's prepared Wk instead of reordering it every call (CPU-tested, not timed):
+  # the decode step at 64K on tiles (session 12: 23.84 ms, e2e_decode_64k_run10/) and the compressor/backend GPU tests.
+  E2E_NAME=e2e_decode_queued E2E_PHASES=decode E2E_CTX=64K E2E_BATCH=64 E2E_BACKENDS=tiles E2E_CONFIGS=default phase_e2e
+  PYTEST_ARGS="tests/test_compressor.py tests/test_tiles_backend.py" PYTEST_S="${PYTEST_S:-240}" phase_pytest
 }
 
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
