@@ -1299,10 +1299,11 @@ def _indexer_inputs(B: int, S: int, N: int, seed: int, device, causal: bool) -> 
     if causal:
         n_visible = (torch.arange(S, device=device) + 1).clamp(max=N).expand(B, S).contiguous()  # ratio-1 prefill
     else:
-        # Most rows see (nearly) the whole cache; a few see less than top-k, one sees nothing.
+        # Most rows see (nearly) the whole cache; with three rows or more, one sees less than top-k and one nothing
+        # (a single row, as at decode B=1, sees the cache: its timing must be the full score and select).
         n_visible = N - torch.randint(0, max(1, N // 16), (B, S), generator=gen, device=device)
-        n_visible[0, 0] = min(N, 300)
         if B * S > 2:
+            n_visible[0, 0] = min(N, 300)
             n_visible.view(-1)[-1] = 0
     return {"q": q, "weights": weights, "k_packed": k_packed, "k_scales": k_scales, "n_visible": n_visible.to(torch.int32)}
 
