@@ -30,6 +30,8 @@ phase_pytest() {  # every GPU test (PYTEST_ARGS: a subset), 4 workers (compile-b
   note "pytest -m gpu rc=$?: $(tail -1 "$OUT/pytest_gpu.log")"
 }
 
+INDEXER_SHAPES=decode_b64_n128k,decode_b1_n128k,prefill_s4k  # every bench of indexer_topk: its JSON holds one run's rows
+
 bench() {  # bench TILE SHAPE[,SHAPE]: the JSON lands in results/<arch>/bench/ (packed with results/ at the end)
   # BENCH_CONFIG=tuned: each shape's stored winner (lab bench --config tuned), written as bench_<tile>_tuned.json
   local tile=$1 shapes=$2 dir=results/$(python3 -c "from tiles.arch import detect; print(detect().name)")/bench
@@ -45,7 +47,7 @@ phase_bench() {
   bench sparse_attn_decode decode_b64_s1,decode_b128_s2
   bench sparse_attn_prefill prefill_s4k
   bench sparse_attn_bf16 decode_b128_s2,prefill_s4k
-  bench indexer_topk decode_b64_n128k,decode_b1_n128k
+  bench indexer_topk $INDEXER_SHAPES
   bench reindex_topk decode_b64_n128k
   bench compressor prefill_r2_s64k,prefill_r1_s64k
   bench fp4_quant_main bulk_1m
@@ -58,14 +60,10 @@ phase_bench-fp4() {  # the FP4 main-KV tiles at bulk_1m (issue 3's figures come 
 }
 
 phase_bench-indexer() {  # issue 6's tiles at their target shapes, torch in the same run
-  bench indexer_topk decode_b64_n128k,prefill_s4k
+  bench indexer_topk $INDEXER_SHAPES
   bench reindex_topk decode_b64_n128k
   bench candidate_pool decode_b64_n128k
   bench compressor prefill_r2_s64k,prefill_r1_s64k
-}
-
-phase_bench-indexer-b1() {  # indexer_topk at its decode shapes (one sequence and B=64) and prefill 4K, torch in the same run
-  bench indexer_topk decode_b64_n128k,decode_b1_n128k,prefill_s4k
 }
 
 phase_bench-compressor() {  # the compressor's two 64K shapes, torch in the same run
@@ -75,7 +73,7 @@ phase_bench-compressor() {  # the compressor's two 64K shapes, torch in the same
 phase_bench-tuned() {  # the tiles whose stored winners differ from their defaults, each shape on its winner (torch in the same run)
   BENCH_CONFIG=tuned bench compressor prefill_r2_s64k,prefill_r1_s64k
   BENCH_CONFIG=tuned bench sparse_attn_prefill prefill_s4k
-  BENCH_CONFIG=tuned bench indexer_topk decode_b64_n128k,prefill_s4k
+  BENCH_CONFIG=tuned bench indexer_topk $INDEXER_SHAPES
 }
 
 phase_bench-attn() {  # issue 5's attention tiles at their target shapes, torch in the same run
@@ -85,7 +83,7 @@ phase_bench-attn() {  # issue 5's attention tiles at their target shapes, torch 
 
 phase_bench-decode() {  # the decode-sized tiles only (their targets are in microseconds: timed from CUDA-graph replay)
   bench sparse_attn_decode decode_b64_s1,decode_b128_s2
-  bench indexer_topk decode_b64_n128k
+  bench indexer_topk $INDEXER_SHAPES  # (and prefill 4K: one JSON per tile holds every shape it benches)
 }
 
 phase_attn() {  # sparse attention: every schedule/producer checked against the reference, then timed (gpu/sparse_attn_check.py)
@@ -147,17 +145,18 @@ phase_ncu-source() {  # per-instruction stall sampling of a tile (default: the a
   # NCU_REP (the report path, without .ncu-rep: one per job when two GPUs profile at once) / NCU_NAME (the output files'
   # prefix, default ncu_source: two profiles in one job)
   if ! command -v ncu > /dev/null; then note "ncu: not installed"; return; fi
+  local rep=${NCU_REP:-/tmp/attn_src} pre="$OUT/${NCU_NAME:-ncu_source}"
   timeout "${NCU_S:-120}" ncu --kernel-name "regex:${NCU_KERNEL:-main}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" --section WarpStateStats --section SourceCounters \
     --section SpeedOfLight --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section Occupancy --section ComputeWorkloadAnalysis \
-    -o "${NCU_REP:-/tmp/attn_src}" -f python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" "${NCU_CONFIG:-{\}}" > "$OUT/${NCU_NAME:-ncu_source}_run.log" 2>&1
+    -o "$rep" -f python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" "${NCU_CONFIG:-{\}}" > "${pre}_run.log" 2>&1
   note "ncu-source rc=$?"
-  ncu -i "${NCU_REP:-/tmp/attn_src}.ncu-rep" --page details > "$OUT/${NCU_NAME:-ncu_source}_details.log" 2>&1
+  ncu -i "$rep.ncu-rep" --page details > "${pre}_details.log" 2>&1
   # per-pipe utilisation (ComputeWorkloadAnalysis's raw metrics: tensor, ALU, FMA, shared pipes ...), one row per metric
-  ncu -i "${NCU_REP:-/tmp/attn_src}.ncu-rep" --page raw --csv 2> /dev/null \
+  ncu -i "$rep.ncu-rep" --page raw --csv 2> /dev/null \
     | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); [print(f"{n},{u},{v}") for row in r[2:] for n,u,v in zip(r[0],r[1],row) if "pipe" in n or n == "Kernel Name"]' \
-    > "$OUT/${NCU_NAME:-ncu_source}_pipes.csv" 2>&1
-  ncu -i "${NCU_REP:-/tmp/attn_src}.ncu-rep" --page source --csv --print-source sass > "$OUT/${NCU_NAME:-ncu_source}_sass.csv" 2>&1 \
-    || ncu -i "${NCU_REP:-/tmp/attn_src}.ncu-rep" --page raw --csv > "$OUT/${NCU_NAME:-ncu_source}_raw.csv" 2>&1
+    > "${pre}_pipes.csv" 2>&1
+  ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "${pre}_sass.csv" 2>&1 \
+    || ncu -i "$rep.ncu-rep" --page raw --csv > "${pre}_raw.csv" 2>&1
 }
 
 phase_e2e-quick() {
