@@ -1130,6 +1130,55 @@ def test_two_pass_select_is_in_the_search_space():
     assert tile.build(tile.shape("decode_b64_n128k"), cfg, arch)[0]["select_algo"] == "two_pass"
 
 
+def test_radix_knobs_default_to_radix_selects_defaults():
+    """The indexer's radix_* knobs map onto tiles.radix_select's config; their defaults build the kernels the two-pass
+    select built before the knobs existed (the same objects), and they are refused under the multipass select."""
+    from tiles import radix_select
+
+    arch, tile = SM90, ix.INDEXER_TOPK
+    cfg = tile.default_config(arch)
+    assert ix.radix_config(cfg) == {k: radix_select.DEFAULT_CONFIG[k] for k in ("threads", "stage", "parts")}
+    assert ix.radix_config({**cfg, "radix_stage": "shared", "radix_threads": 512})["stage"] == "shared"
+    old = ix._build_two_pass(arch, 64, 131072, 512)
+    assert ix._build_two_pass(arch, 64, 131072, 512, ix.radix_config(cfg)) == old
+    space, shape = tile.search_space(arch), tile.shape("decode_b1_n128k")
+    staged = {**cfg, "radix_stage": "shared", "radix_threads": 512, "radix_parts": 16}
+    assert space.violations(staged, shape, arch) == []
+    multipass = {**staged, "select_algo": "multipass"}
+    assert any(
+        "radix_parts, radix_stage, radix_threads apply to select_algo=two_pass only" in r for r in space.violations(multipass, shape, arch)
+    )
+    assert space.violations({**cfg, "select_algo": "multipass"}, shape, arch) == []
+
+
+def test_radix_knobs_reach_the_select_kernels():
+    """A staged 512-thread select in 16 parts compiles for one 128K row, and its kernels differ from the default's."""
+    arch, tile = SM90, ix.INDEXER_TOPK
+    shape = tile.shape("decode_b1_n128k")
+    cfg = {**tile.default_config(arch), "radix_stage": "shared", "radix_threads": 512, "radix_parts": 16}
+    staged, default = tile.kernel_sources(shape, cfg, arch), tile.kernel_sources(shape, tile.default_config(arch), arch)
+    assert staged["score"] == default["score"]
+    assert "select_row_staged" in staged["select"] and "select_row_staged" not in default["select"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "radix",
+    [
+        {"radix_stage": "shared", "radix_threads": 512},
+        {"radix_parts": 32},
+        {"radix_stage": "shared", "radix_threads": 1024, "radix_parts": 16},
+    ],
+    ids=["staged_512", "parts_32", "staged_1024_parts_16"],
+)
+def test_radix_knobs_match_reference(radix):
+    """The two-pass select's knobs at one long row (where they matter) and at decode B=64: the reference's top-k sets."""
+    arch, tile = get_arch("sm90"), ix.INDEXER_TOPK
+    for name in ("decode_b1_n128k", "decode_b64_n32k"):
+        ev = evaluate(tile, tile.shape(name), {**tile.default_config(arch), **radix}, arch, seed=9, time_it=False)
+        assert ev.outcome == OK, f"{radix} {name}: {ev.message}"
+
+
 @pytest.mark.gpu
 def test_bits_scores_equal_shared_scores():
     """Both paths feed the same exact bf16 K to the same MMA: the score rows must agree bitwise."""

@@ -1102,7 +1102,7 @@ def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, score
     _score(cfg, arch, False, 8, q, weights, words, scales, nvis, dummy_pool, scores)
     if cfg.get("select_algo", "multipass") == "two_pass":
         # tiles.radix_select: two passes over each row in global memory, the rest in shared memory
-        radix_select.select_launcher(B * S, N, out.shape[-1], q.device, arch=arch)(
+        radix_select.select_launcher(B * S, N, out.shape[-1], q.device, arch=arch, config=radix_config(cfg))(
             scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1)
         )
         return
@@ -1509,12 +1509,45 @@ _SELECT_ALGO = Param(
 )
 
 
-def _build_two_pass(arch: Arch, rows: int, n: int, k: int) -> dict[str, Any]:
-    """Compile tiles.radix_select's kernels for ``rows`` rows of ``n`` scores, top ``k`` (its default config): the
-    select, and the merge of its parts when there are several."""
-    parts = radix_select.resolve_parts("auto", rows, n, k, arch)
-    first, merge = radix_select.build_kernels(arch, k, parts)
+def _build_two_pass(arch: Arch, rows: int, n: int, k: int, radix: Config | None = None) -> dict[str, Any]:
+    """Compile tiles.radix_select's kernels for ``rows`` rows of ``n`` scores, top ``k`` (``radix``: a
+    radix_select config, its default when None): the select, and the merge of its parts when there are several."""
+    cfg = radix_select.check_config(radix or {}, k)
+    parts = radix_select.resolve_parts(cfg["parts"], rows, n, k, arch)
+    first, merge = radix_select.build_kernels(arch, k, parts, cfg)
     return {"select": first} if merge is None else {"select": first, "merge": merge}
+
+
+# The two-pass select's knobs in the indexer's space: the structural ones that matter when few rows are long (B=1
+# decode: 8 CTAs on the whole GPU at radix_select's default; its row staged in shared memory at 512 threads ran one
+# 128K row 25.4 -> 21.0 us on the H200, select_check_run3_staged.json). Defaults are radix_select.DEFAULT_CONFIG's.
+_RADIX_PARAMS = (
+    Param("radix_threads", radix_select.PARAMS["threads"], "two_pass select: threads per CTA (tiles.radix_select)"),
+    Param(
+        "radix_stage",
+        radix_select.STAGES,
+        "two_pass select: its passes read each row part from global memory (L2) or from a copy in shared memory",
+    ),
+    Param("radix_parts", ("auto", 8, 16, 32), "two_pass select: row parts selected apart before their merge"),
+)
+_RADIX_DEFAULT = {
+    "radix_threads": radix_select.DEFAULT_CONFIG["threads"],
+    "radix_stage": radix_select.DEFAULT_CONFIG["stage"],
+    "radix_parts": radix_select.DEFAULT_CONFIG["parts"],
+}
+
+
+def radix_config(cfg: Config) -> Config:
+    """The tiles.radix_select config of an indexer config (its ``radix_*`` keys; absent keys: radix_select's defaults)."""
+    return {name.removeprefix("radix_"): cfg.get(name, default) for name, default in _RADIX_DEFAULT.items()}
+
+
+def _radix_two_pass_only(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """The radix_* knobs configure select_algo="two_pass" only: other values under multipass would repeat a config."""
+    if config.get("select_algo", "multipass") == "two_pass":
+        return None
+    moved = sorted(name for name, default in _RADIX_DEFAULT.items() if config.get(name, default) != default)
+    return f"{', '.join(moved)} apply to select_algo=two_pass only" if moved else None
 
 
 def _select_params() -> tuple[Param, ...]:
@@ -1598,11 +1631,14 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         split = Param(
             "select_split", ("auto", *SELECT_SPLITS), "score rows cut into parts: a top-k per part (more CTAs), then of the candidates"
         )
-        return SearchSpace(space.params + (split, _SELECT_ALGO), space.constraints)
+        return SearchSpace(
+            space.params + (split, _SELECT_ALGO) + _RADIX_PARAMS,
+            space.constraints + (Constraint("radix_two_pass_only", _radix_two_pass_only),),
+        )
 
     def default_config(self, arch: Arch) -> Config:
         # auto: as many parts as fill the SMs twice (8 for decode B=64, 1 for prefill), from the H200 profile
-        cfg = {**super().default_config(arch), "select_split": "auto", "select_algo": "multipass"}
+        cfg = {**super().default_config(arch), "select_split": "auto", "select_algo": "multipass", **_RADIX_DEFAULT}
         if arch.family == "hopper":
             # H200, one run (results/sm90/profile_indexer_prmt_two_pass.json): byte-permute dequant, two CTAs per SM
             # and the two-pass select: decode B=64 x 128K 1.318 -> 0.530 ms per call, prefill 4K 2.253 -> 1.012 ms.
@@ -1643,7 +1679,7 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
         kernels = {"score": _build_score(arch, cfg, False, 8, shape["B"] * shape["S"], shape["N"])}
         if cfg.get("select_algo", "multipass") == "two_pass":
-            kernels.update(_build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"]))
+            kernels.update(_build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"], radix_config(cfg)))
         else:
             kernels["select"] = _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], 0)
         return kernels
