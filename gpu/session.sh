@@ -54,6 +54,10 @@ phase_bench() {
   bench fp4_dequant_main bulk_1m
 }
 
+phase_bench-one() {  # one tile at chosen shapes: BENCH_TILE, BENCH_SHAPES (BENCH_CONFIG=tuned: the stored winners)
+  bench "${BENCH_TILE:?BENCH_TILE}" "${BENCH_SHAPES:?BENCH_SHAPES}"
+}
+
 phase_bench-fp4() {  # the FP4 main-KV tiles at bulk_1m (issue 3's figures come from lab bench --json)
   bench fp4_quant_main bulk_1m
   bench fp4_dequant_main bulk_1m
