@@ -1149,6 +1149,11 @@ def test_radix_knobs_default_to_radix_selects_defaults():
         "radix_parts, radix_stage, radix_threads apply to select_algo=two_pass only" in r for r in space.violations(multipass, shape, arch)
     )
     assert space.violations({**cfg, "select_algo": "multipass"}, shape, arch) == []
+    # the staged 512-thread select is seeded as a candidate (the sampler rarely proposes it with the default score kernel)
+    from tuning.space import seed_configs
+
+    seeded = [c for c, source in seed_configs(tile, shape, arch) if source.startswith("candidate")]
+    assert {**cfg, "radix_stage": "shared", "radix_threads": 512} in seeded
 
 
 def test_radix_knobs_reach_the_select_kernels():

@@ -1673,7 +1673,15 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         in session 7's run; not run at prefill)."""
         if arch.family != "hopper":
             return []
-        return [({"block_n": 128, "threads": 256, "stages": 4}, "decode B=64 x 128K 0.348 ms (H200, session 6)")]
+        return [
+            ({"block_n": 128, "threads": 256, "stages": 4}, "decode B=64 x 128K 0.348 ms (H200, session 6)"),
+            # the random sampler rarely meets the staged select with the default score kernel (one trial in 153 in session
+            # 13's B=1 study); gpu/select_check.py timed it alone on one 128K row: 25.4 -> 21.0 us
+            (
+                {"radix_stage": "shared", "radix_threads": 512},
+                "one 128K row's select 21.0 us vs 25.4 (H200, select_check_run3_staged.json)",
+            ),
+        ]
 
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
