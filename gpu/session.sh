@@ -103,6 +103,11 @@ phase_queued() {  # the options written after a session's device time, checked a
   PYTEST_ARGS="tests/test_compressor.py tests/test_tiles_backend.py" PYTEST_S="${PYTEST_S:-240}" phase_pytest
 }
 
+phase_prefill-ops() {  # the CED prefill op by op (gpu/prefill_ops.py; PREFILL_PROMPT tokens, default 64K, on tiles/default)
+  timeout "${PREFILL_OPS_S:-200}" python3 gpu/prefill_ops.py --prompt "${PREFILL_PROMPT:-65536}" --json "$OUT/prefill_ops.json" > "$OUT/prefill_ops.log" 2>&1
+  note "prefill-ops rc=$?"
+}
+
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
   mkdir -p "$OUT/scaling"
   timeout "${SCALING_S:-150}" python3 gpu/attn_block_scaling.py --out "$OUT/scaling" --config "${SCALING_CONFIG:-{\}}" > "$OUT/scaling.log" 2>&1
