@@ -88,7 +88,9 @@ class Attention(nn.Module):
         H, D = cfg.n_heads, cfg.head_dim
         cos, sin = step.rope(self.rope)  # [S, r/2]
         qr = self.q_norm(self.wq_a(x))  # [B, S, q_lora] fp32
-        q = apply_rope(self.wq_b(qr).view(B, S, H, D), cos.unsqueeze(-2), sin.unsqueeze(-2))  # [B, S, H, D]
+        # the dtype the backend reads queries in (bf16 for the attention kernels): rounded once here, never widened whole
+        q_dtype = step.backend.query_dtype(H, D) if hasattr(step.backend, "query_dtype") else None
+        q = apply_rope(self.wq_b(qr).view(B, S, H, D), cos.unsqueeze(-2), sin.unsqueeze(-2), out_dtype=q_dtype)  # [B, S, H, D]
         win_codes, win_scales, win_idx = self._swa(x, step, cos, sin)
         if plan.mode == LayerMode.SWA_ONLY:
             main_packed = x.new_zeros(B, 0, D // 2, dtype=torch.uint8)
@@ -101,8 +103,9 @@ class Attention(nn.Module):
             topk = self._topk(qr, x, step, cos, sin) if self.indexer is not None else step.topk[plan.index_source]
             main_packed, main_scales = glob.main()
         out = step.backend.sparse_attention(q, win_codes, win_scales, win_idx, main_packed, main_scales, topk, self.sink, cfg.softmax_scale)
-        out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)  # [B, S, H, D]
-        o = out.view(B, S, cfg.o_groups, H * D // cfg.o_groups).to(self.wo_a.dtype)  # [B, S, G, H*D/G]
+        # rotated wide, rounded once to wo_a's dtype (what a float32 rotation and a cast gave, without the float32 copy)
+        out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True, out_dtype=self.wo_a.dtype)  # [B, S, H, D]
+        o = out.view(B, S, cfg.o_groups, H * D // cfg.o_groups)  # [B, S, G, H*D/G]
         o = torch.einsum("bsgi,goi->bsgo", o, self.wo_a).reshape(B, S, cfg.o_groups * cfg.o_lora_rank)
         return self.wo_b(o)
 

@@ -278,6 +278,11 @@ class TorchBackend:
 
     # -- attention ---------------------------------------------------------------------------
 
+    def query_dtype(self, n_heads: int, head_dim: int) -> torch.dtype | None:
+        """The dtype :meth:`sparse_attention` wants its queries in (None: float32, the reference's math), so the
+        model rounds the RoPE'd queries once instead of widening them and having the backend narrow them again."""
+        return None
+
     def sparse_attention(
         self,
         q: torch.Tensor,

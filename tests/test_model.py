@@ -268,6 +268,67 @@ def test_every_accelerated_op_goes_through_the_backend(tiny32):
     assert rec.calls["fp4_quantize"] == 4 + 2 * 3  # 4 indexer queries; main KV + index K inside each compressor call
 
 
+def _rope_by_concatenation(x, cos, sin, inverse=False):
+    """apply_rope as written before session 13: the whole tensor widened, the rotated dims concatenated back."""
+    from model.ops.precision import compute_dtype
+
+    r = 2 * cos.shape[-1]
+    xf = x.to(compute_dtype(x))
+    nope, rot = xf[..., :-r], xf[..., -r:]
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    s = -sin if inverse else sin
+    rotated = torch.stack([even * cos - odd * s, even * s + odd * cos], dim=-1).flatten(-2)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope_rotates_only_the_rope_dims_bitwise(dtype, inverse):
+    """apply_rope widens only the rope dims: bitwise what widening everything and concatenating gave, and with
+    ``out_dtype`` bitwise that result rounded once; x itself is never written."""
+    from model.ops.rope import apply_rope
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(2, 5, 3, 64, generator=g) * 3).to(dtype)  # [B, S, H, D], rope on the last 16 dims
+    cos, sin = torch.randn(5, 1, 8, generator=g), torch.randn(5, 1, 8, generator=g)
+    before = x.clone()
+    want = _rope_by_concatenation(x, cos, sin, inverse)
+    got = apply_rope(x, cos, sin, inverse=inverse)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    narrow = apply_rope(x, cos, sin, inverse=inverse, out_dtype=torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, want.to(torch.bfloat16))
+    assert torch.equal(x, before)
+
+
+class _NarrowingBackend(TorchBackend):
+    """The attention reads bf16 queries it narrows itself (what the tiles backend did before query_dtype)."""
+
+    def sparse_attention(self, q, *args):
+        return super().sparse_attention(q.to(torch.bfloat16), *args)
+
+
+class _Bf16QueryBackend(TorchBackend):
+    """The same attention, asking the model for bf16 queries (query_dtype)."""
+
+    def query_dtype(self, n_heads, head_dim):
+        return torch.bfloat16
+
+    def sparse_attention(self, q, *args):
+        assert q.dtype == torch.bfloat16
+        return super().sparse_attention(q, *args)
+
+
+def test_query_dtype_rounds_the_queries_once_in_the_model():
+    """A backend that asks for bf16 queries gets bitwise the logits of one that narrowed float32 queries itself."""
+    tokens = _tokens(preset("tiny").replace(), 2, 20, seed=8)
+    narrowing = build_model(preset("tiny"), backend=_NarrowingBackend(), dtype=torch.float32, seed=0)
+    asking = build_model(preset("tiny"), backend=_Bf16QueryBackend(), dtype=torch.float32, seed=0)
+    assert torch.equal(asking.forward(tokens), narrowing.forward(tokens))
+    cache_a, cache_n = asking.new_cache(2), narrowing.new_cache(2)
+    for i in range(3):
+        assert torch.equal(asking.decode(tokens[:, i], cache_a), narrowing.decode(tokens[:, i], cache_n))
+
+
 def test_backend_errors():
     with pytest.raises(BackendError, match="unknown backend 'cuda'"):
         build_model(preset("tiny"), backend="cuda")

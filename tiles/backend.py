@@ -165,9 +165,18 @@ class TilesBackend(TorchBackend):
 
     # -- attention -------------------------------------------------------------------------------
 
+    @staticmethod
+    def _attention_serves(n_heads: int, head_dim: int) -> bool:
+        return n_heads % 64 == 0 and head_dim == 512
+
+    def query_dtype(self, n_heads: int, head_dim: int) -> torch.dtype | None:
+        """bf16 where the attention kernels serve the shape (they read bf16 queries); the reference's float32 where the
+        torch fallback runs."""
+        return torch.bfloat16 if self._attention_serves(n_heads, head_dim) else None
+
     def sparse_attention(self, q, window_codes, window_scales, window_idx, main_packed, main_scales, topk_idx, sink, scale):
         B, S, H, D = q.shape
-        if H % 64 or D != 512 or sink is None:
+        if not self._attention_serves(H, D) or sink is None:
             self.fallbacks["sparse_attention: kernels serve H % 64 == 0, D = 512, with a sink"] += 1
             return super().sparse_attention(q, window_codes, window_scales, window_idx, main_packed, main_scales, topk_idx, sink, scale)
         if topk_idx.shape[-1] == 0:

@@ -64,7 +64,9 @@ def rope_tables(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor,
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Rotate the last ``2 * cos.shape[-1]`` dims of x.
 
     Args:
@@ -72,15 +74,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
         cos, sin: float32 broadcastable to [..., rope_dim // 2] (from :func:`rope_tables`;
             insert a head axis with ``unsqueeze(-2)`` for [B, S, H, D] inputs).
         inverse: rotate by minus the angle (undoes a forward rotation).
+        out_dtype: the result's dtype; None is float32 (float64 for float64 x).
     Returns:
-        float32 [..., D] (float64 for float64 x); the first D - rope_dim dims are unchanged.
+        [..., D] in ``out_dtype``: exactly the float32 (float64) rotation rounded to ``out_dtype``
+        once; the first D - rope_dim dims are x's, converted.
     """
     rope_dim = 2 * cos.shape[-1]
-    xf = x.to(compute_dtype(x))
-    nope, rot = xf[..., :-rope_dim], xf[..., -rope_dim:]
+    dt = compute_dtype(x)
+    rot = x[..., -rope_dim:].to(dt)
     even, odd = rot[..., 0::2], rot[..., 1::2]
     s = -sin if inverse else sin
     out_even = even * cos - odd * s
     out_odd = even * s + odd * cos
     rotated = torch.stack([out_even, out_odd], dim=-1).flatten(-2)
-    return torch.cat([nope, rotated], dim=-1)
+    # Only the rope dims are computed wide: a [64K, 64, 512] query widened whole to fp32 and concatenated back
+    # moved ~47 GB per call in the 64K prefill (results/sm90/prefill_ops_64k_session13.txt) for 64 rotated dims.
+    out = x.to(out_dtype or dt, copy=True)
+    out[..., -rope_dim:] = rotated
+    return out
