@@ -1149,6 +1149,11 @@ def test_radix_knobs_default_to_radix_selects_defaults():
         "radix_parts, radix_stage, radix_threads apply to select_algo=two_pass only" in r for r in space.violations(multipass, shape, arch)
     )
     assert space.violations({**cfg, "select_algo": "multipass"}, shape, arch) == []
+    # a staged part (64 KiB of scores) does not fit the 99 KiB of sm86/89/120
+    sm89 = get_arch("sm89")
+    staged89 = {**tile.default_config(sm89), "select_algo": "two_pass", "radix_stage": "shared"}
+    assert any("radix_smem" in r for r in tile.search_space(sm89).violations(staged89, shape, sm89))
+    assert not any("radix_smem" in r for r in tile.search_space(sm89).violations({**staged89, "radix_stage": "global"}, shape, sm89))
     # the staged 512-thread select is seeded as a candidate (the sampler rarely proposes it with the default score kernel)
     from tuning.space import seed_configs
 

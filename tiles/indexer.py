@@ -1550,6 +1550,16 @@ def _radix_two_pass_only(config: Config, shape: Shape, arch: Arch) -> str | None
     return f"{', '.join(moved)} apply to select_algo=two_pass only" if moved else None
 
 
+def _radix_smem(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """The two-pass select's shared memory must fit the arch (a staged part needs 104 KiB: not on sm86/89/120)."""
+    if config.get("select_algo", "multipass") != "two_pass":
+        return None
+    need = radix_select.smem_bytes(radix_config(config))
+    return (
+        f"the select needs {need // 1024} KiB of shared memory > {arch.smem_per_block // 1024} KiB" if need > arch.smem_per_block else None
+    )
+
+
 def _select_params() -> tuple[Param, ...]:
     return (
         Param("select_threads", (512, 1024), "threads of the one-CTA-per-row radix select"),
@@ -1633,7 +1643,7 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         )
         return SearchSpace(
             space.params + (split, _SELECT_ALGO) + _RADIX_PARAMS,
-            space.constraints + (Constraint("radix_two_pass_only", _radix_two_pass_only),),
+            space.constraints + (Constraint("radix_two_pass_only", _radix_two_pass_only), Constraint("radix_smem", _radix_smem)),
         )
 
     def default_config(self, arch: Arch) -> Config:
