@@ -57,6 +57,16 @@ def test_export_round_trip_and_nearest_bucket(written):
     assert load_winner("toy_scale", SM90, far, default=toy.default_config(SM90), root=root) == (toy.default_config(SM90), "default")
 
 
+def test_sources_in_the_labs_results_are_repo_relative(written, monkeypatch):
+    """A winner from the lab's own results/ is named repo-relative (sources land in JSON reports: no checkout path)."""
+    toy, root, _, cfg = written
+    from tiles import results
+
+    monkeypatch.setattr(results, "RESULTS_DIR", root)  # as if root were <repo>/results
+    config, source = load_winner("toy_scale", SM90, toy.shapes()[0], default=toy.default_config(SM90), root=root)
+    assert config == cfg and source == f"tuned:{root.name}/sm90/toy_scale.yaml#decode_n4k"
+
+
 def test_default_when_no_file_or_no_comparable_bucket(written, tmp_path):
     toy, root, _, _ = written
     default = toy.default_config(SM90)

@@ -118,12 +118,21 @@ def _registered(tile_name: str):
         return None
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repo when it is in the lab's own ``results/`` (sources land in JSON reports, which
+    should not carry one machine's checkout path), else as given."""
+    try:
+        return str(path.relative_to(RESULTS_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
 def load_winner(
     tile_name: str, arch: Arch | str, shape: Shape, default: Config | None = None, root: Path | None = None, allow_stale: bool = False
 ) -> tuple[Config, str]:
     """The config to run ``tile_name`` with on (arch, shape), and where it came from.
 
-    Returns ``(config, "tuned:<file>#<bucket>")`` for the nearest stored bucket within
+    Returns ``(config, "tuned:<file>#<bucket>")`` (``<file>`` repo-relative for the lab's own ``results/``) for the nearest stored bucket within
     :data:`MAX_TRANSFER_DISTANCE`, else ``(default, "default")``. ``default`` is the tile's default config for ``arch``; when not
     given it is looked up through :mod:`tiles.registry`. A stored config that the tile's
     current search space rejects raises :class:`ResultsError` (the file is stale).
@@ -149,14 +158,14 @@ def load_winner(
     config = dict(entry["config"])
     missing = stale_params(tile, arch, config, entry.get("default_config")) if tile is not None else []
     if missing and not allow_stale:
-        return dict(default), f"default (stale: {path}#{bucket} predates {', '.join(missing)})"
+        return dict(default), f"default (stale: {_shown(path)}#{bucket} predates {', '.join(missing)})"
     if tile is not None:
         bad = tile.search_space(arch).violations(config, shape, arch)
         if bad:
             raise ResultsError(
                 f"results file {path} bucket {bucket!r} holds a config the tile no longer accepts ({'; '.join(bad)}): re-run `lab tune`"
             )
-    return config, f"tuned:{path}#{bucket}"
+    return config, f"tuned:{_shown(path)}#{bucket}"
 
 
 def config_for(tile, shape: Shape, arch: Arch) -> tuple[Config, str]:
