@@ -42,7 +42,10 @@ class BackendError(RuntimeError):
 
 @runtime_checkable
 class Backend(Protocol):
-    """What the model calls. See :class:`TorchBackend` for shapes, dtypes and semantics."""
+    """What the model calls. See :class:`TorchBackend` for shapes, dtypes and semantics.
+
+    Optional: ``query_dtype(n_heads, head_dim)``, the dtype ``sparse_attention`` reads its queries in (None: float32);
+    the model asks for it only if the backend has it (:meth:`TorchBackend.query_dtype`)."""
 
     name: str
 
