@@ -316,19 +316,35 @@ __device__ void topk_cta(const float* row, int n, int k, Dst dst, int* hist, uns
   }
 }
 
-// Launch glue for one CTA: row r (part p of parts) of values [R, L], columns < n_valid.
-// Out row r has parts * k slots: part p writes slots [p * k, (p + 1) * k).
-template <int THREADS, int HB, int E, int CAP, bool AGG, int MB>
-__device__ void select_row(const float* values, long long L, int r, int p, int parts, int n_valid, int k, int* out,
-                           float* out_val, int emit_values, const int* map, int remap_block, long long map_stride, int* hist,
-                           unsigned* skey, int* spos, int* scratch) {
+// Row r, part p of parts, of values [R, L] with columns < n_valid: where the part's scores start, how many there
+// are, and where its k picks go (out row r has parts * k slots: part p writes slots [p * k, (p + 1) * k)).
+template <int MB>
+struct RowPart {
+  const float* row;
+  int n;
+  ToOutput<MB> dst;
+};
+
+template <int MB>
+__device__ __forceinline__ RowPart<MB> row_part(const float* values, long long L, int r, int p, int parts, int n_valid, int k,
+                                                int* out, float* out_val, int emit_values, const int* map, int remap_block,
+                                                long long map_stride) {
   const long long n_row = max(0LL, min((long long)n_valid, L));
   const long long width = (L + parts - 1) / parts;
   const long long base = (long long)p * width;
   const long long n = max(0LL, min(n_row - base, width));
   const long long o = ((long long)r * parts + p) * k;
   ToOutput<MB> dst{out + o, emit_values ? out_val + o : nullptr, remap_block ? map + (long long)r * map_stride : nullptr, (int)base};
-  topk_cta<THREADS, HB, E, CAP, AGG>(values + (long long)r * L + base, (int)n, k, dst, hist, skey, spos, scratch);
+  return RowPart<MB>{values + (long long)r * L + base, (int)n, dst};
+}
+
+// Launch glue for one CTA: row r, part p (see row_part).
+template <int THREADS, int HB, int E, int CAP, bool AGG, int MB>
+__device__ void select_row(const float* values, long long L, int r, int p, int parts, int n_valid, int k, int* out,
+                           float* out_val, int emit_values, const int* map, int remap_block, long long map_stride, int* hist,
+                           unsigned* skey, int* spos, int* scratch) {
+  const RowPart<MB> part = row_part<MB>(values, L, r, p, parts, n_valid, k, out, out_val, emit_values, map, remap_block, map_stride);
+  topk_cta<THREADS, HB, E, CAP, AGG>(part.row, part.n, k, part.dst, hist, skey, spos, scratch);
 }
 
 }  // namespace csa2_rs
@@ -374,18 +390,12 @@ template <int THREADS, int HB, int E, int CAP, bool AGG, int MB, int STAGE>
 __device__ void select_row_staged(const float* values, long long L, int r, int p, int parts, int n_valid, int k, int* out,
                                   float* out_val, int emit_values, const int* map, int remap_block, long long map_stride,
                                   int* hist, unsigned* skey, int* spos, int* scratch, float* stage) {
-  const long long n_row = max(0LL, min((long long)n_valid, L));
-  const long long width = (L + parts - 1) / parts;
-  const long long base = (long long)p * width;
-  const long long n = max(0LL, min(n_row - base, width));
-  const long long o = ((long long)r * parts + p) * k;
-  ToOutput<MB> dst{out + o, emit_values ? out_val + o : nullptr, remap_block ? map + (long long)r * map_stride : nullptr, (int)base};
-  const float* row = values + (long long)r * L + base;
-  if (n <= STAGE) {
-    stage_part<THREADS>(row, (int)n, stage);
-    topk_cta<THREADS, HB, E, CAP, AGG>(stage, (int)n, k, dst, hist, skey, spos, scratch);
+  const RowPart<MB> part = row_part<MB>(values, L, r, p, parts, n_valid, k, out, out_val, emit_values, map, remap_block, map_stride);
+  if (part.n <= STAGE) {
+    stage_part<THREADS>(part.row, part.n, stage);
+    topk_cta<THREADS, HB, E, CAP, AGG>(stage, part.n, k, part.dst, hist, skey, spos, scratch);
   } else {
-    topk_cta<THREADS, HB, E, CAP, AGG>(row, (int)n, k, dst, hist, skey, spos, scratch);
+    topk_cta<THREADS, HB, E, CAP, AGG>(part.row, part.n, k, part.dst, hist, skey, spos, scratch);
   }
 }
 
