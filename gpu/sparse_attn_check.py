@@ -65,11 +65,6 @@ LABELS = {
     # the split partials of O stored and combined as bf16 (half the bytes of the fp32 partials)
     "parts_bf16": {"partials": "bf16"},
     "parts_bf16_split4": {"partials": "bf16", "n_split": 4},
-    # the next token's Q cp.async'ed by consumer warpgroup 1 under this token's last block (O from the accumulators)
-    "qa2": {"tokens_per_cta": 2, "q_load": "ahead"},
-    "qa4": {"tokens_per_cta": 4, "q_load": "ahead"},
-    "qa8": {"tokens_per_cta": 8, "q_load": "ahead"},
-    "tpc8": {"tokens_per_cta": 8},
 }
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
@@ -148,14 +143,6 @@ CHECKS = [
     ("sparse_attn_decode", H128, "parts_bf16"),
     ("sparse_attn_decode", W37, "parts_bf16"),
     ("sparse_attn_bf16", "decode_b64_s1", "parts_bf16"),
-    *_option_rows("qa2", bf16=("prefill_s4k", "decode_b128_s2")),
-    ("sparse_attn_prefill", "prefill_s4k", "qa4"),
-    ("sparse_attn_prefill", S777, "qa4"),
-    ("sparse_attn_bf16", "prefill_s4k", "qa4"),
-    ("sparse_attn_prefill", "prefill_s4k", "qa8"),
-    ("sparse_attn_bf16", "prefill_s4k", "qa8"),
-    ("sparse_attn_prefill", "prefill_s4k", "tpc8"),
-    ("sparse_attn_bf16", "decode_b128_s2", "tpc2"),
 ]
 
 

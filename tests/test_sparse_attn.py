@@ -462,25 +462,6 @@ def test_tokens_per_cta_compiles_for_sm90(tpc):
         assert any("tokens_per_cta" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
-def test_q_load_ahead_loads_the_next_tokens_q_by_cp_async():
-    """q_load=ahead (GPU checks in GPU_CASES): warpgroup 1 cp.async's the first token's Q and, once warpgroup 0's
-    last QK^T of a token has arrived on bar_q_free, the next token's, arriving on bar_q (128 arrivals, no staged
-    copies); O goes out from the accumulators. Refused where there is no next token or the fused combine runs."""
-    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    space = tile.search_space(SM90)
-    config = {**tile.default_config(SM90), "tokens_per_cta": 2, "q_load": "ahead"}
-    assert space.violations(config, shape, SM90) == []
-    src = tile.build(shape, config, SM90).main.get_kernel_source()
-    assert src.count("tl::cp_async_gs<16>((&(((bfloat16_t*)Q_l)") == 2  # the first token's and the next token's
-    assert src.count("tl::mbarrier_cp_async_arrive_noinc(bar_q[0])") == 2
-    assert "bar_q_free[0].wait((j" in src and "bar_q[0].init(128)" in src
-    assert "(Q + " not in src  # no vector copy of Q by the consumers (per_token: one per warpgroup)
-    for other in ({"tokens_per_cta": 1}, {"combine": "fused"}):
-        assert any("q_load=ahead" in r for r in space.violations({**config, **other}, shape, SM90)), other
-    with pytest.raises(ValueError, match="q_load"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, q_load="early")
-
-
 FUSED = {"combine": "fused", "partials": "fp32"}  # the fused combine merges fp32 partials (the Hopper default is bf16)
 H128 = _shape("h128", "decode", B=3, S=2, Nc=5000, Nw=130, H=128)
 W37 = _shape("w37", "decode", B=5, S=1, Nc=700, Nw=38, W=37)
@@ -641,12 +622,6 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b128_s2", {"tokens_per_cta": 2}),
     (sa.DECODE_TILE, "decode_b64_s1", {"tokens_per_cta": 4, "n_split": 2}),  # one token per batch: items past S idle
     (sa.BF16_TILE, "prefill_s4k", {"tokens_per_cta": 4}),
-    # q_load=ahead: the next token's Q cp.async'ed under this token's last block, O from the accumulators
-    (sa.PREFILL_TILE, "prefill_s4k", {"tokens_per_cta": 2, "q_load": "ahead"}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"tokens_per_cta": 8, "q_load": "ahead"}),
-    (sa.DECODE_TILE, "decode_b128_s2", {"tokens_per_cta": 2, "q_load": "ahead"}),
-    (sa.DECODE_TILE, "decode_b64_s1", {"tokens_per_cta": 2, "q_load": "ahead"}),  # split partials (bf16) from registers
-    (sa.BF16_TILE, "prefill_s4k", {"tokens_per_cta": 4, "q_load": "ahead"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"wg1_rows": 16}),
     (sa.DECODE_TILE, "decode_b128_s2", {"wg1_rows": 16}),
     (sa.DECODE_TILE, "decode_b128_s2", {"wg1_rows": 16, "n_split": 4}),  # CTAs that start on a main block
@@ -769,13 +744,11 @@ def test_tile_odd_shapes(tile, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("tpc", [2, 4])
-@pytest.mark.parametrize("q_load", ["per_token", "ahead"])
-def test_tokens_per_cta_odd_shapes(tpc, shape, q_load):
+def test_tokens_per_cta_odd_shapes(tpc, shape):
     """Several tokens per CTA with S (x head blocks) not a multiple of it (S=777, S=63), H=128 (two head blocks per
-    token, consecutive items), odd block counts per token (W=37, K=100: the buffer parity runs on across tokens);
-    with q_load=ahead the next item's Q (another token or head block) loaded under this one's last block."""
+    token, consecutive items), odd block counts per token (W=37, K=100: the buffer parity runs on across tokens)."""
     tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
-    _check(tile, shape, {"tokens_per_cta": tpc, "q_load": q_load})
+    _check(tile, shape, {"tokens_per_cta": tpc})
 
 
 @pytest.mark.gpu

@@ -217,7 +217,6 @@ def sparse_attn_kernel(
     lanes: str = "row",
     fp4_decode: str = "fma",
     partials: str = "fp32",
-    q_load: str = "per_token",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -240,12 +239,6 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
-    if q_load not in Q_LOADS:
-        raise ValueError(f"unknown q_load {q_load!r}: use one of {', '.join(Q_LOADS)}")
-    if q_load == "ahead" and (schedule != "ws" or consumers != "wg0_scores" or tokens_per_cta == 1 or combine != "separate"):
-        raise ValueError(
-            "q_load='ahead' loads the next token's Q in the ws kernel: schedule='ws', consumers='wg0_scores', tokens_per_cta > 1, combine='separate'"
-        )
     if schedule == "ws":
         return _sparse_attn_ws(
             heads,
@@ -267,7 +260,6 @@ def sparse_attn_kernel(
             lanes,
             fp4_decode,
             partials,
-            q_load,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -497,7 +489,6 @@ def _sparse_attn_ws(
     lanes="row",
     fp4_decode="fma",
     partials="fp32",
-    q_load="per_token",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -593,17 +584,6 @@ def _sparse_attn_ws(
     128 KiB of fp32 partials at about the same moment, 16 MiB in all) and half what the combine reads; each partial is
     staged through the freed Q half and stored in 16-byte vectors like O. One more bf16 rounding of each partial
     before the fp32 merge.
-
-    ``q_load`` (``tokens_per_cta > 1``) is when a token's Q reaches shared memory:
-
-    * ``per_token``: each consumer warpgroup copies its Q half at the token's start, after the previous token's O has
-      been staged out through it: at every token boundary the consumers wait a global-memory round trip for Q.
-    * ``ahead``: Q is free once warpgroup 0's last QK^T of a token has completed (the softmax and P V of that block
-      read only S, P and the KV buffer), so consumer warpgroup 1 (idle until that block's P) cp.async's the next
-      token's Q into both halves then (signalled through ``bar_q`` by ``cp.async.mbarrier.arrive.noinc``), and the
-      first token's at the CTA's start. O is written from the accumulators (the Q tile is no longer free to stage it).
-      The next token's first QK^T then finds Q loaded under the last block's softmax, P V and the O store.
-      Warpgroups 0/1 get 232/176 registers instead of 240/168 (see WG0_NREG_AHEAD). NOT yet run on a GPU (session 14).
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -630,7 +610,6 @@ def _sparse_attn_ws(
     seesaw = consumers == "seesaw"  # the consumer warpgroups take whole blocks in turn (both compute S)
     batched = produce in ("batched", "prefetch")
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
-    q_ahead = q_load == "ahead"  # consumer warpgroup 1 loads the next token's Q under this token's last block
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
     dequant_cuda = (_DEQUANT_CUDA + (_FP4_PRMT_CUDA if fp4_decode == "prmt" else "")) if batched and fp4 else ""
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
@@ -696,10 +675,7 @@ def _sparse_attn_ws(
                 h_rawsc = T.alloc_local([4], "uint8")
                 h_vals = T.alloc_local([8], bf16)
 
-            # Q lands: every thread (io=direct), each consumer warpgroup its half (staged), or warpgroup 1's cp.async (ahead)
-            bar_q = T.alloc_barrier(arrive_count=384 if io == "direct" else (128 if q_ahead else 256))
-            if q_ahead:
-                bar_q_free = T.alloc_barrier(arrive_count=128)  # warpgroup 0's last QK^T of the token has completed
+            bar_q = T.alloc_barrier(arrive_count=384 if io == "direct" else 256)
             bar_k0_ready = T.alloc_barrier(arrive_count=256 if helped else 128)  # the producer (and warpgroup 1)
             bar_k1_ready = T.alloc_barrier(arrive_count=256 if helped else 128)
             bar_k0_free = T.alloc_barrier(arrive_count=256)
@@ -768,7 +744,6 @@ def _sparse_attn_ws(
                 fuse,
                 handoff == "before_pv",
                 bf16_parts,
-                bar_q_free if q_ahead else None,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
@@ -799,7 +774,7 @@ def _sparse_attn_ws(
                     T.set_max_nreg(BALANCED_NREG, 1)
                     _ws_balanced_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *balanced_args)
                 else:
-                    T.set_max_nreg(WG0_NREG_AHEAD if q_ahead else 240, 1)
+                    T.set_max_nreg(240, 1)
                     sm = _WsSoftmax(
                         Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free
                     )
@@ -817,7 +792,7 @@ def _sparse_attn_ws(
                     T.set_max_nreg(BALANCED_NREG, 1)
                     _ws_balanced_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *balanced_args)
                 else:
-                    T.set_max_nreg(WG1_NREG_AHEAD if q_ahead else 168, 1)
+                    T.set_max_nreg(168, 1)
                     if helped:
                         q = tx - 128
                         hsrc = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
@@ -829,14 +804,9 @@ def _sparse_attn_ws(
                     if TPC == 1:
                         _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, 0)
                     else:
-                        if q_ahead:  # the CTA's first token's Q
-                            _ws_load_q(Q, Q_l, Q_r, bar_q, b_i, (bx * TPC) // REP, ((bx * TPC) % REP) * HB, tx - 128, HB, D2)
                         for j in T.serial(TPC):
                             if bx * TPC + j < S * REP:
-                                # q_load=ahead: the next (token, head block) item, if this CTA has one (no Python binding
-                                # otherwise: a local name in the loop body changes the default's generated source)
-                                nxt = _ws_next_item(bx * TPC + j + 1, j, TPC, S * REP, REP, HB) if q_ahead else None
-                                _ws_wg1_token(cta, acc_o_r, helper, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j, nxt)
+                                _ws_wg1_token(cta, acc_o_r, helper, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif batched:
                 # 240 + 168 + 96 (balanced: 200 + 200 + 104; seesaw: 2 x SEESAW_NREG + the rest) = 504 registers per
                 # thread slot: what the 384-thread launch allocates (168 x 3)
@@ -943,14 +913,12 @@ def _sparse_attn_ws(
 
 
 @T.macro
-def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, q_free=None, last=None):
+def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False):
     """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V.
 
     ``early_p`` (``handoff="before_pv"``): P and alpha go to warpgroup 1 before this warpgroup's P V instead of
     after it, so both halves of P V run together and the buffer frees one P V earlier; the shared-memory stores
-    are fenced for the async proxy first (warpgroup 1's wgmma reads them).
-    ``q_free`` (``q_load="ahead"``): the barrier to arrive on once this QK^T has completed when ``last`` (the token's
-    last block) holds: Q is not read again for this token."""
+    are fenced for the async proxy first (warpgroup 1's wgmma reads them)."""
     Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
     KV_l, KV_r, valid, bar_ready, bar_free = buf
     T.barrier_wait(bar_ready, (it // 2) & 1)
@@ -959,9 +927,6 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, q_free=None
     T.wgmma_gemm(Q_l, KV_l, acc_s, transpose_B=True)
     T.wgmma_gemm(Q_r, KV_r, acc_s, transpose_B=True)
     T.wait_wgmma(0)
-    if q_free is not None:  # noqa: SIM102  (a Python flag around a TileLang condition)
-        if last:
-            T.barrier_arrive(q_free)
     if it != 0:
         # S_shared and alpha_shared are reused: warpgroup 1 must be done with the previous step.
         T.barrier_arrive(bar_s_free)
@@ -989,10 +954,6 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, q_free=None
     T.barrier_arrive(bar_free)
 
 
-# q_load="ahead": warpgroup 1 also issues the next token's Q load inside its block loop; at 168 registers it spills
-# 20 bytes there (ptxas, CUDA 13.0, level 10), at 176 none, and warpgroup 0 needs no more than 232 (the producer keeps
-# its 96: 232 + 176 + 96 = 504, what the 384-thread launch allocates)
-WG0_NREG_AHEAD, WG1_NREG_AHEAD = 232, 176
 BALANCED_NREG = 200  # per consumer thread under consumers="balanced": O half (128) + S half (16) + softmax + addresses
 
 
@@ -1302,7 +1263,6 @@ class _WsCta(NamedTuple):
     fuse: Any = None  # combine="fused": the _WsFuse of the fused combine
     early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
     bf16_parts: bool = False  # partials="bf16": the split's partial O staged out as bf16 through the freed Q half
-    q_free: Any = None  # q_load="ahead": warpgroup 0 arrives once its last QK^T of a token completes (else None)
 
 
 class _WsHelper(NamedTuple):
@@ -1323,8 +1283,7 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     b_i, bz, n_blk, final_shared = cta.b_i, cta.bz, cta.n_blk, cta.final_shared
     Q_l, acc_o_l, sumexp, sumexp_i, alpha, m_i = sm.Q_l, sm.acc_o, sm.sumexp, sm.sumexp_i, sm.alpha, sm.m_i
     BI = cta.BI
-    ahead = cta.q_free is not None  # q_load="ahead": warpgroup 1 loads Q; O goes out from the accumulator
-    if cta.io == "staged" and not ahead:
+    if cta.io == "staged":
         T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
         T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
         T.barrier_arrive(cta.bar_q)
@@ -1334,12 +1293,9 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     T.barrier_wait(cta.bar_q, j & 1)
     for it in T.serial(n_blk):
         if (j * n_blk + it) % 2 == 0:
-            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.q_free, it == n_blk - 1)
+            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p)
         else:
-            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.q_free, it == n_blk - 1)
-    if ahead:  # noqa: SIM102  (a Python flag around a TileLang condition)
-        if n_blk == 0:  # no block ran (an empty split): Q was never read
-            T.barrier_arrive(cta.q_free)
+            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p)
     if NS == 1:
         for h in T.Parallel(HB):
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -1354,11 +1310,7 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     T.barrier_arrive(cta.bar_final)
     for h, d in T.Parallel(HB, D2):
         acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
-    if ahead and NS == 1:  # Q_l holds the next token's Q (or is being filled): O from the accumulator
-        T.copy(acc_o_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
-    elif ahead:
-        T.copy(acc_o_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
-    elif NS == 1 and cta.io == "staged":
+    if NS == 1 and cta.io == "staged":
         T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
         T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
     elif cta.bf16_parts and cta.io == "staged":
@@ -1374,17 +1326,13 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
 
 
 @T.macro
-def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j, nxt=None):
+def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
     """Consumer warpgroup 1 on token ``s_i``, the CTA's ``j``-th: Q_r, the right half of O += P V per block (P and
     its rescale from warpgroup 0 through S_shared/alpha_shared), the final scale and the O_r store. ``helper``
-    (``wg1_rows``, one token per CTA only): also fill the last 16 rows of each main block, one block ahead.
-    ``nxt`` (``q_load="ahead"``): (whether the CTA has a next item, its token, its head block): that item's Q is
-    loaded into both halves once warpgroup 0's last QK^T of this token has completed; O_r goes out from the
-    accumulator."""
+    (``wg1_rows``, one token per CTA only): also fill the last 16 rows of each main block, one block ahead."""
     Q, Out, HB, D2, NS, b_i, bz, lo, n_blk = cta.Q, cta.Out, cta.HB, cta.D2, cta.NS, cta.b_i, cta.bz, cta.lo, cta.n_blk
     Q_r, S_shared, alpha_shared, final_shared, bufs = cta.Q_r, cta.S_shared, cta.alpha_shared, cta.final_shared, cta.bufs
-    ahead = nxt is not None
-    if cta.io == "staged" and not ahead:
+    if cta.io == "staged":
         T.copy(Q[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2], Q_r)
         T.fence_proxy_async()
         T.barrier_arrive(cta.bar_q)
@@ -1399,9 +1347,6 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j, nxt=None):
         # the CTA's first block: both buffers start free
         _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo, q, n_blk > 1)
     for it in T.serial(n_blk):
-        if ahead:  # noqa: SIM102  (a Python flag around a TileLang condition)
-            if it == n_blk - 1:
-                _ws_load_next_q(cta, nxt, j, D2)
         if helper is not None:  # noqa: SIM102  (a Python flag around a TileLang condition)
             # block it + 1 goes to the buffer block it - 1 used: free once both P V of it - 1 are done
             if it + 1 < n_blk:
@@ -1422,18 +1367,11 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j, nxt=None):
             T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
             T.barrier_arrive(bufs[1].free)
         T.barrier_arrive(cta.bar_s_free)
-    if ahead:  # noqa: SIM102  (a Python flag around a TileLang condition)
-        if n_blk == 0:  # no block ran (an empty split): load the next Q here
-            _ws_load_next_q(cta, nxt, j, D2)
     T.barrier_arrive(cta.bar_final)
     T.barrier_wait(cta.bar_final, j & 1)
     for h, d in T.Parallel(HB, D2):
         acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
-    if ahead and NS == 1:  # Q_r holds the next token's Q (or is being filled): O from the accumulator
-        T.copy(acc_o_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
-    elif ahead:
-        T.copy(acc_o_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])
-    elif NS == 1 and cta.io == "staged":
+    if NS == 1 and cta.io == "staged":
         T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
         T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
     elif cta.bf16_parts and cta.io == "staged":
@@ -1446,38 +1384,6 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j, nxt=None):
     else:
         T.copy(acc_o_r, cta.fuse.OPart[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])
         _ws_fused_combine(cta.fuse, 1, acc_o_r, Q_r, b_i, s_i, h0, bz, HB, D2, NS, cta.io)
-
-
-def _ws_next_item(item, j, TPC, n_items, REP, HB):
-    """``q_load="ahead"``: (whether the CTA's ``j``-th item has a next one in this CTA, its token, its head block)
-    for the item index ``item`` (= this one's + 1)."""
-    return T.And(j + 1 < TPC, item < n_items), item // REP, (item % REP) * HB
-
-
-@T.macro
-def _ws_load_q(Q, Q_l, Q_r, bar_q, b_i, s_i, h0, t, HB, D2):
-    """Warpgroup 1's thread ``t`` (0..127) cp.async's its share of token ``s_i``'s Q tile (heads h0..h0+HB) into
-    Q_l / Q_r, 16 bytes (8 values) per cp.async, and arrives on ``bar_q`` when they land (``q_load="ahead"``). Warp w takes half
-    ``w % 2`` of rows 2 i + w // 2: 32 lanes x 16 B, one row half per instruction (coalesced)."""
-    r0 = t // 64
-    col = (t % 32) * 8
-    for i in T.serial(HB // 2):  # rolled: unrolled, ptxas keeps 32 row addresses live and warpgroup 1 spills
-        r = 2 * i + r0
-        if (t // 32) % 2 == 0:
-            T.ptx_cp_async(T.access_ptr(Q_l[r, col], "w", 8), T.access_ptr(Q[b_i, s_i, h0 + r, col], "r", 8), 8)
-        else:
-            T.ptx_cp_async(T.access_ptr(Q_r[r, col], "w", 8), T.access_ptr(Q[b_i, s_i, h0 + r, D2 + col], "r", 8), 8)
-    T.cp_async_barrier_noinc(bar_q)
-
-
-@T.macro
-def _ws_load_next_q(cta, nxt, j, D2):
-    """``q_load="ahead"``: once warpgroup 0's last QK^T of the CTA's ``j``-th token has completed, load the next item's
-    Q (``nxt``: whether there is one, its token, its head block) by :func:`_ws_load_q`."""
-    has_next, s_next, h0_next = nxt
-    if has_next:
-        T.barrier_wait(cta.q_free, j & 1)
-        _ws_load_q(cta.Q, cta.Q_l, cta.Q_r, cta.bar_q, cta.b_i, s_next, h0_next, T.get_thread_binding() - 128, cta.HB, D2)
 
 
 class _WsFuse(NamedTuple):
@@ -1904,7 +1810,6 @@ class CompiledAttention:
                 "lanes",
                 "fp4_decode",
                 "partials",
-                "q_load",
             )
             if k in config
         }
@@ -2169,7 +2074,6 @@ def sparse_attention_bf16(
 # ----------------------------------------------------------------------------------------------
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
-Q_LOADS = ("per_token", "ahead")  # when a token's Q reaches shared memory under tokens_per_cta > 1 (see _sparse_attn_ws)
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
@@ -2266,8 +2170,6 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             or c.get("io", "direct") != "staged"
         ):
             return "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0, io=staged"
-        if c.get("q_load", "per_token") == "ahead" and (int(c.get("tokens_per_cta", 1)) == 1 or c.get("combine", "separate") != "separate"):
-            return "q_load=ahead loads the next token's Q under this one's last block: tokens_per_cta > 1, combine=separate"
         if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
             return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
         if c.get("lanes", "row") != "row" and c["schedule"] != "ws":
@@ -2365,13 +2267,6 @@ class SparseAttnTile(Tile):
                 "consumers finish this one (one CTA holds an SM, so its prologue and epilogue overlap nothing otherwise)",
             ),
             Param(
-                "q_load",
-                Q_LOADS,
-                "ws, tokens_per_cta > 1: each consumer warpgroup copies its Q half at every token's start (O staged out "
-                "through it first), or consumer warpgroup 1 cp.async's the next token's Q as soon as the last QK^T of "
-                "this one completes (O written from the accumulators)",
-            ),
-            Param(
                 "handoff",
                 ("after_pv", "before_pv"),
                 "ws, wg0_scores: when warpgroup 0 hands P to warpgroup 1, after its own half of P V (the two halves run "
@@ -2444,7 +2339,6 @@ class SparseAttnTile(Tile):
         cfg.setdefault("produce", "serial")
         cfg["consumers"] = "wg0_scores"
         cfg["tokens_per_cta"] = 1
-        cfg["q_load"] = "per_token"
         cfg["handoff"] = "after_pv"
         cfg["lanes"] = "row"
         # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json)
@@ -2477,7 +2371,6 @@ class SparseAttnTile(Tile):
                 ("io", "direct"),
                 ("consumers", "wg0_scores"),
                 ("tokens_per_cta", 1),
-                ("q_load", "per_token"),
                 ("handoff", "after_pv"),
                 ("lanes", "row"),
             )
