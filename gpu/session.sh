@@ -108,6 +108,11 @@ phase_prefill-ops() {  # the CED prefill op by op (gpu/prefill_ops.py; PREFILL_P
   note "prefill-ops rc=$?"
 }
 
+phase_ablation() {  # the attention default with one role's work removed (gpu/attn_ablation.py): which role paces a block
+  timeout "${ABLATION_S:-300}" python3 gpu/attn_ablation.py --json "$OUT/attn_ablation.json" > "$OUT/attn_ablation.log" 2>&1
+  note "ablation rc=$?"
+}
+
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
   mkdir -p "$OUT/scaling"
   timeout "${SCALING_S:-150}" python3 gpu/attn_block_scaling.py --out "$OUT/scaling" --config "${SCALING_CONFIG:-{\}}" > "$OUT/scaling.log" 2>&1

@@ -462,6 +462,20 @@ def test_tokens_per_cta_compiles_for_sm90(tpc):
         assert any("tokens_per_cta" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
+def test_timing_ablations_build_outside_the_search_space():
+    """gpu/attn_ablation.py's variants (wrong results by design) compile for sm90, are refused outside the default ws
+    schedule they cut into, and can never be proposed by the tuner or named in a config."""
+    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
+    assert "ablate" not in tile.search_space(SM90).names()
+    cfg = tile.with_defaults(SM90, {})
+    kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate="producer_idle")
+    src = kernel.main.get_kernel_source()
+    assert "csa2_fp4x8_bf16_prmt((&(vals[0]))" not in src  # the producer decodes nothing (the default: 16 calls)
+    for bad in ({"ablate": "faster"}, {"ablate": "no_softmax", "consumers": "seesaw"}, {"ablate": "producer_idle", "tokens_per_cta": 2}):
+        with pytest.raises(ValueError, match="ablate"):
+            sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, schedule="ws", produce="batched", **bad)
+
+
 FUSED = {"combine": "fused", "partials": "fp32"}  # the fused combine merges fp32 partials (the Hopper default is bf16)
 H128 = _shape("h128", "decode", B=3, S=2, Nc=5000, Nw=130, H=128)
 W37 = _shape("w37", "decode", B=5, S=1, Nc=700, Nw=38, W=37)

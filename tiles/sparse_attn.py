@@ -217,6 +217,7 @@ def sparse_attn_kernel(
     lanes: str = "row",
     fp4_decode: str = "fma",
     partials: str = "fp32",
+    ablate: str = "",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -232,6 +233,7 @@ def sparse_attn_kernel(
     OPart fp32 [B, S, NS, H, D] (scratch) and Counter int32 [B, S, H / heads_per_block] (zero before the launch,
     left zero after it).
     ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
+    ``ablate`` (timing only, wrong results by design; never in the search space): see :data:`ABLATIONS`.
     """
     if combine == "fused" and (schedule != "ws" or n_split == 1 or tokens_per_cta != 1):
         raise ValueError("combine='fused' merges split partials in the ws kernel: schedule='ws', n_split > 1, tokens_per_cta=1")
@@ -239,6 +241,12 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
+    if ablate and (
+        ablate not in ABLATIONS or schedule != "ws" or consumers != "wg0_scores" or tokens_per_cta != 1 or produce != "batched" or wg1_rows
+    ):
+        raise ValueError(
+            f"ablate={ablate!r}: one of {', '.join(ABLATIONS)}, for the ws kernel's batched producer and wg0_scores consumers, one token per CTA"
+        )
     if schedule == "ws":
         return _sparse_attn_ws(
             heads,
@@ -260,6 +268,7 @@ def sparse_attn_kernel(
             lanes,
             fp4_decode,
             partials,
+            ablate,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -489,6 +498,7 @@ def _sparse_attn_ws(
     lanes="row",
     fp4_decode="fma",
     partials="fp32",
+    ablate="",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -744,6 +754,7 @@ def _sparse_attn_ws(
                 fuse,
                 handoff == "before_pv",
                 bf16_parts,
+                ablate,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
@@ -837,7 +848,15 @@ def _sparse_attn_ws(
                     if lo >= NBW:  # the first block is a main one: its loads go out before the first free buffer
                         _ws_issue_main_loads(src, regs, dims, b_i, p)
                         _ws_fetch_rows(src, dims, rows_next, b_i, s_i, lo + 1, p)
-                if TPC == 1:
+                if TPC == 1 and ablate == "producer_idle":
+                    for it in T.serial(n_blk):  # hand each buffer over as soon as it is free, unfilled
+                        if it % 2 == 0:
+                            T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
+                            T.barrier_arrive(bar_k0_ready)
+                        else:
+                            T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
+                            T.barrier_arrive(bar_k1_ready)
+                elif TPC == 1:
                     for it in T.serial(n_blk):
                         blk = lo + it
                         if it % 2 == 0:
@@ -913,8 +932,9 @@ def _sparse_attn_ws(
 
 
 @T.macro
-def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False):
-    """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V.
+def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate=""):
+    """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V (``ablate="no_softmax"``:
+    S goes to P as it is, no max, exponentials, sums or rescale).
 
     ``early_p`` (``handoff="before_pv"``): P and alpha go to warpgroup 1 before this warpgroup's P V instead of
     after it, so both halves of P V run together and the buffer frees one P V earlier; the shared-memory stores
@@ -931,18 +951,19 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False):
         # S_shared and alpha_shared are reused: warpgroup 1 must be done with the previous step.
         T.barrier_arrive(bar_s_free)
         T.barrier_wait(bar_s_free, (it & 1) ^ 1)
-    T.copy(m_i, m_i_prev)
-    T.reduce_max(acc_s, m_i, dim=1, clear=False)
-    for h in T.Parallel(HB):
-        alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
-    for h, bi in T.Parallel(HB, BI):
-        acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
-    T.reduce_sum(acc_s, sumexp_i, dim=1)
-    for h in T.Parallel(HB):
-        sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
-    for h, d in T.Parallel(HB, D2):
-        acc_o[h, d] = acc_o[h, d] * alpha[h]
-    T.copy(alpha, alpha_shared)
+    if ablate != "no_softmax":
+        T.copy(m_i, m_i_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
+        for h, bi in T.Parallel(HB, BI):
+            acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
+        T.reduce_sum(acc_s, sumexp_i, dim=1)
+        for h in T.Parallel(HB):
+            sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
+        for h, d in T.Parallel(HB, D2):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        T.copy(alpha, alpha_shared)
     T.copy(acc_s, S_shared)
     if early_p:
         T.fence_proxy_async()
@@ -952,6 +973,18 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False):
         T.gemm(S_shared, KV_l, acc_o)
         T.barrier_arrive(bar_s_ready)
     T.barrier_arrive(bar_free)
+
+
+@T.macro
+def _ws_idle_step(bufs, it):
+    """``ablate="consumers_idle"``: one consumer warpgroup's step on block ``it`` (CTA-wide index): wait until its
+    buffer is filled, hand it back at once (both warpgroups arrive on ``free``, as after their P V)."""
+    if it % 2 == 0:
+        T.barrier_wait(bufs[0].ready, (it // 2) & 1)
+        T.barrier_arrive(bufs[0].free)
+    else:
+        T.barrier_wait(bufs[1].ready, (it // 2) & 1)
+        T.barrier_arrive(bufs[1].free)
 
 
 BALANCED_NREG = 200  # per consumer thread under consumers="balanced": O half (128) + S half (16) + softmax + addresses
@@ -1263,6 +1296,7 @@ class _WsCta(NamedTuple):
     fuse: Any = None  # combine="fused": the _WsFuse of the fused combine
     early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
     bf16_parts: bool = False  # partials="bf16": the split's partial O staged out as bf16 through the freed Q half
+    ablate: str = ""  # a timing ablation (see ABLATIONS); "" in every real kernel
 
 
 class _WsHelper(NamedTuple):
@@ -1292,10 +1326,12 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     T.fill(acc_o_l, 0)
     T.barrier_wait(cta.bar_q, j & 1)
     for it in T.serial(n_blk):
-        if (j * n_blk + it) % 2 == 0:
-            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p)
+        if cta.ablate == "consumers_idle":  # take each filled buffer and hand it straight back
+            _ws_idle_step(cta.bufs, j * n_blk + it)
+        elif (j * n_blk + it) % 2 == 0:
+            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
         else:
-            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p)
+            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
     if NS == 1:
         for h in T.Parallel(HB):
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -1356,17 +1392,20 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
                 else:
                     T.barrier_wait(bufs[0].free, (((it + 1) // 2) & 1) ^ 1)
                     _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
-        T.barrier_arrive(cta.bar_s_ready)
-        T.barrier_wait(cta.bar_s_ready, (j * n_blk + it) & 1)
-        for h, d in T.Parallel(HB, D2):
-            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-        if (j * n_blk + it) % 2 == 0:
-            T.gemm(S_shared, bufs[0].KV_r, acc_o_r)
-            T.barrier_arrive(bufs[0].free)
+        if cta.ablate == "consumers_idle":
+            _ws_idle_step(bufs, j * n_blk + it)
         else:
-            T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
-            T.barrier_arrive(bufs[1].free)
-        T.barrier_arrive(cta.bar_s_free)
+            T.barrier_arrive(cta.bar_s_ready)
+            T.barrier_wait(cta.bar_s_ready, (j * n_blk + it) & 1)
+            for h, d in T.Parallel(HB, D2):
+                acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
+            if (j * n_blk + it) % 2 == 0:
+                T.gemm(S_shared, bufs[0].KV_r, acc_o_r)
+                T.barrier_arrive(bufs[0].free)
+            else:
+                T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
+                T.barrier_arrive(bufs[1].free)
+            T.barrier_arrive(cta.bar_s_free)
     T.barrier_arrive(cta.bar_final)
     T.barrier_wait(cta.bar_final, j & 1)
     for h, d in T.Parallel(HB, D2):
@@ -1783,7 +1822,11 @@ class CompiledAttention:
     counter is shared by every call of this object on that device: calls must not run concurrently on two streams,
     and a CUDA graph must be captured after one eager call at its largest B * S (the growth allocates)."""
 
-    def __init__(self, heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch):
+    def __init__(
+        self, heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch, ablate: str = ""
+    ):
+        """``ablate``: a timing ablation (see :data:`ABLATIONS`; gpu/attn_ablation.py builds these directly, never
+        through :func:`compiled` or a tile's ``build``)."""
         self.heads, self.dim, self.window, self.topk, self.kv_format = heads, dim, window, topk, kv_format
         self.n_split = int(config.get("n_split", 1))
         self.fused = config.get("combine", "separate") == "fused"
@@ -1815,6 +1858,8 @@ class CompiledAttention:
         }
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
+        if ablate:
+            params["ablate"] = ablate
         prim = sparse_attn_kernel(heads, dim, window, topk, scale, kv_format=kv_format, n_split=self.n_split, **params)
         # The batched producer masks out-of-range indices itself (_ws_fetch_rows); TileLang's bounds guards
         # would turn its cp.async copies back into synchronous loads.
@@ -2074,6 +2119,11 @@ def sparse_attention_bf16(
 # ----------------------------------------------------------------------------------------------
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
+# Timing ablations of the ws kernel (gpu/attn_ablation.py; wrong results by design, never in the search space): what a
+# block costs when one role's work is removed. producer_idle: the producer hands each buffer over unfilled (the
+# consumers' chain alone); consumers_idle: the consumers hand each filled buffer back at once (the producer's cycle
+# alone); no_softmax: warpgroup 0 skips the online softmax (S goes to P as it is).
+ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax")
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 

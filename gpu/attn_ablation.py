@@ -1,0 +1,110 @@
+"""Where a block of the ws attention kernel goes: time the default with one role's work removed.
+
+    python3 gpu/attn_ablation.py --json $OUT/attn_ablation.json
+
+For each (tile, shape) the default config (the GPU's arch) is built four times: as it is, and with each of
+``tiles.sparse_attn.ABLATIONS`` (``producer_idle``: the producer hands every buffer over unfilled, so the consumers'
+chain runs alone; ``consumers_idle``: the consumers hand every filled buffer straight back, so the producer's cycle
+runs alone; ``no_softmax``: warpgroup 0 skips the online softmax). The real kernel is checked against the torch
+reference first; the ablations compute garbage by design and are only timed (CUDA-graph replay, device time), in the
+same run. Read: the default's time against max(producer alone, consumers alone) says whether the two roles overlap,
+and which one paces the block.
+
+Runs from the repo root on a GPU machine; without a CUDA GPU it exits with status 2 and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CASES = (
+    ("sparse_attn_prefill", "prefill_s4k"),
+    ("sparse_attn_decode", "decode_b128_s2"),
+    ("sparse_attn_decode", "decode_b64_s1"),
+    ("sparse_attn_bf16", "prefill_s4k"),
+    ("sparse_attn_bf16", "decode_b128_s2"),
+)
+
+
+def _kernel(tile, shape, arch, ablate: str):
+    """The tile's default kernel for ``shape``, built directly (never cached) with ``ablate``."""
+    import tiles.sparse_attn as sa
+
+    cfg = tile.with_defaults(arch, {})
+    if tile.splits:
+        cfg["n_split"] = sa.resolve_split(cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"])
+    return sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], sa._DEFAULT_SCALE, tile.kv_format, cfg, arch, ablate=ablate)
+
+
+def _compile_job(job):
+    """Worker: build one (tile, shape, ablation) so that TileLang's disk cache holds it. Returns (job, error or None)."""
+    tile_name, shape_name, ablate, arch_name = job
+    try:
+        from tiles.arch import get_arch
+        from tiles.registry import get_tile
+
+        tile = get_tile(tile_name)
+        _kernel(tile, tile.shape(shape_name), get_arch(arch_name), ablate)
+        return job, None
+    except Exception as exc:  # noqa: BLE001 - reported, never fatal
+        return job, "".join(traceback.format_exception_only(type(exc), exc)).strip()[-300:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None, help="write the rows (with environment and command) here")
+    parser.add_argument("--workers", type=int, default=14, help="compile processes")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("attn_ablation: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from tiles.arch import detect
+    from tiles.registry import get_tile
+    from tiles.sparse_attn import ABLATIONS
+    from tiles.timing import describe_environment, time_cuda_graph
+
+    arch = detect()
+    rows = []
+    jobs = [(t, sh, ab, arch.name) for t, sh in CASES for ab in ("", *ABLATIONS)]
+    with multiprocessing.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:  # fills TileLang's disk cache
+        for job, err in pool.imap_unordered(_compile_job, jobs):
+            print(f"compiled {job}: {err or 'ok'}", flush=True)
+    print(f"{'tile':20s} {'shape':16s} {'variant':16s} {'ms':>9s}")
+    for tile_name, shape_name in CASES:
+        tile = get_tile(tile_name)
+        shape = tile.shape(shape_name)
+        sets = [tile.make_inputs(shape, seed) for seed in (1, 2)]
+        real = _kernel(tile, shape, arch, "")
+        cmp = tile.compare(tile.run(real, sets[0]), tile.reference(sets[0]))  # outputs NaN-poisoned by run()
+        # blocks per CTA slot: (token, head block) items x splits x blocks per split, over the SMs
+        for ablate in ("", *ABLATIONS):
+            kernel = real if not ablate else _kernel(tile, shape, arch, ablate)
+            outs = [tile.alloc_outputs(kernel, s) for s in sets]
+            t = time_cuda_graph(lambda j, tl=tile, k=kernel, o=outs, ins=sets: tl.launch(k, ins[j % 2], o[j % 2]), n_sets=2)
+            ms = t.median_ms if t else float("nan")
+            label = ablate or "default"
+            rows.append(
+                {"tile": tile_name, "shape": shape_name, "variant": label, "ms": ms, "check": (cmp.ok, str(cmp)) if not ablate else None}
+            )
+            print(
+                f"{tile_name:20s} {shape_name:16s} {label:16s} {ms:9.4f}"
+                + (f"   check {'ok' if cmp.ok else 'WRONG'}" if not ablate else "")
+            )
+    if args.json:
+        cmd = "python3 gpu/attn_ablation.py --json $OUT/attn_ablation.json"
+        Path(args.json).write_text(json.dumps({"environment": describe_environment(), "command": cmd, "rows": rows}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
