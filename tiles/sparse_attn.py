@@ -825,7 +825,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, "none" if ablate == "no_dequant" else fp4_decode)
                 if TPC > 1:
                     # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
                     # reads a clamped token's rows, never used)
@@ -1576,7 +1576,7 @@ class _WsDims(NamedTuple):
     Nw: Any
     Nc: Any
     lanes: str  # producer lane -> (row, column slice) map: _lane_row, _lane_col
-    fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
+    fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS ("none": ablate="no_dequant")
 
 
 def _lane_row(p, lanes):
@@ -1723,7 +1723,10 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
             for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
                 s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(j * 2 + h) * 2 + q // 2], "uint32"))
                 s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
-                T.call_extern("handle", _FP4X8_FUNCTIONS[dims.fp4_decode], T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
+                if dims.fp4_decode == "none":  # ablate="no_dequant": one value from the word and scale, 7 stale
+                    vals[0] = T.reinterpret("bfloat16", T.Cast("uint16", raw[(j * 2 + h) * 4 + q] ^ T.Cast("int32", s2)))
+                else:
+                    T.call_extern("handle", _FP4X8_FUNCTIONS[dims.fp4_decode], T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
                 for v in T.vectorized(8):
                     buf[rr * ROWS + _lane_row(p, lanes), c * 32 + q * 8 + v] = vals[v]
 
@@ -2122,8 +2125,9 @@ PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse
 # Timing ablations of the ws kernel (gpu/attn_ablation.py; wrong results by design, never in the search space): what a
 # block costs when one role's work is removed. producer_idle: the producer hands each buffer over unfilled (the
 # consumers' chain alone); consumers_idle: the consumers hand each filled buffer back at once (the producer's cycle
-# alone); no_softmax: warpgroup 0 skips the online softmax (S goes to P as it is).
-ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax")
+# alone); no_softmax: warpgroup 0 skips the online softmax (S goes to P as it is); no_dequant: the producer gathers and
+# stores FP4 main rows as before but skips the E2M1 decode (one value per packed word taken from its bits).
+ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax", "no_dequant")
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
