@@ -860,9 +860,41 @@ def _sparse_attn_ws(
                     for it in T.serial(n_blk):
                         blk = lo + it
                         if it % 2 == 0:
-                            _ws_produce_into(src, regs, dims, bufs[0], bar_k0_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
+                            _ws_produce_into(
+                                src,
+                                regs,
+                                dims,
+                                bufs[0],
+                                bar_k0_free,
+                                it,
+                                b_i,
+                                s_i,
+                                blk,
+                                p,
+                                fp4,
+                                main_passes,
+                                prefetch,
+                                n_blk,
+                                ablate != "uncoupled",
+                            )
                         else:
-                            _ws_produce_into(src, regs, dims, bufs[1], bar_k1_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
+                            _ws_produce_into(
+                                src,
+                                regs,
+                                dims,
+                                bufs[1],
+                                bar_k1_free,
+                                it,
+                                b_i,
+                                s_i,
+                                blk,
+                                p,
+                                fp4,
+                                main_passes,
+                                prefetch,
+                                n_blk,
+                                ablate != "uncoupled",
+                            )
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -941,7 +973,8 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate=""):
     are fenced for the async proxy first (warpgroup 1's wgmma reads them)."""
     Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
     KV_l, KV_r, valid, bar_ready, bar_free = buf
-    T.barrier_wait(bar_ready, (it // 2) & 1)
+    if ablate != "uncoupled":
+        T.barrier_wait(bar_ready, (it // 2) & 1)
     for h, bi in T.Parallel(HB, BI):
         acc_s[h, bi] = T.if_then_else(valid[bi], 0, -T.infinity("float32"))
     T.wgmma_gemm(Q_l, KV_l, acc_s, transpose_B=True)
@@ -1610,10 +1643,12 @@ def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
 
 
 @T.macro
-def _ws_produce_into(src, regs, dims, kv_buf, bar_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch: bool, n_blk):
+def _ws_produce_into(src, regs, dims, kv_buf, bar_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch: bool, n_blk, wait=True):
     """One block of the producer's loop (one token per CTA): wait until ``kv_buf`` (block ``it`` of ``n_blk``, the
-    buffer of parity ``it % 2``) is free, then fill it with block ``blk``, by the prefetching or the batched producer."""
-    T.barrier_wait(bar_free, ((it // 2) & 1) ^ 1)
+    buffer of parity ``it % 2``) is free, then fill it with block ``blk``, by the prefetching or the batched producer.
+    ``wait=False`` (``ablate="uncoupled"``): fill it without waiting."""
+    if wait:
+        T.barrier_wait(bar_free, ((it // 2) & 1) ^ 1)
     if prefetch:
         _ws_produce_prefetch(src, regs, dims, kv_buf, b_i, s_i, blk, p, it + 1 < n_blk)
     else:
@@ -2126,8 +2161,11 @@ PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse
 # block costs when one role's work is removed. producer_idle: the producer hands each buffer over unfilled (the
 # consumers' chain alone); consumers_idle: the consumers hand each filled buffer back at once (the producer's cycle
 # alone); no_softmax: warpgroup 0 skips the online softmax (S goes to P as it is); no_dequant: the producer gathers and
-# stores FP4 main rows as before but skips the E2M1 decode (one value per packed word taken from its bits).
-ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax", "no_dequant")
+# stores FP4 main rows as before but skips the E2M1 decode (one value per packed word taken from its bits); uncoupled:
+# both roles do all their work but never wait for each other (the producer ignores free, warpgroup 0 ignores ready),
+# so each runs at its own pace while sharing the SM: against the roles alone, what contention costs; against the
+# default, what the hand-offs cost.
+ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax", "no_dequant", "uncoupled")
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
