@@ -34,11 +34,11 @@ CASES = (
 )
 
 
-def _kernel(tile, shape, arch, ablate: str):
-    """The tile's default kernel for ``shape``, built directly (never cached) with ``ablate``."""
+def _kernel(tile, shape, arch, ablate: str, override: dict | None = None):
+    """The tile's default kernel for ``shape`` (``override`` over it), built directly (never cached) with ``ablate``."""
     import tiles.sparse_attn as sa
 
-    cfg = tile.with_defaults(arch, {})
+    cfg = tile.with_defaults(arch, override or {})
     if tile.splits:
         cfg["n_split"] = sa.resolve_split(cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"])
     return sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], sa._DEFAULT_SCALE, tile.kv_format, cfg, arch, ablate=ablate)

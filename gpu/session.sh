@@ -173,6 +173,25 @@ phase_ncu-source() {  # per-instruction stall sampling of a tile (default: the a
     || ncu -i "$rep.ncu-rep" --page raw --csv > "${pre}_raw.csv" 2>&1
 }
 
+phase_ncu-ablation() {  # Nsight Compute of the attention default and its timing ablations (gpu/attn_ablation.py): which unit the roles share
+  # NCU_VARIANTS: comma-separated, "default" or an ablation name; NCU_TILE / NCU_SHAPE as phase ncu
+  if ! command -v ncu > /dev/null; then note "ncu: not installed"; return; fi
+  local v cfg rep
+  for v in ${NCU_VARIANTS//,/ }; do
+    cfg="{\"ablate\": \"$v\"}"
+    [ "$v" = default ] && cfg='{}'
+    rep=/tmp/ncu_abl_${v}_$$
+    timeout "${NCU_S:-120}" ncu --kernel-name regex:main --launch-skip 1 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats -o "$rep" -f \
+      python3 gpu/attn_probe.py "${NCU_TILE:-sparse_attn_prefill}" "${NCU_SHAPE:-prefill_s4k}" "$cfg" > "$OUT/ncu_abl_${v}_run.log" 2>&1
+    note "ncu-ablation $v rc=$?"
+    ncu -i "$rep.ncu-rep" --page details > "$OUT/ncu_abl_${v}.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page raw --csv 2> /dev/null \
+      | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); [print(f"{n},{u},{v}") for row in r[2:] for n,u,v in zip(r[0],r[1],row) if any(k in n for k in ("pipe", "l1tex__data", "mio", "lsu", "Kernel Name"))]' \
+      > "$OUT/ncu_abl_${v}_pipes.csv" 2>&1
+  done
+}
+
 phase_e2e-quick() {
   timeout "${E2E_QUICK_S:-120}" $LAB e2e --preset v4.1-flash --phase decode --ctx 8K --batch 64 --backend "${E2E_BACKENDS:-torch,tiles}" --configs default \
     --runs 5 --out "$OUT/e2e-quick" > "$OUT/e2e-quick.log" 2>&1
