@@ -856,45 +856,19 @@ def _sparse_attn_ws(
                         else:
                             T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
                             T.barrier_arrive(bar_k1_ready)
+                elif TPC == 1 and ablate == "uncoupled":
+                    for it in T.serial(n_blk):  # fill each buffer without waiting for it to be free
+                        if it % 2 == 0:
+                            _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, lo + it, p, fp4, main_passes)
+                        else:
+                            _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, lo + it, p, fp4, main_passes)
                 elif TPC == 1:
                     for it in T.serial(n_blk):
                         blk = lo + it
                         if it % 2 == 0:
-                            _ws_produce_into(
-                                src,
-                                regs,
-                                dims,
-                                bufs[0],
-                                bar_k0_free,
-                                it,
-                                b_i,
-                                s_i,
-                                blk,
-                                p,
-                                fp4,
-                                main_passes,
-                                prefetch,
-                                n_blk,
-                                ablate != "uncoupled",
-                            )
+                            _ws_produce_into(src, regs, dims, bufs[0], bar_k0_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
                         else:
-                            _ws_produce_into(
-                                src,
-                                regs,
-                                dims,
-                                bufs[1],
-                                bar_k1_free,
-                                it,
-                                b_i,
-                                s_i,
-                                blk,
-                                p,
-                                fp4,
-                                main_passes,
-                                prefetch,
-                                n_blk,
-                                ablate != "uncoupled",
-                            )
+                            _ws_produce_into(src, regs, dims, bufs[1], bar_k1_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
@@ -1643,12 +1617,10 @@ def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
 
 
 @T.macro
-def _ws_produce_into(src, regs, dims, kv_buf, bar_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch: bool, n_blk, wait=True):
+def _ws_produce_into(src, regs, dims, kv_buf, bar_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch: bool, n_blk):
     """One block of the producer's loop (one token per CTA): wait until ``kv_buf`` (block ``it`` of ``n_blk``, the
-    buffer of parity ``it % 2``) is free, then fill it with block ``blk``, by the prefetching or the batched producer.
-    ``wait=False`` (``ablate="uncoupled"``): fill it without waiting."""
-    if wait:
-        T.barrier_wait(bar_free, ((it // 2) & 1) ^ 1)
+    buffer of parity ``it % 2``) is free, then fill it with block ``blk``, by the prefetching or the batched producer."""
+    T.barrier_wait(bar_free, ((it // 2) & 1) ^ 1)
     if prefetch:
         _ws_produce_prefetch(src, regs, dims, kv_buf, b_i, s_i, blk, p, it + 1 < n_blk)
     else:
