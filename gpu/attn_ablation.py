@@ -2,13 +2,15 @@
 
     python3 gpu/attn_ablation.py --json $OUT/attn_ablation.json
 
-For each (tile, shape) the default config (the GPU's arch) is built four times: as it is, and with each of
+For each (tile, shape) the default config (the GPU's arch) is built as it is and with each of
 ``tiles.sparse_attn.ABLATIONS`` (``producer_idle``: the producer hands every buffer over unfilled, so the consumers'
 chain runs alone; ``consumers_idle``: the consumers hand every filled buffer straight back, so the producer's cycle
-runs alone; ``no_softmax``: warpgroup 0 skips the online softmax). The real kernel is checked against the torch
-reference first; the ablations compute garbage by design and are only timed (CUDA-graph replay, device time), in the
-same run. Read: the default's time against max(producer alone, consumers alone) says whether the two roles overlap,
-and which one paces the block.
+runs alone; ``no_softmax``: warpgroup 0 skips the online softmax; ``no_dequant``: the producer skips the E2M1 decode;
+``uncoupled``: both roles work but neither waits for the other). The real kernel is checked against the torch
+reference first (outputs NaN-poisoned); the ablations compute garbage by design and are only timed (CUDA-graph replay,
+device time), in the same run. Read: the default against max(producer alone, consumers alone) is what running the
+roles together costs; ``uncoupled`` splits that into contention on the SM (uncoupled vs the roles alone) and the
+hand-offs (default vs uncoupled). Results and what they meant on the H200: notes/sparse_attn.md, session 14.
 
 Runs from the repo root on a GPU machine; without a CUDA GPU it exits with status 2 and says so.
 """
