@@ -6,7 +6,8 @@ For each (tile, shape) the default config (the GPU's arch) is built as it is and
 ``tiles.sparse_attn.ABLATIONS`` (``producer_idle``: the producer hands every buffer over unfilled, so the consumers'
 chain runs alone; ``consumers_idle``: the consumers hand every filled buffer straight back, so the producer's cycle
 runs alone; ``no_softmax``: warpgroup 0 skips the online softmax; ``no_dequant``: the producer skips the E2M1 decode;
-``uncoupled``: both roles work but neither waits for the other). The real kernel is checked against the torch
+``uncoupled``: both roles work but neither waits for the other; ``no_loads``: the producer decodes FP4 rows made
+from the row index instead of loading them). The real kernel is checked against the torch
 reference first (outputs NaN-poisoned); the ablations compute garbage by design and are only timed (CUDA-graph replay,
 device time), in the same run. Read: the default against max(producer alone, consumers alone) is what running the
 roles together costs; ``uncoupled`` splits that into contention on the SM (uncoupled vs the roles alone) and the

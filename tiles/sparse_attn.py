@@ -825,7 +825,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, "none" if ablate == "no_dequant" else fp4_decode)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate)
                 if TPC > 1:
                     # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
                     # reads a clamped token's rows, never used)
@@ -1583,7 +1583,8 @@ class _WsDims(NamedTuple):
     Nw: Any
     Nc: Any
     lanes: str  # producer lane -> (row, column slice) map: _lane_row, _lane_col
-    fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS ("none": ablate="no_dequant")
+    fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
+    ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads; see ABLATIONS); "" in every real kernel
 
 
 def _lane_row(p, lanes):
@@ -1602,7 +1603,7 @@ def _ws_fetch_rows(src, dims, rows, b_i, s_i, blk, p, passes=None):
     past the end of its list, or holds an index outside the cache (masked, never read: the batched
     kernel is built without TileLang's bounds guards). ``passes``: the rr to fetch (default all), ``rows[j]``
     holding the j-th of them."""
-    W, K, BI, NBW, ROWS, _, Nw, Nc, lanes, _ = dims
+    W, K, BI, NBW, ROWS, _, Nw, Nc, lanes = dims[:9]
     WinIdx, TopkIdx = src.WinIdx, src.TopkIdx
     if passes is None:
         passes = tuple(range(BI // ROWS))
@@ -1642,7 +1643,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         s_next, blk_next = s_i, blk + 1
     rows_cur, rows_next, raw, rawsc, vals = regs
     KV_l, KV_r, valid, bar_ready = kv_buf.KV_l, kv_buf.KV_r, kv_buf.valid, kv_buf.ready
-    _, _, BI, NBW, ROWS, D2, _, _, lanes, _ = dims
+    _, _, BI, NBW, ROWS, D2, _, _, lanes = dims[:9]
     R = BI // ROWS
     c = _lane_col(p, lanes)
     for rr in T.unroll(R):
@@ -1689,8 +1690,9 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
             _ws_issue_main_loads(src, regs, dims, b_i, p, main_passes)
             _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
             _ws_store_main(regs, dims, kv_buf, p, main_passes)
-        # generic-proxy stores must be visible to wgmma's async-proxy reads
-        T.fence_proxy_async()
+        # generic-proxy stores must be visible to wgmma's async-proxy reads (ablate="no_fence": timing only)
+        if dims.ablate != "no_fence":
+            T.fence_proxy_async()
         T.barrier_arrive(bar_ready)
     for rr in T.unroll(R):
         rows_cur[rr] = rows_next[rr]
@@ -1703,17 +1705,23 @@ def _ws_issue_main_loads(src, regs, dims, b_i, p, passes=None):
     :func:`_ws_fetch_rows` (the registers hold only those passes, in order)."""
     MainA, MainB = src.MainA, src.MainB
     rows_cur, raw, rawsc = regs.rows_cur, regs.raw, regs.rawsc
-    _, _, BI, _, ROWS, D2, _, _, lanes, _ = dims
+    _, _, BI, _, ROWS, D2, _, _, lanes = dims[:9]
     c = _lane_col(p, lanes)
     if passes is None:
         passes = tuple(range(BI // ROWS))
     for j in range(len(passes)):
         row = T.max(rows_cur[j], 0)
         for h in T.unroll(2):
-            for v in T.vectorized(4):
-                raw[(j * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
-            for v in T.unroll(2):
-                rawsc[(j * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
+            if dims.ablate == "no_loads":  # words and scale bytes made from the row index: no global load
+                for v in T.unroll(4):
+                    raw[(j * 2 + h) * 4 + v] = row * 4 + v
+                for v in T.unroll(2):
+                    rawsc[(j * 2 + h) * 2 + v] = T.Cast("uint8", row + v)
+            else:
+                for v in T.vectorized(4):
+                    raw[(j * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
+                for v in T.unroll(2):
+                    rawsc[(j * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
 
 
 @T.macro
@@ -1721,7 +1729,7 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
     """Dequantise ``raw``/``rawsc`` (the rows in ``rows_cur``; an unused row's scale is zeroed) into the KV buffer.
     ``passes``: as in :func:`_ws_fetch_rows`."""
     rows_cur, raw, rawsc, vals = regs.rows_cur, regs.raw, regs.rawsc, regs.vals
-    _, _, BI, _, ROWS, _, _, _, lanes, _ = dims
+    _, _, BI, _, ROWS, _, _, _, lanes = dims[:9]
     c = _lane_col(p, lanes)
     if passes is None:
         passes = tuple(range(BI // ROWS))
@@ -1730,7 +1738,7 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
             for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
                 s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(j * 2 + h) * 2 + q // 2], "uint32"))
                 s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
-                if dims.fp4_decode == "none":  # ablate="no_dequant": one value from the word and scale, 7 stale
+                if dims.ablate == "no_dequant":  # one value from the word and scale, 7 stale
                     vals[0] = T.reinterpret("bfloat16", T.Cast("uint16", raw[(j * 2 + h) * 4 + q] ^ T.Cast("int32", s2)))
                 else:
                     T.call_extern("handle", _FP4X8_FUNCTIONS[dims.fp4_decode], T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
@@ -1745,7 +1753,7 @@ def _ws_wg1_fill(src, hregs, dims, kv_buf, b_i, s_i, blk, q, more):
     case (the producer fills window blocks whole); then issue the next block's loads and fetch the rows of the one
     after. Invariant at entry: ``hregs.rows_cur`` holds this block's rows (and ``raw`` their data for a main block),
     ``rows_next`` the next block's. ``more``: true when this CTA has a block after ``blk``."""
-    _, _, BI, NBW, ROWS, _, _, _, _, _ = dims
+    _, _, BI, NBW, ROWS, _, _, _, _ = dims[:9]
     last = (BI // ROWS - 1,)
     if blk >= NBW:
         _ws_store_main(hregs, dims, kv_buf, q, last)
@@ -1771,7 +1779,7 @@ def _ws_produce_prefetch(src, regs, dims, kv_buf, b_i, s_i, blk, p, more):
     ``more``: a boolean expression, true when this CTA has a block after ``blk`` (something to prefetch).
     """
     rows_cur, rows_next = regs.rows_cur, regs.rows_next
-    _, _, BI, NBW, ROWS, _, _, _, lanes, _ = dims
+    _, _, BI, NBW, ROWS, _, _, _, lanes = dims[:9]
     R = BI // ROWS
     if blk < NBW:
         _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, True)  # ends with rows_cur = rows of blk + 1
@@ -2136,8 +2144,10 @@ PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse
 # stores FP4 main rows as before but skips the E2M1 decode (one value per packed word taken from its bits); uncoupled:
 # both roles do all their work but never wait for each other (the producer ignores free, warpgroup 0 ignores ready),
 # so each runs at its own pace while sharing the SM: against the roles alone, what contention costs; against the
-# default, what the hand-offs cost.
-ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax", "no_dequant", "uncoupled")
+# default, what the hand-offs cost; no_loads: the producer decodes and stores FP4 main rows made from the row index
+# instead of loading them (the index loads and the FP8 window rows stay); no_fence: the producer arrives on a filled
+# buffer without its proxy fence (fence.proxy.async.shared::cta) after the FP4/FP8 stores.
+ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax", "no_dequant", "uncoupled", "no_loads", "no_fence")
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
