@@ -49,13 +49,13 @@ def _kernel(tile, shape, arch, ablate: str, override: dict | None = None):
 
 def _compile_job(job):
     """Worker: build one (tile, shape, ablation) so that TileLang's disk cache holds it. Returns (job, error or None)."""
-    tile_name, shape_name, ablate, arch_name = job
+    tile_name, shape_name, ablate, arch_name, override = job
     try:
         from tiles.arch import get_arch
         from tiles.registry import get_tile
 
         tile = get_tile(tile_name)
-        _kernel(tile, tile.shape(shape_name), get_arch(arch_name), ablate)
+        _kernel(tile, tile.shape(shape_name), get_arch(arch_name), ablate, override)
         return job, None
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         return job, "".join(traceback.format_exception_only(type(exc), exc)).strip()[-300:]
@@ -65,7 +65,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None, help="write the rows (with environment and command) here")
     parser.add_argument("--workers", type=int, default=14, help="compile processes")
+    parser.add_argument("--config", default="{}", help='JSON over each tile\'s default config, e.g. \'{"consumers": "seesaw"}\'')
+    parser.add_argument("--variants", default=None, help="comma-separated: 'default' and ablation names (default: all)")
     args = parser.parse_args()
+    override = json.loads(args.config)
     import torch
 
     if not torch.cuda.is_available():
@@ -77,8 +80,10 @@ def main() -> int:
     from tiles.timing import describe_environment, time_cuda_graph
 
     arch = detect()
+    variants = tuple(v for v in (args.variants or ",".join(("default", *ABLATIONS))).split(",") if v)
+    ablations = tuple("" if v == "default" else v for v in variants)
     rows = []
-    jobs = [(t, sh, ab, arch.name) for t, sh in CASES for ab in ("", *ABLATIONS)]
+    jobs = [(t, sh, ab, arch.name, override) for t, sh in CASES for ab in {"", *ablations}]
     with multiprocessing.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:  # fills TileLang's disk cache
         for job, err in pool.imap_unordered(_compile_job, jobs):
             print(f"compiled {job}: {err or 'ok'}", flush=True)
@@ -87,24 +92,33 @@ def main() -> int:
         tile = get_tile(tile_name)
         shape = tile.shape(shape_name)
         sets = [tile.make_inputs(shape, seed) for seed in (1, 2)]
-        real = _kernel(tile, shape, arch, "")
+        real = _kernel(tile, shape, arch, "", override)
         cmp = tile.compare(tile.run(real, sets[0]), tile.reference(sets[0]))  # outputs NaN-poisoned by run()
         # blocks per CTA slot: (token, head block) items x splits x blocks per split, over the SMs
-        for ablate in ("", *ABLATIONS):
-            kernel = real if not ablate else _kernel(tile, shape, arch, ablate)
+        for ablate in ablations:
+            kernel = real if not ablate else _kernel(tile, shape, arch, ablate, override)
             outs = [tile.alloc_outputs(kernel, s) for s in sets]
             t = time_cuda_graph(lambda j, tl=tile, k=kernel, o=outs, ins=sets: tl.launch(k, ins[j % 2], o[j % 2]), n_sets=2)
             ms = t.median_ms if t else float("nan")
             label = ablate or "default"
             rows.append(
-                {"tile": tile_name, "shape": shape_name, "variant": label, "ms": ms, "check": (cmp.ok, str(cmp)) if not ablate else None}
+                {
+                    "tile": tile_name,
+                    "shape": shape_name,
+                    "config": override,
+                    "variant": label,
+                    "ms": ms,
+                    "check": (cmp.ok, str(cmp)) if not ablate else None,
+                }
             )
             print(
                 f"{tile_name:20s} {shape_name:16s} {label:16s} {ms:9.4f}"
                 + (f"   check {'ok' if cmp.ok else 'WRONG'}" if not ablate else "")
             )
     if args.json:
-        cmd = "python3 gpu/attn_ablation.py --json $OUT/attn_ablation.json"
+        cmd = "python3 gpu/attn_ablation.py --json $OUT/attn_ablation.json" + "".join(
+            f" --{k} '{v}'" for k, v in (("config", args.config), ("variants", args.variants)) if v and v != "{}"
+        )
         Path(args.json).write_text(json.dumps({"environment": describe_environment(), "command": cmd, "rows": rows}, indent=1, default=str))
     return 0
 
