@@ -428,11 +428,10 @@ def sparse_attn_kernel(
 
 
 @T.macro
-def _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2):
-    """One block of BI gathered rows: scores, online-softmax update, PV accumulate."""
-    for h, bi in T.Parallel(HB, BI):
-        acc_s[h, bi] = T.if_then_else(idx_shared[bi] >= 0, 0, -T.infinity("float32"))
-    T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+def _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, DO, scale2):
+    """The online-softmax update of one block: S [HB, BI] (scores in, P out, unnormalised), the running max m_i and
+    sum, alpha = the old max's rescale, and the [HB, DO] accumulator O rescaled by it (log2 domain, ``scale2`` =
+    softmax scale x log2 e)."""
     T.copy(m_i, m_i_prev)
     T.reduce_max(acc_s, m_i, dim=1, clear=False)
     for h in T.Parallel(HB):
@@ -442,8 +441,17 @@ def _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sum
     T.reduce_sum(acc_s, sumexp_i, dim=1)
     for h in T.Parallel(HB):
         sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
-    for h, d in T.Parallel(HB, D):
+    for h, d in T.Parallel(HB, DO):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+
+@T.macro
+def _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2):
+    """One block of BI gathered rows: scores, online-softmax update, PV accumulate."""
+    for h, bi in T.Parallel(HB, BI):
+        acc_s[h, bi] = T.if_then_else(idx_shared[bi] >= 0, 0, -T.infinity("float32"))
+    T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+    _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
     T.copy(acc_s, S_shared)
     T.gemm(S_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
@@ -966,17 +974,7 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate=""):
         T.barrier_arrive(bar_s_free)
         T.barrier_wait(bar_s_free, (it & 1) ^ 1)
     if ablate != "no_softmax":
-        T.copy(m_i, m_i_prev)
-        T.reduce_max(acc_s, m_i, dim=1, clear=False)
-        for h in T.Parallel(HB):
-            alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
-        for h, bi in T.Parallel(HB, BI):
-            acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
-        T.reduce_sum(acc_s, sumexp_i, dim=1)
-        for h in T.Parallel(HB):
-            sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
-        for h, d in T.Parallel(HB, D2):
-            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D2, scale2)
         T.copy(alpha, alpha_shared)
     T.copy(acc_s, S_shared)
     if early_p:
