@@ -7,7 +7,9 @@ For each (tile, shape) the default config (the GPU's arch) is built as it is and
 chain runs alone; ``consumers_idle``: the consumers hand every filled buffer straight back, so the producer's cycle
 runs alone; ``no_softmax``: warpgroup 0 skips the online softmax; ``no_dequant``: the producer skips the E2M1 decode;
 ``uncoupled``: both roles work but neither waits for the other; ``no_loads``: the producer decodes FP4 rows made
-from the row index instead of loading them). The real kernel is checked against the torch
+from the row index instead of loading them; ``no_fence``: no proxy fence before the producer arrives; ``no_stores``:
+the producer loads and decodes but stores no decoded FP4 row; ``stores_only``: it stores FP4 rows with neither loads
+nor decode). The real kernel is checked against the torch
 reference first (outputs NaN-poisoned); the ablations compute garbage by design and are only timed (CUDA-graph replay,
 device time), in the same run. Read: the default against max(producer alone, consumers alone) is what running the
 roles together costs; ``uncoupled`` splits that into contention on the SM (uncoupled vs the roles alone) and the
@@ -67,6 +69,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=14, help="compile processes")
     parser.add_argument("--config", default="{}", help='JSON over each tile\'s default config, e.g. \'{"consumers": "seesaw"}\'')
     parser.add_argument("--variants", default=None, help="comma-separated: 'default' and ablation names (default: all)")
+    parser.add_argument("--cases", default=None, help="comma-separated tile:shape pairs of CASES (default: all)")
     args = parser.parse_args()
     override = json.loads(args.config)
     import torch
@@ -82,13 +85,18 @@ def main() -> int:
     arch = detect()
     variants = tuple(v for v in (args.variants or ",".join(("default", *ABLATIONS))).split(",") if v)
     ablations = tuple("" if v == "default" else v for v in variants)
+    cases = CASES if not args.cases else tuple(tuple(c.split(":")) for c in args.cases.split(","))
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        print(f"attn_ablation: unknown cases {unknown}; known: {', '.join(f'{t}:{s}' for t, s in CASES)}", file=sys.stderr)
+        return 2
     rows = []
-    jobs = [(t, sh, ab, arch.name, override) for t, sh in CASES for ab in {"", *ablations}]
+    jobs = [(t, sh, ab, arch.name, override) for t, sh in cases for ab in {"", *ablations}]
     with multiprocessing.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:  # fills TileLang's disk cache
         for job, err in pool.imap_unordered(_compile_job, jobs):
             print(f"compiled {job}: {err or 'ok'}", flush=True)
     print(f"{'tile':20s} {'shape':16s} {'variant':16s} {'ms':>9s}")
-    for tile_name, shape_name in CASES:
+    for tile_name, shape_name in cases:
         tile = get_tile(tile_name)
         shape = tile.shape(shape_name)
         sets = [tile.make_inputs(shape, seed) for seed in (1, 2)]
@@ -117,7 +125,7 @@ def main() -> int:
             )
     if args.json:
         cmd = "python3 gpu/attn_ablation.py --json $OUT/attn_ablation.json" + "".join(
-            f" --{k} '{v}'" for k, v in (("config", args.config), ("variants", args.variants)) if v and v != "{}"
+            f" --{k} '{v}'" for k, v in (("config", args.config), ("variants", args.variants), ("cases", args.cases)) if v and v != "{}"
         )
         Path(args.json).write_text(json.dumps({"environment": describe_environment(), "command": cmd, "rows": rows}, indent=1, default=str))
     return 0

@@ -109,9 +109,10 @@ phase_prefill-ops() {  # the CED prefill op by op (gpu/prefill_ops.py; PREFILL_P
 }
 
 phase_ablation() {  # the attention default with one role's work removed (gpu/attn_ablation.py): which role paces a block
-  # ABLATION_CONFIG: a JSON override of every tile's default; ABLATION_VARIANTS: e.g. default,producer_idle
+  # ABLATION_CONFIG: a JSON override of every tile's default; ABLATION_VARIANTS: e.g. default,producer_idle;
+  # ABLATION_CASES: e.g. sparse_attn_prefill:prefill_s4k (default: every case of gpu/attn_ablation.py)
   timeout "${ABLATION_S:-300}" python3 gpu/attn_ablation.py --json "$OUT/attn_ablation.json" --config "${ABLATION_CONFIG:-{\}}" \
-    ${ABLATION_VARIANTS:+--variants "$ABLATION_VARIANTS"} > "$OUT/attn_ablation.log" 2>&1
+    ${ABLATION_VARIANTS:+--variants "$ABLATION_VARIANTS"} ${ABLATION_CASES:+--cases "$ABLATION_CASES"} > "$OUT/attn_ablation.log" 2>&1
   note "ablation rc=$?"
 }
 

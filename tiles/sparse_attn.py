@@ -144,6 +144,14 @@ __device__ __forceinline__ void csa2_e4m3x4_bf16(void* dst, int w, unsigned scal
 }
 """
 
+# ablate="no_stores" (timing only): the 16 decoded bytes at v folded into one word, so the decode stays live unstored.
+_NO_STORES_CUDA = r"""
+__device__ __forceinline__ int csa2_fold16(const void* v) {
+  const uint4 o = *reinterpret_cast<const uint4*>(v);
+  return (int)(o.x ^ o.y ^ o.z ^ o.w);
+}
+"""
+
 # fp4_decode="prmt": csa2_fp4x8_bf16's 8 bf16 by byte-permute table lookups (the indexer's prmt dequant, tiles/indexer.py,
 # with constant tables: the scale here is E4M3, not a power of two, so it is applied afterwards by the same exact
 # multiply). The 8 E2M1 magnitudes' bf16 patterns (0, 0.5, 1, 1.5, 2, 3, 4, 6: 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
@@ -637,6 +645,8 @@ def _sparse_attn_ws(
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
     dequant_cuda = (_DEQUANT_CUDA + (_FP4_PRMT_CUDA if fp4_decode == "prmt" else "")) if batched and fp4 else ""
+    if ablate == "no_stores":
+        dequant_cuda += _NO_STORES_CUDA
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
     main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
@@ -1589,7 +1599,7 @@ class _WsDims(NamedTuple):
     Nc: Any
     lanes: str  # producer lane -> (row, column slice) map: _lane_row, _lane_col
     fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
-    ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads; see ABLATIONS); "" in every real kernel
+    ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads, no_stores, ...; see ABLATIONS); "" in every real kernel
 
 
 def _lane_row(p, lanes):
@@ -1717,7 +1727,7 @@ def _ws_issue_main_loads(src, regs, dims, b_i, p, passes=None):
     for j in range(len(passes)):
         row = T.max(rows_cur[j], 0)
         for h in T.unroll(2):
-            if dims.ablate == "no_loads":  # words and scale bytes made from the row index: no global load
+            if dims.ablate in ("no_loads", "stores_only"):  # words and scale bytes made from the row index: no global load
                 for v in T.unroll(4):
                     raw[(j * 2 + h) * 4 + v] = row * 4 + v
                 for v in T.unroll(2):
@@ -1743,12 +1753,19 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
             for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
                 s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(j * 2 + h) * 2 + q // 2], "uint32"))
                 s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
-                if dims.ablate == "no_dequant":  # one value from the word and scale, 7 stale
+                if dims.ablate in ("no_dequant", "stores_only"):  # one value from the word and scale, 7 stale
                     vals[0] = T.reinterpret("bfloat16", T.Cast("uint16", raw[(j * 2 + h) * 4 + q] ^ T.Cast("int32", s2)))
                 else:
                     T.call_extern("handle", _FP4X8_FUNCTIONS[dims.fp4_decode], T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
-                for v in T.vectorized(8):
-                    buf[rr * ROWS + _lane_row(p, lanes), c * 32 + q * 8 + v] = vals[v]
+                if dims.ablate == "no_stores":  # the 8 values folded into the word they came from: kept live, not stored
+                    raw[(j * 2 + h) * 4 + q] = T.call_extern("int32", "csa2_fold16", T.address_of(vals[0]))
+                else:
+                    for v in T.vectorized(8):
+                        buf[rr * ROWS + _lane_row(p, lanes), c * 32 + q * 8 + v] = vals[v]
+    if dims.ablate == "no_stores":  # one 2-byte store per block keeps every decoded value live
+        for k in range(1, len(passes) * 8):
+            raw[0] = raw[0] ^ raw[k]
+        kv_buf.KV_l[_lane_row(p, lanes), c * 32] = T.reinterpret("bfloat16", T.Cast("uint16", raw[0]))
 
 
 @T.macro
@@ -2151,8 +2168,11 @@ PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse
 # so each runs at its own pace while sharing the SM: against the roles alone, what contention costs; against the
 # default, what the hand-offs cost; no_loads: the producer decodes and stores FP4 main rows made from the row index
 # instead of loading them (the index loads and the FP8 window rows stay); no_fence: the producer arrives on a filled
-# buffer without its proxy fence (fence.proxy.async.shared::cta) after the FP4/FP8 stores.
-ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax", "no_dequant", "uncoupled", "no_loads", "no_fence")
+# buffer without its proxy fence (fence.proxy.async.shared::cta) after the FP4/FP8 stores; no_stores: the producer
+# loads and decodes FP4 main rows as before but stores none of them (each 16 decoded bytes folded into a register, one
+# 2-byte store per block keeping the decode live); stores_only: the producer stores FP4 main rows (one value per
+# packed word, from the row index) with neither loads nor decode, so its shared-memory stores are what is left of it.
+ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax", "no_dequant", "uncoupled", "no_loads", "no_fence", "no_stores", "stores_only")
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
