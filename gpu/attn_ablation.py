@@ -9,7 +9,8 @@ runs alone; ``no_softmax``: warpgroup 0 skips the online softmax; ``no_dequant``
 ``uncoupled``: both roles work but neither waits for the other; ``no_loads``: the producer decodes FP4 rows made
 from the row index instead of loading them; ``no_fence``: no proxy fence before the producer arrives; ``no_stores``:
 the producer loads and decodes but stores no decoded FP4 row; ``stores_only``: it stores FP4 rows with neither loads
-nor decode). The real kernel is checked against the torch
+nor decode; ``skeleton``: FP4 main blocks get no loads, decode or stores, window blocks are filled; ``no_window``:
+the reverse; ``half_main``: the producer fills half of each FP4 main block's rows). The real kernel is checked against the torch
 reference first (outputs NaN-poisoned); the ablations compute garbage by design and are only timed (CUDA-graph replay,
 device time), in the same run. Read: the default against max(producer alone, consumers alone) is what running the
 roles together costs; ``uncoupled`` splits that into contention on the SM (uncoupled vs the roles alone) and the

@@ -190,7 +190,7 @@ phase_ncu-ablation() {  # Nsight Compute of the attention default and its timing
     note "ncu-ablation $v rc=$?"
     ncu -i "$rep.ncu-rep" --page details > "$OUT/ncu_abl_${v}.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page raw --csv 2> /dev/null \
-      | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); [print(f"{n},{u},{v}") for row in r[2:] for n,u,v in zip(r[0],r[1],row) if any(k in n for k in ("pipe", "l1tex__data", "mio", "lsu", "Kernel Name"))]' \
+      | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); [print(f"{n},{u},{v}") for row in r[2:] for n,u,v in zip(r[0],r[1],row) if any(k in n for k in ("pipe", "l1tex__data", "mio", "lsu", "issue_stalled", "Kernel Name"))]' \
       > "$OUT/ncu_abl_${v}_pipes.csv" 2>&1
   done
 }

@@ -638,6 +638,8 @@ def _sparse_attn_ws(
     helped = wg1_rows > 0  # consumer warpgroup 1 fills the last pass of rows of each main block
     TPC = tokens_per_cta
     main_passes = tuple(range(BI // ROWS - 1)) if helped else None  # the producer's passes over a main block
+    if ablate == "half_main":
+        main_passes = tuple(range(BI // ROWS // 2))
     balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
     seesaw = consumers == "seesaw"  # the consumer warpgroups take whole blocks in turn (both compute S)
@@ -1678,7 +1680,9 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
         T.cp_async_barrier_noinc(bar_ready)
     else:
-        if blk < NBW:
+        if blk < NBW and dims.ablate == "no_window":  # the window block's rows left unfilled
+            _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
+        elif blk < NBW:
             # FP8 window rows are 512 B: two batches of R / 2 rows keep the loads in registers
             for bt in T.unroll(2):
                 for q in T.unroll(R // 2):
@@ -1702,9 +1706,12 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         else:
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
             # (main_passes: the passes this warpgroup fills, when consumer warpgroup 1 fills the last one)
-            _ws_issue_main_loads(src, regs, dims, b_i, p, main_passes)
-            _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
-            _ws_store_main(regs, dims, kv_buf, p, main_passes)
+            if dims.ablate == "skeleton":  # the main block's rows left unfilled: no loads, decode or stores
+                _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
+            else:
+                _ws_issue_main_loads(src, regs, dims, b_i, p, main_passes)
+                _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
+                _ws_store_main(regs, dims, kv_buf, p, main_passes)
         # generic-proxy stores must be visible to wgmma's async-proxy reads (ablate="no_fence": timing only)
         if dims.ablate != "no_fence":
             T.fence_proxy_async()
@@ -2171,8 +2178,25 @@ PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse
 # buffer without its proxy fence (fence.proxy.async.shared::cta) after the FP4/FP8 stores; no_stores: the producer
 # loads and decodes FP4 main rows as before but stores none of them (each 16 decoded bytes folded into a register, one
 # 2-byte store per block keeping the decode live); stores_only: the producer stores FP4 main rows (one value per
-# packed word, from the row index) with neither loads nor decode, so its shared-memory stores are what is left of it.
-ABLATIONS = ("producer_idle", "consumers_idle", "no_softmax", "no_dequant", "uncoupled", "no_loads", "no_fence", "no_stores", "stores_only")
+# packed word, from the row index) with neither loads nor decode, so its shared-memory stores are what is left of it;
+# skeleton: FP4 main blocks get none of the three (only their row indices, flags, fence and arrival), FP8 window
+# blocks are filled as in the default; no_window: the reverse (window blocks unfilled, main blocks as in the default);
+# half_main: the producer fills only the first half of each FP4 main block's rows (what it would do per CTA if two CTAs
+# of a token's two head blocks shared the decode, as FlashMLA's FP8 sparse decode does across a cluster).
+ABLATIONS = (
+    "producer_idle",
+    "consumers_idle",
+    "no_softmax",
+    "no_dequant",
+    "uncoupled",
+    "no_loads",
+    "no_fence",
+    "no_stores",
+    "stores_only",
+    "skeleton",
+    "no_window",
+    "half_main",
+)
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
