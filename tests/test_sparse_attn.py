@@ -476,6 +476,35 @@ def test_timing_ablations_build_outside_the_search_space():
             sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, schedule="ws", produce="batched", **bad)
 
 
+# What each producer-side ablation leaves in the default prefill kernel's source, per buffer-parity copy of the producer
+# (x2): FP4 main-word decodes, FP8 window-word decodes, folds of decoded bytes, 16-byte stores of decoded rows.
+_ABLATION_SOURCE = {
+    "": (8, 4, 0, 10),
+    "no_stores": (8, 4, 8, 2),
+    "stores_only": (0, 4, 0, 10),
+    "skeleton": (0, 4, 0, 2),
+    "no_window": (8, 0, 0, 8),
+    "half_main": (4, 4, 0, 6),
+}
+
+
+@pytest.mark.parametrize("ablate", list(_ABLATION_SOURCE))
+def test_producer_ablations_cut_what_they_say(ablate):
+    """gpu/attn_ablation.py's producer-side variants remove exactly the work they name from the FP4 producer (counted in
+    the generated CUDA), so a timing run measures what its label says."""
+    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
+    cfg = tile.with_defaults(SM90, {})
+    kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate=ablate)
+    src = kernel.main.get_kernel_source()
+    counts = (
+        src.count("csa2_fp4x8_bf16_prmt((&(vals[0]))"),
+        src.count("csa2_e4m3x4_bf16((&"),
+        src.count("= csa2_fold16("),
+        src.count("*(uint4*)(((bfloat16_t*)buf"),
+    )
+    assert counts == tuple(2 * n for n in _ABLATION_SOURCE[ablate])
+
+
 FUSED = {"combine": "fused", "partials": "fp32"}  # the fused combine merges fp32 partials (the Hopper default is bf16)
 H128 = _shape("h128", "decode", B=3, S=2, Nc=5000, Nw=130, H=128)
 W37 = _shape("w37", "decode", B=5, S=1, Nc=700, Nw=38, W=37)
