@@ -249,18 +249,18 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
-    # the consumer-side ablations are built into the wg0_scores consumers; producer_idle leaves any consumers as they are
+    # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are
     if ablate and (
         ablate not in ABLATIONS
         or schedule != "ws"
-        or (consumers != "wg0_scores" and ablate != "producer_idle")
+        or (consumers != "wg0_scores" and ablate in _CONSUMER_ABLATIONS)
         or tokens_per_cta != 1
         or produce != "batched"
         or wg1_rows
     ):
         raise ValueError(
-            f"ablate={ablate!r}: one of {', '.join(ABLATIONS)}, for the ws kernel's batched producer and (but for producer_idle) "
-            "wg0_scores consumers, one token per CTA"
+            f"ablate={ablate!r}: one of {', '.join(ABLATIONS)}, for the ws kernel's batched producer (and, for "
+            f"{', '.join(_CONSUMER_ABLATIONS)}, its wg0_scores consumers), one token per CTA"
         )
     if schedule == "ws":
         return _sparse_attn_ws(
@@ -2197,6 +2197,7 @@ ABLATIONS = (
     "no_window",
     "half_main",
 )
+_CONSUMER_ABLATIONS = ("consumers_idle", "no_softmax", "uncoupled")  # the ones that change warpgroups 0 and 1
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
