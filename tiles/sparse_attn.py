@@ -1680,29 +1680,30 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
         T.cp_async_barrier_noinc(bar_ready)
     else:
-        if blk < NBW and dims.ablate == "no_window":  # the window block's rows left unfilled
-            _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
-        elif blk < NBW:
-            # FP8 window rows are 512 B: two batches of R / 2 rows keep the loads in registers
-            for bt in T.unroll(2):
-                for q in T.unroll(R // 2):
-                    row = T.max(rows_cur[bt * (R // 2) + q], 0)
-                    for h in T.unroll(2):
-                        for v in T.vectorized(8):
-                            raw[(q * 2 + h) * 8 + v] = WinA[b_i, row, (h * D2 + c * 32) // 4 + v]
-                        rawsc[q * 2 + h] = WinB[b_i, row, (h * D2 + c * 32) // 32]
-                if bt == 0:
-                    _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
-                for q in T.unroll(R // 2):
-                    rr = bt * (R // 2) + q
-                    for h, buf in ((0, KV_l), (1, KV_r)):
-                        s2 = T.call_extern("uint32", "csa2_e8m0_scale2", T.cast(rawsc[q * 2 + h], "uint32"))
-                        s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
-                        for w in T.unroll(4):
-                            T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[0]), raw[(q * 2 + h) * 8 + 2 * w], s2)
-                            T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[4]), raw[(q * 2 + h) * 8 + 2 * w + 1], s2)
+        if blk < NBW:
+            if dims.ablate == "no_window":  # the window block's rows left unfilled
+                _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
+            else:
+                # FP8 window rows are 512 B: two batches of R / 2 rows keep the loads in registers
+                for bt in T.unroll(2):
+                    for q in T.unroll(R // 2):
+                        row = T.max(rows_cur[bt * (R // 2) + q], 0)
+                        for h in T.unroll(2):
                             for v in T.vectorized(8):
-                                buf[rr * ROWS + _lane_row(p, lanes), c * 32 + w * 8 + v] = vals[v]
+                                raw[(q * 2 + h) * 8 + v] = WinA[b_i, row, (h * D2 + c * 32) // 4 + v]
+                            rawsc[q * 2 + h] = WinB[b_i, row, (h * D2 + c * 32) // 32]
+                    if bt == 0:
+                        _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
+                    for q in T.unroll(R // 2):
+                        rr = bt * (R // 2) + q
+                        for h, buf in ((0, KV_l), (1, KV_r)):
+                            s2 = T.call_extern("uint32", "csa2_e8m0_scale2", T.cast(rawsc[q * 2 + h], "uint32"))
+                            s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
+                            for w in T.unroll(4):
+                                T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[0]), raw[(q * 2 + h) * 8 + 2 * w], s2)
+                                T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[4]), raw[(q * 2 + h) * 8 + 2 * w + 1], s2)
+                                for v in T.vectorized(8):
+                                    buf[rr * ROWS + _lane_row(p, lanes), c * 32 + w * 8 + v] = vals[v]
         else:
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
             # (main_passes: the passes this warpgroup fills, when consumer warpgroup 1 fills the last one)
