@@ -476,6 +476,20 @@ def test_timing_ablations_build_outside_the_search_space():
             sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, schedule="ws", produce="batched", **bad)
 
 
+def test_pipelined_softmax_workspace_is_fenced_before_p_is_stored():
+    """With 32 heads over 4 warps the pipelined schedule's row max and sum cross warps through a shared workspace that
+    TileLang places on S_shared's bytes (checked here too): every store of P into S_shared must come after a barrier,
+    or a fast warp overwrites the workspace a slow warp is still reading (a run-to-run race on the H200, session 15)."""
+    tile, shape = sa.DECODE_TILE, sa.DECODE_TILE.shape("decode_b64_s1")
+    config = tile.with_defaults(SM90, {"schedule": "pipelined", **_ADA_LAYOUT, "n_split": 2})
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    offsets = _buffer_offsets(src)
+    assert any(name.startswith("workspace") and off == offsets["S_shared"] for name, off in offsets.items())
+    lines = [line.strip() for line in src.splitlines()]
+    stores = [i for i, line in enumerate(lines) if "stmatrix" in line and "S_shared" in line]
+    assert stores and all(lines[i - 1] == "__syncthreads();" for i in stores)
+
+
 # What each producer-side ablation leaves in the default prefill kernel's source, per buffer-parity copy of the producer
 # (x2): FP4 main-word decodes, FP8 window-word decodes, folds of decoded bytes, 16-byte stores of decoded rows.
 _ABLATION_SOURCE = {
@@ -652,6 +666,8 @@ def _check(tile, shape, config=None, seed=0):
     return kernel, inputs
 
 
+_ADA_LAYOUT = {"block_I": 32, "heads_per_block": 32, "threads": 128, "num_stages": 1, "io": "direct", "ptxas_level": 0}
+
 GPU_CASES = [
     (sa.DECODE_TILE, "decode_b64_s1", None),
     (sa.DECODE_TILE, "decode_b128_s2", None),
@@ -695,6 +711,11 @@ GPU_CASES = [
     (sa.BF16_TILE, "decode_b64_s1", {"consumers": "seesaw"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
+    # the Ada default's layout (32 heads over 4 warps: the softmax reduces across warps through a shared workspace
+    # that shares S_shared's bytes; its outputs changed run to run until _attend's barrier, session 15)
+    (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined", **_ADA_LAYOUT, "n_split": 2}),
+    (sa.BF16_TILE, "decode_b128_s2", {"schedule": "pipelined", **_ADA_LAYOUT, "n_split": 2}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"schedule": "pipelined", **_ADA_LAYOUT}),
     (sa.DECODE_TILE, "decode_b16_s2", {"schedule": "pipelined", "dequant": "staged", "n_split": 1}),
     (sa.PREFILL_TILE, "prefill_s4k", None),
     (sa.PREFILL_TILE, "prefill_s4k", {"produce": "serial"}),

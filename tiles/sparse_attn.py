@@ -295,10 +295,10 @@ def sparse_attn_kernel(
     fp4 = kv_format == "fp4"
     staged = dequant == "staged" and fp4
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
-    # Staged schedule, spelled out (the inferred one cannot order the raw buffers' write/read pair); 15 statements =
-    # index load, 2 raw copies, dequant, the 11 of _attend. num_stages=2 prefetches the next block's raw bytes.
-    k_order = list(range(15)) if staged else None
-    k_stage = [0, 0, 0] + [num_stages - 1] * 12 if staged else None
+    # Staged schedule, spelled out (the inferred one cannot order the raw buffers' write/read pair); 16 statements =
+    # index load, 2 raw copies, dequant, the 12 of _attend. num_stages=2 prefetches the next block's raw bytes.
+    k_order = list(range(16)) if staged else None
+    k_stage = [0, 0, 0] + [num_stages - 1] * 13 if staged else None
 
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
@@ -460,6 +460,12 @@ def _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sum
         acc_s[h, bi] = T.if_then_else(idx_shared[bi] >= 0, 0, -T.infinity("float32"))
     T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
     _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
+    # When a row of S spans warps (e.g. 32 heads over 4 warps), the softmax's row max and sum go through a shared
+    # workspace that TileLang's planner places on S_shared's bytes, and no barrier separates the last read of it
+    # (inside tl::AllReduce, after its own bar.sync) from a faster warp's store of P below: a race that changed
+    # outputs run to run (session 15, H200: 19 of 19 runs of the sm89-style decode config differed). One barrier
+    # orders them.
+    T.sync_threads()
     T.copy(acc_s, S_shared)
     T.gemm(S_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
