@@ -2607,8 +2607,7 @@ class SparseAttnBf16(SparseAttnTile):
     phase = "any"
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
-        """Hopper: handing P over before warpgroup 0's own P V, and two tokens per CTA, won at bf16 decode B=128/S=2 on
-        the H200."""
+        """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200."""
         if arch.family != "hopper" or shape.phase != "decode":
             return []
         return [
@@ -2617,7 +2616,6 @@ class SparseAttnBf16(SparseAttnTile):
                 {"handoff": "before_pv", "lanes": "column"},
                 "bf16 decode B=128/S=2 0.0623 vs 0.0644 ms (sparse_attn_run12_lanes_column.json)",
             ),
-            ({"tokens_per_cta": 2}, "bf16 decode B=128/S=2 0.0598 vs 0.0634 ms (sparse_attn_run17_q_ahead.json, label tpc2)"),
         ]
 
 
