@@ -70,8 +70,9 @@ def compile_cell(cell: Cell) -> Cell:
     return cell
 
 
-def check_cell(cell: Cell, seed: int = 0, time_it: bool = False) -> Cell:
-    """Compile one cell and run it against the reference on the present GPU (fresh inputs, run twice).
+def check_cell(cell: Cell, seed: int = 0, time_it: bool = False, repeats: int = 2) -> Cell:
+    """Compile one cell and run it against the reference on the present GPU (fresh inputs, ``repeats`` runs that must
+    give the same bits).
 
     With ``time_it`` the cell is also timed (``extra["ms"]``), for the regression check of
     stored winners.
@@ -83,7 +84,7 @@ def check_cell(cell: Cell, seed: int = 0, time_it: bool = False) -> Cell:
         if why:
             cell.outcome, cell.message = UNSUPPORTED, why
             return cell
-        ev = evaluate(tile, shape, config, arch, seed=seed, time_it=time_it)
+        ev = evaluate(tile, shape, config, arch, seed=seed, time_it=time_it, repeats=repeats)
     except Exception as exc:  # noqa: BLE001 -- e.g. out of memory while making inputs: that cell fails, the rest still run
         cell.outcome, cell.message = "runtime_fault", f"{type(exc).__name__}: {exc}"
         return cell

@@ -95,3 +95,24 @@ def test_a_wrong_kernel_is_refused_before_its_determinism_is_asked(no_gpu):
     tile.reference = lambda inputs: {"y": inputs["x"] + 5}
     ev = _check(tile)
     assert ev.outcome == harness.WRONG_RESULT and ev.ms is None
+
+
+def test_repeats_find_a_race_the_two_run_check_misses(no_gpu):
+    """A kernel that drifts from its fifth launch passes two runs; with six it is refused, and the message says which."""
+    ok = CountingTile(flip_at=5)
+    ev = harness.check_and_time(
+        ok, SHAPE, object(), harness.Evaluation(ok.name, SHAPE.name, {}, "sm90", harness.OK), get_arch("sm90"), time_it=False
+    )
+    assert ev.outcome == harness.OK
+    racy = CountingTile(flip_at=5)
+    ev = harness.check_and_time(
+        racy, SHAPE, object(), harness.Evaluation(racy.name, SHAPE.name, {}, "sm90", harness.OK), get_arch("sm90"), time_it=False, repeats=6
+    )
+    assert ev.outcome == harness.NONDETERMINISTIC and "run 5 of 6" in ev.message
+
+
+def test_lab_check_refuses_fewer_than_two_repeats(capsys):
+    from lab.cli import main
+
+    assert main(["check", "--tile", "fp4_quant_main", "--arch", "sm90", "--compile-only", "--repeats", "1"]) == 2
+    assert "--repeats must be at least 2" in capsys.readouterr().err

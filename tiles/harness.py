@@ -88,8 +88,10 @@ def check_and_time(
     seed: int = 0,
     time_it: bool = True,
     runs: int = 50,
+    repeats: int = 2,
 ) -> Evaluation:
-    """Check ``kernel`` against the reference on fresh inputs, then time it on rotating input sets."""
+    """Check ``kernel`` against the reference on fresh inputs, then time it on rotating input sets. ``repeats``
+    (>= 2): launches on the check inputs that must all give the first one's bits (``lab check --repeats``)."""
     try:
         inputs = tile.make_inputs(shape, seed, "cuda")
         out1 = tile.run(kernel, inputs)
@@ -104,10 +106,18 @@ def check_and_time(
     if not cmp.ok:
         ev.outcome, ev.message = WRONG_RESULT, str(cmp)
         return ev
-    for key in out1:
-        a, b = out1[key], out2[key]
-        if not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
-            ev.outcome, ev.message = NONDETERMINISTIC, f"two runs of the kernel differ in {key!r}"
+    key = _first_difference(out1, out2)
+    if key:
+        ev.outcome, ev.message = NONDETERMINISTIC, f"two runs of the kernel differ in {key!r}"
+        return ev
+    for k in range(3, repeats + 1):
+        try:
+            key = _first_difference(out1, tile.run(kernel, inputs))
+        except Exception as exc:  # noqa: BLE001 -- a faulting kernel is a recorded outcome
+            ev.outcome, ev.message = RUNTIME_FAULT, _short(exc)
+            return ev
+        if key:
+            ev.outcome, ev.message = NONDETERMINISTIC, f"run {k} of {repeats} differs from the first in {key!r}"
             return ev
     if not time_it:
         return ev
@@ -139,10 +149,10 @@ def check_and_time(
         ev.outcome, ev.message = RUNTIME_FAULT, _short(exc)
         return ev
     for out, when in zip(later, ("a run after the timing", "the last timed launch")):
-        for key in out1:
-            if not torch.equal(out1[key].contiguous().view(torch.uint8), out[key].contiguous().view(torch.uint8)):
-                ev.outcome, ev.message = NONDETERMINISTIC, f"{when} differs from the first run in {key!r}"
-                return ev
+        key = _first_difference(out1, out)
+        if key:
+            ev.outcome, ev.message = NONDETERMINISTIC, f"{when} differs from the first run in {key!r}"
+            return ev
     # The device time (graph replay) where the launch captures, as the model's decode step runs it; the
     # per-call time with the host's launch overhead is kept beside it.
     t = graph or eager
@@ -155,12 +165,22 @@ def check_and_time(
     return ev
 
 
-def evaluate(tile: Tile, shape: Shape, config: Config, arch: Arch, seed: int = 0, time_it: bool = True, runs: int = 50) -> Evaluation:
+def evaluate(
+    tile: Tile, shape: Shape, config: Config, arch: Arch, seed: int = 0, time_it: bool = True, runs: int = 50, repeats: int = 2
+) -> Evaluation:
     """Compile, check, and (when ``time_it``) time one config. Never raises for a bad config."""
     kernel, ev = compile_tile(tile, shape, config, arch)
     if kernel is None:
         return ev
-    return check_and_time(tile, shape, kernel, ev, arch, seed, time_it, runs)
+    return check_and_time(tile, shape, kernel, ev, arch, seed, time_it, runs, repeats)
+
+
+def _first_difference(first: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> str | None:
+    """The first output name whose bits differ between two runs' outputs, or None."""
+    for key, value in first.items():
+        if not torch.equal(value.contiguous().view(torch.uint8), other[key].contiguous().view(torch.uint8)):
+            return key
+    return None
 
 
 def time_reference(tile: Tile, shape: Shape, seed: int = 0, runs: int = 10) -> float | None:

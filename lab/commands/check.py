@@ -3,7 +3,7 @@
 ``lab check --compile-only --arch sm80,sm89,sm90,sm100`` compiles each registered tile's
 default config (first shape, or ``--all-shapes``) for every arch in a process pool and
 prints a tile x arch table of compile seconds. Without ``--compile-only`` the GPU's own arch
-is checked for real (each shape, fresh inputs, bit-exact or tolerance compare, run twice)
+is checked for real (each shape, fresh inputs, bit-exact or tolerance compare, ``--repeats`` runs bitwise equal)
 and the other listed archs are compiled. Exit status 1 when any cell fails. The cells are
 :mod:`lab.matrix` functions, so other config sources add rows without touching this command.
 """
@@ -28,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-shapes", action="store_true", help="every shape of each tile, not just its first")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the check inputs")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="launches of each GPU cell on its check inputs that must all give the same bits (default 2; a race that "
+        "strikes one launch in ten needs 20 or more to show)",
+    )
     parser.add_argument("--json", action="store_true", help="print the cells as JSON instead of a table")
     parser.add_argument(
         "--max-gib",
@@ -67,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     archs = _archs(args.arch, args.compile_only)
     if args.jobs is not None and args.jobs < 1:
         raise LabError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.repeats < 2:
+        raise LabError(f"--repeats must be at least 2 (the first run and one to compare it with), got {args.repeats}")
 
     present = None
     if not args.compile_only:
@@ -91,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             cell.outcome, cell.message = SKIPPED, over
             done.append(cell)
             continue
-        done.append(check_cell(cell, seed=args.seed))
+        done.append(check_cell(cell, seed=args.seed, repeats=args.repeats))
         if progress:
             progress(done[-1])
     timed: list[Cell] = []
@@ -101,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         except TileError as exc:  # a corrupt or foreign results file
             raise LabError(str(exc)) from None
         for cell in winner_cells:
-            timed.append(check_cell(cell, seed=args.seed, time_it=True))
+            timed.append(check_cell(cell, seed=args.seed, time_it=True, repeats=args.repeats))
             if progress:
                 progress(timed[-1])
     regressed = regressions(timed, args.tolerance)
