@@ -113,3 +113,21 @@ def test_ncu_roles_cuts_a_flat_kernel_at_its_barriers(tmp_path, capsys, monkeypa
     assert "100 samples, 1000 warp instructions executed" in out
     assert "(3 lines): 40.0% of samples, 30.0% of instructions (MUFU 33%, LDG 33%, BAR 33%) | long_sb 75%, wait 25%" in out
     assert "(2 lines): 60.0% of samples, 70.0% of instructions (HMMA 86%, EXIT 14%) | wait 100%" in out
+
+
+def test_determinism_probe_parses_its_cases_and_needs_a_gpu(capsys):
+    """gpu/determinism_probe.py: 'tile:shape[:json]' cases parse (a bad one stops the script before any device time is
+    spent), and without a CUDA GPU it exits with status 2 and says so."""
+    import determinism_probe
+
+    assert determinism_probe._parse_case('sparse_attn_decode:decode_b64_s1:{"n_split": 2}') == (
+        "sparse_attn_decode",
+        "decode_b64_s1",
+        {"n_split": 2},
+    )
+    assert determinism_probe._parse_case("indexer_topk:decode_b1_n8k") == ("indexer_topk", "decode_b1_n8k", {})
+    with pytest.raises(SystemExit, match="tile:shape"):
+        determinism_probe._parse_case("sparse_attn_decode")
+    if not __import__("torch").cuda.is_available():
+        assert determinism_probe.main(["--case", "indexer_topk:decode_b1_n8k"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
