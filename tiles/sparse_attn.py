@@ -653,7 +653,7 @@ def _sparse_attn_ws(
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
     dequant_cuda = (_DEQUANT_CUDA + (_FP4_PRMT_CUDA if fp4_decode == "prmt" else "")) if batched and fp4 else ""
-    if ablate == "no_stores":
+    if "stores" in _PRODUCER_CUTS.get(ablate, ()):
         dequant_cuda += _NO_STORES_CUDA
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
@@ -1687,7 +1687,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         T.cp_async_barrier_noinc(bar_ready)
     else:
         if blk < NBW:
-            if dims.ablate == "no_window":  # the window block's rows left unfilled
+            if _cuts(dims, "window"):  # the window block's rows left unfilled
                 _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
             else:
                 # FP8 window rows are 512 B: two batches of R / 2 rows keep the loads in registers
@@ -1713,14 +1713,14 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         else:
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
             # (main_passes: the passes this warpgroup fills, when consumer warpgroup 1 fills the last one)
-            if dims.ablate == "skeleton":  # the main block's rows left unfilled: no loads, decode or stores
+            if _cuts(dims, "main"):  # the main block's rows left unfilled: no loads, decode or stores
                 _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
             else:
                 _ws_issue_main_loads(src, regs, dims, b_i, p, main_passes)
                 _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
                 _ws_store_main(regs, dims, kv_buf, p, main_passes)
         # generic-proxy stores must be visible to wgmma's async-proxy reads (ablate="no_fence": timing only)
-        if dims.ablate != "no_fence":
+        if not _cuts(dims, "fence"):
             T.fence_proxy_async()
         T.barrier_arrive(bar_ready)
     for rr in T.unroll(R):
@@ -1741,7 +1741,7 @@ def _ws_issue_main_loads(src, regs, dims, b_i, p, passes=None):
     for j in range(len(passes)):
         row = T.max(rows_cur[j], 0)
         for h in T.unroll(2):
-            if dims.ablate in ("no_loads", "stores_only"):  # words and scale bytes made from the row index: no global load
+            if _cuts(dims, "loads"):  # words and scale bytes made from the row index: no global load
                 for v in T.unroll(4):
                     raw[(j * 2 + h) * 4 + v] = row * 4 + v
                 for v in T.unroll(2):
@@ -1767,16 +1767,16 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
             for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
                 s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(j * 2 + h) * 2 + q // 2], "uint32"))
                 s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
-                if dims.ablate in ("no_dequant", "stores_only"):  # one value from the word and scale, 7 stale
+                if _cuts(dims, "decode"):  # one value from the word and scale, 7 stale
                     vals[0] = T.reinterpret("bfloat16", T.Cast("uint16", raw[(j * 2 + h) * 4 + q] ^ T.Cast("int32", s2)))
                 else:
                     T.call_extern("handle", _FP4X8_FUNCTIONS[dims.fp4_decode], T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
-                if dims.ablate == "no_stores":  # the 8 values folded into the word they came from: kept live, not stored
+                if _cuts(dims, "stores"):  # the 8 values folded into the word they came from: kept live, not stored
                     raw[(j * 2 + h) * 4 + q] = T.call_extern("int32", "csa2_fold16", T.address_of(vals[0]))
                 else:
                     for v in T.vectorized(8):
                         buf[rr * ROWS + _lane_row(p, lanes), c * 32 + q * 8 + v] = vals[v]
-    if dims.ablate == "no_stores":  # one 2-byte store per block keeps every decoded value live
+    if _cuts(dims, "stores"):  # one 2-byte store per block keeps every decoded value live
         for k in range(1, len(passes) * 8):
             raw[0] = raw[0] ^ raw[k]
         kv_buf.KV_l[_lane_row(p, lanes), c * 32] = T.reinterpret("bfloat16", T.Cast("uint16", raw[0]))
@@ -2205,6 +2205,26 @@ ABLATIONS = (
     "half_main",
 )
 _CONSUMER_ABLATIONS = ("consumers_idle", "no_softmax", "uncoupled")  # the ones that change warpgroups 0 and 1
+# The parts of the FP4 producer's work each of its ablations leaves out (half_main and producer_idle change which
+# passes or blocks it fills instead): "loads" (the packed words and scale bytes are made from the row index), "decode"
+# (one value per word from its bits), "stores" (no decoded row written), "main" / "window" (those blocks not filled at
+# all), "fence" (no proxy fence before the arrival).
+_PRODUCER_CUTS = {
+    "no_loads": frozenset({"loads"}),
+    "no_dequant": frozenset({"decode"}),
+    "stores_only": frozenset({"loads", "decode"}),
+    "no_stores": frozenset({"stores"}),
+    "skeleton": frozenset({"main"}),
+    "no_window": frozenset({"window"}),
+    "no_fence": frozenset({"fence"}),
+}
+
+
+def _cuts(dims, part: str) -> bool:
+    """True when the producer's ablation (``dims.ablate``) leaves ``part`` of its work out (see _PRODUCER_CUTS)."""
+    return part in _PRODUCER_CUTS.get(dims.ablate, ())
+
+
 _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
 
 
