@@ -73,6 +73,17 @@ def main() -> int:
     parser.add_argument("--cases", default=None, help="comma-separated tile:shape pairs of CASES (default: all)")
     args = parser.parse_args()
     override = json.loads(args.config)
+    from tiles.sparse_attn import ABLATIONS
+
+    # a typo in a variant or case must not cost a device call: checked before the GPU is asked for
+    variants = tuple(v for v in (args.variants or ",".join(("default", *ABLATIONS))).split(",") if v)
+    ablations = tuple("" if v == "default" else v for v in variants)
+    cases = CASES if not args.cases else tuple(tuple(c.split(":")) for c in args.cases.split(","))
+    unknown = [c for c in cases if c not in CASES] + [v for v in variants if v != "default" and v not in ABLATIONS]
+    if unknown:
+        known = ", ".join(f"{t}:{s}" for t, s in CASES)
+        print(f"attn_ablation: unknown {unknown}; cases: {known}; variants: default, {', '.join(ABLATIONS)}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -80,17 +91,9 @@ def main() -> int:
         return 2
     from tiles.arch import detect
     from tiles.registry import get_tile
-    from tiles.sparse_attn import ABLATIONS
     from tiles.timing import describe_environment, time_cuda_graph
 
     arch = detect()
-    variants = tuple(v for v in (args.variants or ",".join(("default", *ABLATIONS))).split(",") if v)
-    ablations = tuple("" if v == "default" else v for v in variants)
-    cases = CASES if not args.cases else tuple(tuple(c.split(":")) for c in args.cases.split(","))
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        print(f"attn_ablation: unknown cases {unknown}; known: {', '.join(f'{t}:{s}' for t, s in CASES)}", file=sys.stderr)
-        return 2
     rows = []
     jobs = [(t, sh, ab, arch.name, override) for t, sh in cases for ab in {"", *ablations}]
     with multiprocessing.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:  # fills TileLang's disk cache

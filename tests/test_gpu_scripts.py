@@ -131,3 +131,36 @@ def test_determinism_probe_parses_its_cases_and_needs_a_gpu(capsys):
     if not __import__("torch").cuda.is_available():
         assert determinism_probe.main(["--case", "indexer_topk:decode_b1_n8k"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_determinism_probe_counts_the_runs_that_differ(monkeypatch):
+    """probe() on a fake tile whose output drifts from its fifth launch: of 8 runs, 4 differ from the first, by 0.5,
+    and the worst one is what is compared with the reference."""
+    import determinism_probe
+    import test_harness
+
+    import tiles.arch
+    import tiles.registry
+
+    tile = test_harness.CountingTile(flip_at=5)
+    tile.shape = lambda name: test_harness.SHAPE
+    tile.with_defaults = lambda arch, override: dict(override)
+    tile.build = lambda shape, config, arch: object()
+    monkeypatch.setattr(tiles.registry, "get_tile", lambda name: tile)
+    monkeypatch.setattr(tiles.arch, "detect", lambda: get_arch("sm90"))
+    row = determinism_probe.probe("toy_counting", "n64", {}, runs=8, seed=0)
+    assert row["runs_differing_from_first"] == 4 and row["max_abs_diff_between_runs"] == 0.5
+    assert row["first_vs_reference"]["error"] == 0.0 and row["worst_vs_reference"]["error"] == 0.5
+
+
+def test_attn_ablation_refuses_an_unknown_variant_before_asking_for_a_gpu():
+    import subprocess
+
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "gpu" / "attn_ablation.py"), "--variants", "default,no_such_cut"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert res.returncode == 2 and "unknown ['no_such_cut']" in res.stderr

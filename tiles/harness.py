@@ -106,13 +106,13 @@ def check_and_time(
     if not cmp.ok:
         ev.outcome, ev.message = WRONG_RESULT, str(cmp)
         return ev
-    key = _first_difference(out1, out2)
+    key = first_difference(out1, out2)
     if key:
         ev.outcome, ev.message = NONDETERMINISTIC, f"two runs of the kernel differ in {key!r}"
         return ev
     for k in range(3, repeats + 1):
         try:
-            key = _first_difference(out1, tile.run(kernel, inputs))
+            key = first_difference(out1, tile.run(kernel, inputs))
         except Exception as exc:  # noqa: BLE001 -- a faulting kernel is a recorded outcome
             ev.outcome, ev.message = RUNTIME_FAULT, _short(exc)
             return ev
@@ -149,7 +149,7 @@ def check_and_time(
         ev.outcome, ev.message = RUNTIME_FAULT, _short(exc)
         return ev
     for out, when in zip(later, ("a run after the timing", "the last timed launch")):
-        key = _first_difference(out1, out)
+        key = first_difference(out1, out)
         if key:
             ev.outcome, ev.message = NONDETERMINISTIC, f"{when} differs from the first run in {key!r}"
             return ev
@@ -175,7 +175,7 @@ def evaluate(
     return check_and_time(tile, shape, kernel, ev, arch, seed, time_it, runs, repeats)
 
 
-def _first_difference(first: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> str | None:
+def first_difference(first: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> str | None:
     """The first output name whose bits differ between two runs' outputs, or None."""
     for key, value in first.items():
         if not torch.equal(value.contiguous().view(torch.uint8), other[key].contiguous().view(torch.uint8)):
