@@ -48,6 +48,12 @@ LABELS.update(
     staged_t512={"stage": "shared", "threads": 512},
     staged_t1024={"stage": "shared", "threads": 1024},
     staged_loads16={"stage": "shared", "loads": 16},
+    # compaction="compact_pass": the candidates to shared memory by one ballot per load (session 16)
+    compact={"compaction": "compact_pass"},
+    compact_t512={"compaction": "compact_pass", "threads": 512},
+    compact_t1024={"compaction": "compact_pass", "threads": 1024},
+    compact_loads16={"compaction": "compact_pass", "loads": 16},
+    compact_staged_t512={"compaction": "compact_pass", "stage": "shared", "threads": 512},
 )
 
 

@@ -195,6 +195,17 @@ phase_ncu-ablation() {  # Nsight Compute of the attention default and its timing
   done
 }
 
+phase_select() {  # the two-pass select's configs checked exactly and timed (gpu/select_check.py; SELECT_LABELS: names or patterns)
+  mkdir -p "$OUT/select"
+  timeout "${SELECT_S:-240}" python3 gpu/select_check.py --out "$OUT/select" --labels "${SELECT_LABELS:-default}" > "$OUT/select.log" 2>&1
+  note "select rc=$? $(grep -c WRONG "$OUT/select.log") WRONG lines"
+}
+
+phase_check-repeats() {  # lab check on this GPU, each cell launched CHECK_REPEATS times that must give the same bits
+  timeout "${CHECK_S:-240}" $LAB check --arch auto --tile "${CHECK_TILES:-all}" --repeats "${CHECK_REPEATS:-5}" --jobs 16 > "$OUT/check_repeats.log" 2>&1
+  note "check-repeats rc=$?: $(tail -1 "$OUT/check_repeats.log")"
+}
+
 phase_e2e-quick() {
   timeout "${E2E_QUICK_S:-120}" $LAB e2e --preset v4.1-flash --phase decode --ctx 8K --batch 64 --backend "${E2E_BACKENDS:-torch,tiles}" --configs default \
     --runs 5 --out "$OUT/e2e-quick" > "$OUT/e2e-quick.log" 2>&1

@@ -4,7 +4,7 @@ CPU: the kernels (plain, parts, merge) compile for sm_90a and sm_80, configs are
 one-line TileErrors, and the auto part count. GPU (marked): every case of ``radix_select.CASES`` against the
 torch reference, exactly (same scores, so the tie rule leaves no freedom), outputs poisoned with 12345 first,
 at the decode shape (64 x 128K), one long row, odd lengths and several configs (parts, threads, digit width,
-capacity small enough to force the in-global fallback, the part staged in shared memory).
+capacity small enough to force the in-global fallback, the part staged in shared memory, the dedicated compaction).
 """
 
 import pytest
@@ -43,8 +43,27 @@ def test_shared_stage_compiles_without_spills(arch, tmp_path):
     assert rs.smem_bytes(cfg) == rs.smem_bytes(rs.DEFAULT_CONFIG) + 4 * rs.STAGE_ENTRIES
     for kernel in rs._kernels(arch, K, cfg, 4):
         src = kernel.get_kernel_source()
-        assert f"select_row_staged<256, 11, 8, 4096, false, 1, {rs.STAGE_ENTRIES}>" in src
+        assert f"select_row_staged<256, 11, 8, 4096, false, false, 1, {rs.STAGE_ENTRIES}>" in src
         assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
+
+
+@pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
+@pytest.mark.parametrize("threads", [256, 1024])
+def test_compact_pass_compiles_without_spills(arch, threads, tmp_path):
+    """compaction="compact_pass" (one ballot per load kept across the barrier): the parts launch and the merge build,
+    call the row with the flag set, and keep every register (E = 8 ballots more live across the barrier)."""
+    from tiles.ptxas import resource_usage
+
+    cfg = rs.check_config({"compaction": "compact_pass", "threads": threads}, K)
+    for kernel in rs._kernels(arch, K, cfg, 4):
+        src = kernel.get_kernel_source()
+        assert f"select_row<{threads}, 11, 8, 4096, false, true, 1>" in src
+        assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
+
+
+def test_default_calls_the_ordered_compaction():
+    src = rs._kernels(SM90, K, rs.check_config({}, K), 1)[0].get_kernel_source()
+    assert "select_row<256, 11, 8, 4096, false, false, 1>" in src
 
 
 def test_config_checks():
@@ -54,6 +73,8 @@ def test_config_checks():
         rs.check_config({"threads": 384}, K)
     with pytest.raises(TileError, match="stage='l2'"):
         rs.check_config({"stage": "l2"}, K)
+    with pytest.raises(TileError, match="compaction='fast'"):
+        rs.check_config({"compaction": "fast"}, K)
     with pytest.raises(TileError, match="cap=2048 is smaller than k=4096"):
         rs.check_config({"cap": 2048}, 4096)
     assert rs.smem_bytes(rs.DEFAULT_CONFIG) <= SM80.smem_per_block
@@ -122,6 +143,10 @@ CONFIGS = {
     "staged": {"stage": "shared"},
     "staged_parts8_t512": {"stage": "shared", "parts": 8, "threads": 512},
     "staged_small_cap": {"stage": "shared", "cap": K},
+    "compact": {"compaction": "compact_pass"},
+    "compact_t1024_loads16": {"compaction": "compact_pass", "threads": 1024, "loads": 16},
+    "compact_parts8_small_cap": {"compaction": "compact_pass", "parts": 8, "cap": K},
+    "compact_staged": {"compaction": "compact_pass", "stage": "shared"},
 }
 
 

@@ -251,6 +251,51 @@ __device__ int ordered_pass(const Src& src, unsigned mask, unsigned prefix, int 
   return gt_run + min(eq_run, take_eq);
 }
 
+// Compaction: every valid entry with (key & mask) >= prefix goes to emit(ordinal, key, position), ordinal = its
+// rank in position order. ordered_pass with take_eq unlimited computes the same ordinals from two predicates (above,
+// equal), four ballots and six popcounts per load; here one predicate, one ballot per load kept across the barrier
+// (E registers) and two popcounts. Returns the count (every thread).
+template <int THREADS, int E, class Src, class Emit>
+__device__ int compact_pass(const Src& src, unsigned mask, unsigned prefix, int* wcount, Emit emit) {
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned lt = (1u << lane) - 1u;
+  const int warp_run = warp * 32 * E;
+  int run = 0, buf = 0;
+  for (int base = 0; base < src.n; base += THREADS * E, buf ^= 1) {
+    unsigned key[E];
+    bool ok[E];
+    int j[E];
+    load_keys<E>(src, base, key, ok, j, warp_run);
+    unsigned votes[E];
+    int wc = 0;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      votes[e] = __ballot_sync(0xffffffffu, ok[e] && (key[e] & mask) >= prefix);
+      wc += __popc(votes[e]);
+    }
+    if (lane == 0) wcount[buf * WARPS + warp] = wc;
+    __syncthreads();
+    const int c = lane < WARPS ? wcount[buf * WARPS + lane] : 0;
+    int incl = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += o;
+    }
+    const int tile_total = __shfl_sync(0xffffffffu, incl, 31);
+    int before = run + __shfl_sync(0xffffffffu, incl - c, warp);  // entries of earlier tiles and warps
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if ((votes[e] >> lane) & 1u) emit(before + __popc(votes[e] & lt), key[e], src.pos(j[e]));
+      before += __popc(votes[e]);
+    }
+    run += tile_total;
+  }
+  __syncthreads();  // wcount and the emitted slots are reused by the caller
+  return run;
+}
+
 struct ToShared {
   unsigned* key;
   int* pos;
@@ -272,7 +317,7 @@ struct ToOutput {
 };
 
 // The whole select of one row (part) by one CTA; see tiles/radix_select.py for the algorithm.
-template <int THREADS, int HB, int E, int CAP, bool AGG, class Dst>
+template <int THREADS, int HB, int E, int CAP, bool AGG, bool COMPACT, class Dst>
 __device__ void topk_cta(const float* row, int n, int k, Dst dst, int* hist, unsigned* skey, int* spos, int* scratch) {
   constexpr int NB = 1 << HB;
   constexpr int WARPS = THREADS / 32;
@@ -303,7 +348,8 @@ __device__ void topk_cta(const float* row, int n, int k, Dst dst, int* hist, uns
     if (n_bin == remaining) break;  // the bin is taken whole
     if (!in_smem && above + n_bin <= CAP) {
       // Everything at or above the bin, in position order, into shared memory: later passes stay on chip.
-      ordered_pass<THREADS, E>(g, mask, prefix, 0x7fffffff, wcount, ToShared{skey, spos});
+      if (COMPACT) compact_pass<THREADS, E>(g, mask, prefix, wcount, ToShared{skey, spos});
+      else ordered_pass<THREADS, E>(g, mask, prefix, 0x7fffffff, wcount, ToShared{skey, spos});
       s.n = above + n_bin;
       in_smem = true;
     }
@@ -339,12 +385,12 @@ __device__ __forceinline__ RowPart<MB> row_part(const float* values, long long L
 }
 
 // Launch glue for one CTA: row r, part p (see row_part).
-template <int THREADS, int HB, int E, int CAP, bool AGG, int MB>
+template <int THREADS, int HB, int E, int CAP, bool AGG, bool COMPACT, int MB>
 __device__ void select_row(const float* values, long long L, int r, int p, int parts, int n_valid, int k, int* out,
                            float* out_val, int emit_values, const int* map, int remap_block, long long map_stride, int* hist,
                            unsigned* skey, int* spos, int* scratch) {
   const RowPart<MB> part = row_part<MB>(values, L, r, p, parts, n_valid, k, out, out_val, emit_values, map, remap_block, map_stride);
-  topk_cta<THREADS, HB, E, CAP, AGG>(part.row, part.n, k, part.dst, hist, skey, spos, scratch);
+  topk_cta<THREADS, HB, E, CAP, AGG, COMPACT>(part.row, part.n, k, part.dst, hist, skey, spos, scratch);
 }
 
 }  // namespace csa2_rs
@@ -386,22 +432,23 @@ __device__ __forceinline__ void stage_part(const float* src, int n, float* stage
 }
 
 // select_row with the part staged in shared memory first (STAGE scores at most).
-template <int THREADS, int HB, int E, int CAP, bool AGG, int MB, int STAGE>
+template <int THREADS, int HB, int E, int CAP, bool AGG, bool COMPACT, int MB, int STAGE>
 __device__ void select_row_staged(const float* values, long long L, int r, int p, int parts, int n_valid, int k, int* out,
                                   float* out_val, int emit_values, const int* map, int remap_block, long long map_stride,
                                   int* hist, unsigned* skey, int* spos, int* scratch, float* stage) {
   const RowPart<MB> part = row_part<MB>(values, L, r, p, parts, n_valid, k, out, out_val, emit_values, map, remap_block, map_stride);
   if (part.n <= STAGE) {
     stage_part<THREADS>(part.row, part.n, stage);
-    topk_cta<THREADS, HB, E, CAP, AGG>(stage, part.n, k, part.dst, hist, skey, spos, scratch);
+    topk_cta<THREADS, HB, E, CAP, AGG, COMPACT>(stage, part.n, k, part.dst, hist, skey, spos, scratch);
   } else {
-    topk_cta<THREADS, HB, E, CAP, AGG>(part.row, part.n, k, part.dst, hist, skey, spos, scratch);
+    topk_cta<THREADS, HB, E, CAP, AGG, COMPACT>(part.row, part.n, k, part.dst, hist, skey, spos, scratch);
   }
 }
 
 }  // namespace csa2_rs
 """
 STAGES = ("global", "shared")  # where the passes read a part's scores (see _STAGED_ROW_CUDA)
+COMPACTIONS = ("ordered_pass", "compact_pass")  # how the candidates reach shared memory (see compact_pass)
 STAGE_ENTRIES = 16384  # stage="shared": scores per part staged (64 KiB): the decode parts of 128K rows in 8 parts
 
 
@@ -421,6 +468,7 @@ DEFAULT_CONFIG: Config = {
     "agg": False,
     "parts": "auto",
     "stage": "global",
+    "compaction": "ordered_pass",
 }
 PARAMS = {
     "threads": (256, 512, 1024),  # threads per CTA
@@ -432,6 +480,10 @@ PARAMS = {
     # H200: faster for one long row, slower at decode and prefill-like rows, select_check_run3_staged.json)
     "stage": STAGES,
     "parts": ("auto", 1, 2, 4, 8, 16, 32),  # row slices selected separately before a merge launch
+    # the compaction into shared memory by the general ordered pass (two predicates, four ballots per load) or by
+    # compact_pass (one predicate, one ballot kept across the barrier): the compaction was 62% of the decode parts
+    # launch's samples (ncu_source_indexer_select_decode_b64_n128k_session12)
+    "compaction": COMPACTIONS,
 }
 MAX_PARTS = 32
 
@@ -479,6 +531,7 @@ def select_kernel(
     remap_block: int = 0,
     all_valid: bool = False,
     stage: str = "global",
+    compaction: str = "ordered_pass",
 ):
     """Build the select kernel for one config and ``target`` (an nvcc arch such as ``"sm_90a"``).
 
@@ -491,14 +544,18 @@ def select_kernel(
         -1 fill); out_val fp32 [R, V] (with ``emit_values`` V = parts * k and the chosen values
         land beside their positions, -inf fill; else V may be 1 and it is not written).
     Dims R, L, M, V are dynamic: one kernel serves every row count and row length. ``stage``: where the passes
-    read a part (``STAGES``; the same output either way).
+    read a part (``STAGES``; the same output either way); ``compaction``: which pass moves the candidates to shared
+    memory (``COMPACTIONS``; the same output either way).
     """
     if stage not in STAGES:
         raise TileError(f"radix_select stage={stage!r} is not one of {STAGES}")
+    if compaction not in COMPACTIONS:
+        raise TileError(f"radix_select compaction={compaction!r} is not one of {COMPACTIONS}")
     R, L, M, V = T.dynamic("R, L, M, V")
     nb = 1 << hist_bits
     warps = threads // 32
-    fn = f"csa2_rs::select_row<{threads}, {hist_bits}, {loads}, {cap}, {'true' if agg else 'false'}, {max(remap_block, 1)}>"
+    flags = ", ".join("true" if on else "false" for on in (agg, compaction == "compact_pass"))
+    fn = f"csa2_rs::select_row<{threads}, {hist_bits}, {loads}, {cap}, {flags}, {max(remap_block, 1)}>"
     if stage == "shared":
         fn = fn.replace("select_row<", "select_row_staged<")[:-1] + f", {STAGE_ENTRIES}>"
     out_w = parts * k
@@ -568,13 +625,18 @@ def resolve_parts(setting, rows: int, n: int, k: int, arch: Arch) -> int:
     return parts
 
 
+def _code_choices(cfg: Config) -> dict[str, str]:
+    """The config's choices that pick code paths of the select (not sizes): select_kernel's keyword arguments."""
+    return {"stage": cfg["stage"], "compaction": cfg["compaction"]}
+
+
 def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
     """(first launch, merge launch or None) for a full config and a resolved part count."""
     knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
     if parts == 1:
-        return select_kernel(arch.nvcc_arch, k, *knobs, stage=cfg["stage"]), None
-    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, stage=cfg["stage"])
-    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True, stage=cfg["stage"])
+        return select_kernel(arch.nvcc_arch, k, *knobs, **_code_choices(cfg)), None
+    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, **_code_choices(cfg))
+    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True, **_code_choices(cfg))
     return first, merge
 
 
@@ -586,7 +648,7 @@ def remapped_kernel(arch: Arch, k: int, config: Config | None = None, block: int
     candidate slots map back to cache positions without a per-call map."""
     cfg = check_config(config or {}, k)
     knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
-    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, stage=cfg["stage"])
+    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, **_code_choices(cfg))
 
 
 def build_kernels(arch: Arch, k: int, parts: int, config: Config | None = None):
