@@ -48,7 +48,9 @@ LABELS.update(
     staged_t512={"stage": "shared", "threads": 512},
     staged_t1024={"stage": "shared", "threads": 1024},
     staged_loads16={"stage": "shared", "loads": 16},
-    # compaction="compact_pass": the candidates to shared memory by one ballot per load (session 16)
+    # compaction: the candidates to shared memory by one ballot per load (compact_pass, the default since session 16)
+    # or by the general ordered pass (the default before)
+    ordered={"compaction": "ordered_pass"},
     compact={"compaction": "compact_pass"},
     compact_t512={"compaction": "compact_pass", "threads": 512},
     compact_t1024={"compaction": "compact_pass", "threads": 1024},

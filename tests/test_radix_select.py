@@ -43,7 +43,7 @@ def test_shared_stage_compiles_without_spills(arch, tmp_path):
     assert rs.smem_bytes(cfg) == rs.smem_bytes(rs.DEFAULT_CONFIG) + 4 * rs.STAGE_ENTRIES
     for kernel in rs._kernels(arch, K, cfg, 4):
         src = kernel.get_kernel_source()
-        assert f"select_row_staged<256, 11, 8, 4096, false, false, 1, {rs.STAGE_ENTRIES}>" in src
+        assert f"select_row_staged<256, 11, 8, 4096, false, true, 1, {rs.STAGE_ENTRIES}>" in src
         assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
 
 
@@ -61,8 +61,9 @@ def test_compact_pass_compiles_without_spills(arch, threads, tmp_path):
         assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
 
 
-def test_default_calls_the_ordered_compaction():
-    src = rs._kernels(SM90, K, rs.check_config({}, K), 1)[0].get_kernel_source()
+def test_ordered_compaction_is_still_built():
+    """compaction="ordered_pass" (the general ordered pass moves the candidates; the default before session 16)."""
+    src = rs._kernels(SM90, K, rs.check_config({"compaction": "ordered_pass"}, K), 1)[0].get_kernel_source()
     assert "select_row<256, 11, 8, 4096, false, false, 1>" in src
 
 
@@ -143,10 +144,10 @@ CONFIGS = {
     "staged": {"stage": "shared"},
     "staged_parts8_t512": {"stage": "shared", "parts": 8, "threads": 512},
     "staged_small_cap": {"stage": "shared", "cap": K},
-    "compact": {"compaction": "compact_pass"},
-    "compact_t1024_loads16": {"compaction": "compact_pass", "threads": 1024, "loads": 16},
-    "compact_parts8_small_cap": {"compaction": "compact_pass", "parts": 8, "cap": K},
-    "compact_staged": {"compaction": "compact_pass", "stage": "shared"},
+    "ordered_compaction": {"compaction": "ordered_pass"},
+    "compact_t1024_loads16": {"threads": 1024, "loads": 16},
+    "ordered_parts8_small_cap": {"compaction": "ordered_pass", "parts": 8, "cap": K},
+    "ordered_staged": {"compaction": "ordered_pass", "stage": "shared"},
 }
 
 
