@@ -88,7 +88,9 @@ def compare(path: Path, other: Path, cut: str = "setmaxnreg") -> int:
         header, data = _rows(f)
         samples = next(i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c)
         segs = [data[lo:hi] for lo, hi in itertools.pairwise(_segment_cuts(data, cut))]
-        runs.append([(seg[0][1].strip()[:48] if seg else "", sum(_num(r[samples]) for r in seg), _stall_reasons(header, seg)) for seg in segs])
+        runs.append(
+            [(seg[0][1].strip()[:48] if seg else "", sum(_num(r[samples]) for r in seg), _stall_reasons(header, seg)) for seg in segs]
+        )
     if len(runs[0]) != len(runs[1]):
         raise SystemExit(f"{path.name} has {len(runs[0])} segments, {other.name} {len(runs[1])}: not the same kernel layout")
     print(f"A = {path.name}\nB = {other.name}")
@@ -117,7 +119,6 @@ def main() -> int:
     header, data = _rows(args.csv)
     samples = next(i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c)
     executed = header.index("Instructions Executed")
-    reasons = [i for i, c in enumerate(header) if c.startswith("stall_") and "Not Issued" not in c]
     total = sum(_num(r[samples]) for r in data)
     total_executed = sum(_num(r[executed]) for r in data) or 1.0
     # shared-memory wavefronts (the L1/TEX pipe's work for LDS/STS and the tensor cores' shared operand reads), if exported

@@ -115,6 +115,48 @@ def test_ncu_roles_cuts_a_flat_kernel_at_its_barriers(tmp_path, capsys, monkeypa
     assert "(2 lines): 60.0% of samples, 70.0% of instructions (HMMA 86%, EXIT 14%) | wait 100%" in out
 
 
+def test_ncu_roles_compares_two_exports_role_by_role(tmp_path, capsys, monkeypatch):
+    """``gpu/ncu_roles.py A --against B`` (session 16: the attention default against its producer alone): per role
+    (cut at each setmaxnreg) both sample counts, the change, and each stall reason's change with its share of the
+    growth, largest first; exports with different role layouts are refused."""
+    import ncu_roles
+
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_not_selected"'
+
+    def export(name, rows):
+        path = tmp_path / name
+        body = "\n".join(",".join(f'"{v}"' for v in r) for r in rows)
+        path.write_text('"Kernel Name","k",\n' + head + "\n" + body + "\n")
+        return path
+
+    a = export(
+        "a.csv",
+        [
+            ("0x10", "S2R R0, SR_TID.X", 2, 8, 2, 0),
+            ("0x20", "USETMAXREG.DEALLOC.CTAPOOL 0x60", 0, 4, 0, 0),
+            ("0x30", "LDG.E.128 R4, desc[UR4][R2.64]", 150, 40, 120, 30),
+        ],
+    )
+    b = export(
+        "b.csv",
+        [
+            ("0x10", "S2R R0, SR_TID.X", 2, 8, 2, 0),
+            ("0x20", "USETMAXREG.DEALLOC.CTAPOOL 0x60", 0, 4, 0, 0),
+            ("0x30", "LDG.E.128 R4, desc[UR4][R2.64]", 100, 40, 100, 0),
+        ],
+    )
+    monkeypatch.setattr(sys, "argv", ["ncu_roles.py", str(a), "--against", str(b)])
+    assert ncu_roles.main() == 0
+    out = capsys.readouterr().out
+    assert "== USETMAXREG.DEALLOC.CTAPOOL 0x60: A 150 samples, B 100 (+50, +50%)" in out
+    producer = out[out.index("== USETMAXREG") :]
+    assert producer.index("not_selected") < producer.index("long_sb")  # +30 before +20
+    assert "+30     60% of the change" in out and "+20     40% of the change" in out
+    flat = export("c.csv", [("0x10", "S2R R0, SR_TID.X", 2, 8, 2, 0)])
+    with pytest.raises(SystemExit, match="not the same kernel layout"):
+        ncu_roles.compare(a, flat)
+
+
 def test_determinism_probe_parses_its_cases_and_needs_a_gpu(capsys):
     """gpu/determinism_probe.py: 'tile:shape[:json]' cases parse (a bad one stops the script before any device time is
     spent), and without a CUDA GPU it exits with status 2 and says so."""
