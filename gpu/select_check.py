@@ -59,6 +59,17 @@ LABELS.update(
 )
 
 
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'64x131072,1x131072' -> [(64, 131072), (1, 131072)] (rows x row length)."""
+    try:
+        shapes = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"shapes must be RxN[,RxN...] with positive R and N, got {text!r}")
+    return shapes
+
+
 def _compile_job(job):
     """Worker: build the kernels of one label (every part count the shapes resolve to) so TileLang's disk cache
     holds them. Returns (label, seconds, error)."""
@@ -140,6 +151,9 @@ def main() -> int:
     )
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--no-time", action="store_true", help="checks only")
+    parser.add_argument(
+        "--shapes", type=_parse_shapes, default=SHAPES, help="the timed shapes, RxN comma-separated (default: 64x131072,1x131072,4096x8192)"
+    )
     args = parser.parse_args()
     pats = [pat for pat in args.labels.split(",") if pat]
     labels = [lab for lab in LABELS if any(fnmatch.fnmatchcase(lab, pat) for pat in pats)]
@@ -162,7 +176,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     arch = detect()
     env = describe_environment()
-    all_shapes = SHAPES + ODD
+    all_shapes = args.shapes + ODD
     rows: list[dict] = []
 
     # --- compile (spawn pool: TileLang's disk cache then serves this process) ----------------------
@@ -213,7 +227,7 @@ def main() -> int:
 
     # --- timing -----------------------------------------------------------------------------------
     if not args.no_time:
-        for R, N in SHAPES:
+        for R, N in args.shapes:
             n_cold = input_sets_for_l2(R * N * 4, arch.l2_bytes)
             sets = [rs.make_case("random", R, N, K, 1000 + j, "cuda") for j in range(n_cold)]
             out = torch.empty(R, K, dtype=torch.int32, device="cuda")  # [R, K]
@@ -237,7 +251,7 @@ def main() -> int:
         print(f"{lab:12s} {'ok' if not fails else 'FAIL'} {' | '.join(fails)[:400]}")
     print("\n== timings, ms per call (graph: CUDA-graph replay, scores L2-resident; cold: rotating sets past L2; eager: events per call)")
     print(f"{'label':12s} {'R':>5s} {'N':>7s} {'parts':>5s} {'graph':>8s} {'cold':>8s} {'eager':>8s} {'vs old':>7s}")
-    for R, N in SHAPES:
+    for R, N in args.shapes:
         mine = [r for r in rows if r["kind"] == "time" and (r["R"], r["N"]) == (R, N)]
         base = next((r.get("graph_ms") for r in mine if r["label"] == "old_select"), None)
         for r in mine:
