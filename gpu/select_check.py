@@ -71,17 +71,17 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _compile_job(job):
-    """Worker: build the kernels of one label (every part count the shapes resolve to) so TileLang's disk cache
+    """Worker: build the kernels of one label (every (parts, rows) the shapes resolve to) so TileLang's disk cache
     holds them. Returns (label, seconds, error)."""
-    label, parts_list = job
+    label, launches = job
     from tiles import radix_select as rs
     from tiles.arch import get_arch
 
     t0 = time.time()
     try:
         cfg = rs.check_config(LABELS[label], K)
-        for parts in parts_list:
-            rs._kernels(get_arch("sm90"), K, cfg, parts)
+        for parts, rows in launches:
+            rs._kernels(get_arch("sm90"), K, cfg, parts, rows)
         return label, time.time() - t0, None
     except Exception as exc:  # noqa: BLE001 - reported in the table, never fatal
         return label, time.time() - t0, "".join(traceback.format_exception_only(type(exc), exc)).strip()[-400:]
@@ -184,7 +184,7 @@ def main() -> int:
     jobs = []
     for lab in labels:
         cfg = {**rs.DEFAULT_CONFIG, **LABELS[lab]}
-        jobs.append((lab, sorted({rs.resolve_parts(cfg["parts"], R, N, K, arch) for R, N in all_shapes})))
+        jobs.append((lab, sorted({(rs.resolve_parts(cfg["parts"], R, N, K, arch), R) for R, N in all_shapes})))
     compile_err = {}
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
         for lab, secs, err in pool.map(_compile_job, jobs):

@@ -23,14 +23,14 @@ SM90, SM80 = get_arch("sm90"), get_arch("sm80")
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
 @pytest.mark.parametrize("parts", [1, 4])
 def test_compiles(arch, parts):
-    first, merge = rs._kernels(arch, K, rs.check_config({}, K), parts)
+    first, merge = rs._kernels(arch, K, rs.check_config({}, K), parts, rows=64)
     assert first is not None
     assert (merge is None) == (parts == 1)
 
 
 def test_other_knobs_compile_sm90():
     cfg = rs.check_config({"threads": 256, "hist_bits": 12, "loads": 4, "cap": 2048, "agg": True}, K)
-    assert rs._kernels(SM90, K, cfg, 2)[0] is not None
+    assert rs._kernels(SM90, K, cfg, 2, rows=1)[0] is not None
 
 
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
@@ -41,7 +41,7 @@ def test_shared_stage_compiles_without_spills(arch, tmp_path):
 
     cfg = rs.check_config({"stage": "shared"}, K)
     assert rs.smem_bytes(cfg) == rs.smem_bytes(rs.DEFAULT_CONFIG) + 4 * rs.STAGE_ENTRIES
-    for kernel in rs._kernels(arch, K, cfg, 4):
+    for kernel in rs._kernels(arch, K, cfg, 4, rows=64):  # 256 CTAs: "auto" gives 256 threads
         src = kernel.get_kernel_source()
         assert f"select_row_staged<256, 11, 8, 4096, false, true, 1, {rs.STAGE_ENTRIES}>" in src
         assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
@@ -55,7 +55,7 @@ def test_compact_pass_compiles_without_spills(arch, threads, tmp_path):
     from tiles.ptxas import resource_usage
 
     cfg = rs.check_config({"compaction": "compact_pass", "threads": threads}, K)
-    for kernel in rs._kernels(arch, K, cfg, 4):
+    for kernel in rs._kernels(arch, K, cfg, 4, rows=1):
         src = kernel.get_kernel_source()
         assert f"select_row<{threads}, 11, 8, 4096, false, true, 1>" in src
         assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
@@ -63,7 +63,7 @@ def test_compact_pass_compiles_without_spills(arch, threads, tmp_path):
 
 def test_ordered_compaction_is_still_built():
     """compaction="ordered_pass" (the general ordered pass moves the candidates; the default before session 16)."""
-    src = rs._kernels(SM90, K, rs.check_config({"compaction": "ordered_pass"}, K), 1)[0].get_kernel_source()
+    src = rs._kernels(SM90, K, rs.check_config({"compaction": "ordered_pass"}, K), 1, rows=4096)[0].get_kernel_source()
     assert "select_row<256, 11, 8, 4096, false, false, 1>" in src
 
 
@@ -96,6 +96,27 @@ def test_config_checks():
 def test_bad_inputs_raise(scores, n_valid, k, match):
     with pytest.raises(TileError, match=match):
         rs.topk_positions_fast(scores, n_valid, k, arch="sm90")
+
+
+def test_auto_threads():
+    """threads="auto" (the default): 512 threads while the first launch has at most one CTA per SM, else 256; both
+    launches of a parts select get that width; an explicit width is kept."""
+    assert rs.DEFAULT_CONFIG["threads"] == "auto"
+    assert rs.resolve_threads("auto", 8, SM90) == 512  # decode B=1: 8 parts
+    assert rs.resolve_threads("auto", 16 * 8, SM90) == 512
+    assert rs.resolve_threads("auto", 32 * 8, SM90) == 256
+    assert rs.resolve_threads("auto", 64 * 8, SM90) == 256  # decode B=64
+    assert rs.resolve_threads("auto", 64, SM90) == 512  # Reindex / candidate pool at B=64: 64 rows, one part
+    assert rs.resolve_threads(1024, 8, SM90) == 1024
+    first, merge = rs._kernels(SM90, K, rs.check_config({}, K), 8, rows=1)
+    for kernel in (first, merge):
+        assert "select_row<512, 11, 8, 4096, false, true, " in kernel.get_kernel_source()
+    first, merge = rs._kernels(SM90, K, rs.check_config({}, K), 8, rows=64)
+    assert "select_row<256, 11, 8, 4096, false, true, " in merge.get_kernel_source()
+    src = rs.remapped_kernel(SM90, K, 64, block=8).get_kernel_source()
+    assert "select_row<512, 11, 8, 4096, false, true, 8>" in src
+    # the bounds that hold before the shape is known take the widest auto width
+    assert rs.smem_bytes({"threads": "auto"}) == rs.smem_bytes({"threads": 512})
 
 
 def test_auto_parts():

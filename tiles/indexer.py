@@ -1266,7 +1266,7 @@ def _launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, po
         # slots map to negative positions; their scores are -inf, never chosen)
         R = B * S
         dummy = torch.empty(R, 1, dtype=torch.float32, device=q.device)
-        select = radix_select.remapped_kernel(arch, out.shape[-1], block=block)
+        select = radix_select.remapped_kernel(arch, out.shape[-1], R, block=block)
         select(scores.view(R, C), nvis.view(R), pool.view(R, -1), out.view(R, -1), dummy)
         return
     select = _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], block)
@@ -1514,7 +1514,7 @@ def _build_two_pass(arch: Arch, rows: int, n: int, k: int, radix: Config | None 
     radix_select config, its default when None): the select, and the merge of its parts when there are several."""
     cfg = radix_select.check_config(radix or {}, k)
     parts = radix_select.resolve_parts(cfg["parts"], rows, n, k, arch)
-    first, merge = radix_select.build_kernels(arch, k, parts, cfg)
+    first, merge = radix_select.build_kernels(arch, k, parts, rows, cfg)
     return {"select": first} if merge is None else {"select": first, "merge": merge}
 
 
@@ -1868,7 +1868,7 @@ class ReindexTopkTile(_ScoreAndSelectTile):
         blk = shape["block"]
         kernels = {"score": _build_score(arch, cfg, True, blk, shape["B"] * shape["S"], shape["P"] * blk)}
         if cfg["select_algo"] == "two_pass":
-            kernels["select"] = radix_select.remapped_kernel(arch, shape["K"], block=blk)
+            kernels["select"] = radix_select.remapped_kernel(arch, shape["K"], shape["B"] * shape["S"], block=blk)
         else:
             kernels["select"] = _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], blk)
         return kernels

@@ -461,9 +461,9 @@ def select_cuda(stage: str = "global") -> str:
 # flight keep a 256-thread CTA's registers low enough for several CTAs per SM, which the prefill-like row
 # counts need; decode rows get their CTAs from parts instead). compact_pass: exact at every case and shape, faster at
 # all three timed shapes in one run (select_check_run5_compact.json, session 16: 64 x 128K 48.4 -> 41.0 us, 1 x 128K
-# 25.4 -> 21.9 us, 4096 x 8K 152.5 -> 131.4 us).
+# 25.4 -> 21.9 us, 4096 x 8K 152.5 -> 131.4 us). threads="auto": see resolve_threads.
 DEFAULT_CONFIG: Config = {
-    "threads": 256,
+    "threads": "auto",
     "hist_bits": 11,
     "loads": 8,
     "cap": 4096,
@@ -473,7 +473,7 @@ DEFAULT_CONFIG: Config = {
     "compaction": "compact_pass",
 }
 PARAMS = {
-    "threads": (256, 512, 1024),  # threads per CTA
+    "threads": ("auto", 256, 512, 1024),  # threads per CTA ("auto": resolve_threads)
     "hist_bits": (11, 12),  # bits per radix digit (2048 / 4096 histogram bins)
     "loads": (4, 8, 16, 32),  # loads in flight per thread per pass
     "cap": (2048, 4096, 8192),  # shared-memory candidate slots (8 bytes each); any value >= k is accepted
@@ -494,6 +494,27 @@ def _target_dict(target: str) -> dict:
     return {"kind": "cuda", "arch": target}
 
 
+AUTO_THREADS = (256, 512)  # threads="auto": many CTAs, or as few as one per SM at most (see resolve_threads)
+
+
+def _widest(threads) -> int:
+    """The most threads per CTA a setting may resolve to (for the bounds that hold before the shape is known)."""
+    return max(AUTO_THREADS) if threads == "auto" else int(threads)
+
+
+def resolve_threads(setting, ctas: int, arch: Arch) -> int:
+    """Threads per CTA: ``setting`` itself, or for ``"auto"`` 512 when the first launch has at most one CTA per SM
+    (``ctas`` = rows x parts) and 256 otherwise. Few CTAs leave most of each SM's issue slots and load bandwidth to
+    one CTA, which twice the warps then use; many 256-thread CTAs already overlap one another's barriers and passes.
+    H200, same run (select_check_run6_threads.json; compact_pass, 128K rows in 8 parts): 1 to 16 rows (8 to 128 CTAs)
+    512 threads 18.5-21.2 us against 22.3-25.8 with 256; 32 rows (256 CTAs) 31.6 against 30.2; 64 rows 53.8 against
+    41.0 (select_check_run5_compact.json); 16K rows in one part (Reindex, the candidate pool) 64 rows 12.8 against
+    16.1 us, one row 11.6 against 14.6."""
+    if setting != "auto":
+        return int(setting)
+    return max(AUTO_THREADS) if ctas <= arch.sm_count else min(AUTO_THREADS)
+
+
 def check_config(config: Config, k: int) -> Config:
     """The full config (defaults filled in), or a TileError naming the bad key or value."""
     unknown = set(config) - set(DEFAULT_CONFIG)
@@ -503,7 +524,7 @@ def check_config(config: Config, k: int) -> Config:
     for name, choices in PARAMS.items():
         if name != "cap" and cfg[name] not in choices:
             raise TileError(f"radix_select {name}={cfg[name]!r} is not one of {choices}")
-    if cfg["threads"] * cfg["loads"] > 32768:
+    if _widest(cfg["threads"]) * cfg["loads"] > 32768:
         # ordered_pass packs two per-tile counts into one int (16 bits each)
         raise TileError(f"threads x loads = {cfg['threads'] * cfg['loads']} > 32768 entries per tile")
     if not isinstance(cfg["cap"], int) or cfg["cap"] < k:
@@ -516,7 +537,7 @@ def smem_bytes(config: Config) -> int:
     """Shared memory one CTA needs: histogram, candidate keys and positions, scan scratch."""
     cfg = {**DEFAULT_CONFIG, **config}
     staged = STAGE_ENTRIES if cfg["stage"] == "shared" else 0
-    return 4 * ((1 << cfg["hist_bits"]) + 2 * cfg["cap"] + 3 * (cfg["threads"] // 32) + 4 + staged)
+    return 4 * ((1 << cfg["hist_bits"]) + 2 * cfg["cap"] + 3 * (_widest(cfg["threads"]) // 32) + 4 + staged)
 
 
 @functools.cache
@@ -632,9 +653,11 @@ def _code_choices(cfg: Config) -> dict[str, str]:
     return {"stage": cfg["stage"], "compaction": cfg["compaction"]}
 
 
-def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
-    """(first launch, merge launch or None) for a full config and a resolved part count."""
-    knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
+def _kernels(arch: Arch, k: int, cfg: Config, parts: int, rows: int):
+    """(first launch, merge launch or None) for a full config, a resolved part count and the rows selected (which,
+    with the parts, resolve ``threads="auto"``; both launches get the first one's width)."""
+    threads = resolve_threads(cfg["threads"], rows * parts, arch)
+    knobs = (threads, cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
     if parts == 1:
         return select_kernel(arch.nvcc_arch, k, *knobs, **_code_choices(cfg)), None
     first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, **_code_choices(cfg))
@@ -642,20 +665,21 @@ def _kernels(arch: Arch, k: int, cfg: Config, parts: int):
     return first, merge
 
 
-def remapped_kernel(arch: Arch, k: int, config: Config | None = None, block: int = 1):
-    """The one-launch select whose chosen columns are reported through a position map (every column a candidate):
-    ``fn(values [R, L] fp32, n_valid [R] (not read), pos_map [R, L / block] int32, out [R, k] int32, out_val [R, 1])``
-    writes ``pos_map[r, c // block] * block + c % block`` for each chosen column c, in column order, -1 fill. The
-    merge launch of the parts path is this kernel with block 1; Reindex passes its pool's block ids with block 8, so
-    candidate slots map back to cache positions without a per-call map."""
+def remapped_kernel(arch: Arch, k: int, rows: int, config: Config | None = None, block: int = 1):
+    """The one-launch select of ``rows`` rows whose chosen columns are reported through a position map (every column a
+    candidate): ``fn(values [R, L] fp32, n_valid [R] (not read), pos_map [R, L / block] int32, out [R, k] int32,
+    out_val [R, 1])`` writes ``pos_map[r, c // block] * block + c % block`` for each chosen column c, in column order,
+    -1 fill. The merge launch of the parts path is this kernel with block 1; Reindex passes its pool's block ids with
+    block 8, so candidate slots map back to cache positions without a per-call map."""
     cfg = check_config(config or {}, k)
-    knobs = (cfg["threads"], cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
+    knobs = (resolve_threads(cfg["threads"], rows, arch), cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
     return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, **_code_choices(cfg))
 
 
-def build_kernels(arch: Arch, k: int, parts: int, config: Config | None = None):
-    """Compile (or fetch) the kernels one select of ``k`` in ``parts`` parts launches, for callers that build ahead."""
-    return _kernels(arch, k, check_config(config or {}, k), parts)
+def build_kernels(arch: Arch, k: int, parts: int, rows: int, config: Config | None = None):
+    """Compile (or fetch) the kernels one select of ``k`` over ``rows`` rows in ``parts`` parts launches, for callers
+    that build ahead."""
+    return _kernels(arch, k, check_config(config or {}, k), parts, rows)
 
 
 def _check_inputs(scores: torch.Tensor, n_valid: torch.Tensor, k: int) -> tuple[int, int]:
@@ -698,7 +722,7 @@ def select_launcher(R: int, N: int, k: int, device, *, arch: Arch | str | None =
     if smem_bytes(cfg) > arch.smem_per_block:
         raise TileError(f"radix_select config needs {smem_bytes(cfg)} bytes of shared memory > {arch.smem_per_block} on {arch.name}")
     parts = resolve_parts(cfg["parts"], R, N, k, arch)
-    first, merge = _kernels(arch, k, cfg, parts)
+    first, merge = _kernels(arch, k, cfg, parts, R)
     dummy_map = torch.empty(R, 1, dtype=torch.int32, device=device)  # [R, 1]: not read
     dummy_val = torch.empty(R, 1, dtype=torch.float32, device=device)  # [R, 1]: not written
     if merge is None:
