@@ -193,6 +193,24 @@ __device__ void find_bin(const int* hist, int nbins, int need, int* wsum, int* r
   __syncthreads();
 }
 
+// One tile's per-warp counts in tile order: lane 0 of each warp writes its warp's count to wcount[warp], one barrier,
+// then a warp-shuffle scan over the warp counts gives every lane (x) the tile's total and (y) the count of the warps
+// before its own. The callers alternate two wcount buffers between tiles, so one barrier per tile suffices.
+template <int WARPS>
+__device__ __forceinline__ int2 scan_warp_counts(int count, int* wcount) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) wcount[warp] = count;
+  __syncthreads();
+  const int c = lane < WARPS ? wcount[lane] : 0;
+  int incl = c;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int o = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += o;
+  }
+  return make_int2(__shfl_sync(0xffffffffu, incl, 31), __shfl_sync(0xffffffffu, incl - c, warp));
+}
+
 // Ordered pass: every valid entry with (key & mask) > prefix ("above") and the first take_eq entries with
 // (key & mask) == prefix go to emit(ordinal, key, position), ordinal = above_before + min(eq_before, take_eq):
 // the entry's rank in position order among the chosen. Returns the chosen count (every thread).
@@ -223,17 +241,8 @@ __device__ int ordered_pass(const Src& src, unsigned mask, unsigned prefix, int 
       we += __popc(__ballot_sync(0xffffffffu, q));
     }
     // Two counts in one int (each < 65536: a tile holds THREADS * E <= 32768 entries) so one scan orders both.
-    if (lane == 0) wcount[buf * WARPS + warp] = (wg << 16) | we;
-    __syncthreads();
-    const int c = lane < WARPS ? wcount[buf * WARPS + lane] : 0;
-    int incl = c;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int o = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += o;
-    }
-    const int tile_total = __shfl_sync(0xffffffffu, incl, 31);
-    const int before = __shfl_sync(0xffffffffu, incl - c, warp);  // exclusive prefix of this warp
+    const int2 scan = scan_warp_counts<WARPS>((wg << 16) | we, wcount + buf * WARPS);
+    const int tile_total = scan.x, before = scan.y;
     int g_before = gt_run + (before >> 16), e_before = eq_run + (before & 0xffff);
 #pragma unroll
     for (int e = 0; e < E; ++e) {
@@ -274,17 +283,9 @@ __device__ int compact_pass(const Src& src, unsigned mask, unsigned prefix, int*
       votes[e] = __ballot_sync(0xffffffffu, ok[e] && (key[e] & mask) >= prefix);
       wc += __popc(votes[e]);
     }
-    if (lane == 0) wcount[buf * WARPS + warp] = wc;
-    __syncthreads();
-    const int c = lane < WARPS ? wcount[buf * WARPS + lane] : 0;
-    int incl = c;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int o = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += o;
-    }
-    const int tile_total = __shfl_sync(0xffffffffu, incl, 31);
-    int before = run + __shfl_sync(0xffffffffu, incl - c, warp);  // entries of earlier tiles and warps
+    const int2 scan = scan_warp_counts<WARPS>(wc, wcount + buf * WARPS);
+    const int tile_total = scan.x;
+    int before = run + scan.y;  // entries of earlier tiles and warps
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       if ((votes[e] >> lane) & 1u) emit(before + __popc(votes[e] & lt), key[e], src.pos(j[e]));
