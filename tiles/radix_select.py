@@ -527,7 +527,7 @@ def check_config(config: Config, k: int) -> Config:
             raise TileError(f"radix_select {name}={cfg[name]!r} is not one of {choices}")
     if _widest(cfg["threads"]) * cfg["loads"] > 32768:
         # ordered_pass packs two per-tile counts into one int (16 bits each)
-        raise TileError(f"threads x loads = {cfg['threads'] * cfg['loads']} > 32768 entries per tile")
+        raise TileError(f"threads x loads = {_widest(cfg['threads']) * cfg['loads']} > 32768 entries per tile")
     if not isinstance(cfg["cap"], int) or cfg["cap"] < k:
         # the shared candidates must hold at least the k chosen, else the fast path could never run
         raise TileError(f"cap={cfg['cap']} is smaller than k={k}")
@@ -555,7 +555,7 @@ def select_kernel(
     remap_block: int = 0,
     all_valid: bool = False,
     stage: str = "global",
-    compaction: str = "ordered_pass",
+    compaction: str = "compact_pass",
 ):
     """Build the select kernel for one config and ``target`` (an nvcc arch such as ``"sm_90a"``).
 
