@@ -202,7 +202,8 @@ phase_select() {  # the two-pass select's configs checked exactly and timed (gpu
 }
 
 phase_check-repeats() {  # lab check on this GPU, each cell launched CHECK_REPEATS times that must give the same bits
-  timeout "${CHECK_S:-240}" $LAB check --arch auto --tile "${CHECK_TILES:-all}" --repeats "${CHECK_REPEATS:-5}" --jobs 16 > "$OUT/check_repeats.log" 2>&1
+  # (on a cold TileLang cache --tile all spent more than 220 s compiling in session 16: run prewarm first, or allow more)
+  timeout "${CHECK_S:-420}" $LAB check --arch auto --tile "${CHECK_TILES:-all}" --repeats "${CHECK_REPEATS:-5}" --jobs 16 > "$OUT/check_repeats.log" 2>&1
   note "check-repeats rc=$?: $(tail -1 "$OUT/check_repeats.log")"
 }
 
