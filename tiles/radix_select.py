@@ -649,20 +649,21 @@ def resolve_parts(setting, rows: int, n: int, k: int, arch: Arch) -> int:
     return parts
 
 
-def _code_choices(cfg: Config) -> dict[str, str]:
-    """The config's choices that pick code paths of the select (not sizes): select_kernel's keyword arguments."""
-    return {"stage": cfg["stage"], "compaction": cfg["compaction"]}
+def _select_for(arch: Arch, k: int, cfg: Config, ctas: int, **launch):
+    """select_kernel for a full config, ``threads`` resolved for a first launch of ``ctas`` CTAs; ``launch``: the
+    launch-shape arguments (parts, emit_values, remap_block, all_valid)."""
+    threads = resolve_threads(cfg["threads"], ctas, arch)
+    knobs = (threads, cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
+    return select_kernel(arch.nvcc_arch, k, *knobs, stage=cfg["stage"], compaction=cfg["compaction"], **launch)
 
 
 def _kernels(arch: Arch, k: int, cfg: Config, parts: int, rows: int):
     """(first launch, merge launch or None) for a full config, a resolved part count and the rows selected (which,
     with the parts, resolve ``threads="auto"``; both launches get the first one's width)."""
-    threads = resolve_threads(cfg["threads"], rows * parts, arch)
-    knobs = (threads, cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
     if parts == 1:
-        return select_kernel(arch.nvcc_arch, k, *knobs, **_code_choices(cfg)), None
-    first = select_kernel(arch.nvcc_arch, k, *knobs, parts=parts, emit_values=True, **_code_choices(cfg))
-    merge = select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=1, all_valid=True, **_code_choices(cfg))
+        return _select_for(arch, k, cfg, rows), None
+    first = _select_for(arch, k, cfg, rows * parts, parts=parts, emit_values=True)
+    merge = _select_for(arch, k, cfg, rows * parts, parts=1, remap_block=1, all_valid=True)
     return first, merge
 
 
@@ -672,9 +673,7 @@ def remapped_kernel(arch: Arch, k: int, rows: int, config: Config | None = None,
     out_val [R, 1])`` writes ``pos_map[r, c // block] * block + c % block`` for each chosen column c, in column order,
     -1 fill. The merge launch of the parts path is this kernel with block 1; Reindex passes its pool's block ids with
     block 8, so candidate slots map back to cache positions without a per-call map."""
-    cfg = check_config(config or {}, k)
-    knobs = (resolve_threads(cfg["threads"], rows, arch), cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"])
-    return select_kernel(arch.nvcc_arch, k, *knobs, parts=1, remap_block=block, all_valid=True, **_code_choices(cfg))
+    return _select_for(arch, k, check_config(config or {}, k), rows, parts=1, remap_block=block, all_valid=True)
 
 
 def build_kernels(arch: Arch, k: int, parts: int, rows: int, config: Config | None = None):
