@@ -56,11 +56,6 @@ LABELS.update(
     compact_t1024={"compaction": "compact_pass", "threads": 1024},
     compact_loads16={"compaction": "compact_pass", "loads": 16},
     compact_staged_t512={"compaction": "compact_pass", "stage": "shared", "threads": 512},
-    # merge="fused": each row's last part CTA merges the row in the parts launch (session 17)
-    fused={"merge": "fused"},
-    fused_p4={"merge": "fused", "parts": 4},
-    fused_p16={"merge": "fused", "parts": 16},
-    fused_staged_t512={"merge": "fused", "stage": "shared", "threads": 512},
 )
 
 

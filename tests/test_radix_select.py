@@ -61,32 +61,6 @@ def test_compact_pass_compiles_without_spills(arch, threads, tmp_path):
         assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
 
 
-@pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
-@pytest.mark.parametrize("stage", rs.STAGES)
-def test_fused_merge_compiles_without_spills(arch, stage, tmp_path):
-    """merge="fused" (each row's last part CTA merges the row): one launch, no merge kernel, the fused row function
-    with the config's template arguments, no spills; one part has nothing to merge and builds the plain select."""
-    from tiles.ptxas import resource_usage
-
-    cfg = rs.check_config({"merge": "fused", "stage": stage}, K)
-    for rows, threads in [(1, 512), (64, 256)]:  # threads="auto" resolved from rows x 8 parts, as for two launches
-        first, merge = rs._kernels(arch, K, cfg, 8, rows=rows)
-        assert merge is None
-        src = first.get_kernel_source()
-        staged = f", {rs.STAGE_ENTRIES}" if stage == "shared" else ""
-        assert f"select_parts_merged<{threads}, 11, 8, 4096, false, true, 1{staged}>" in src
-        assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
-    first, merge = rs._kernels(arch, K, cfg, 1, rows=64)
-    assert merge is None and "select_parts_merged" not in first.get_kernel_source()
-
-
-def test_fused_merge_needs_parts():
-    with pytest.raises(TileError, match="needs parts >= 2"):
-        rs.fused_select_kernel(SM90.nvcc_arch, K, 256, 11, 8, 4096, False, 1, "global", "compact_pass")
-    with pytest.raises(TileError, match="merge='inline'"):
-        rs.check_config({"merge": "inline"}, K)
-
-
 def test_ordered_compaction_is_still_built():
     """compaction="ordered_pass" (the general ordered pass moves the candidates; the default before session 16)."""
     src = rs._kernels(SM90, K, rs.check_config({"compaction": "ordered_pass"}, K), 1, rows=4096)[0].get_kernel_source()
@@ -195,10 +169,6 @@ CONFIGS = {
     "compact_t1024_loads16": {"threads": 1024, "loads": 16},
     "ordered_parts8_small_cap": {"compaction": "ordered_pass", "parts": 8, "cap": K},
     "ordered_staged": {"compaction": "ordered_pass", "stage": "shared"},
-    "fused": {"merge": "fused"},
-    "fused_parts8_t512": {"merge": "fused", "parts": 8, "threads": 512},
-    "fused_parts16_small_cap": {"merge": "fused", "parts": 16, "cap": K},
-    "fused_staged_parts4": {"merge": "fused", "stage": "shared", "parts": 4},
 }
 
 
@@ -226,34 +196,3 @@ def test_wrapper_and_noncontiguous_scores():
     wide = torch.stack([scores, scores], dim=2)[..., 0]  # [6, 4000], strided: copied by the wrapper
     assert torch.equal(rs.topk_positions_fast(wide, n_valid, K), rs.reference_topk(scores, n_valid, K))
     assert torch.equal(rs.topk_positions_fast(scores, n_valid, 7), rs.reference_topk(scores, n_valid, 7))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", rs.CASES)
-def test_fused_merge_at_decode_shapes(case):
-    """merge="fused" at the indexer's decode shapes (64 and 1 rows of 128K in 8 parts, 16 for one row)."""
-    for R, config in [(64, {"merge": "fused"}), (1, {"merge": "fused"}), (1, {"merge": "fused", "parts": 16})]:
-        _run(R, 131072, case, config, seed=R + 5)
-
-
-@pytest.mark.gpu
-def test_fused_merge_replays_and_leaves_its_counters_zero():
-    """The fused merge's per-row counters: every launch leaves them zero, so a CUDA graph replays the select with the
-    same result (bitwise) on fresh scores each time."""
-    R, N = 64, 131072
-    launch = rs.select_launcher(R, N, K, "cuda", config={"merge": "fused"})
-    scores, n_valid = rs.make_case("random", R, N, K, 11, "cuda")
-    out = torch.full((R, K), 12345, dtype=torch.int32, device="cuda")  # [R, K] poisoned
-    graph = torch.cuda.CUDAGraph()
-    launch(scores, n_valid, out)  # warm-up outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        launch(scores, n_valid, out)
-    for seed in (12, 13, 14):
-        fresh, fresh_valid = rs.make_case("ties10" if seed == 13 else "random", R, N, K, seed, "cuda")
-        scores.copy_(fresh)
-        n_valid.copy_(fresh_valid)
-        out.fill_(12345)
-        graph.replay()
-        assert torch.equal(out, rs.reference_topk(scores, n_valid, K)), f"replay with seed {seed}"
-    assert launch.counters.shape == (R,) and int(launch.counters.abs().sum()) == 0

@@ -448,65 +448,14 @@ __device__ void select_row_staged(const float* values, long long L, int r, int p
 
 }  // namespace csa2_rs
 """
-# merge="fused": the merge runs in the parts launch, by the CTA that finishes a row's last part, instead of in a second
-# launch. Why: the merge launch cannot start before the parts launch's slowest CTA ends, and its own prologue and the
-# kernel boundary sit on the call's critical path (at B=1, 8 parts of 512 threads, the whole select is ~18 us); here
-# a row's merge starts as soon as that row's parts are done, while other rows' parts still run.
-# Ordering, as CUTLASS's split-K semaphore does it: each CTA's candidate writes, a CTA barrier, then one thread's
-# gpu-scope fence and a counter increment (cumulative: it releases the whole CTA's writes); the CTA that draws the
-# last ticket fences again (acquire), resets the counter for the next launch (CUDA-graph replay) and, after a barrier,
-# merges with plain loads. counters [R] must be zero before the first launch.
-_FUSED_MERGE_CUDA = r"""
-namespace csa2_rs {
-
-template <int THREADS, int HB, int E, int CAP, bool AGG, bool COMPACT, int MB@STAGE_PARAM@>
-__device__ void select_parts_merged(const float* values, long long L, int r, int p, int parts, int n_valid, int k, int* cand_pos,
-                                    float* cand_val, int* out, int* counters, int* hist, unsigned* skey, int* spos,
-                                    int* scratch@STAGE_ARG@) {
-  @ROW@(values, L, r, p, parts, n_valid, k, cand_pos, cand_val, 1, nullptr, 0, 0LL, hist, skey, spos, scratch@STAGE_PASS@);
-  int* last = scratch + THREADS / 32 + 3;  // res[3]: topk_cta's bin search uses res[0..2] only
-  __syncthreads();  // every candidate of this part is written (CTA scope)
-  if (threadIdx.x == 0) {
-    __threadfence();  // release: cumulative over the CTA's writes ordered before it by the barrier
-    const int done = atomicAdd(counters + r, 1);
-    __threadfence();  // acquire: the other parts' candidates are read after their increments
-    *last = done == parts - 1;
-    if (*last) counters[r] = 0;  // ready for the next launch
-  }
-  __syncthreads();
-  if (!*last) return;
-  const int width = parts * k;  // the row's candidate slots, all of them candidates (-inf fill is never chosen)
-  @ROW@(cand_val, (long long)width, r, 0, 1, width, k, out, nullptr, 0, cand_pos, 1, (long long)width, hist, skey, spos,
-        scratch@STAGE_PASS@);
-}
-
-}  // namespace csa2_rs
-"""
-
 STAGES = ("global", "shared")  # where the passes read a part's scores (see _STAGED_ROW_CUDA)
 COMPACTIONS = ("ordered_pass", "compact_pass")  # how the candidates reach shared memory (see compact_pass)
-MERGES = ("launch", "fused")  # where a parts select merges its parts (see _FUSED_MERGE_CUDA)
 STAGE_ENTRIES = 16384  # stage="shared": scores per part staged (64 KiB): the decode parts of 128K rows in 8 parts
 
 
-def select_cuda(stage: str = "global", fused_merge: bool = False) -> str:
-    """The select's CUDA source (with the staged row for ``stage="shared"``, and ``select_parts_merged`` for the
-    fused merge)."""
-    src = _SELECT_CUDA + (_STAGED_ROW_CUDA if stage == "shared" else "")
-    if not fused_merge:
-        return src
-    staged = stage == "shared"
-    return src + (
-        _FUSED_MERGE_CUDA.replace("@STAGE_PARAM@", ", int STAGE" if staged else "")
-        .replace("@STAGE_ARG@", ", float* stage" if staged else "")
-        .replace("@STAGE_PASS@", ", stage" if staged else "")
-        .replace(
-            "@ROW@",
-            "select_row_staged<THREADS, HB, E, CAP, AGG, COMPACT, MB, STAGE>"
-            if staged
-            else "select_row<THREADS, HB, E, CAP, AGG, COMPACT, MB>",
-        )
-    )
+def select_cuda(stage: str = "global") -> str:
+    """The select's CUDA source (with the staged row for ``stage="shared"``)."""
+    return _SELECT_CUDA + (_STAGED_ROW_CUDA if stage == "shared" else "")
 
 
 # Defaults from the H200 sweep of gpu/select_check.py (plain atomics beat match.any aggregation, 8 loads in
@@ -523,7 +472,6 @@ DEFAULT_CONFIG: Config = {
     "parts": "auto",
     "stage": "global",
     "compaction": "compact_pass",
-    "merge": "launch",
 }
 PARAMS = {
     "threads": ("auto", 256, 512, 1024),  # threads per CTA ("auto": resolve_threads)
@@ -539,8 +487,6 @@ PARAMS = {
     # compact_pass (one predicate, one ballot kept across the barrier): the compaction was 62% of the decode parts
     # launch's samples (ncu_source_indexer_select_decode_b64_n128k_session12)
     "compaction": COMPACTIONS,
-    # a parts select's merge in a second launch, or in the parts launch by each row's last CTA (see _FUSED_MERGE_CUDA)
-    "merge": MERGES,
 }
 MAX_PARTS = 32
 
@@ -683,69 +629,6 @@ def select_kernel(
     return tilelang.compile(select, target=tvm.target.Target(_target_dict(target)))
 
 
-@functools.cache
-def fused_select_kernel(
-    target: str, k: int, threads: int, hist_bits: int, loads: int, cap: int, agg: bool, parts: int, stage: str, compaction: str
-):
-    """The parts select with its merge fused in (merge="fused", ``_FUSED_MERGE_CUDA``): one launch of R x ``parts`` CTAs.
-
-    Arguments of the compiled kernel: values fp32 [R, L]; n_valid int32 [R]; out int32 [R, k] (the ascending
-    positions, -1 fill); cand_pos int32 [R, parts * k] and cand_val fp32 [R, parts * k] (the parts' picks: scratch
-    of the launch); counters int32 [R], zero before the first launch and left zero by every complete launch.
-    The knobs are ``select_kernel``'s; the merge runs with the parts' width.
-    """
-    if parts < 2:
-        raise TileError(f"merge='fused' merges parts: it needs parts >= 2, got {parts}")
-    R, L = T.dynamic("R, L")
-    warps = threads // 32
-    flags = ", ".join("true" if on else "false" for on in (agg, compaction == "compact_pass"))
-    staged = stage == "shared"
-    fn = f"csa2_rs::select_parts_merged<{threads}, {hist_bits}, {loads}, {cap}, {flags}, 1{f', {STAGE_ENTRIES}' if staged else ''}>"
-    width = parts * k
-
-    @T.prim_func
-    def select(
-        values: T.Tensor((R, L), "float32"),
-        n_valid: T.Tensor((R,), "int32"),
-        out: T.Tensor((R, k), "int32"),
-        cand_pos: T.Tensor((R, width), "int32"),
-        cand_val: T.Tensor((R, width), "float32"),
-        counters: T.Tensor((R,), "int32"),
-    ):
-        with T.Kernel(R, parts, threads=threads) as (r, p):  # as select_kernel's grid
-            T.import_source(select_cuda(stage, fused_merge=True))
-            hist = T.alloc_shared((1 << hist_bits,), "int32")
-            skey = T.alloc_shared((cap,), "uint32")
-            spos = T.alloc_shared((cap,), "int32")
-            scratch = T.alloc_shared((3 * warps + 4,), "int32")
-            stage_arg = ()
-            if staged:
-                stage_s = T.alloc_shared((STAGE_ENTRIES,), "float32")
-                stage_arg = (T.address_of(stage_s[0]),)
-            T.call_extern(
-                "handle",
-                fn,
-                T.address_of(values[0, 0]),
-                T.Cast("int64", L),
-                r,
-                p,
-                parts,
-                n_valid[r],
-                k,
-                T.address_of(cand_pos[0, 0]),
-                T.address_of(cand_val[0, 0]),
-                T.address_of(out[0, 0]),
-                T.address_of(counters[0]),
-                T.address_of(hist[0]),
-                T.address_of(skey[0]),
-                T.address_of(spos[0]),
-                T.address_of(scratch[0]),
-                *stage_arg,
-            )
-
-    return tilelang.compile(select, target=tvm.target.Target(_target_dict(target)))
-
-
 # --------------------------------------------------------------------------------------
 # wrapper
 # --------------------------------------------------------------------------------------
@@ -774,21 +657,11 @@ def _select_for(arch: Arch, k: int, cfg: Config, ctas: int, **launch):
     return select_kernel(arch.nvcc_arch, k, *knobs, stage=cfg["stage"], compaction=cfg["compaction"], **launch)
 
 
-def _fused(cfg: Config, parts: int) -> bool:
-    """Whether a select of ``parts`` parts runs as one launch with its merge fused in (one part has no merge)."""
-    return parts > 1 and cfg["merge"] == "fused"
-
-
 def _kernels(arch: Arch, k: int, cfg: Config, parts: int, rows: int):
     """(first launch, merge launch or None) for a full config, a resolved part count and the rows selected (which,
-    with the parts, resolve ``threads="auto"``; both launches get the first one's width). With merge="fused" the
-    first launch is ``fused_select_kernel`` and there is no second."""
+    with the parts, resolve ``threads="auto"``; both launches get the first one's width)."""
     if parts == 1:
         return _select_for(arch, k, cfg, rows), None
-    if _fused(cfg, parts):
-        threads = resolve_threads(cfg["threads"], rows * parts, arch)
-        knobs = (threads, cfg["hist_bits"], cfg["loads"], cfg["cap"], cfg["agg"], parts, cfg["stage"], cfg["compaction"])
-        return fused_select_kernel(arch.nvcc_arch, k, *knobs), None
     first = _select_for(arch, k, cfg, rows * parts, parts=parts, emit_values=True)
     merge = _select_for(arch, k, cfg, rows * parts, parts=1, remap_block=1, all_valid=True)
     return first, merge
@@ -852,18 +725,10 @@ def select_launcher(R: int, N: int, k: int, device, *, arch: Arch | str | None =
     first, merge = _kernels(arch, k, cfg, parts, R)
     dummy_map = torch.empty(R, 1, dtype=torch.int32, device=device)  # [R, 1]: not read
     dummy_val = torch.empty(R, 1, dtype=torch.float32, device=device)  # [R, 1]: not written
-    if parts == 1:
+    if merge is None:
         return lambda scores, n_valid, out: first(scores, n_valid, dummy_map, out, dummy_val)
     cand_pos = torch.empty(R, parts * k, dtype=torch.int32, device=device)  # [R, parts * k] slot -> position
     cand_val = torch.empty(R, parts * k, dtype=torch.float32, device=device)  # [R, parts * k] slot -> value
-    if merge is None:  # merge="fused": one launch
-        counters = torch.zeros(R, dtype=torch.int32, device=device)  # [R] parts done; each launch leaves it zero
-
-        def launch_fused(scores, n_valid, out):
-            first(scores, n_valid, out, cand_pos, cand_val, counters)
-
-        launch_fused.counters = counters  # for the tests: zero between launches
-        return launch_fused
 
     def launch(scores, n_valid, out):
         first(scores, n_valid, dummy_map, cand_pos, cand_val)
