@@ -1,0 +1,103 @@
+"""How much of the indexer's score kernel the FP4 dequant costs: the default kernel against itself with the dequant
+taken out (a timing ablation; its scores are wrong by design).
+
+``no_dequant`` builds the score kernel of the indexer's default config (``dequant="prmt_rs"``, fused epilogue) with
+``csa2_fp4_pair_bf16`` replaced by one integer add: each wgmma A register is the packed word plus the register index,
+so the loads, the shared-memory words, the wgmma, the epilogue and the stores are the default's and only the
+lookups, sign merges and interleaves are gone (the scale tables go too, unused). The time the kernel loses is what any
+cheaper conversion (FP8 operands, integer MMA) could at most win back. The default runs first and is checked against
+the reference (scores rel L2 <= 1e-5); both are timed by CUDA-graph replay in the same process.
+
+    source .devbundle/prelude.sh && python3 gpu/score_ablation.py --out $OUT [--shapes decode_b64_n128k,prefill_s4k]
+
+Writes ``score_ablation.json`` (rows, environment, command) under --out. Without a CUDA GPU it exits with status 2.
+"""
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("default", "no_dequant")
+_NO_DEQUANT_PAIR = (
+    "__device__ __forceinline__ void csa2_fp4_pair_bf16(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,\n"
+    "                                                   unsigned hi1, int k) {\n"
+    "  *(unsigned*)dst = (unsigned)w_ + (unsigned)k;  // timing ablation: no conversion, wrong values\n"
+    "}\n"
+)
+
+
+def _use_variant(ix, variant: str, original: str) -> None:
+    """Point the score kernel builder at the variant's pair function (a fresh build: the builder cache is cleared)."""
+    pair = ix._fp4_pair_function("csa2_fp4_pair_bf16", ix._SHR16_SELECTORS)
+    assert pair in original, "the default pair function moved: update the ablation"
+    ix._PRMT_PAIR_CUDA = original if variant == "default" else original.replace(pair, _NO_DEQUANT_PAIR)
+    ix._score_kernel.cache_clear()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--shapes", default="decode_b64_n128k,prefill_s4k", help="indexer_topk shapes, comma-separated")
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("score_ablation: no CUDA GPU here; run it on a GPU machine (see the module docstring)", file=sys.stderr)
+        return 2
+
+    from tiles import indexer as ix
+    from tiles.arch import detect
+    from tiles.compare import relative_l2
+    from tiles.timing import describe_environment, time_cuda_graph
+
+    arch = detect()
+    tile = ix.INDEXER_TOPK
+    cfg = tile.default_config(arch)
+    env = describe_environment()
+    cmd = "python3 gpu/score_ablation.py " + " ".join(sys.argv[1:])
+    original = ix._PRMT_PAIR_CUDA
+    rows = []
+    for name in args.shapes.split(","):
+        shape = tile.shape(name)
+        inputs = tile.make_inputs(shape, seed=17, device="cuda")
+        words, scales = ix._index_k_words(inputs["k_packed"], inputs["k_scales"])
+        q, w, nvis = inputs["q"].to(torch.bfloat16).contiguous(), inputs["weights"].float().contiguous(), inputs["n_visible"]
+        B, S = q.shape[:2]
+        N = inputs["k_packed"].shape[1]
+        pool = torch.empty(B, S, 1, dtype=torch.int32, device="cuda")  # [B, S, 1]: the contiguous kernel reads none
+        scores = torch.full((B, S, N), float("nan"), device="cuda")  # [B, S, N] poisoned
+        want = ix._reference_scores(inputs)
+        for variant in VARIANTS:
+            _use_variant(ix, variant, original)
+            launch = functools.partial(ix._build_score(arch, cfg, False, 8, B * S, N), q, w, words, scales, nvis, pool, scores)
+            scores.fill_(float("nan"))
+            launch()
+            torch.cuda.synchronize()
+            check = relative_l2({"scores": scores}, {"scores": want}, ix.SCORE_RTOL)
+            timing = time_cuda_graph(lambda i, launch=launch: launch())
+            row = {
+                "shape": name,
+                "variant": variant,
+                "config": cfg,
+                "score_us": timing.median_ms * 1e3 if timing else None,
+                "check": "ok" if check.ok else str(check),  # no_dequant is wrong by design
+            }
+            rows.append(row)
+            print(f"{name:18s} {variant:11s} {row['score_us']:8.1f} us  check: {row['check']}", flush=True)
+        _use_variant(ix, "default", original)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "score_ablation.json").write_text(json.dumps({"environment": env, "command": cmd, "rows": rows}, indent=1, default=str))
+    print(f"{env}\ncommand: {cmd}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
