@@ -1,14 +1,16 @@
 """How much of the indexer's score kernel the FP4 dequant costs: the default kernel against itself with the dequant
-taken out (a timing ablation; its scores are wrong by design).
+taken out (a timing ablation; its scores are wrong by design), and the dequant options timed beside them.
 
 ``no_dequant`` builds the score kernel of the indexer's default config (``dequant="prmt_rs"``, fused epilogue) with
 ``csa2_fp4_pair_bf16`` replaced by one integer add: each wgmma A register is the packed word plus the register index,
 so the loads, the shared-memory words, the wgmma, the epilogue and the stores are the default's and only the
 lookups, sign merges and interleaves are gone (the scale tables go too, unused). The time the kernel loses is what any
-cheaper conversion (FP8 operands, integer MMA) could at most win back. The default runs first and is checked against
-the reference (scores rel L2 <= 1e-5); both are timed by CUDA-graph replay in the same process.
+cheaper conversion (FP8 operands, integer MMA) could at most win back. Every variant is checked against the reference
+(scores rel L2 <= 1e-5; the ablation fails it by design) and timed by CUDA-graph replay in the same process: the
+``fp8_rs`` rows are that option at several layouts (``tiles.indexer``, dequant="fp8_rs").
 
     source .devbundle/prelude.sh && python3 gpu/score_ablation.py --out $OUT [--shapes decode_b64_n128k,prefill_s4k]
+        [--variants default,no_dequant,...]
 
 Writes ``score_ablation.json`` (rows, environment, command) under --out. Without a CUDA GPU it exits with status 2.
 """
@@ -23,7 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("default", "no_dequant")
+# name -> (the dequant taken out, config over the tile's default): the ablation, and the dequant options timed beside it
+VARIANTS = {
+    "default": (False, {}),
+    "no_dequant": (True, {}),
+    "fp8_rs_bn128_mc2_st1": (False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 1}),
+    "fp8_rs_bn128_mc2_st2": (False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 2}),
+    "fp8_rs_bn64_mc4_st3": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 4, "stages": 3}),
+    "fp8_rs_bn64_mc3_st4": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 3, "stages": 4}),
+}
 _NO_DEQUANT_PAIR = (
     "__device__ __forceinline__ void csa2_fp4_pair_bf16(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,\n"
     "                                                   unsigned hi1, int k) {\n"
@@ -32,11 +42,12 @@ _NO_DEQUANT_PAIR = (
 )
 
 
-def _use_variant(ix, variant: str, original: str) -> None:
-    """Point the score kernel builder at the variant's pair function (a fresh build: the builder cache is cleared)."""
+def _use_pair(ix, ablate: bool, original: str) -> None:
+    """Point the score kernel builder at the default pair function or the ablation's (a fresh build: the builder
+    cache is cleared)."""
     pair = ix._fp4_pair_function("csa2_fp4_pair_bf16", ix._SHR16_SELECTORS)
     assert pair in original, "the default pair function moved: update the ablation"
-    ix._PRMT_PAIR_CUDA = original if variant == "default" else original.replace(pair, _NO_DEQUANT_PAIR)
+    ix._PRMT_PAIR_CUDA = original.replace(pair, _NO_DEQUANT_PAIR) if ablate else original
     ix._score_kernel.cache_clear()
 
 
@@ -44,7 +55,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", default="decode_b64_n128k,prefill_s4k", help="indexer_topk shapes, comma-separated")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}: known are {list(VARIANTS)}")
 
     import torch
 
@@ -59,7 +75,6 @@ def main() -> int:
 
     arch = detect()
     tile = ix.INDEXER_TOPK
-    cfg = tile.default_config(arch)
     env = describe_environment()
     cmd = "python3 gpu/score_ablation.py " + " ".join(sys.argv[1:])
     original = ix._PRMT_PAIR_CUDA
@@ -74,8 +89,10 @@ def main() -> int:
         pool = torch.empty(B, S, 1, dtype=torch.int32, device="cuda")  # [B, S, 1]: the contiguous kernel reads none
         scores = torch.full((B, S, N), float("nan"), device="cuda")  # [B, S, N] poisoned
         want = ix._reference_scores(inputs)
-        for variant in VARIANTS:
-            _use_variant(ix, variant, original)
+        for variant in variants:
+            ablate, overrides = VARIANTS[variant]
+            _use_pair(ix, ablate, original)
+            cfg = tile.with_defaults(arch, overrides)
             launch = functools.partial(ix._build_score(arch, cfg, False, 8, B * S, N), q, w, words, scales, nvis, pool, scores)
             scores.fill_(float("nan"))
             launch()
@@ -90,8 +107,8 @@ def main() -> int:
                 "check": "ok" if check.ok else str(check),  # no_dequant is wrong by design
             }
             rows.append(row)
-            print(f"{name:18s} {variant:11s} {row['score_us']:8.1f} us  check: {row['check']}", flush=True)
-        _use_variant(ix, "default", original)
+            print(f"{name:18s} {variant:22s} {row['score_us']:8.1f} us  check: {row['check']}", flush=True)
+        _use_pair(ix, False, original)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "score_ablation.json").write_text(json.dumps({"environment": env, "command": cmd, "rows": rows}, indent=1, default=str))

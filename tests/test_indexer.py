@@ -729,6 +729,101 @@ def test_hoisted_epilogue_builds_at_the_indexer_shapes(shape_name):
         assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
 
 
+# dequant=fp8_rs (session 17): the E2M1 codes shifted into E4M3 bytes, one FP8 wgmma per scale group, the group sums
+# scaled by their E8M0 scales in the epilogue.
+
+
+def _fp8_word_model(w: int, half: int) -> int:
+    """csa2_fp8_word's bit operations on a packed word (Python ints, 32 bits)."""
+    if half:
+        return (w & 0x80808080) | ((w >> 2) & 0x1C1C1C1C)
+    return ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C) & 0xFFFFFFFF
+
+
+def test_fp8_word_places_every_e2m1_code_exactly():
+    """Every E2M1 code in every nibble: csa2_fp8_word's E4M3 bytes decode (torch float8_e4m3fn) to the code's value x
+    2^-6, byte j of half h holding nibble 2j + h (the dims _fp8_dim gives q)."""
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (512,), generator=gen, dtype=torch.int64).tolist() + [0x76543210, 0xFEDCBA98]
+    for w in words:
+        for half in (0, 1):
+            out = _fp8_word_model(w, half)
+            got = torch.tensor([(out >> (8 * j)) & 0xFF for j in range(4)], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            for j in range(4):
+                code = (w >> (4 * (2 * j + half))) & 0xF
+                want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * 2.0**-6
+                assert got[j].item() == want, (hex(w), half, j)
+    assert sorted(ix._fp8_dim(g, c) for g in range(4) for c in range(32)) == list(range(128))
+    assert [ix._fp8_dim(0, c) for c in (0, 1, 15, 16, 17)] == [0, 2, 30, 1, 3]  # even nibbles low, odd ones high
+
+
+def test_fp8_q_factor_puts_each_head_max_in_range():
+    """csa2_fp8_q_factor (mirrored): 2^(261 - e) for amax's biased exponent e, so amax x factor is in [128, 256)."""
+    for amax in [2.0**-20, 0.0123, 0.5, 1.0, 5.99, 6.0, 1000.0]:
+        e = int(torch.tensor([amax]).view(torch.int32).item()) >> 23
+        factor = 2.0 ** (261 - e - 127)
+        assert 128.0 <= amax * factor < 256.0
+
+
+@pytest.mark.parametrize(
+    "name, cfg", [("bn128_mc2", {"block_n": 128, "min_ctas": 2}), ("bn64_mc4", {"block_n": 64, "min_ctas": 4, "stages": 3})]
+)
+@pytest.mark.parametrize("gather", [False, True], ids=["contiguous", "gather"])
+def test_fp8_rs_builds_four_fp8_wgmmas_without_spills(name, cfg, gather, tmp_path):
+    """fp8_rs: per tile four k32 E4M3 wgmmas from registers, the combine (which reads the stage's scale words) before
+    the consumer releases the stage, the fused store; ptxas: no spills."""
+    full = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "fp8_rs", **cfg}
+    src = ix._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
+    assert src.count("tl::wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 32, 32") == 4
+    loop = src[src.index("csa2_fp8_word((&(") :]
+    combine = loop.index(f"csa2_fp8_combine<{full['block_n'] // 64}>")
+    assert combine < loop.index("csa2_relu_wsum_store<")
+    assert ".arrive();" not in loop[:combine], "the stage is released before the combine reads its scale words"
+    assert resource_usage(src, tmp_path, SM90.nvcc_arch)[1] == 0
+
+
+def test_fp8_rs_search_space():
+    """fp8_rs: one consumer warpgroup, fused epilogue, block_n <= 128, Hopper only (space and kernel builder);
+    {"dequant": "fp8_rs"} alone is a valid config (block_n capped); not a default."""
+    shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
+    for tile in (ix.INDEXER_TOPK, ix.REINDEX_TOPK):
+        space = tile.search_space(SM90)
+        cfg = tile.with_defaults(SM90, {"dequant": "fp8_rs", "threads": 128, "epilogue": "fused", "min_ctas": 2})
+        assert cfg["block_n"] <= ix.FP8_MAX_BLOCK_N and space.violations(cfg, shape, SM90) == []
+        assert any("fp8_rs" in r for r in space.violations({**cfg, "block_n": 256}, shape, SM90))
+        assert any("fp8_rs" in r or "epilogue" in r for r in space.violations({**cfg, "epilogue": "hoisted"}, shape, SM90))
+        assert tile.default_config(SM90)["dequant"] != "fp8_rs"
+    cfg = ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "fp8_rs"})
+    assert cfg["block_n"] == 128 and cfg["epilogue"] == "fused"
+    assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
+    assert any("Hopper" in r for r in ix.INDEXER_TOPK.search_space(get_arch("sm80")).violations(cfg, shape, get_arch("sm80")))
+    with pytest.raises(ValueError, match="fp8_rs"):
+        ix._score_kernel(SM90.nvcc_arch, 256, 128, 1, 16, "fp8_rs", False, 8, 2, "fused")
+    with pytest.raises(ValueError, match="sm_90a"):
+        ix._score_kernel("sm_80", 128, 128, 1, 16, "fp8_rs", False, 8, 2, "fused")
+
+
+FP8_RS_OPTIONS = {
+    "bn128_mc2_st1": {"block_n": 128, "min_ctas": 2, "stages": 1},
+    "bn128_mc2_st2": {"block_n": 128, "min_ctas": 2, "stages": 2},
+    "bn64_mc4_st3": {"block_n": 64, "min_ctas": 4, "stages": 3},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
+@pytest.mark.parametrize("option", list(FP8_RS_OPTIONS), ids=str)
+def test_fp8_rs_matches_reference(tile, option):
+    """fp8_rs against the reference (scores rel L2 1e-5, top-k sets by the tie rule, two runs bitwise equal), at the
+    decode shape and odd ones: the FP8 group sums are exact only if Hopper's FP8 accumulation keeps 13 bits."""
+    arch = get_arch("sm90")
+    cfg = tile.with_defaults(arch, {"dequant": "fp8_rs", "threads": 128, "epilogue": "fused", **FP8_RS_OPTIONS[option]})
+    for shape in [tile.shape("decode_b64_n32k"), _odd(3, 2, 1000), _odd(2, 1, 77), _odd(1, 3, 4099)]:
+        ev = evaluate(tile, shape, cfg, arch, seed=11, time_it=False)
+        assert ev.outcome == OK, f"{option} {shape.name}: {ev.message}"
+
+
 # epilogue=fused (session 7, written without device time): hoisted plus the ReLU-weighted head sum as one FFMA chain a
 # row, the quad sum as a reduce-scatter and each quad lane storing its own rows, by hand on the wgmma accumulator.
 # (name: (config over the indexer's Hopper default, gather, m-tiles))
@@ -777,8 +872,9 @@ def test_fused_epilogue_is_a_one_warpgroup_rs_option():
     for tile in (ix.INDEXER_TOPK, ix.REINDEX_TOPK):
         space = tile.search_space(SM90)
         base = {**tile.default_config(SM90), "block_n": 256, "threads": 128, "stages": 1}
-        for dequant in ix.RS_DEQUANTS:
-            assert space.violations({**base, "dequant": dequant, "min_ctas": 2, "epilogue": "fused"}, shape, SM90) == []
+        for dequant in ix.REGISTER_A_DEQUANTS:
+            fits = {"block_n": ix.FP8_MAX_BLOCK_N} if dequant == "fp8_rs" else {}
+            assert space.violations({**base, "dequant": dequant, "min_ctas": 2, "epilogue": "fused", **fits}, shape, SM90) == []
         why = space.violations({**base, "dequant": "prmt", "epilogue": "fused"}, shape, SM90)
         assert any("epilogue=fused needs dequant" in r for r in why)
         why = space.violations({**base, **TWO_WARPGROUPS, "dequant": "prmt_rs", "min_ctas": 2, "epilogue": "fused"}, shape, SM90)

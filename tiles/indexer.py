@@ -246,6 +246,101 @@ __device__ __forceinline__ int csa2_scale_byte(int sw, int t) {
 )
 
 
+# dequant="fp8_rs": no FP4 -> bf16 conversion at all. An E2M1 code placed into an E4M3 byte by shifts alone is exact
+# at the fixed factor 2^-6 (s e1 e0 m -> s 0 0 e1 e0 m 0 0: code 0.5 becomes the E4M3 subnormal 2^-7, the rest normals),
+# so each packed word becomes two A registers of an FP8 wgmma (m64n32k32) in 7 integer instructions, against prmt_rs's
+# 15 for the same 8 values. The E8M0 scale of K differs per (entry, group) and an FP8 wgmma cannot apply it, so each
+# of the 4 scale groups is its own k32 wgmma into its own accumulator, and the epilogue combines them:
+# acc = sum_g 2^(s_g - 127) acc_g (1 FMUL + 3 FFMA per element, on the FMA pipe). Why: gpu/score_ablation.py put the
+# dequant at 70 of the default's 250 us at decode B=64 (28%) and 181 of 466 us at prefill 4K (39%), and the
+# conversion's share of it is on the ALU pipe, which issues at half the FMA pipe's rate on Hopper.
+# q: the index queries are FP4 fake-quantised (spec: E2M1 codes x an E8M0 scale per 32), so q x 2^k is exact in E4M3
+# when the head's power-of-two factor 2^k puts its largest |q| in [128, 256) and its four group scales span <= 2^12
+# (smaller groups would round in E4M3's subnormal range). 2^6 / 2^k (the K placement and this factor) folds into the
+# head's weight: ReLU(c x) = c ReLU(x) for c > 0.
+# Exactness of the sums: within one k32 wgmma all 32 products share one scale (one K group, one q group), each an
+# exact multiple of 1/4 of it below 36, so a group sum needs 13 significant bits; whether Hopper's FP8 accumulation
+# keeps them is checked on the GPU (scores against the reference, rel L2 1e-5).
+# A fragment (TileLang's layout for an m64k32 8-bit operand, PTX's): each 32-bit register holds 4 consecutive columns
+# of one row, columns 4t..4t + 3 or 16 + 4t..16 + 4t + 3, t = lane % 4. Column c of group g holds dim ``_fp8_dim(g, c)``:
+# quad lane t takes packed word 4g + t of its rows, the even nibbles in the low 16 columns and the odd ones in the
+# high 16.
+_FP8_CUDA = r"""
+// nibbles 0, 2, 4, 6 (half 0) or 1, 3, 5, 7 (half 1) of w as four E4M3 bytes (code x 2^-6, exact)
+__device__ __forceinline__ void csa2_fp8_word(void* dst, int w_, int half) {
+  const unsigned w = (unsigned)w_;
+  *(unsigned*)dst = half ? (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu) : ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
+}
+// the power of two 2^k that puts amax x 2^k in [128, 256) (1 for a zero head)
+__device__ __forceinline__ float csa2_fp8_q_factor(float amax) {
+  const int e = (int)(__float_as_uint(amax) >> 23);  // amax >= 0: its biased exponent
+  return e == 0 ? 1.0f : __uint_as_float((unsigned)min(254, max(1, 261 - e)) << 23);
+}
+// acc0 = sum_g 2^(s_g - 127) acc_g over the thread's 16 M accumulator floats (csa2_relu_wsum_store's layout), s_g: byte
+// g of the row's scale word in ks (the tile's [block_n] scale words in shared memory). stage_words: the tile's packed
+// words, not read: passed so that TileLang counts this call as a use of the stage and releases it to the producer
+// only after it (the producer writes the next tile's scales into ks then)
+template <int M>
+__device__ __forceinline__ void csa2_fp8_combine(float* acc0, const float* acc1, const float* acc2, const float* acc3,
+                                                 const int* ks, const void* stage_words) {
+  const int l = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int r = 0; r < 2 * M; ++r) {
+    const unsigned sw = (unsigned)ks[(r >> 1) * 64 + warp * 16 + (r & 1) * 8 + (l >> 2)];
+    const float s0 = __uint_as_float((sw << 23) & 0x7F800000u), s1 = __uint_as_float((sw << 15) & 0x7F800000u);
+    const float s2 = __uint_as_float((sw << 7) & 0x7F800000u), s3 = __uint_as_float((sw >> 1) & 0x7F800000u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int a = (r >> 1) * 16 + (e >> 1) * 4 + (r & 1) * 2 + (e & 1);
+      acc0[a] = fmaf(acc3[a], s3, fmaf(acc2[a], s2, fmaf(acc1[a], s1, acc0[a] * s0)));
+    }
+  }
+}
+// w / 2 of the thread's 8 heads (csa2_load_w_half's order) times 2^6 / factor[head]: undoes the K placement and q's factor
+__device__ __forceinline__ void csa2_fp8_scale_w(float* w, const float* factor) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[2 * k] *= 64.0f / factor[8 * k + 2 * q];
+    w[2 * k + 1] *= 64.0f / factor[8 * k + 2 * q + 1];
+  }
+}
+"""
+FP8_GROUPS = (0, 1, 2, 3)  # the scale groups of an entry: a Python tuple, unrolled while tracing
+
+
+def _fp8_dim(g, c):
+    """K dim held in column ``c`` (0..31) of group ``g``'s A fragment by dequant="fp8_rs": the word's even nibbles in
+    columns 0..15, its odd ones in 16..31 (quad lane t's 4 columns 4t.. of each half are word 4g + t's; see _FP8_CUDA)."""
+    return 32 * g + 2 * (c % 16) + c // 16
+
+
+@T.macro
+def _load_q_fp8(q, q8_s, q_fac, b, s, H: int, D: int):
+    """q [B, S, H, D] bf16 (FP4 fake-quantised) -> q8_s[g] float8_e4m3 [H, 32] (``_fp8_dim`` order) = q x q_fac[h], and
+    q_fac [H] fp32: the power of two that puts the head's largest |q| in [128, 256)."""
+    q_f = T.alloc_fragment((H, D), "float32")
+    q_max = T.alloc_fragment((H,), "float32")
+    for h, d in T.Parallel(H, D):
+        q_f[h, d] = q[b, s, h, d]
+    T.reduce_absmax(q_f, q_max, dim=1)
+    for h in T.Parallel(H):
+        q_fac[h] = T.call_extern("float32", "csa2_fp8_q_factor", q_max[h])
+    for g in FP8_GROUPS:
+        for h, c in T.Parallel(H, GROUP):
+            q8_s[g][h, c] = T.Cast("float8_e4m3fn", T.Cast("float32", q[b, s, h, _fp8_dim(g, c)]) * q_fac[h])
+
+
+@T.macro
+def _score_fp8_groups(kw_s, k8, q8_s, accs, block_n: int):
+    """One k32 FP8 wgmma per scale group: k8[g] (the packed words' codes as E4M3, ``_fp8_dim`` order) x q8_s[g] -> accs[g]."""
+    for g in FP8_GROUPS:
+        for i, c in T.Parallel(block_n, GROUP):
+            if c % 4 == 0:  # one 32-bit A register: 4 columns of one row
+                T.call_extern("handle", "csa2_fp8_word", T.address_of(k8[g][i, c]), kw_s[i, 4 * g + (c % 16) // 4], c // 16)
+        T.gemm(k8[g], q8_s[g], accs[g], transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+
+
 RS_PRODUCER_REGS = 24  # setmaxnreg floor: TileLang's producer only waits on mbarriers, loads scales and issues TMA
 REGISTERS_PER_SM = 65536  # sm_80 .. sm_120 alike (tiles.arch registers_per_sm); the kernel builder sees only the target
 
@@ -382,9 +477,11 @@ def _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n: int, D: int):
             T.call_extern("handle", "csa2_fp4_pair_fma", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], sb, j % 4)
 
 
-RS_DEQUANTS = ("prmt_rs", "fma_rs", "prmt_rs2")  # the A fragment built in the consumers' registers, q in a permuted dim order
+RS_DEQUANTS = ("prmt_rs", "fma_rs", "prmt_rs2")  # the bf16 A fragment built in the consumers' registers, q in a permuted dim order
+REGISTER_A_DEQUANTS = (*RS_DEQUANTS, "fp8_rs")  # every wgmma RS path: the A fragment (bf16, or E4M3 per scale group) in registers
 PRMT_RS_DEQUANTS = ("prmt_rs", "prmt_rs2")  # the shared scale -> prmt table, q in the _rs_dim order
-HOPPER_ONLY_DEQUANTS = ("prmt_rs2",)  # built for sm_90a only (the kernel builder refuses other targets)
+HOPPER_ONLY_DEQUANTS = ("prmt_rs2", "fp8_rs")  # built for sm_90a only (the kernel builder refuses other targets)
+FP8_MAX_BLOCK_N = 128  # fp8_rs keeps four accumulators (one per scale group): 256 entries would need 256 of them a thread
 EPILOGUES = ("per_tile", "hoisted", "fused")  # per-CTA constants per tile or once; (fused) + the head sum by hand
 
 
@@ -528,12 +625,15 @@ def _score_kernel(
     Dims B, S, N (and the pool width P) are dynamic, so one compiled kernel serves every
     decode step as the cache grows.
     """
-    if epilogue not in EPILOGUES or (epilogue != "per_tile" and dequant not in RS_DEQUANTS):
-        raise ValueError(f"epilogue={epilogue!r} with dequant={dequant!r}: 'hoisted' / 'fused' are built for {RS_DEQUANTS} only")
+    if epilogue not in EPILOGUES or (epilogue != "per_tile" and dequant not in REGISTER_A_DEQUANTS):
+        raise ValueError(f"epilogue={epilogue!r} with dequant={dequant!r}: 'hoisted' / 'fused' are built for {REGISTER_A_DEQUANTS} only")
     if epilogue == "fused" and threads != 128:
         raise ValueError(f"epilogue='fused' needs one consumer warpgroup (threads 128), got threads={threads}")
     if dequant in HOPPER_ONLY_DEQUANTS and not target.startswith("sm_90"):
         raise ValueError(f"dequant={dequant!r} is built for sm_90a only, got target {target!r}")
+    fp8 = dequant == "fp8_rs"
+    if fp8 and (epilogue != "fused" or block_n > FP8_MAX_BLOCK_N):
+        raise ValueError(f"dequant='fp8_rs' is built with epilogue='fused' and block_n <= {FP8_MAX_BLOCK_N}, got {epilogue!r}, {block_n}")
     H, D = HEADS, HEAD_DIM
     W = D // 8  # int32 words per packed entry (8 nibbles each)
     B, S, N, P = T.dynamic("B, S, N, P")
@@ -570,14 +670,15 @@ def _score_kernel(
                 # __launch_bounds__(threads incl. TileLang's producer, min_ctas): ptxas keeps registers low enough
                 # that min_ctas CTAs fit one SM (64K registers), e.g. <= 64 per thread for 2 x 512 threads
                 T.annotate_min_blocks_per_sm(min_ctas)
-                if dequant in RS_DEQUANTS and min_ctas > 1:
+                if dequant in REGISTER_A_DEQUANTS and min_ctas > 1:
                     # the A fragment lives in the consumers' registers: move the producer's share to them (setmaxnreg)
                     producer_regs, consumer_regs = _rs_register_split(threads, min_ctas)
                     T.annotate_producer_reg_dealloc(producer_regs)
                     T.annotate_consumer_reg_alloc(consumer_regs)
             hoisted = epilogue == "hoisted"
             fused = epilogue == "fused"
-            q_s = T.alloc_shared((H, D), "bfloat16")
+            if not fp8:
+                q_s = T.alloc_shared((H, D), "bfloat16")
             if hoisted:
                 w_half = T.alloc_fragment((H,), "float32")  # w / 2 of the heads a thread's accumulator columns hold
             elif fused:
@@ -590,7 +691,12 @@ def _score_kernel(
             acc = T.alloc_fragment((block_n, H), "float32")
             if not fused:
                 row = T.alloc_fragment((block_n,), "float32")
-            if dequant in ("registers", "fragment_bits", *RS_DEQUANTS):
+            if fp8:  # per scale group: the queries (B operand), the keys' E4M3 codes (A fragment), an accumulator
+                q8_s = [T.alloc_shared((H, GROUP), "float8_e4m3fn") for _ in FP8_GROUPS]
+                k8 = [T.alloc_fragment((block_n, GROUP), "float8_e4m3fn") for _ in FP8_GROUPS]
+                accs = [acc] + [T.alloc_fragment((block_n, H), "float32") for _ in FP8_GROUPS[1:]]
+                q_fac = T.alloc_shared((H,), "float32")
+            elif dequant in ("registers", "fragment_bits", *RS_DEQUANTS):
                 k_deq = T.alloc_fragment((block_n, D), "bfloat16")
             else:
                 k_deq = T.alloc_shared((block_n, D), "bfloat16")
@@ -605,6 +711,8 @@ def _score_kernel(
                 _build_rs_tables(rs_tab)
             if dequant == "fma_rs":
                 T.import_source(_FMA_PAIR_CUDA + pin)
+            if fp8:
+                T.import_source(_FP8_CUDA + pin)
             if dequant == "lut":
                 # byte -> both nibbles' bf16 bit patterns at unit scale (low half = even element).
                 lut = T.alloc_shared((256,), "uint32")
@@ -615,6 +723,8 @@ def _score_kernel(
                 _load_q_rs(q, q_s, b, s, H, D)
             elif dequant == "fma_rs":
                 _load_q_rs_fma(q, q_s, b, s, H, D)
+            elif fp8:
+                _load_q_fp8(q, q8_s, q_fac, b, s, H, D)
             else:
                 T.copy(q[b, s, :, :], q_s)
             if hoisted:
@@ -628,6 +738,8 @@ def _score_kernel(
             elif fused:
                 T.sync_threads()  # as hoisted: every thread wrote q_s (and rs_tab), the consumers read them
                 T.call_extern("handle", "csa2_load_w_half", T.address_of(w_loc[0]), T.access_ptr(weights[b, s, 0], "r", H))
+                if fp8:
+                    T.call_extern("handle", "csa2_fp8_scale_w", T.address_of(w_loc[0]), T.address_of(q_fac[0]))
                 out_ptr = T.call_extern("handle", "csa2_pin_ptr", T.access_ptr(out[b, s, bx * span], "w", span))
             else:
                 T.copy(weights[b, s, :], w_s)
@@ -659,6 +771,8 @@ def _score_kernel(
                     _dequant_fragment_prmt2(kw_s, ks_s, rs_tab, k_deq, block_n, D)
                 elif dequant == "fma_rs":
                     _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n, D)
+                elif fp8:
+                    _score_fp8_groups(kw_s, k8, q8_s, accs, block_n)
                 elif dequant == "fragment_bits":
                     # the bits path's bf16 patterns, built per value straight into the MMA's A fragment: no bf16 tile
                     # in shared memory (TileLang multi-buffers it per stage), so deeper pipelines and more CTAs fit
@@ -678,7 +792,16 @@ def _score_kernel(
                 else:
                     for i, d in T.Parallel(block_n, D):
                         k_deq[i, d] = T.Cast("bfloat16", dequant_value(kw_s[i, d // 8], ks_s[i], d))
-                T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if fp8:  # the four group sums, each times its E8M0 scale, into acc
+                    T.call_extern(
+                        "handle",
+                        f"csa2_fp8_combine<{block_n // 64}>",
+                        *(a.access_ptr("r") for a in accs),
+                        T.address_of(ks_s[0]),
+                        T.address_of(kw_s[0, 0]),
+                    )
+                else:
+                    T.gemm(k_deq, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 if fused:  # the ReLU-weighted head sum, its quad reduction and the store, by hand (_FUSED_EPI_CUDA)
                     T.call_extern(
                         "handle",
@@ -1418,10 +1541,11 @@ def _rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
     spills and serialises the wgmmas (C7512), e.g. 128 threads, block_n 128, min_ctas 4 (104 registers).
     """
     config = {**_SCORE_DEFAULT, **config}
-    if config["dequant"] not in RS_DEQUANTS or config.get("min_ctas", 0) <= 1:
+    if config["dequant"] not in REGISTER_A_DEQUANTS or config.get("min_ctas", 0) <= 1:
         return None
     mtiles = max(1, config["block_n"] // (config["threads"] // 128) // 64)
-    need = 32 + 48 * mtiles
+    # fp8_rs: 16 A + 64 accumulator registers an m-tile (four groups), less of the rest (no tables)
+    need = 32 + (64 if config["dequant"] == "fp8_rs" else 48) * mtiles
     have = _rs_register_split(config["threads"], config["min_ctas"])[1]
     if have >= need:
         return None
@@ -1434,15 +1558,17 @@ def _epilogue_fits(config: Config, shape: Shape | None, arch: Arch) -> str | Non
     layout of one warpgroup: threads 128)."""
     config = {**_SCORE_DEFAULT, **config}
     epilogue = config.get("epilogue", "per_tile")
-    if epilogue != "per_tile" and config["dequant"] not in RS_DEQUANTS:
-        return f"epilogue={epilogue} needs dequant in {list(RS_DEQUANTS)}, got {config['dequant']}"
+    if epilogue != "per_tile" and config["dequant"] not in REGISTER_A_DEQUANTS:
+        return f"epilogue={epilogue} needs dequant in {list(REGISTER_A_DEQUANTS)}, got {config['dequant']}"
     if epilogue == "fused" and config["threads"] != 128:
         return f"epilogue=fused needs one consumer warpgroup (threads 128), got threads={config['threads']}"
+    if config["dequant"] == "fp8_rs" and (epilogue != "fused" or config["block_n"] > FP8_MAX_BLOCK_N):
+        return f"dequant=fp8_rs is built with epilogue=fused and block_n <= {FP8_MAX_BLOCK_N} (four accumulators a thread)"
     return None
 
 
 def _dequant_arch(config: Config, shape: Shape, arch: Arch) -> str | None:
-    """dequant="prmt_rs2" is built (and its SASS counted) for sm_90a only; the kernel builder refuses other targets."""
+    """dequant="prmt_rs2" and "fp8_rs" are built for sm_90a only; the kernel builder refuses other targets."""
     config = {**_SCORE_DEFAULT, **config}
     if config["dequant"] in HOPPER_ONLY_DEQUANTS and arch.family != "hopper":
         return f"dequant={config['dequant']} is built for Hopper (sm_90a) only, got {arch.family}"
@@ -1474,7 +1600,7 @@ def _score_params() -> tuple[Param, ...]:
         ),
         Param(
             "dequant",
-            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs", "prmt_rs2"),
+            ("shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs", "prmt_rs2", "fp8_rs"),
             "FP4 -> bf16 by arithmetic into a shared tile (wgmma SS) or into the A fragment (wgmma RS), "
             "by a 256-entry byte -> bf16x2 table into a shared tile, (bits) one thread per packed word "
             "building the scaled bf16 bit patterns by integer arithmetic into a shared tile, or (fragment_bits) "
@@ -1487,7 +1613,10 @@ def _score_params() -> tuple[Param, ...]:
             "nibble bits placed at bf16 positions by an integer multiply (code x 2^-126) and the E8M0 scale applied by "
             "two packed bf16 multiplies (~1 integer instruction per value instead of ~1.9, no table), or (prmt_rs2, "
             "sm_90a only) prmt_rs's A registers bit for bit with the high-half selectors on the FMA pipe (IMAD.HI) and the "
-            "scale byte by one byte permute (13 instead of 14 ALU-pipe instructions per packed word)",
+            "scale byte by one byte permute (13 instead of 14 ALU-pipe instructions per packed word), or (fp8_rs, sm_90a "
+            "only, fused epilogue, block_n <= 128) no bf16 at all: the E2M1 codes shifted into E4M3 bytes (7 integer "
+            "instructions per packed word) for one FP8 wgmma per scale group, q in E4M3 with a power-of-two factor per "
+            "head, the four group sums scaled by their E8M0 scales on the FMA pipe",
         ),
         Param(
             "epilogue",
@@ -1618,9 +1747,12 @@ class _ScoreAndSelectTile(Tile):
     def with_defaults(self, arch: Arch, config: Config) -> Config:
         """``config`` over the default. A config that picks a dequant other than the RS ones without naming
         ``epilogue`` gets ``per_tile`` (``hoisted`` and ``fused`` are built for the RS dequants only): {"dequant": "shared"}
-        alone is valid on every arch; one that picks two consumer warpgroups gets ``hoisted``."""
+        alone is valid on every arch; one that picks two consumer warpgroups gets ``hoisted``; {"dequant": "fp8_rs"}
+        without a ``block_n`` gets at most FP8_MAX_BLOCK_N."""
         cfg = {**self.default_config(arch), **config}
-        if "epilogue" not in config and cfg["dequant"] not in RS_DEQUANTS:
+        if cfg["dequant"] == "fp8_rs" and "block_n" not in config:
+            cfg["block_n"] = min(cfg["block_n"], FP8_MAX_BLOCK_N)
+        if "epilogue" not in config and cfg["dequant"] not in REGISTER_A_DEQUANTS:
             cfg["epilogue"] = "per_tile"
         elif "epilogue" not in config and cfg["epilogue"] == "fused" and _epilogue_fits(cfg, None, arch):
             cfg["epilogue"] = "hoisted"  # fused reads one warpgroup's accumulator layout: {"threads": 256} alone is valid
