@@ -31,8 +31,8 @@ VARIANTS = {
     "no_dequant": (True, {}),
     "fp8_rs_bn128_mc2_st1": (False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 1}),
     "fp8_rs_bn128_mc2_st2": (False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 2}),
-    "fp8_rs_bn64_mc4_st3": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 4, "stages": 3}),
-    "fp8_rs_bn64_mc3_st4": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 3, "stages": 4}),
+    "fp8_rs_bn64_mc2_st2": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 2, "stages": 2}),
+    "fp8_rs_bn64_mc3_st3": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 3, "stages": 3}),
 }
 _NO_DEQUANT_PAIR = (
     "__device__ __forceinline__ void csa2_fp4_pair_bf16(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,\n"

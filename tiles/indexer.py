@@ -333,12 +333,15 @@ def _load_q_fp8(q, q8_s, q_fac, b, s, H: int, D: int):
 
 @T.macro
 def _score_fp8_groups(kw_s, k8, q8_s, accs, block_n: int):
-    """One k32 FP8 wgmma per scale group: k8[g] (the packed words' codes as E4M3, ``_fp8_dim`` order) x q8_s[g] -> accs[g]."""
+    """One k32 FP8 wgmma per scale group: k8[g] (the packed words' codes as E4M3, ``_fp8_dim`` order) x q8_s[g] -> accs[g].
+    The first three are left in flight (no wait: the next group's conversion writes other registers); the last one's
+    wait covers all four."""
     for g in FP8_GROUPS:
         for i, c in T.Parallel(block_n, GROUP):
             if c % 4 == 0:  # one 32-bit A register: 4 columns of one row
                 T.call_extern("handle", "csa2_fp8_word", T.address_of(k8[g][i, c]), kw_s[i, 4 * g + (c % 16) // 4], c // 16)
-        T.gemm(k8[g], q8_s[g], accs[g], transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+        in_flight = {"wg_wait": -1} if g != FP8_GROUPS[-1] else None
+        T.gemm(k8[g], q8_s[g], accs[g], transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow, annotations=in_flight)
 
 
 RS_PRODUCER_REGS = 24  # setmaxnreg floor: TileLang's producer only waits on mbarriers, loads scales and issues TMA
@@ -740,6 +743,9 @@ def _score_kernel(
                 T.call_extern("handle", "csa2_load_w_half", T.address_of(w_loc[0]), T.access_ptr(weights[b, s, 0], "r", H))
                 if fp8:
                     T.call_extern("handle", "csa2_fp8_scale_w", T.address_of(w_loc[0]), T.address_of(q_fac[0]))
+                    # TileLang does not see that read of q_fac and may give its shared bytes to ks_s, which the producer
+                    # starts writing at once: every thread has read q_fac before any goes on
+                    T.sync_threads()
                 out_ptr = T.call_extern("handle", "csa2_pin_ptr", T.access_ptr(out[b, s, bx * span], "w", span))
             else:
                 T.copy(weights[b, s, :], w_s)
@@ -1544,8 +1550,9 @@ def _rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
     if config["dequant"] not in REGISTER_A_DEQUANTS or config.get("min_ctas", 0) <= 1:
         return None
     mtiles = max(1, config["block_n"] // (config["threads"] // 128) // 64)
-    # fp8_rs: 16 A + 64 accumulator registers an m-tile (four groups), less of the rest (no tables)
-    need = 32 + (64 if config["dequant"] == "fp8_rs" else 48) * mtiles
+    # fp8_rs: 16 A + 64 accumulator registers an m-tile (four groups), all live while the four wgmmas are in flight;
+    # at one m-tile and min_ctas 4 (104 registers) ptxas serialised them (C7512)
+    need = 32 + (80 if config["dequant"] == "fp8_rs" else 48) * mtiles
     have = _rs_register_split(config["threads"], config["min_ctas"])[1]
     if have >= need:
         return None
