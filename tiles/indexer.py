@@ -2005,7 +2005,10 @@ class ReindexTopkTile(_ScoreAndSelectTile):
         # score kernel 134.6 -> 78.5 us, 0.163 -> 0.107 ms per call. Elsewhere not measured: multipass, bits.
         if arch.family != "hopper":
             return {**super().default_config(arch), "select_algo": "multipass"}
-        return {**super().default_config(arch), "select_algo": "two_pass", "dequant": "prmt", "min_ctas": 2}
+        # tiles_per_cta="auto" (resolve_tiles_per_cta): 16 at B=64 (the kernel it ran before), 1 at one sequence, whose
+        # 16K candidates in 16-tile CTAs left 8 CTAs on the GPU. lab tune (reindex_topk.yaml, session 17, 20:04Z): the
+        # B=1 winner, one tile per CTA, 16.1 us against the 16-tile default's 47.8.
+        return {**super().default_config(arch), "select_algo": "two_pass", "dequant": "prmt", "min_ctas": 2, "tiles_per_cta": "auto"}
 
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
