@@ -217,7 +217,9 @@ phase_tune() {
   timeout "${TUNE_S:-240}" $LAB tune --arch auto --tile "${TUNE_TILES:-sparse_attn_decode}" --shapes "${TUNE_SHAPES:-decode_b64_s1,decode_b128_s2}" \
     --trials "${TUNE_TRIALS:-12}" --timeout "${TUNE_STUDY_S:-60}" --compile-jobs 16 > "$OUT/tune.log" 2>&1
   note "tune rc=$? (results/sm90/*.yaml)"
-  COLUMNS=200 timeout 30 $LAB tune --arch sm90 --replay "sparse_attn_decode:sm90:decode_b64_s1" > "$OUT/replay.log" 2>&1
+  # the first tuned tile's first shape (a study the run just wrote; the tile and shape defaults above otherwise)
+  local tiles=${TUNE_TILES:-sparse_attn_decode} shapes=${TUNE_SHAPES:-decode_b64_s1,decode_b128_s2}
+  COLUMNS=200 timeout 30 $LAB tune --arch sm90 --replay "${tiles%%,*}:sm90:${shapes%%,*}" > "$OUT/replay.log" 2>&1
 }
 
 phase_e2e-prefill64k() {  # the 64K prefill: CED on torch and tiles (vs torch), then CED vs non-CED on tiles (a torch non-CED 64K prefill takes minutes)
