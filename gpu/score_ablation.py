@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 VARIANTS = {
     "default": (False, {}),
     "no_dequant": (True, {}),
+    "hidden_skip": (False, {"hidden_tiles": "skip"}),
     "fp8_rs_bn128_mc2_st1": (False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 1}),
     "fp8_rs_bn128_mc2_st2": (False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 2}),
     "fp8_rs_bn64_mc2_st2": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 2, "stages": 2}),

@@ -729,6 +729,53 @@ def test_hoisted_epilogue_builds_at_the_indexer_shapes(shape_name):
         assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
 
 
+# hidden_tiles=skip (session 17): the contiguous score kernel's tile loop ends at the last tile with a visible entry.
+
+
+@pytest.mark.parametrize("rows, n", [(4096, 4096), DECODE_GRID, (1, 131072)], ids=["prefill_s4k", "decode_b64", "decode_b1"])
+def test_hidden_tiles_skip_bounds_the_tile_loop(rows, n, tmp_path):
+    """hidden_tiles=skip: both roles' tile loops end at ceil((nvis - span start) / block_n) (at most tiles_per_cta),
+    the rest of the span is written -inf after the loop; no spills. The default ("score") source is the one before."""
+    cfg = ix.INDEXER_TOPK.default_config(SM90)
+    assert cfg["hidden_tiles"] == "score"
+    src = ix._build_score(SM90, {**cfg, "hidden_tiles": "skip"}, False, 8, rows, n).get_kernel_source()
+    loops = [line for line in src.splitlines() if line.strip().startswith("for (int t") and "nvis" in line]
+    assert len(loops) == 2, loops  # producer and consumer
+    assert "-CUDART_INF_F" in src
+    assert resource_usage(src, tmp_path, SM90.nvcc_arch)[1] == 0
+    assert ix._build_score(SM90, cfg, False, 8, rows, n) is ix._build_score(SM90, {**cfg, "hidden_tiles": "score"}, False, 8, rows, n)
+
+
+def test_hidden_tiles_is_an_indexer_option():
+    """In the indexer's space (not Reindex's: its candidate slots are not in position order, the builder ignores it
+    there); the kernel builder refuses skip for the gathered variant and unknown values."""
+    assert {p.name: p.choices for p in ix.INDEXER_TOPK.search_space(SM90).params}["hidden_tiles"] == ("score", "skip")
+    assert "hidden_tiles" not in {p.name for p in ix.REINDEX_TOPK.search_space(SM90).params}
+    with pytest.raises(ValueError, match="hidden_tiles"):
+        ix._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt", True, 8, 2, "per_tile", "skip")
+    with pytest.raises(ValueError, match="hidden_tiles"):
+        ix._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt", False, 8, 2, "per_tile", "some")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["default", "bn128_t256"])
+def test_hidden_tiles_skip_matches_reference(layout):
+    """hidden_tiles=skip against the reference: causal prefill (half the tiles skipped), decode (the last tiles of
+    short rows), odd shapes with rows that see nothing or fewer than top-k entries."""
+    arch = get_arch("sm90")
+    over = {} if layout == "default" else {**TWO_WARPGROUPS, "epilogue": "hoisted"}
+    cfg = ix.INDEXER_TOPK.with_defaults(arch, {"hidden_tiles": "skip", **over})
+    for shape in [
+        ix.INDEXER_TOPK.shape("prefill_s4k"),
+        ix.INDEXER_TOPK.shape("decode_b64_n32k"),
+        _odd(3, 2, 1000),
+        _odd(2, 1, 77),
+        _odd(1, 3, 4099),
+    ]:
+        ev = evaluate(ix.INDEXER_TOPK, shape, cfg, arch, seed=13, time_it=False)
+        assert ev.outcome == OK, f"{layout} {shape.name}: {ev.message}"
+
+
 # dequant=fp8_rs (session 17): the E2M1 codes shifted into E4M3 bytes, one FP8 wgmma per scale group, the group sums
 # scaled by their E8M0 scales in the epilogue.
 

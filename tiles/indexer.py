@@ -490,6 +490,12 @@ PRMT_RS_DEQUANTS = ("prmt_rs", "prmt_rs2")  # the shared scale -> prmt table, q 
 HOPPER_ONLY_DEQUANTS = ("prmt_rs2", "fp8_rs")  # built for sm_90a only (the kernel builder refuses other targets)
 FP8_MAX_BLOCK_N = 128  # fp8_rs keeps four accumulators (one per scale group): 256 entries would need 256 of them a thread
 EPILOGUES = ("per_tile", "hoisted", "fused")  # per-CTA constants per tile or once; (fused) + the head sum by hand
+# hidden_tiles: what the contiguous score kernel does with the entry tiles past the token's visible count. "score"
+# dequantises, multiplies and masks them like any other; "skip" ends the CTA's tile loop at the last tile holding a
+# visible entry and writes -inf over the rest of its span. Why: at prefill each token sees the cache up to itself, so
+# about half the (token, tile) pairs hold no visible entry, and gpu/score_ablation.py put the prefill kernel's dequant
+# alone at 39% of its time. Decode rows see (nearly) the whole cache: the same loop less at most its last tiles.
+HIDDEN_TILES = ("score", "skip")
 
 
 # epilogue="hoisted" (RS dequants): the tile loop's fixed work that does not change within a CTA, done once per CTA.
@@ -623,11 +629,14 @@ def _score_kernel(
     pool_block: int = 8,
     min_ctas: int = 0,
     epilogue: str = "per_tile",
+    hidden_tiles: str = "score",
 ):
     """Build the score kernel (see module docstring); ``gather`` selects the Reindex variant.
 
     ``epilogue`` (RS dequants only): "per_tile" reloads the weights from shared memory, halves them and rebuilds the
     output address in every tile; "hoisted" does that once per CTA (see the comment above ``_PIN_CUDA``).
+    ``hidden_tiles`` (contiguous variant): "skip" runs a CTA's tile loop only over the tiles that hold an entry the
+    token sees and writes -inf over the rest of its span (see ``HIDDEN_TILES``); "score" scores and masks them.
 
     Dims B, S, N (and the pool width P) are dynamic, so one compiled kernel serves every
     decode step as the cache grows.
@@ -638,6 +647,9 @@ def _score_kernel(
         raise ValueError(f"epilogue='fused' needs one consumer warpgroup (threads 128), got threads={threads}")
     if dequant in HOPPER_ONLY_DEQUANTS and not target.startswith("sm_90"):
         raise ValueError(f"dequant={dequant!r} is built for sm_90a only, got target {target!r}")
+    if hidden_tiles not in HIDDEN_TILES or (hidden_tiles == "skip" and gather):
+        raise ValueError(f"hidden_tiles={hidden_tiles!r}: one of {HIDDEN_TILES}, 'skip' for the contiguous variant only")
+    skip_hidden = hidden_tiles == "skip"
     fp8 = dequant == "fp8_rs"
     if fp8 and (epilogue != "fused" or block_n > FP8_MAX_BLOCK_N):
         raise ValueError(f"dequant='fp8_rs' is built with epilogue='fused' and block_n <= {FP8_MAX_BLOCK_N}, got {epilogue!r}, {block_n}")
@@ -753,7 +765,9 @@ def _score_kernel(
                 out_ptr = T.call_extern("handle", "csa2_pin_ptr", T.access_ptr(out[b, s, bx * span], "w", span))
             else:
                 T.copy(weights[b, s, :], w_s)
-            for t in T.Pipelined(tiles_per_cta, num_stages=stages):
+            # skip: the tiles up to the last one holding an entry < nvis (a prefill token sees the cache up to itself)
+            n_tiles = T.max(0, T.min(tiles_per_cta, T.ceildiv(nvis - bx * span, block_n))) if skip_hidden else tiles_per_cta
+            for t in T.Pipelined(n_tiles, num_stages=stages):
                 n0 = (bx * tiles_per_cta + t) * block_n
                 if gather:
                     # The pool's block ids give each slot its cache position; an unused (-1)
@@ -848,6 +862,10 @@ def _score_kernel(
                                     out[b, s, j] = T.if_then_else(pos_s[i] >= 0, row[i], -T.infinity("float32"))
                                 else:
                                     out[b, s, j] = T.if_then_else(j < nvis, row[i], -T.infinity("float32"))
+            if skip_hidden:  # the span's skipped tiles: no entry visible, every score -inf
+                for i in T.Parallel(span):
+                    if i >= n_tiles * block_n and bx * span + i < n_out:
+                        out[b, s, bx * span + i] = -T.infinity("float32")
 
     return tilelang.compile(score, target=tvm.target.Target(_target_dict(target)))
 
@@ -1224,9 +1242,12 @@ def _build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | 
     tiles = resolve_tiles_per_cta(cfg["tiles_per_cta"], rows, n_out, cfg["block_n"], arch)
     common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], tiles)
     epilogue = cfg.get("epilogue", "per_tile")
-    if epilogue == "per_tile":  # the call (and functools.cache key) of before the option: the same kernel object
+    hidden = cfg.get("hidden_tiles", "score") if not gather else "score"  # Reindex's slots are not in position order
+    if epilogue == "per_tile" and hidden == "score":  # the call (and functools.cache key) of before the options
         return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0))
-    return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), epilogue)
+    if hidden == "score":
+        return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), epilogue)
+    return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), epilogue, hidden)
 
 
 def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
@@ -1785,14 +1806,26 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         split = Param(
             "select_split", ("auto", *SELECT_SPLITS), "score rows cut into parts: a top-k per part (more CTAs), then of the candidates"
         )
+        hidden = Param(
+            "hidden_tiles",
+            HIDDEN_TILES,
+            "entry tiles past the token's visible count: scored and masked (score), or left out of the CTA's tile loop "
+            "and written -inf (skip; a prefill token sees the cache up to itself)",
+        )
         return SearchSpace(
-            space.params + (split, _SELECT_ALGO) + _RADIX_PARAMS,
+            space.params + (hidden, split, _SELECT_ALGO) + _RADIX_PARAMS,
             space.constraints + (Constraint("radix_two_pass_only", _radix_two_pass_only), Constraint("radix_smem", _radix_smem)),
         )
 
     def default_config(self, arch: Arch) -> Config:
         # auto: as many parts as fill the SMs twice (8 for decode B=64, 1 for prefill), from the H200 profile
-        cfg = {**super().default_config(arch), "select_split": "auto", "select_algo": "multipass", **_RADIX_DEFAULT}
+        cfg = {
+            **super().default_config(arch),
+            "hidden_tiles": "score",
+            "select_split": "auto",
+            "select_algo": "multipass",
+            **_RADIX_DEFAULT,
+        }
         if arch.family == "hopper":
             # H200, one run (results/sm90/profile_indexer_prmt_two_pass.json): byte-permute dequant, two CTAs per SM
             # and the two-pass select: decode B=64 x 128K 1.318 -> 0.530 ms per call, prefill 4K 2.253 -> 1.012 ms.
