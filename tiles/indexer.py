@@ -1241,13 +1241,9 @@ def _build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | 
         raise ValueError("tiles_per_cta='auto' is resolved per grid: give the score rows and their length")
     tiles = resolve_tiles_per_cta(cfg["tiles_per_cta"], rows, n_out, cfg["block_n"], arch)
     common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], tiles)
-    epilogue = cfg.get("epilogue", "per_tile")
     hidden = cfg.get("hidden_tiles", "score") if not gather else "score"  # Reindex's slots are not in position order
-    if epilogue == "per_tile" and hidden == "score":  # the call (and functools.cache key) of before the options
-        return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0))
-    if hidden == "score":
-        return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), epilogue)
-    return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), epilogue, hidden)
+    # every argument named, so a config with or without an optional key at its default is one cache entry
+    return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), cfg.get("epilogue", "per_tile"), hidden)
 
 
 def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
