@@ -449,6 +449,61 @@ def test_prmt_fp4_decode_compiles_for_sm90_and_is_refused_elsewhere():
     assert "fp4_decode" not in sa.BF16_TILE.search_space(SM90).names()
 
 
+def test_kv_staging_is_a_prefill_choice_resolved_per_call():
+    """kv_staging (GPU checks in GPU_CASES): the prefill tile's only; "auto" expands where the call reads each cache
+    row EXPAND_MIN_READS times or more (every prefill shape), gathers where it does not (every decode shape)."""
+    assert "kv_staging" in sa.PREFILL_TILE.search_space(SM90).names()
+    for tile in (sa.DECODE_TILE, sa.BF16_TILE):
+        assert "kv_staging" not in tile.search_space(SM90).names()
+
+    def resolve(choice, shape):
+        return sa.resolve_kv_staging(choice, *(shape[k] for k in ("B", "S", "W", "K", "Nw", "Nc")))
+
+    for shape in sa.PREFILL_TILE.shapes():
+        assert resolve("auto", shape) == "expand", shape.name
+    for shape in sa.DECODE_TILE.shapes():
+        assert resolve("auto", shape) == "gather", shape.name
+    chunk = _shape("chunk", "prefill", B=1, S=300, Nc=1 << 20, Nw=300)  # a short prompt chunk over a long cache
+    assert resolve("auto", chunk) == "gather"
+    assert resolve("expand", chunk) == "expand" and resolve("gather", sa.PREFILL_TILE.shape("prefill_s4k")) == "gather"
+    with pytest.raises(ValueError, match="resolve_kv_staging"):
+        sa.compiled(64, 512, 128, 512, SCALE, "fp4", {**sa.PREFILL_TILE.default_config(SM90), "kv_staging": "auto"}, SM90)
+
+
+def test_kv_staging_expand_refuses_the_fp4_only_producer_choices():
+    tile, space = sa.PREFILL_TILE, sa.PREFILL_TILE.search_space(SM90)
+    shape = tile.shape("prefill_s4k")
+    chunk = _shape("chunk", "prefill", B=1, S=300, Nc=1 << 20, Nw=300)
+    for other in ({"produce": "prefetch"}, {"wg1_rows": 16}, {"schedule": "pipelined", "dequant": "staged", "num_stages": 1}):
+        for staging in ("expand", "auto"):
+            cfg = tile.with_defaults(SM90, {"kv_staging": staging, **other})
+            assert any("kv_staging=expand" in r for r in space.violations(cfg, shape, SM90)), (staging, other)
+        # auto gathers at the chunk shape, where the producer's choices stand
+        assert space.violations(tile.with_defaults(SM90, {"kv_staging": "auto", **other}), chunk, SM90) == [], other
+    for other in ({}, {"fp4_decode": "fma"}, {"consumers": "seesaw"}, {"schedule": "pipelined"}, {"tokens_per_cta": 2}):
+        cfg = tile.with_defaults(SM90, {"kv_staging": "expand", **other})
+        assert space.violations(cfg, shape, SM90) == [], other
+
+
+@pytest.mark.parametrize("arch_name", ["sm80", "sm86", "sm89", "sm90"])
+def test_kv_staging_expand_compiles_everywhere(arch_name):
+    """The expansion calls the gathering producer's own decode helpers (so the bf16 rows are its bits), and the
+    attention behind it is the bf16 tile's kernel for the same config."""
+    arch = get_arch(arch_name)
+    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
+    cfg = tile.with_defaults(arch, {"kv_staging": "expand"})
+    assert tile.search_space(arch).violations(cfg, shape, arch) == []
+    kernel = tile.build(shape, cfg, arch)
+    assert isinstance(kernel, sa.ExpandedAttention)
+    src = kernel.expand.get_kernel_source()
+    fp4_word = sa._FP4X8_FUNCTIONS[cfg["fp4_decode"]]
+    assert re.search(rf"(?<!void )\b{fp4_word}\(", src) and re.search(r"(?<!void )\bcsa2_e4m3x4_bf16\(", src)
+    assert re.search(r"(?<!void )\bcsa2_e4m3_scale2\(", src) and re.search(r"(?<!void )\bcsa2_e8m0_scale2\(", src)
+    bf16_cfg = {k: v for k, v in cfg.items() if k not in ("dequant", "wg1_rows", "fp4_decode", "kv_staging")}
+    bf16 = sa.BF16_TILE.build(shape, bf16_cfg, arch)  # its n_split resolves to 1 here: one kernel, no combine
+    assert bf16.combine is None and kernel.attend.main.get_kernel_source() == bf16.main.get_kernel_source()
+
+
 @pytest.mark.parametrize("tpc", [2, 4])
 def test_tokens_per_cta_compiles_for_sm90(tpc):
     """tokens_per_cta (GPU checks in GPU_CASES): each CTA loops over tpc (token, head block) items, the barrier phases
@@ -759,6 +814,12 @@ GPU_CASES = [
     (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused", "io": "direct", "produce": "serial"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"combine": "fused", "consumers": "balanced"}),
     (sa.BF16_TILE, "decode_b64_s1", {"combine": "fused"}),
+    # kv_staging=expand: both caches expanded to bf16 once, then the bf16 kernel of the same config gathers them
+    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "fp4_decode": "fma"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "consumers": "seesaw"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "lanes": "column", "tokens_per_cta": 2}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "schedule": "pipelined"}),
 ]
 
 
@@ -851,6 +912,52 @@ def test_seesaw_consumers_odd_shapes(tile, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [s for s in ODD_SHAPES if s.phase == "prefill"], ids=lambda s: s.name)
+def test_kv_staging_expand_odd_shapes(shape):
+    _check(sa.PREFILL_TILE, shape, {"kv_staging": "expand"})
+
+
+@pytest.mark.gpu
+def test_expanded_caches_are_the_reference_dequant_in_bf16():
+    """The expansion writes, bit for bit, the bf16 of model.formats' dequantisation (both FP4 word decodes), over
+    scales spread across 2^-30..2^30 and row counts that leave a CTA partly empty."""
+    from tiles.kv_expand import expand_caches, expand_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def spread(n):  # [2, n, 512] float32, each row at its own power-of-two magnitude
+        mag = 2.0 ** torch.randint(-30, 31, (2, n, 1), generator=g, device="cuda").float()
+        return torch.randn(2, n, 512, generator=g, device="cuda") * mag
+
+    wc, ws = fp8_quantize(spread(37))  # [2, 37, 512], [2, 37, 16]
+    mp, ms = fp4_quantize(spread(301))  # [2, 301, 256], [2, 301, 32]
+    want_w = fp8_dequantize(wc, ws).bfloat16().view(torch.int16)
+    want_m = fp4_dequantize(mp, ms).bfloat16().view(torch.int16)
+    for fp4_decode in ("fma", "prmt"):
+        kernel = expand_kernel(512, sa._decode_helpers_cuda(fp4_decode), sa._FP4X8_FUNCTIONS[fp4_decode], SM90)
+        window_kv, main_kv = expand_caches(kernel, wc, ws, mp, ms)
+        assert torch.equal(window_kv.view(torch.int16), want_w), fp4_decode
+        assert torch.equal(main_kv.view(torch.int16), want_m), fp4_decode
+
+
+@pytest.mark.gpu
+def test_kv_staging_expand_is_the_bf16_kernel_on_the_dequantised_caches():
+    """kv_staging=expand changes where the rows are decoded, nothing else: its output equals, bit for bit, the bf16
+    tile's kernel of the same config on the reference-dequantised caches."""
+    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
+    kernel, inputs = _check(tile, shape, {"kv_staging": "expand"})
+    bf16_cfg = {k: v for k, v in tile.with_defaults(SM90, {}).items() if k not in ("dequant", "wg1_rows", "fp4_decode", "kv_staging")}
+    bf16 = sa.BF16_TILE.build(shape, bf16_cfg, SM90)
+    bf16_inputs = {
+        **inputs,
+        "window_kv": fp8_dequantize(inputs["window_codes"], inputs["window_scales"]).bfloat16(),
+        "main_kv": fp4_dequantize(inputs["main_packed"], inputs["main_scales"], 16, "e4m3").bfloat16(),
+    }
+    got, want = tile.run(kernel, inputs)["out"], sa.BF16_TILE.run(bf16, bf16_inputs)["out"]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [s for s in ODD_SHAPES if s.phase == "decode"], ids=lambda s: s.name)
 def test_fused_combine_odd_shapes(shape):
     """combine=fused at H=128 (two counters per token), W=37 and K=100 (8 splits over 4 blocks: some split CTAs have
@@ -928,13 +1035,15 @@ def _public_reference(q, wc, ws, wi, mp, ms, ti, sink):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,S", [(4, 1), (1, 300)], ids=["decode", "prefill"])
-def test_sparse_attention_edge_rows(B, S):
+@pytest.mark.parametrize(
+    "B,S,config", [(4, 1, None), (1, 300, None), (1, 300, {"kv_staging": "expand"})], ids=["decode", "prefill", "prefill_expand"]
+)
+def test_sparse_attention_edge_rows(B, S, config):
     q, wc, ws, wi, mp, ms, ti, sink = _public_inputs(B, S)
     wi[0, 0], ti[0, 0] = -1, -1  # no valid index: exact zeros
     ti[-1, -1] = 7  # one entry repeated K times counts K times
     wi[-1, -1] = -1
-    out = sa.sparse_attention(q, wc, ws, wi, mp, ms, ti, sink, SCALE, check_indices=True)
+    out = sa.sparse_attention(q, wc, ws, wi, mp, ms, ti, sink, SCALE, config=config, check_indices=True)
     ref = _public_reference(q, wc, ws, wi, mp, ms, ti, sink)
     assert (out[0, 0] == 0).all()
     assert torch.isfinite(out).all()

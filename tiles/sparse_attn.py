@@ -52,6 +52,7 @@ from tiles.arch import Arch, get_arch
 from tiles.compare import relative_l2
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
 from tiles.fp4 import PRMT_ASM_CUDA
+from tiles.kv_expand import expand_caches, expand_kernel
 from tiles.shapes import attention_shapes
 
 LOG2E = 1.4426950408889634
@@ -188,6 +189,11 @@ __device__ __forceinline__ void csa2_fp4x8_bf16_prmt(void* dst, int w, unsigned 
 )
 # The FP4 main-word dequant the ws batched/prefetch producer calls, per ``fp4_decode``.
 _FP4X8_FUNCTIONS = {"fma": "csa2_fp4x8_bf16", "prmt": "csa2_fp4x8_bf16_prmt"}
+
+
+def _decode_helpers_cuda(fp4_decode: str) -> str:
+    """The producer's decode helpers for ``fp4_decode`` (the FP8 window's and the FP4 main word's)."""
+    return _DEQUANT_CUDA + (_FP4_PRMT_CUDA if fp4_decode == "prmt" else "")
 
 
 # The fused combine's release fence (see _ws_fused_combine). TileLang 0.1.15 has atomics with a memory order
@@ -652,7 +658,7 @@ def _sparse_attn_ws(
     batched = produce in ("batched", "prefetch")
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
-    dequant_cuda = (_DEQUANT_CUDA + (_FP4_PRMT_CUDA if fp4_decode == "prmt" else "")) if batched and fp4 else ""
+    dequant_cuda = _decode_helpers_cuda(fp4_decode) if batched and fp4 else ""
     if "stores" in _PRODUCER_CUTS.get(ablate, ()):
         dequant_cuda += _NO_STORES_CUDA
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
@@ -1959,11 +1965,42 @@ class CompiledAttention:
         return buf[:need].view(B, S, self.rep)  # [B, S, REP]
 
 
-def compiled(heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch) -> CompiledAttention:
-    """The cached kernel for (shape key, config, arch); compiles on first use."""
+# The keys of an FP4 config that the bf16 kernel behind kv_staging="expand" does not take (fp4_decode picks the
+# expansion's FP4 word decode instead).
+_FP4_ONLY_KEYS = ("dequant", "wg1_rows", "fp4_decode", "kv_staging")
+
+
+class ExpandedAttention:
+    """``kv_staging="expand"``: both quantised caches expanded to bf16 (:mod:`tiles.kv_expand`, one launch), then the
+    bf16 kernel of the same config gathers them. Called like :class:`CompiledAttention` with FP4/FP8 arguments."""
+
+    def __init__(self, heads: int, dim: int, window: int, topk: int, scale: float, config: Config, arch: Arch):
+        fp4_decode = config.get("fp4_decode", "fma")
+        self.expand = expand_kernel(dim, _decode_helpers_cuda(fp4_decode), _FP4X8_FUNCTIONS[fp4_decode], arch)
+        bf16_config = {k: v for k, v in config.items() if k not in _FP4_ONLY_KEYS}
+        self.attend = compiled(heads, dim, window, topk, scale, "bf16", bf16_config, arch)
+        self.main = self.attend.main  # the attention kernel, for source dumps
+
+    def __call__(self, q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out: torch.Tensor | None = None) -> torch.Tensor:
+        window_kv, main_kv = expand_caches(self.expand, win_a, win_b, main_a, main_b)  # [B, Nw, D], [B, Nc, D] bf16
+        dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1], the bf16 kernel has no scale tensors
+        return self.attend(q, window_kv, dummy, window_idx, main_kv, dummy, topk_idx, sink, out=out)
+
+
+def compiled(
+    heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch
+) -> "CompiledAttention | ExpandedAttention":
+    """The cached kernel for (shape key, config, arch); compiles on first use. ``kv_staging`` must be resolved
+    (:func:`resolve_kv_staging`): "expand" gives the expansion and the bf16 kernel behind one call."""
     key = (heads, dim, window, topk, float(scale), kv_format, tuple(sorted(config.items())), arch.name)
     if key not in _KERNELS:
-        _KERNELS[key] = CompiledAttention(heads, dim, window, topk, scale, kv_format, config, arch)
+        staging = config.get("kv_staging", "gather")
+        if staging not in ("gather", "expand"):
+            raise ValueError(f"kv_staging {staging!r} must be resolved to 'gather' or 'expand' first (resolve_kv_staging)")
+        if staging == "expand":
+            _KERNELS[key] = ExpandedAttention(heads, dim, window, topk, scale, config, arch)
+        else:
+            _KERNELS[key] = CompiledAttention(heads, dim, window, topk, scale, kv_format, config, arch)
     return _KERNELS[key]
 
 
@@ -2051,6 +2088,8 @@ def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], confi
     _require(not reasons, f"config {cfg} is not valid for {tile.name} at {dims}: {'; '.join(reasons)}")
     if tile.splits:
         cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch, cfg["schedule"])
+    if "kv_staging" in cfg:
+        cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], *(dims[k] for k in ("B", "S", "W", "K", "Nw", "Nc")))
     return cfg
 
 
@@ -2245,6 +2284,21 @@ def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arc
     return split
 
 
+KV_STAGINGS = ("gather", "expand", "auto")  # prefill: decode in the producer per read, or expand both caches once
+# "auto" expands when the call reads each cache row at least this many times on average (rows gathered over rows
+# expanded). A chosen bound, not a measured crossover: the prefill shapes read each row hundreds of times, decode
+# shapes (a token's rows mostly its own) far less than once.
+EXPAND_MIN_READS = 8
+
+
+def resolve_kv_staging(kv_staging: str, B: int, S: int, W: int, K: int, Nw: int, Nc: int) -> str:
+    """``kv_staging`` for one call: "auto" -> "expand" when the B * S tokens' W + K gathered rows read every row of the
+    two caches (B * (Nw + Nc)) at least EXPAND_MIN_READS times on average, else "gather"."""
+    if kv_staging != "auto":
+        return kv_staging
+    return "expand" if B * S * (W + K) >= EXPAND_MIN_READS * B * (Nw + Nc) else "gather"
+
+
 def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     """Shared memory one block asks for (the compiler's own figure is within a few KiB)."""
     hb, bi, d = config["heads_per_block"], config["block_I"], shape["D"]
@@ -2338,6 +2392,10 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
         if c.get("fp4_decode", "fma") != "fma" and (why := _prmt_decode_refusal(c, kv_format)):
             return why
+        expands = resolve_kv_staging(c.get("kv_staging", "gather"), *(s[k] for k in ("B", "S", "W", "K", "Nw", "Nc"))) == "expand"
+        fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
+        if expands and fp4_rows:
+            return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
         if c.get("produce", "serial") in ("batched", "prefetch") and c["block_I"] % 32:
             return "the batched producer moves rows in passes of 16, FP8 in two halves: block_I a multiple of 32"
         return None
@@ -2458,6 +2516,16 @@ class SparseAttnTile(Tile):
                     "multiply by the scale pair (the same bits, fewer producer instructions)",
                 )
             )
+        if self.kv_format == "fp4" and not self.splits:
+            params.append(
+                Param(
+                    "kv_staging",
+                    KV_STAGINGS,
+                    "prefill: the producer decodes each FP4/FP8 row every time a token reads it, or one launch first "
+                    "expands both caches to bf16 (each row once; fp4_decode picks its FP4 decode) and the bf16 kernel "
+                    "gathers them; auto expands when the call reads each row EXPAND_MIN_READS times or more",
+                )
+            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -2504,6 +2572,8 @@ class SparseAttnTile(Tile):
             # bits), H200, one run against fma (results/sm90/sparse_attn_run14_fp4_prmt.json): prefill 4K 1.0247 ->
             # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
+            if not self.splits:
+                cfg["kv_staging"] = "gather"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
@@ -2534,7 +2604,7 @@ class SparseAttnTile(Tile):
                 cfg[key] = broad
         return cfg
 
-    def build(self, shape: Shape, config: Config, arch: Arch) -> CompiledAttention:
+    def build(self, shape: Shape, config: Config, arch: Arch) -> "CompiledAttention | ExpandedAttention":
         reason = self.support_reason(arch)
         if reason:
             raise TileError(f"{self.name} does not support {arch.name}: {reason}")
@@ -2543,6 +2613,8 @@ class SparseAttnTile(Tile):
             cfg["n_split"] = resolve_split(
                 cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"]
             )
+        if "kv_staging" in cfg:
+            cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], *(shape[k] for k in ("B", "S", "W", "K", "Nw", "Nc")))
         return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
 
     def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:

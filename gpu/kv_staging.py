@@ -1,0 +1,92 @@
+"""The prefill attention with its caches gathered and decoded per read (``kv_staging="gather"``) against expanded to
+bf16 once (``"expand"``), in one run.
+
+    python3 gpu/kv_staging.py --json $OUT/kv_staging.json [--shapes prefill_s4k,prefill_s16k,prefill_s64k]
+
+Per shape: both configs through the harness (checked against the torch reference on fresh inputs with NaN-poisoned
+outputs, repeat runs bitwise equal, then timed by CUDA-graph replay), the expansion and the bf16 attention behind
+"expand" timed alone on the same inputs, and the torch reference. Runs from the repo root on a GPU machine; without a
+CUDA GPU it exits with status 2 and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = "prefill_s4k,prefill_s16k,prefill_s64k"
+STAGINGS = ("gather", "expand")
+
+
+def _parts(tile, shape, arch) -> dict[str, float | None]:
+    """Device ms of the expansion alone and of the bf16 attention alone on its output (CUDA-graph replay)."""
+    import torch
+
+    from tiles.kv_expand import expand_caches
+    from tiles.timing import time_cuda_graph
+
+    kernel = tile.build(shape, {"kv_staging": "expand"}, arch)
+    inputs = tile.make_inputs(shape, 0, "cuda")
+    f8 = torch.float8_e4m3fn
+    args = (inputs["window_codes"], inputs["window_scales"], inputs["main_packed"], inputs["main_scales"].view(f8))
+    window_kv, main_kv = expand_caches(kernel.expand, *args)
+    dummy = torch.empty(1, dtype=torch.uint8, device="cuda")
+    out = torch.empty_like(inputs["q"])
+
+    def attend(_):
+        kernel.attend(inputs["q"], window_kv, dummy, inputs["window_idx"], main_kv, dummy, inputs["topk_idx"], inputs["sink"], out=out)
+
+    expand = time_cuda_graph(lambda _: expand_caches(kernel.expand, *args))
+    attention = time_cuda_graph(attend)
+    return {"expand_ms": expand.median_ms if expand else None, "bf16_attention_ms": attention.median_ms if attention else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kv_staging.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from tiles.arch import detect
+    from tiles.harness import evaluate, time_reference
+    from tiles.sparse_attn import PREFILL_TILE
+    from tiles.timing import describe_environment
+
+    arch = detect()
+    tile = PREFILL_TILE
+    doc = {"command": "python3 gpu/kv_staging.py " + " ".join(sys.argv[1:]), "environment": describe_environment(), "rows": []}
+    print(f"{'shape':14} {'staging':8} {'outcome':8} {'ms':>8} {'TFLOPS':>7} {'rel_l2':>8}")
+    for name in args.shapes.split(","):
+        shape = tile.shape(name)
+        row = {"shape": name, "dims": dict(shape.dims), "flops": tile.flops(shape)}
+        for staging in STAGINGS:
+            ev = evaluate(tile, shape, tile.with_defaults(arch, {"kv_staging": staging}), arch)
+            row[staging] = ev.to_dict()
+            tflops = f"{ev.tflops:7.1f}" if ev.tflops else "      -"
+            ms = f"{ev.ms:8.4f}" if ev.ms else "       -"
+            print(f"{name:14} {staging:8} {ev.outcome:8} {ms} {tflops} {ev.error if ev.error is not None else '-':>8}", flush=True)
+            if not ev.ok:
+                print(f"  {ev.message}", flush=True)
+        row.update(_parts(tile, shape, arch))
+        row["torch_ms"] = time_reference(tile, shape)
+        print(
+            f"  expansion alone {row['expand_ms']} ms, bf16 attention alone {row['bf16_attention_ms']} ms, torch {row['torch_ms']} ms",
+            flush=True,
+        )
+        doc["rows"].append(row)
+        torch.cuda.empty_cache()
+    args.json.write_text(json.dumps(doc, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
