@@ -65,7 +65,22 @@ LABELS = {
     # the split partials of O stored and combined as bf16 (half the bytes of the fp32 partials)
     "parts_bf16": {"partials": "bf16"},
     "parts_bf16_split4": {"partials": "bf16", "n_split": 4},
+    # prefill: the caches decoded per read by the producer, or expanded to bf16 once (Hopper's prefill default since
+    # session 18, "auto")
+    "gather": {"kv_staging": "gather"},
+    "expand": {"kv_staging": "expand"},
 }
+
+
+def _override(tile_name: str, label: str) -> dict:
+    """LABELS[label] for ``tile_name``. The producer options are the gathering producer's: at prefill, whose default
+    expands the caches instead, every label but "default" runs on kv_staging=gather unless it names kv_staging."""
+    override = LABELS[label]
+    if tile_name == "sparse_attn_prefill" and label != "default" and "kv_staging" not in override:
+        return {**override, "kv_staging": "gather"}
+    return override
+
+
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
 S777 = ("odd_s777", "prefill", {"B": 1, "S": 777, "Nc": 777, "Nw": 777, "H": 64, "W": 128, "K": 512})
@@ -158,7 +173,7 @@ def _shape(tile, spec):
 def _compile_job(job):
     """Worker: build one (tile, shape, config) so the disk cache holds it. Returns (job index, seconds, error)."""
     i, tile_name, spec, label = job
-    override = LABELS[label]
+    override = _override(tile_name, label)
     from tiles.arch import get_arch
     from tiles.registry import get_tile
 
@@ -232,7 +247,7 @@ def main() -> int:
 
     # --- correctness ------------------------------------------------------------------------
     for i, (tile_name, spec, label) in enumerate(CHECKS):
-        override = LABELS[label]
+        override = _override(tile_name, label)
         if label not in labels:
             continue
         tile = get_tile(tile_name)
@@ -314,7 +329,7 @@ def main() -> int:
         rows.append({"kind": "time", "tile": tile_name, "shape": shape_name, "label": "torch_reference", "ms": tr})
         for label in passed:
             row = {"kind": "time", "tile": tile_name, "shape": shape_name, "label": label}
-            k = kernel_for(tile, shape, LABELS[label])
+            k = kernel_for(tile, shape, _override(tile_name, label))
             launch = _launcher(tile, k, sets)
             eager = time_cuda(launch, n_sets=2, warmup=5, runs=30, min_time_ms=20)
             t = time_cuda_graph(launch, n_sets=2) or eager  # device time; per-call (host overhead included) beside it

@@ -28,6 +28,12 @@ def _shape(name: str, phase: str, **dims) -> Shape:
     return Shape(name, phase, {"H": 64, "D": 512, "W": 128, "K": 512, **dims})
 
 
+def _gathering_default(tile) -> dict:
+    """The tile's Hopper default with its own gathering producer: the prefill tile's default expands the caches
+    (kv_staging), so the tests of the FP4/FP8 producer pin kv_staging=gather there."""
+    return {**tile.default_config(SM90), **({"kv_staging": "gather"} if tile is sa.PREFILL_TILE else {})}
+
+
 # --------------------------------------------------------------------------------------------
 # CPU: registry, search spaces, constraints, compile, wrapper validation
 # --------------------------------------------------------------------------------------------
@@ -115,7 +121,7 @@ def test_default_compiles_for_sm90(tile, shape_name):
 )
 def test_prefetch_producer_compiles_for_sm90(tile, shape_name):
     """produce=prefetch (unmeasured so far: its GPU check is in GPU_CASES) compiles, and is refused for bf16 KV."""
-    config = {**tile.default_config(SM90), "produce": "prefetch"}
+    config = {**_gathering_default(tile), "produce": "prefetch"}
     assert tile.search_space(SM90).violations(config, tile.shape(shape_name), SM90) == []
     assert "wgmma" in tile.build(tile.shape(shape_name), config, SM90).main.get_kernel_source()
     bf16 = {**sa.BF16_TILE.default_config(SM90), "produce": "prefetch"}
@@ -209,11 +215,11 @@ def test_wg1_rows_compiles_for_sm90(tile, shape_name):
     """wg1_rows=16 (GPU checks in GPU_CASES): consumer warpgroup 1 dequantises the last 16 rows of each main block,
     so both it and the producer arrive on the buffers' ready barriers (256 arrivals); refused with other producers."""
     shape = tile.shape(shape_name)
-    config = {**tile.default_config(SM90), "wg1_rows": 16}
+    config = {**_gathering_default(tile), "wg1_rows": 16}
     assert tile.search_space(SM90).violations(config, shape, SM90) == []
     src = tile.build(shape, config, SM90).main.get_kernel_source()
     assert len(re.findall(r"bar_ready(_1)?\[0\]\.init\(256\)", src)) == 2
-    default_src = tile.build(shape, tile.default_config(SM90), SM90).main.get_kernel_source()
+    default_src = tile.build(shape, _gathering_default(tile), SM90).main.get_kernel_source()
     assert len(re.findall(r"bar_ready(_1)?\[0\]\.init\(128\)", default_src)) == 2
     for other in ({"produce": "prefetch"}, {"consumers": "balanced"}):
         assert any("wg1_rows" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
@@ -260,7 +266,7 @@ def test_column_lanes_store_without_bank_conflicts():
     conflicted, as Nsight Compute measured (4x the ideal wavefronts per STS.128). Read from the generated source, so a
     layout or mapping change that brings the conflicts back fails here. Refused outside ws."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    config = {**tile.default_config(SM90), "lanes": "column"}
+    config = {**_gathering_default(tile), "lanes": "column"}
     assert tile.search_space(SM90).violations(config, shape, SM90) == []
     column = _kv_store_conflict_ways(tile.build(shape, config, SM90).main.get_kernel_source())
     row = _kv_store_conflict_ways(tile.build(shape, {**config, "lanes": "row"}, SM90).main.get_kernel_source())
@@ -418,7 +424,7 @@ def test_prmt_fp4_decode_compiles_for_sm90_and_is_refused_elsewhere():
         (sa.PREFILL_TILE, "prefill_s4k", {"lanes": "column"}),
     ):
         shape = tile.shape(shape_name)
-        config = {**tile.default_config(SM90), "fp4_decode": "prmt", **extra}
+        config = {**_gathering_default(tile), "fp4_decode": "prmt", **extra}
         assert tile.search_space(SM90).violations(config, shape, SM90) == []
         src = tile.build(shape, config, SM90).main.get_kernel_source()
         assert "wgmma" in src
@@ -428,7 +434,7 @@ def test_prmt_fp4_decode_compiles_for_sm90_and_is_refused_elsewhere():
     # Hopper's default since session 8; fma stays one config away, and a config that picks the serial producer or
     # the pipelined schedule without naming fp4_decode gets fma
     assert sa.PREFILL_TILE.default_config(SM90)["fp4_decode"] == "prmt" == sa.DECODE_TILE.default_config(SM90)["fp4_decode"]
-    fma_cfg = {**sa.PREFILL_TILE.default_config(SM90), "fp4_decode": "fma"}
+    fma_cfg = {**_gathering_default(sa.PREFILL_TILE), "fp4_decode": "fma"}
     fma_src = sa.PREFILL_TILE.build(sa.PREFILL_TILE.shape("prefill_s4k"), fma_cfg, SM90)
     assert "prmt" not in fma_src.main.get_kernel_source()
     tile, shape = sa.DECODE_TILE, sa.DECODE_TILE.shape("decode_b64_s1")
@@ -522,7 +528,7 @@ def test_timing_ablations_build_outside_the_search_space():
     schedule they cut into, and can never be proposed by the tuner or named in a config."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
     assert "ablate" not in tile.search_space(SM90).names()
-    cfg = tile.with_defaults(SM90, {})
+    cfg = tile.with_defaults(SM90, {"kv_staging": "gather"})
     kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate="producer_idle")
     src = kernel.main.get_kernel_source()
     assert "csa2_fp4x8_bf16_prmt((&(vals[0]))" not in src  # the producer decodes nothing (the default: 16 calls)
@@ -562,7 +568,7 @@ def test_producer_ablations_cut_what_they_say(ablate):
     """gpu/attn_ablation.py's producer-side variants remove exactly the work they name from the FP4 producer (counted in
     the generated CUDA), so a timing run measures what its label says."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    cfg = tile.with_defaults(SM90, {})
+    cfg = tile.with_defaults(SM90, {"kv_staging": "gather"})
     kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate=ablate)
     src = kernel.main.get_kernel_source()
     counts = (
@@ -708,6 +714,8 @@ def test_sparse_attention_bf16_rejects_bad_input():
 # GPU: against the reference
 # --------------------------------------------------------------------------------------------
 def _check(tile, shape, config=None, seed=0):
+    if tile is sa.PREFILL_TILE and config and "kv_staging" not in config:
+        config = {**config, "kv_staging": "gather"}  # an option of the gathering producer (the default expands the caches)
     config = tile.with_defaults(SM90, config or {})  # the defaults give way where config picks what they exclude
     kernel = tile.build(shape, config, SM90)
     inputs = tile.make_inputs(shape, seed, "cuda")
@@ -836,7 +844,7 @@ def test_tile_matches_reference(tile, shape_name, config):
         (sa.DECODE_TILE, "decode_b64_s1", {}),
         (sa.DECODE_TILE, "decode_b64_s1", {"wg1_rows": 16}),
         (sa.DECODE_TILE, "decode_b128_s2", {"produce": "prefetch", "n_split": 4}),
-        (sa.PREFILL_TILE, "prefill_s4k", {}),
+        (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "gather"}),
     ],
     ids=["decode_b64_s1", "decode_b64_s1_wg1", "decode_b128_s2_prefetch", "prefill_s4k"],
 )

@@ -1887,6 +1887,8 @@ class CompiledAttention:
     ):
         """``ablate``: a timing ablation (see :data:`ABLATIONS`; gpu/attn_ablation.py builds these directly, never
         through :func:`compiled` or a tile's ``build``)."""
+        if config.get("kv_staging", "gather") != "gather":
+            raise ValueError(f"kv_staging={config['kv_staging']!r}: this class is the gathering kernel; compiled() builds the expansion")
         self.heads, self.dim, self.window, self.topk, self.kv_format = heads, dim, window, topk, kv_format
         self.n_split = int(config.get("n_split", 1))
         self.fused = config.get("combine", "separate") == "fused"
@@ -1979,7 +1981,8 @@ class ExpandedAttention:
         self.expand = expand_kernel(dim, _decode_helpers_cuda(fp4_decode), _FP4X8_FUNCTIONS[fp4_decode], arch)
         bf16_config = {k: v for k, v in config.items() if k not in _FP4_ONLY_KEYS}
         self.attend = compiled(heads, dim, window, topk, scale, "bf16", bf16_config, arch)
-        self.main = self.attend.main  # the attention kernel, for source dumps
+        # the attention behind the expansion, as CompiledAttention names it (source dumps, profilers)
+        self.main, self.combine, self.n_split = self.attend.main, self.attend.combine, self.attend.n_split
 
     def __call__(self, q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out: torch.Tensor | None = None) -> torch.Tensor:
         window_kv, main_kv = expand_caches(self.expand, win_a, win_b, main_a, main_b)  # [B, Nw, D], [B, Nc, D] bf16
@@ -2573,7 +2576,10 @@ class SparseAttnTile(Tile):
             # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
-                cfg["kv_staging"] = "gather"
+                # Hopper prefill: both caches expanded to bf16 once where rows are re-read (auto), H200, one run against
+                # gather (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 ->
+                # 3.093, 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere not yet run on a GPU.
+                cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
