@@ -2689,12 +2689,18 @@ class SparseAttnPrefill(SparseAttnTile):
     splits = False
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
-        """Hopper: the options within ~1% of the default at prefill 4K on the H200 (noise-level: the tuner decides)."""
+        """Hopper: the gathering path beside the expanding default (so a study times both), and its best options
+        (within ~1% of it at prefill 4K before the expansion: noise-level, the tuner decides)."""
         if arch.family != "hopper":
             return []
+        gather = {"kv_staging": "gather"}
         return [
-            ({"produce": "prefetch"}, "prefill 4K 1.01x in the session-5 tuning run (H200)"),
-            ({"lanes": "column", "handoff": "before_pv"}, "prefill 4K 1.010 vs 1.021 ms (sparse_attn_run12_lanes_column.json)"),
+            (gather, "prefill 4K 1.0195 ms against expand's 0.8290 (sparse_attn_kv_staging_session18.json)"),
+            ({**gather, "produce": "prefetch"}, "gathering: prefill 4K 1.01x in the session-5 tuning run (H200)"),
+            (
+                {**gather, "lanes": "column", "handoff": "before_pv"},
+                "gathering: prefill 4K 1.010 vs 1.021 ms (sparse_attn_run12_lanes_column.json)",
+            ),
         ]
 
 
