@@ -2,6 +2,10 @@
 bf16 once (``"expand"``), in one run.
 
     python3 gpu/kv_staging.py --json $OUT/kv_staging.json [--shapes prefill_s4k,prefill_s16k,prefill_s64k]
+        [--sweep 256:32768,1024:131072]
+
+``--sweep S:Nc,...``: prompt chunks of S tokens (window over the chunk's own S rows) over Nc cache entries, where each
+cache row is read fewer times: both configs checked and timed, for where "auto" should stop expanding.
 
 Per shape: both configs through the harness (checked against the torch reference on fresh inputs with NaN-poisoned
 outputs, repeat runs bitwise equal, then timed by CUDA-graph replay), the expansion and the bf16 attention behind
@@ -49,6 +53,7 @@ def _parts(tile, shape, arch) -> dict[str, float | None]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--sweep", default="", help="S:Nc pairs, e.g. 256:32768,1024:131072")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     import torch
@@ -57,17 +62,23 @@ def main() -> int:
         print("kv_staging.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from tiles.arch import detect
+    from tiles.contract import Shape
     from tiles.harness import evaluate, time_reference
-    from tiles.sparse_attn import PREFILL_TILE
+    from tiles.sparse_attn import PREFILL_TILE, resolve_kv_staging
     from tiles.timing import describe_environment
 
     arch = detect()
     tile = PREFILL_TILE
     doc = {"command": "python3 gpu/kv_staging.py " + " ".join(sys.argv[1:]), "environment": describe_environment(), "rows": []}
     print(f"{'shape':14} {'staging':8} {'outcome':8} {'ms':>8} {'TFLOPS':>7} {'rel_l2':>8}")
-    for name in args.shapes.split(","):
-        shape = tile.shape(name)
-        row = {"shape": name, "dims": dict(shape.dims), "flops": tile.flops(shape)}
+    base = tile.shape("prefill_s4k").dims
+    sweep = [tuple(int(x) for x in pair.split(":")) for pair in args.sweep.split(",") if pair]
+    shapes = [tile.shape(name) for name in args.shapes.split(",") if name]
+    shapes += [Shape(f"s{S}_nc{nc}", "prefill", {**base, "S": S, "Nw": S, "Nc": nc}) for S, nc in sweep]
+    for shape in shapes:
+        name, swept = shape.name, shape.name not in {s.name for s in tile.shapes()}
+        reads = shape["S"] * (shape["W"] + shape["K"]) / (shape["Nw"] + shape["Nc"])
+        row = {"shape": name, "dims": dict(shape.dims), "flops": tile.flops(shape), "reads_per_row": reads}
         for staging in STAGINGS:
             ev = evaluate(tile, shape, tile.with_defaults(arch, {"kv_staging": staging}), arch)
             row[staging] = ev.to_dict()
@@ -76,12 +87,16 @@ def main() -> int:
             print(f"{name:14} {staging:8} {ev.outcome:8} {ms} {tflops} {ev.error if ev.error is not None else '-':>8}", flush=True)
             if not ev.ok:
                 print(f"  {ev.message}", flush=True)
-        row.update(_parts(tile, shape, arch))
-        row["torch_ms"] = time_reference(tile, shape)
-        print(
-            f"  expansion alone {row['expand_ms']} ms, bf16 attention alone {row['bf16_attention_ms']} ms, torch {row['torch_ms']} ms",
-            flush=True,
-        )
+        if swept:
+            auto = resolve_kv_staging("auto", *(shape[k] for k in ("B", "S", "W", "K", "Nw", "Nc")))
+            print(f"  {reads:.1f} reads per cache row; auto picks {auto}", flush=True)
+        else:
+            row.update(_parts(tile, shape, arch))
+            row["torch_ms"] = time_reference(tile, shape)
+            print(
+                f"  expansion alone {row['expand_ms']} ms, bf16 attention alone {row['bf16_attention_ms']} ms, torch {row['torch_ms']} ms",
+                flush=True,
+            )
         doc["rows"].append(row)
         torch.cuda.empty_cache()
     args.json.write_text(json.dumps(doc, indent=1, default=str))
