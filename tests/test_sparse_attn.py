@@ -456,8 +456,8 @@ def test_prmt_fp4_decode_compiles_for_sm90_and_is_refused_elsewhere():
 
 
 def test_kv_staging_is_a_prefill_choice_resolved_per_call():
-    """kv_staging (GPU checks in GPU_CASES): the prefill tile's only; "auto" expands where the call reads each cache
-    row EXPAND_MIN_READS times or more (every prefill shape), gathers where it does not (every decode shape)."""
+    """kv_staging (GPU checks in GPU_CASES): the prefill tile's only; "auto" expands from EXPAND_MIN_TOKENS tokens
+    reading each cache row EXPAND_MIN_READS times or more (every prefill shape), gathers otherwise (every decode shape)."""
     assert "kv_staging" in sa.PREFILL_TILE.search_space(SM90).names()
     for tile in (sa.DECODE_TILE, sa.BF16_TILE):
         assert "kv_staging" not in tile.search_space(SM90).names()
@@ -471,6 +471,10 @@ def test_kv_staging_is_a_prefill_choice_resolved_per_call():
         assert resolve("auto", shape) == "gather", shape.name
     chunk = _shape("chunk", "prefill", B=1, S=300, Nc=1 << 20, Nw=300)  # a short prompt chunk over a long cache
     assert resolve("auto", chunk) == "gather"
+    # the measured bounds: short prompts gather however often they reread a row; 2048 tokens expand from 16 reads
+    assert resolve("auto", _shape("s1k", "prefill", B=1, S=1024, Nc=1024, Nw=1024)) == "gather"
+    assert resolve("auto", _shape("s2k", "prefill", B=1, S=2048, Nc=65536, Nw=2048)) == "expand"  # 19.4 reads per row
+    assert resolve("auto", _shape("s2k_long", "prefill", B=1, S=2048, Nc=131072, Nw=2048)) == "gather"  # 9.8
     assert resolve("expand", chunk) == "expand" and resolve("gather", sa.PREFILL_TILE.shape("prefill_s4k")) == "gather"
     with pytest.raises(ValueError, match="resolve_kv_staging"):
         sa.compiled(64, 512, 128, 512, SCALE, "fp4", {**sa.PREFILL_TILE.default_config(SM90), "kv_staging": "auto"}, SM90)

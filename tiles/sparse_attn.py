@@ -2288,18 +2288,25 @@ def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arc
 
 
 KV_STAGINGS = ("gather", "expand", "auto")  # prefill: decode in the producer per read, or expand both caches once
-# "auto" expands when the call reads each cache row at least this many times on average (rows gathered over rows
-# expanded). A chosen bound, not a measured crossover: the prefill shapes read each row hundreds of times, decode
-# shapes (a token's rows mostly its own) far less than once.
-EXPAND_MIN_READS = 8
+# "auto" expands when the call has at least EXPAND_MIN_TOKENS query tokens and reads every cache row at least
+# EXPAND_MIN_READS times on average (rows gathered over rows expanded). Both bounds from the H200 sweeps of B=1 prompts
+# (results/sm90/sparse_attn_kv_staging_sweep*_session18.json): expand was slower at every 512- and 1024-token prompt
+# (512: 0.18-0.27 vs 0.136 ms at 1.2-320 reads per row; 1024: 0.275 vs 0.267 at 320) and faster from 2048 tokens on
+# (2048: 0.460-0.478 vs 0.519-0.521 ms at 19-320 reads per row; 4K-64K: 1.24x). Below 19 reads per row at 2048+
+# tokens it is not measured.
+EXPAND_MIN_TOKENS = 2048
+EXPAND_MIN_READS = 16
 
 
 def resolve_kv_staging(kv_staging: str, B: int, S: int, W: int, K: int, Nw: int, Nc: int) -> str:
-    """``kv_staging`` for one call: "auto" -> "expand" when the B * S tokens' W + K gathered rows read every row of the
-    two caches (B * (Nw + Nc)) at least EXPAND_MIN_READS times on average, else "gather"."""
+    """``kv_staging`` for one call: "auto" -> "expand" when the call has B * S >= EXPAND_MIN_TOKENS tokens whose W + K
+    gathered rows read every row of the two caches (B * (Nw + Nc)) at least EXPAND_MIN_READS times on average, else
+    "gather"."""
     if kv_staging != "auto":
         return kv_staging
-    return "expand" if B * S * (W + K) >= EXPAND_MIN_READS * B * (Nw + Nc) else "gather"
+    tokens = B * S
+    expands = tokens >= EXPAND_MIN_TOKENS and tokens * (W + K) >= EXPAND_MIN_READS * B * (Nw + Nc)
+    return "expand" if expands else "gather"
 
 
 def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
@@ -2526,7 +2533,7 @@ class SparseAttnTile(Tile):
                     KV_STAGINGS,
                     "prefill: the producer decodes each FP4/FP8 row every time a token reads it, or one launch first "
                     "expands both caches to bf16 (each row once; fp4_decode picks its FP4 decode) and the bf16 kernel "
-                    "gathers them; auto expands when the call reads each row EXPAND_MIN_READS times or more",
+                    "gathers them; auto expands from EXPAND_MIN_TOKENS tokens reading each row EXPAND_MIN_READS times or more",
                 )
             )
         if self.splits:
@@ -2576,9 +2583,10 @@ class SparseAttnTile(Tile):
             # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
-                # Hopper prefill: both caches expanded to bf16 once where rows are re-read (auto), H200, one run against
-                # gather (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 ->
-                # 3.093, 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere not yet run on a GPU.
+                # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
+                # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
+                # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
+                # 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere not yet run on a GPU.
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
