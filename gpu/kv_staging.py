@@ -50,10 +50,31 @@ def _parts(tile, shape, arch) -> dict[str, float | None]:
     return {"expand_ms": expand.median_ms if expand else None, "bf16_attention_ms": attention.median_ms if attention else None}
 
 
+def _full_lists(make_inputs):
+    """``make_inputs`` with every window and top-k slot holding a random row of the whole cache (no -1): the causal
+    prompt's early tokens leave most slots unused, which a short prompt is mostly made of."""
+    import torch
+
+    def make(shape, seed, device="cuda"):
+        inputs = make_inputs(shape, seed, device)
+        g = torch.Generator(device=device).manual_seed(seed + 7)
+        B, S, W, K, Nw, Nc = (shape[k] for k in ("B", "S", "W", "K", "Nw", "Nc"))
+        inputs["window_idx"] = torch.randint(0, Nw, (B, S, W), generator=g, device=device, dtype=torch.int32)
+        inputs["topk_idx"] = torch.randint(0, Nc, (B, S, K), generator=g, device=device, dtype=torch.int32)
+        return inputs
+
+    return make
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--sweep", default="", help="S:Nc pairs, e.g. 256:32768,1024:131072")
+    parser.add_argument(
+        "--full-lists",
+        action="store_true",
+        help="sweep rows with every window and top-k slot used (random rows of the whole cache) instead of the causal prompt's lists",
+    )
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     import torch
@@ -69,7 +90,14 @@ def main() -> int:
 
     arch = detect()
     tile = PREFILL_TILE
-    doc = {"command": "python3 gpu/kv_staging.py " + " ".join(sys.argv[1:]), "environment": describe_environment(), "rows": []}
+    if args.full_lists:
+        tile.make_inputs = _full_lists(tile.make_inputs)  # this process's instance only
+    doc = {
+        "command": "python3 gpu/kv_staging.py " + " ".join(sys.argv[1:]),
+        "environment": describe_environment(),
+        "full_lists": args.full_lists,
+        "rows": [],
+    }
     print(f"{'shape':14} {'staging':8} {'outcome':8} {'ms':>8} {'TFLOPS':>7} {'rel_l2':>8}")
     base = tile.shape("prefill_s4k").dims
     sweep = [tuple(int(x) for x in pair.split(":")) for pair in args.sweep.split(",") if pair]
