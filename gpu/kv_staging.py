@@ -24,7 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SHAPES = "prefill_s4k,prefill_s16k,prefill_s64k"
-STAGINGS = ("gather", "expand")
+# label -> config over the prefill tile's default
+VARIANTS = {
+    "gather": {"kv_staging": "gather"},
+    "expand": {"kv_staging": "expand", "unused_rows": "row0"},
+    "expand_zeros": {"kv_staging": "expand", "unused_rows": "zeros"},  # unused slots zero-filled, not copied from row 0
+}
 
 
 def _parts(tile, shape, arch) -> dict[str, float | None]:
@@ -70,6 +75,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--sweep", default="", help="S:Nc pairs, e.g. 256:32768,1024:131072")
+    parser.add_argument("--variants", default="gather,expand", help=f"labels among {', '.join(VARIANTS)}")
     parser.add_argument(
         "--full-lists",
         action="store_true",
@@ -98,7 +104,7 @@ def main() -> int:
         "full_lists": args.full_lists,
         "rows": [],
     }
-    print(f"{'shape':14} {'staging':8} {'outcome':8} {'ms':>8} {'TFLOPS':>7} {'rel_l2':>8}")
+    print(f"{'shape':14} {'staging':12} {'outcome':8} {'ms':>8} {'TFLOPS':>7} {'rel_l2':>8}")
     base = tile.shape("prefill_s4k").dims
     sweep = [tuple(int(x) for x in pair.split(":")) for pair in args.sweep.split(",") if pair]
     shapes = [tile.shape(name) for name in args.shapes.split(",") if name]
@@ -107,12 +113,12 @@ def main() -> int:
         name, swept = shape.name, shape.name not in {s.name for s in tile.shapes()}
         reads = shape["S"] * (shape["W"] + shape["K"]) / (shape["Nw"] + shape["Nc"])
         row = {"shape": name, "dims": dict(shape.dims), "flops": tile.flops(shape), "reads_per_row": reads}
-        for staging in STAGINGS:
-            ev = evaluate(tile, shape, tile.with_defaults(arch, {"kv_staging": staging}), arch)
+        for staging in args.variants.split(","):
+            ev = evaluate(tile, shape, tile.with_defaults(arch, VARIANTS[staging]), arch)
             row[staging] = ev.to_dict()
             tflops = f"{ev.tflops:7.1f}" if ev.tflops else "      -"
             ms = f"{ev.ms:8.4f}" if ev.ms else "       -"
-            print(f"{name:14} {staging:8} {ev.outcome:8} {ms} {tflops} {ev.error if ev.error is not None else '-':>8}", flush=True)
+            print(f"{name:14} {staging:12} {ev.outcome:8} {ms} {tflops} {ev.error if ev.error is not None else '-':>8}", flush=True)
             if not ev.ok:
                 print(f"  {ev.message}", flush=True)
         if swept:

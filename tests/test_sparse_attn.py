@@ -495,6 +495,29 @@ def test_kv_staging_expand_refuses_the_fp4_only_producer_choices():
         assert space.violations(cfg, shape, SM90) == [], other
 
 
+def test_unused_rows_zeros_predicates_the_bf16_copies():
+    """unused_rows=zeros (GPU checks in GPU_CASES): every cp.async of the ws batched producer's bf16 rows carries the
+    slot's used flag as its predicate (zero-fill, no read); the default copies row 0 unpredicated. Refused where no
+    bf16 rows are copied by that producer."""
+    for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
+        shape = tile.shape("prefill_s4k")
+        cfg = tile.with_defaults(SM90, {**extra, "unused_rows": "zeros"})
+        assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
+        src = tile.build(shape, cfg, SM90).main.get_kernel_source()
+        assert src.count("cp_async_gs_conditional<16>") == 8 and "cp_async_gs<16>" not in src
+        default = tile.build(shape, tile.with_defaults(SM90, extra), SM90).main.get_kernel_source()
+        assert default.count("cp_async_gs<16>") == 8 and "cp_async_gs_conditional" not in default
+    refused = (
+        (sa.PREFILL_TILE, {"kv_staging": "gather"}),
+        (sa.BF16_TILE, {"produce": "serial"}),
+        (sa.BF16_TILE, {"schedule": "pipelined"}),
+    )
+    for tile, extra in refused:
+        cfg = tile.with_defaults(SM90, {**extra, "unused_rows": "zeros"})
+        assert any("unused_rows" in r for r in tile.search_space(SM90).violations(cfg, tile.shape("prefill_s4k"), SM90)), extra
+    assert "unused_rows" not in sa.DECODE_TILE.search_space(SM90).names()
+
+
 @pytest.mark.parametrize("arch_name", ["sm80", "sm86", "sm89", "sm90"])
 def test_kv_staging_expand_compiles_everywhere(arch_name):
     """The expansion calls the gathering producer's own decode helpers (so the bf16 rows are its bits), and the
@@ -832,6 +855,12 @@ GPU_CASES = [
     (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "consumers": "seesaw"}),
     (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "lanes": "column", "tokens_per_cta": 2}),
     (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "schedule": "pipelined"}),
+    # unused_rows=zeros: an unused slot's bf16 row zero-filled by the cp.async predicate instead of copied from row 0
+    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "unused_rows": "zeros"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "unused_rows": "zeros", "tokens_per_cta": 2}),
+    (sa.BF16_TILE, "prefill_s4k", {"unused_rows": "zeros"}),
+    (sa.BF16_TILE, "decode_b64_s1", {"unused_rows": "zeros"}),
+    (sa.BF16_TILE, "decode_b128_s2", {"unused_rows": "zeros", "consumers": "seesaw"}),
 ]
 
 
@@ -925,8 +954,9 @@ def test_seesaw_consumers_odd_shapes(tile, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [s for s in ODD_SHAPES if s.phase == "prefill"], ids=lambda s: s.name)
-def test_kv_staging_expand_odd_shapes(shape):
-    _check(sa.PREFILL_TILE, shape, {"kv_staging": "expand"})
+@pytest.mark.parametrize("unused_rows", ["row0", "zeros"])
+def test_kv_staging_expand_odd_shapes(shape, unused_rows):
+    _check(sa.PREFILL_TILE, shape, {"kv_staging": "expand", "unused_rows": unused_rows})
 
 
 @pytest.mark.gpu

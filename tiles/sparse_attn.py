@@ -232,6 +232,7 @@ def sparse_attn_kernel(
     fp4_decode: str = "fma",
     partials: str = "fp32",
     ablate: str = "",
+    unused_rows: str = "row0",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -253,6 +254,8 @@ def sparse_attn_kernel(
         raise ValueError("combine='fused' merges split partials in the ws kernel: schedule='ws', n_split > 1, tokens_per_cta=1")
     if partials not in PARTIALS:
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
+    if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
+        raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are
@@ -290,6 +293,7 @@ def sparse_attn_kernel(
             fp4_decode,
             partials,
             ablate,
+            unused_rows,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -534,6 +538,7 @@ def _sparse_attn_ws(
     fp4_decode="fma",
     partials="fp32",
     ablate="",
+    unused_rows="row0",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -864,7 +869,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows)
                 if TPC > 1:
                     # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
                     # reads a clamped token's rows, never used)
@@ -1614,6 +1619,7 @@ class _WsDims(NamedTuple):
     lanes: str  # producer lane -> (row, column slice) map: _lane_row, _lane_col
     fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
     ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads, no_stores, ...; see ABLATIONS); "" in every real kernel
+    unused_rows: str = "row0"  # bf16 KV: what the batched producer's cp.async puts in an unused slot's row (UNUSED_ROWS)
 
 
 def _lane_row(p, lanes):
@@ -1681,14 +1687,17 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         for rr in T.unroll(R):
             r = rr * ROWS + _lane_row(p, lanes)
             row = T.max(rows_cur[rr], 0)
+            # unused_rows="zeros": an unused slot's cp.async reads nothing and zero-fills (its predicate); "row0": it
+            # copies row 0, as every unused slot of every CTA does (its score is -inf either way)
+            used = (rows_cur[rr] >= 0,) if dims.unused_rows == "zeros" else ()
             for u in T.unroll(4):
                 col = 64 * u + c * 8
                 if blk < NBW:
-                    T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(WinA[b_i, row, col], "r", 8), 8)
-                    T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(WinA[b_i, row, D2 + col], "r", 8), 8)
+                    T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(WinA[b_i, row, col], "r", 8), 8, *used)
+                    T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(WinA[b_i, row, D2 + col], "r", 8), 8, *used)
                 else:
-                    T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(MainA[b_i, row, col], "r", 8), 8)
-                    T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(MainA[b_i, row, D2 + col], "r", 8), 8)
+                    T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(MainA[b_i, row, col], "r", 8), 8, *used)
+                    T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(MainA[b_i, row, D2 + col], "r", 8), 8, *used)
         _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
         T.cp_async_barrier_noinc(bar_ready)
     else:
@@ -1915,6 +1924,7 @@ class CompiledAttention:
                 "lanes",
                 "fp4_decode",
                 "partials",
+                "unused_rows",
             )
             if k in config
         }
@@ -2215,6 +2225,7 @@ def sparse_attention_bf16(
 # ----------------------------------------------------------------------------------------------
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
+UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Timing ablations of the ws kernel (gpu/attn_ablation.py; wrong results by design, never in the search space): what a
 # block costs when one role's work is removed. producer_idle: the producer hands each buffer over unfilled (the
 # consumers' chain alone); consumers_idle: the consumers hand each filled buffer back at once (the producer's cycle
@@ -2404,6 +2415,10 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return why
         expands = resolve_kv_staging(c.get("kv_staging", "gather"), *(s[k] for k in ("B", "S", "W", "K", "Nw", "Nc"))) == "expand"
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
+        if c.get("unused_rows", "row0") != "row0" and (
+            (kv_format == "fp4" and not expands) or c["schedule"] != "ws" or c.get("produce", "serial") != "batched"
+        ):
+            return "unused_rows=zeros is the ws batched producer's cp.async of bf16 rows: bf16 KV (or kv_staging=expand), schedule=ws, produce=batched"
         if expands and fp4_rows:
             return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
         if c.get("produce", "serial") in ("batched", "prefetch") and c["block_I"] % 32:
@@ -2536,6 +2551,15 @@ class SparseAttnTile(Tile):
                     "gathers them; auto expands from EXPAND_MIN_TOKENS tokens reading each row EXPAND_MIN_READS times or more",
                 )
             )
+        if self.kv_format == "bf16" or not self.splits:
+            params.append(
+                Param(
+                    "unused_rows",
+                    UNUSED_ROWS,
+                    "bf16 rows (the bf16 tile, the prefill tile's expand), ws batched producer: an unused slot (-1) "
+                    "copies row 0 by cp.async, or its cp.async reads nothing and zero-fills",
+                )
+            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -2583,11 +2607,14 @@ class SparseAttnTile(Tile):
             # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
+                cfg["unused_rows"] = "row0"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
                 # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
                 # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
                 # 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere not yet run on a GPU.
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
+        if self.kv_format == "bf16":
+            cfg["unused_rows"] = "row0"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
