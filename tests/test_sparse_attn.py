@@ -471,10 +471,10 @@ def test_kv_staging_is_a_prefill_choice_resolved_per_call():
         assert resolve("auto", shape) == "gather", shape.name
     chunk = _shape("chunk", "prefill", B=1, S=300, Nc=1 << 20, Nw=300)  # a short prompt chunk over a long cache
     assert resolve("auto", chunk) == "gather"
-    # the measured bounds: short prompts gather however often they reread a row; 2048 tokens expand from 16 reads
-    assert resolve("auto", _shape("s1k", "prefill", B=1, S=1024, Nc=1024, Nw=1024)) == "gather"
-    assert resolve("auto", _shape("s2k", "prefill", B=1, S=2048, Nc=65536, Nw=2048)) == "expand"  # 19.4 reads per row
-    assert resolve("auto", _shape("s2k_long", "prefill", B=1, S=2048, Nc=131072, Nw=2048)) == "gather"  # 9.8
+    # the measured bounds: 512 tokens and 8 reads per row
+    assert resolve("auto", _shape("s512", "prefill", B=1, S=512, Nc=32768, Nw=512)) == "expand"  # 9.8 reads per row
+    assert resolve("auto", _shape("s400", "prefill", B=1, S=400, Nc=400, Nw=400)) == "gather"  # 320 reads, 400 tokens
+    assert resolve("auto", _shape("s2k_long", "prefill", B=1, S=2048, Nc=262144, Nw=2048)) == "gather"  # 5 reads
     assert resolve("expand", chunk) == "expand" and resolve("gather", sa.PREFILL_TILE.shape("prefill_s4k")) == "gather"
     with pytest.raises(ValueError, match="resolve_kv_staging"):
         sa.compiled(64, 512, 128, 512, SCALE, "fp4", {**sa.PREFILL_TILE.default_config(SM90), "kv_staging": "auto"}, SM90)
@@ -496,19 +496,31 @@ def test_kv_staging_expand_refuses_the_fp4_only_producer_choices():
 
 
 def test_unused_rows_zeros_predicates_the_bf16_copies():
-    """unused_rows=zeros (GPU checks in GPU_CASES): every cp.async of the ws batched producer's bf16 rows carries the
-    slot's used flag as its predicate (zero-fill, no read); the default copies row 0 unpredicated. Refused where no
-    bf16 rows are copied by that producer."""
+    """unused_rows=zeros (GPU checks in GPU_CASES; Hopper's default): every cp.async of the ws batched producer's bf16
+    rows carries the slot's used flag as its predicate (zero-fill, no read); row0 copies row 0 unpredicated. Refused
+    where bf16 rows are copied by another producer; no effect on the FP4/FP8 rows the producer decodes."""
     for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
         shape = tile.shape("prefill_s4k")
         cfg = tile.with_defaults(SM90, {**extra, "unused_rows": "zeros"})
         assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
         src = tile.build(shape, cfg, SM90).main.get_kernel_source()
         assert src.count("cp_async_gs_conditional<16>") == 8 and "cp_async_gs<16>" not in src
-        default = tile.build(shape, tile.with_defaults(SM90, extra), SM90).main.get_kernel_source()
-        assert default.count("cp_async_gs<16>") == 8 and "cp_async_gs_conditional" not in default
+        assert tile.default_config(SM90)["unused_rows"] == "zeros"  # Hopper's default since session 18
+        row0 = tile.build(shape, tile.with_defaults(SM90, {**extra, "unused_rows": "row0"}), SM90).main.get_kernel_source()
+        assert row0.count("cp_async_gs<16>") == 8 and "cp_async_gs_conditional" not in row0
+    # FP4 rows decoded by the producer (the prefill tile gathering): the key does not apply, the kernel is the same
+    gather = sa.PREFILL_TILE.with_defaults(SM90, {"kv_staging": "gather"})
+    shape = sa.PREFILL_TILE.shape("prefill_s4k")
+    assert gather["unused_rows"] == "zeros" and sa.PREFILL_TILE.search_space(SM90).violations(gather, shape, SM90) == []
+    sources = {sa.PREFILL_TILE.build(shape, {**gather, "unused_rows": u}, SM90).main.get_kernel_source() for u in sa.UNUSED_ROWS}
+    assert len(sources) == 1
+    # a config that leaves the ws batched producer gets row0 unless it names zeros, which is then refused
+    for other in ({"produce": "serial"}, {"schedule": "pipelined"}):
+        assert sa.BF16_TILE.with_defaults(SM90, other)["unused_rows"] == "row0", other
+    for arch_name in ("sm80", "sm86", "sm89"):
+        assert sa.BF16_TILE.default_config(get_arch(arch_name))["unused_rows"] == "row0"
     refused = (
-        (sa.PREFILL_TILE, {"kv_staging": "gather"}),
+        (sa.PREFILL_TILE, {"kv_staging": "expand", "produce": "serial"}),
         (sa.BF16_TILE, {"produce": "serial"}),
         (sa.BF16_TILE, {"schedule": "pipelined"}),
     )

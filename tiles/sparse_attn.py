@@ -1928,6 +1928,8 @@ class CompiledAttention:
             )
             if k in config
         }
+        if kv_format != "bf16":
+            params.pop("unused_rows", None)  # FP4/FP8 rows: the producer's own unused-row path (the key is for bf16 rows)
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         if ablate:
@@ -2226,6 +2228,11 @@ def sparse_attention_bf16(
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
+# Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
+# prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile in the same call
+# (lab bench) prefill 4K 0.8272 -> 0.7732 ms, decode unchanged (its lists have no unused slots). Every CTA copying the
+# same row 0 for its unused slots was the expansion's loss at short prompts (most of their slots are unused).
+_UNUSED_ROWS_DEFAULT = "zeros"
 # Timing ablations of the ws kernel (gpu/attn_ablation.py; wrong results by design, never in the search space): what a
 # block costs when one role's work is removed. producer_idle: the producer hands each buffer over unfilled (the
 # consumers' chain alone); consumers_idle: the consumers hand each filled buffer back at once (the producer's cycle
@@ -2300,13 +2307,13 @@ def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arc
 
 KV_STAGINGS = ("gather", "expand", "auto")  # prefill: decode in the producer per read, or expand both caches once
 # "auto" expands when the call has at least EXPAND_MIN_TOKENS query tokens and reads every cache row at least
-# EXPAND_MIN_READS times on average (rows gathered over rows expanded). Both bounds from the H200 sweeps of B=1 prompts
-# (results/sm90/sparse_attn_kv_staging_sweep*_session18.json): expand was slower at every 512- and 1024-token prompt
-# (512: 0.18-0.27 vs 0.136 ms at 1.2-320 reads per row; 1024: 0.275 vs 0.267 at 320) and faster from 2048 tokens on
-# (2048: 0.460-0.478 vs 0.519-0.521 ms at 19-320 reads per row; 4K-64K: 1.24x). Below 19 reads per row at 2048+
-# tokens it is not measured.
-EXPAND_MIN_TOKENS = 2048
-EXPAND_MIN_READS = 16
+# EXPAND_MIN_READS times on average (rows gathered over rows expanded). From the H200 runs of B=1 prompts with
+# unused_rows="zeros" (results/sm90/sparse_attn_unused_rows_zeros_session18.json): expand faster at 512, 1024, 2048 and
+# 4096 tokens (0.109 vs 0.136, 0.210 vs 0.264, 0.406 vs 0.520, 0.767 vs 1.008 ms); with every slot used (the same
+# copies as zeros) at 512 tokens over 32K entries, 9.8 reads per row, 0.115 vs 0.137 ms
+# (sparse_attn_kv_staging_full_lists_session18.json). Fewer reads per row, or fewer tokens, are not measured.
+EXPAND_MIN_TOKENS = 512
+EXPAND_MIN_READS = 8
 
 
 def resolve_kv_staging(kv_staging: str, B: int, S: int, W: int, K: int, Nw: int, Nc: int) -> str:
@@ -2341,6 +2348,16 @@ def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     return None
 
 
+def _zero_rows_refusal(c: Config, kv_format: str) -> str | None:
+    """Why unused_rows="zeros" cannot run with config ``c``, or None. It concerns bf16 rows: bf16 KV, or FP4 KV under
+    kv_staging "expand" or "auto" (which may expand); the FP4/FP8 rows the producer decodes have their own unused-row
+    path, where the key does not apply."""
+    bf16_rows = kv_format == "bf16" or c.get("kv_staging", "gather") != "gather"
+    if bf16_rows and (c["schedule"] != "ws" or c.get("produce", "serial") != "batched"):
+        return "unused_rows=zeros is the ws batched producer's cp.async of bf16 rows: schedule=ws, produce=batched"
+    return None
+
+
 def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
     """Why fp4_decode="prmt" cannot run with config ``c``, or None."""
     if kv_format != "fp4" or c["schedule"] != "ws" or c.get("produce", "serial") not in ("batched", "prefetch"):
@@ -2355,6 +2372,7 @@ def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
 _NARROW_DEFAULTS = (
     ("fp4_decode", "prmt", "fma", _prmt_decode_refusal),  # the ws batched producer's packed word decode
     ("partials", "bf16", "fp32", _bf16_partials_refusal),  # the ws wg0_scores consumers' split epilogue
+    ("unused_rows", "zeros", "row0", _zero_rows_refusal),  # the ws batched producer's bf16 cp.async
 )
 
 
@@ -2415,10 +2433,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return why
         expands = resolve_kv_staging(c.get("kv_staging", "gather"), *(s[k] for k in ("B", "S", "W", "K", "Nw", "Nc"))) == "expand"
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
-        if c.get("unused_rows", "row0") != "row0" and (
-            (kv_format == "fp4" and not expands) or c["schedule"] != "ws" or c.get("produce", "serial") != "batched"
-        ):
-            return "unused_rows=zeros is the ws batched producer's cp.async of bf16 rows: bf16 KV (or kv_staging=expand), schedule=ws, produce=batched"
+        if c.get("unused_rows", "row0") != "row0" and (why := _zero_rows_refusal(c, kv_format)):
+            return why
         if expands and fp4_rows:
             return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
         if c.get("produce", "serial") in ("batched", "prefetch") and c["block_I"] % 32:
@@ -2607,14 +2623,14 @@ class SparseAttnTile(Tile):
             # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
-                cfg["unused_rows"] = "row0"
+                cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
                 # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
                 # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
                 # 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere not yet run on a GPU.
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
-            cfg["unused_rows"] = "row0"
+            cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
