@@ -32,6 +32,12 @@ combine kernel merges the splits together with the sink (``combine="fused"``, ws
 each token merges them itself, after an arrival counter). ``n_split="auto"`` picks the fewest
 power-of-two splits that give at least two blocks per SM.
 
+``kv_staging`` (the prefill tile): ``gather`` decodes each FP4/FP8 row in the producer every time a token reads it;
+``expand`` first expands both caches to bf16 in one launch (:mod:`tiles.kv_expand`, the producer's own decode
+helpers, so the same bits) and runs the bf16 kernel on them: at prefill every row is read by hundreds of tokens, and
+the decode work is what paced the producer (1.24x at 4K-64K on the H200). ``auto`` (the Hopper prefill default) expands
+from EXPAND_MIN_TOKENS tokens reading each row EXPAND_MIN_READS times or more. The decode tile always gathers.
+
 Index policy: -1 is skipped (masked: its KV row is written as zeros, so no garbage reaches the GEMM);
 a repeated index counts each time; an index past the cache length is rejected by the wrapper only when
 ``check_indices=True`` (one host sync, off by default: in the model the indexer produces in-range
@@ -1668,8 +1674,9 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
     """Fill one KV buffer with block ``blk`` (batched producer), fetching block ``blk + 1``'s rows meanwhile.
 
     Thread p owns rows rr * ROWS + _lane_row(p) and, of each half of a row, the 32 columns from c * 32
-    (FP4/FP8) or the four 8-column chunks at 64 u + c * 8 (bf16), c = _lane_col(p). An unused row (-1) gets zeros (FP4/FP8: its scale is zeroed) or a copy of row 0
-    (bf16 by cp.async); either way its score is -inf, so it adds nothing. ``s_next``/``blk_next``: the token and
+    (FP4/FP8) or the four 8-column chunks at 64 u + c * 8 (bf16), c = _lane_col(p). An unused row (-1) gets zeros (FP4/FP8: its scale is zeroed;
+    bf16 with ``unused_rows="zeros"``: the cp.async predicate zero-fills it) or a copy of row 0 (bf16, ``"row0"``);
+    either way its score is -inf, so it adds nothing. ``s_next``/``blk_next``: the token and
     block whose rows to fetch next (default: block ``blk + 1`` of the same token; ``tokens_per_cta`` crosses into
     the next token).
     """
