@@ -2748,12 +2748,20 @@ class SparseAttnPrefill(SparseAttnTile):
     splits = False
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
-        """Hopper: the gathering path beside the expanding default (so a study times both), and its best options
-        (within ~1% of it at prefill 4K before the expansion: noise-level, the tuner decides)."""
+        """Hopper: the seesaw consumers on the expanded caches (the consumer chain paces the expanded prefill, and
+        seesaw's was the fastest chain measured alone), the gathering path beside the expanding default (so a study
+        times both), and the gathering path's best options (within ~1% of it at prefill 4K before the expansion)."""
         if arch.family != "hopper":
             return []
         gather = {"kv_staging": "gather"}
         return [
+            (
+                {"kv_staging": "expand", "consumers": "seesaw"},
+                (
+                    "NOT yet timed with zero-filled unused rows; on bf16 KV at prefill 4K (session 14, row0) seesaw was "
+                    "0.930 ms against 0.834 with the producer, 0.688 against 0.735 with the consumers alone"
+                ),
+            ),
             (gather, "prefill 4K 1.0195 ms against expand's 0.8290 (sparse_attn_kv_staging_session18.json)"),
             ({**gather, "produce": "prefetch"}, "gathering: prefill 4K 1.01x in the session-5 tuning run (H200)"),
             (
