@@ -122,7 +122,7 @@ def main() -> int:
             if not ev.ok:
                 print(f"  {ev.message}", flush=True)
         if swept:
-            auto = resolve_kv_staging("auto", *(shape[k] for k in ("B", "S", "W", "K", "Nw", "Nc")))
+            auto = resolve_kv_staging("auto", shape)
             print(f"  {reads:.1f} reads per cache row; auto picks {auto}", flush=True)
         else:
             row.update(_parts(tile, shape, arch))

@@ -463,7 +463,7 @@ def test_kv_staging_is_a_prefill_choice_resolved_per_call():
         assert "kv_staging" not in tile.search_space(SM90).names()
 
     def resolve(choice, shape):
-        return sa.resolve_kv_staging(choice, *(shape[k] for k in ("B", "S", "W", "K", "Nw", "Nc")))
+        return sa.resolve_kv_staging(choice, shape)
 
     for shape in sa.PREFILL_TILE.shapes():
         assert resolve("auto", shape) == "expand", shape.name
@@ -544,7 +544,7 @@ def test_kv_staging_expand_compiles_everywhere(arch_name):
     fp4_word = sa._FP4X8_FUNCTIONS[cfg["fp4_decode"]]
     assert re.search(rf"(?<!void )\b{fp4_word}\(", src) and re.search(r"(?<!void )\bcsa2_e4m3x4_bf16\(", src)
     assert re.search(r"(?<!void )\bcsa2_e4m3_scale2\(", src) and re.search(r"(?<!void )\bcsa2_e8m0_scale2\(", src)
-    bf16_cfg = {k: v for k, v in cfg.items() if k not in ("dequant", "wg1_rows", "fp4_decode", "kv_staging")}
+    bf16_cfg = {k: v for k, v in cfg.items() if k not in sa.FP4_ONLY_KEYS}
     bf16 = sa.BF16_TILE.build(shape, bf16_cfg, arch)  # its n_split resolves to 1 here: one kernel, no combine
     assert bf16.combine is None and kernel.attend.main.get_kernel_source() == bf16.main.get_kernel_source()
 
@@ -1000,7 +1000,7 @@ def test_kv_staging_expand_is_the_bf16_kernel_on_the_dequantised_caches():
     tile's kernel of the same config on the reference-dequantised caches."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
     kernel, inputs = _check(tile, shape, {"kv_staging": "expand"})
-    bf16_cfg = {k: v for k, v in tile.with_defaults(SM90, {}).items() if k not in ("dequant", "wg1_rows", "fp4_decode", "kv_staging")}
+    bf16_cfg = {k: v for k, v in tile.with_defaults(SM90, {}).items() if k not in sa.FP4_ONLY_KEYS}
     bf16 = sa.BF16_TILE.build(shape, bf16_cfg, SM90)
     bf16_inputs = {
         **inputs,

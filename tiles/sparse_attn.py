@@ -1988,7 +1988,7 @@ class CompiledAttention:
 
 # The keys of an FP4 config that the bf16 kernel behind kv_staging="expand" does not take (fp4_decode picks the
 # expansion's FP4 word decode instead).
-_FP4_ONLY_KEYS = ("dequant", "wg1_rows", "fp4_decode", "kv_staging")
+FP4_ONLY_KEYS = ("dequant", "wg1_rows", "fp4_decode", "kv_staging")
 
 
 class ExpandedAttention:
@@ -1998,10 +1998,13 @@ class ExpandedAttention:
     def __init__(self, heads: int, dim: int, window: int, topk: int, scale: float, config: Config, arch: Arch):
         fp4_decode = config.get("fp4_decode", "fma")
         self.expand = expand_kernel(dim, _decode_helpers_cuda(fp4_decode), _FP4X8_FUNCTIONS[fp4_decode], arch)
-        bf16_config = {k: v for k, v in config.items() if k not in _FP4_ONLY_KEYS}
+        bf16_config = {k: v for k, v in config.items() if k not in FP4_ONLY_KEYS}
         self.attend = compiled(heads, dim, window, topk, scale, "bf16", bf16_config, arch)
-        # the attention behind the expansion, as CompiledAttention names it (source dumps, profilers)
-        self.main, self.combine, self.n_split = self.attend.main, self.attend.combine, self.attend.n_split
+
+    # the attention behind the expansion, by CompiledAttention's names (source dumps, profilers, tests)
+    main = property(lambda self: self.attend.main)
+    combine = property(lambda self: self.attend.combine)
+    n_split = property(lambda self: self.attend.n_split)
 
     def __call__(self, q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink, out: torch.Tensor | None = None) -> torch.Tensor:
         window_kv, main_kv = expand_caches(self.expand, win_a, win_b, main_a, main_b)  # [B, Nw, D], [B, Nc, D] bf16
@@ -2111,7 +2114,7 @@ def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], confi
     if tile.splits:
         cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch, cfg["schedule"])
     if "kv_staging" in cfg:
-        cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], *(dims[k] for k in ("B", "S", "W", "K", "Nw", "Nc")))
+        cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], dims)
     return cfg
 
 
@@ -2324,14 +2327,15 @@ EXPAND_MIN_TOKENS = 512
 EXPAND_MIN_READS = 8
 
 
-def resolve_kv_staging(kv_staging: str, B: int, S: int, W: int, K: int, Nw: int, Nc: int) -> str:
-    """``kv_staging`` for one call: "auto" -> "expand" when the call has B * S >= EXPAND_MIN_TOKENS tokens whose W + K
-    gathered rows read every row of the two caches (B * (Nw + Nc)) at least EXPAND_MIN_READS times on average, else
-    "gather"."""
+def resolve_kv_staging(kv_staging: str, dims: Mapping[str, int]) -> str:
+    """``kv_staging`` for one call of ``dims`` (a Shape or its dims: B, S, W, K, Nw, Nc): "auto" -> "expand" when the
+    call has B * S >= EXPAND_MIN_TOKENS tokens whose W + K gathered rows read every row of the two caches
+    (B * (Nw + Nc)) at least EXPAND_MIN_READS times on average, else "gather"."""
     if kv_staging != "auto":
         return kv_staging
-    tokens = B * S
-    expands = tokens >= EXPAND_MIN_TOKENS and tokens * (W + K) >= EXPAND_MIN_READS * B * (Nw + Nc)
+    tokens = dims["B"] * dims["S"]
+    rows = dims["B"] * (dims["Nw"] + dims["Nc"])
+    expands = tokens >= EXPAND_MIN_TOKENS and tokens * (dims["W"] + dims["K"]) >= EXPAND_MIN_READS * rows
     return "expand" if expands else "gather"
 
 
@@ -2439,7 +2443,7 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
         if c.get("fp4_decode", "fma") != "fma" and (why := _prmt_decode_refusal(c, kv_format)):
             return why
-        expands = resolve_kv_staging(c.get("kv_staging", "gather"), *(s[k] for k in ("B", "S", "W", "K", "Nw", "Nc"))) == "expand"
+        expands = resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand"
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _zero_rows_refusal(c, kv_format)):
             return why
@@ -2679,7 +2683,7 @@ class SparseAttnTile(Tile):
                 cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"]
             )
         if "kv_staging" in cfg:
-            cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], *(shape[k] for k in ("B", "S", "W", "K", "Nw", "Nc")))
+            cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], shape)
         return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
 
     def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
