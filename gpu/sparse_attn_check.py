@@ -69,14 +69,24 @@ LABELS = {
     # session 18, "auto")
     "gather": {"kv_staging": "gather"},
     "expand": {"kv_staging": "expand"},
+    # Q by the producer's cp.async (the CTA's next token's as soon as warpgroup 0's last QK^T of this one completed), O
+    # stored from the accumulators; with several tokens per CTA the next token's Q load overlaps this one's end
+    "qpf": {"io": "prefetched"},
+    "qpf_tpc2": {"io": "prefetched", "tokens_per_cta": 2},
+    "qpf_tpc4": {"io": "prefetched", "tokens_per_cta": 4},
+    "qpf_tpc8": {"io": "prefetched", "tokens_per_cta": 8},
+    "tpc4_auto": {"tokens_per_cta": 4},  # tpc4 on the prefill's default staging: the token loop without the Q prefetch
 }
+# labels that keep the prefill tile's default kv_staging (the others run its gathering producer: see _override)
+DEFAULT_STAGING_LABELS = {"default", "qpf", "qpf_tpc2", "qpf_tpc4", "qpf_tpc8", "tpc4_auto"}
 
 
 def _override(tile_name: str, label: str) -> dict:
     """LABELS[label] for ``tile_name``. The producer options are the gathering producer's: at prefill, whose default
-    expands the caches instead, every label but "default" runs on kv_staging=gather unless it names kv_staging."""
+    expands the caches instead, every label outside DEFAULT_STAGING_LABELS runs on kv_staging=gather unless it names
+    kv_staging."""
     override = LABELS[label]
-    if tile_name == "sparse_attn_prefill" and label != "default" and "kv_staging" not in override:
+    if tile_name == "sparse_attn_prefill" and label not in DEFAULT_STAGING_LABELS and "kv_staging" not in override:
         return {**override, "kv_staging": "gather"}
     return override
 
@@ -158,6 +168,18 @@ CHECKS = [
     ("sparse_attn_decode", H128, "parts_bf16"),
     ("sparse_attn_decode", W37, "parts_bf16"),
     ("sparse_attn_bf16", "decode_b64_s1", "parts_bf16"),
+    *_option_rows("qpf", bf16=("prefill_s4k", "decode_b128_s2", "decode_b64_s1")),
+    *[
+        (tile, shape, label)
+        for label in ("qpf_tpc2", "qpf_tpc4", "qpf_tpc8", "tpc4_auto")
+        for tile, shape in (
+            ("sparse_attn_prefill", "prefill_s4k"),
+            ("sparse_attn_bf16", "prefill_s4k"),
+            ("sparse_attn_decode", "decode_b128_s2"),
+            ("sparse_attn_bf16", "decode_b128_s2"),
+            ("sparse_attn_prefill", S777),
+        )
+    ],
 ]
 
 
