@@ -69,16 +69,10 @@ LABELS = {
     # session 18, "auto")
     "gather": {"kv_staging": "gather"},
     "expand": {"kv_staging": "expand"},
-    # Q by the producer's cp.async (the CTA's next token's as soon as warpgroup 0's last QK^T of this one completed), O
-    # stored from the accumulators; with several tokens per CTA the next token's Q load overlaps this one's end
-    "qpf": {"io": "prefetched"},
-    "qpf_tpc2": {"io": "prefetched", "tokens_per_cta": 2},
-    "qpf_tpc4": {"io": "prefetched", "tokens_per_cta": 4},
-    "qpf_tpc8": {"io": "prefetched", "tokens_per_cta": 8},
-    "tpc4_auto": {"tokens_per_cta": 4},  # tpc4 on the prefill's default staging: the token loop without the Q prefetch
+    "tpc4_auto": {"tokens_per_cta": 4},  # tpc4 on the prefill's default staging (tpc4 itself runs the gathering producer)
 }
 # labels that keep the prefill tile's default kv_staging (the others run its gathering producer: see _override)
-DEFAULT_STAGING_LABELS = {"default", "qpf", "qpf_tpc2", "qpf_tpc4", "qpf_tpc8", "tpc4_auto"}
+DEFAULT_STAGING_LABELS = {"default", "tpc4_auto"}
 
 
 def _override(tile_name: str, label: str) -> dict:
@@ -168,18 +162,11 @@ CHECKS = [
     ("sparse_attn_decode", H128, "parts_bf16"),
     ("sparse_attn_decode", W37, "parts_bf16"),
     ("sparse_attn_bf16", "decode_b64_s1", "parts_bf16"),
-    *_option_rows("qpf", bf16=("prefill_s4k", "decode_b128_s2", "decode_b64_s1")),
-    *[
-        (tile, shape, label)
-        for label in ("qpf_tpc2", "qpf_tpc4", "qpf_tpc8", "tpc4_auto")
-        for tile, shape in (
-            ("sparse_attn_prefill", "prefill_s4k"),
-            ("sparse_attn_bf16", "prefill_s4k"),
-            ("sparse_attn_decode", "decode_b128_s2"),
-            ("sparse_attn_bf16", "decode_b128_s2"),
-            ("sparse_attn_prefill", S777),
-        )
-    ],
+    ("sparse_attn_prefill", "prefill_s4k", "tpc4_auto"),
+    ("sparse_attn_bf16", "prefill_s4k", "tpc4_auto"),
+    ("sparse_attn_decode", "decode_b128_s2", "tpc4_auto"),
+    ("sparse_attn_bf16", "decode_b128_s2", "tpc4_auto"),
+    ("sparse_attn_prefill", S777, "tpc4_auto"),
 ]
 
 

@@ -562,34 +562,6 @@ def test_tokens_per_cta_compiles_for_sm90(tpc):
         assert any("tokens_per_cta" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
-def test_io_prefetched_compiles_for_sm90():
-    """io=prefetched (GPU checks in GPU_CASES): the producer loads each token's Q by cp.async, the next token's after
-    warpgroup 0's last QK^T of this one (its q_free barrier), and the consumers store O from their accumulators. The
-    default's source is not this one; refused where Q is staged or not read by warpgroup 0 alone."""
-    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    config = tile.with_defaults(SM90, {"io": "prefetched", "tokens_per_cta": 4})
-    space = tile.search_space(SM90)
-    assert space.violations(config, shape, SM90) == []
-    kernel = tile.build(shape, config, SM90)
-    src = kernel.main.get_kernel_source()
-    assert "bar_q[0].init(128)" in src and src.count("tl::mbarrier_cp_async_arrive_noinc(bar_q[0])") == 2  # first, next
-    assert "bar_q_free[0].wait(((j_2 - 1) & 1))" in src and "bar_q_free[0].arrive()" in src
-    assert "Q_l)[" not in src.split("bar_q[0].wait")[0].split("threadIdx.x) < 128")[-1]  # no consumer copies Q
-    default_src = tile.build(shape, tile.default_config(SM90), SM90).main.get_kernel_source()
-    assert "bar_q_free" not in default_src
-    for other in ({"consumers": "seesaw"}, {"produce": "serial"}, {"wg1_rows": 16, "kv_staging": "gather"}):
-        assert any("io=prefetched" in r for r in space.violations({**config, "tokens_per_cta": 1, **other}, shape, SM90)), other
-    decode, b64 = sa.DECODE_TILE, sa.DECODE_TILE.shape("decode_b64_s1")
-    split = decode.with_defaults(SM90, {"io": "prefetched"})
-    assert split["partials"] == "fp32"  # bf16 partials are staged through Q: the narrow default gives way
-    assert decode.search_space(SM90).violations(split, b64, SM90) == []
-    assert any("io=prefetched" in r for r in decode.search_space(SM90).violations({**split, "partials": "bf16"}, b64, SM90))
-    decode.build(b64, split, SM90)
-    for bad in ({"io": "tma"}, {"io": "prefetched", "consumers": "balanced"}):
-        with pytest.raises(ValueError, match="io"):
-            sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, schedule="ws", produce="batched", **bad)
-
-
 def test_timing_ablations_build_outside_the_search_space():
     """gpu/attn_ablation.py's variants (wrong results by design) compile for sm90, are refused outside the default ws
     schedule they cut into, and can never be proposed by the tuner or named in a config."""
@@ -901,15 +873,6 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"unused_rows": "zeros"}),
     (sa.BF16_TILE, "decode_b64_s1", {"unused_rows": "zeros"}),
     (sa.BF16_TILE, "decode_b128_s2", {"unused_rows": "zeros", "consumers": "seesaw"}),
-    # io=prefetched: Q by the producer's cp.async (the next token's as soon as the last QK^T of this one completed), O
-    # stored from the accumulators
-    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "io": "prefetched"}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand", "io": "prefetched", "tokens_per_cta": 4}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "gather", "io": "prefetched", "tokens_per_cta": 2}),
-    (sa.BF16_TILE, "prefill_s4k", {"io": "prefetched", "tokens_per_cta": 8}),
-    (sa.BF16_TILE, "decode_b128_s2", {"io": "prefetched", "tokens_per_cta": 2}),
-    (sa.DECODE_TILE, "decode_b128_s2", {"io": "prefetched", "tokens_per_cta": 2}),
-    (sa.DECODE_TILE, "decode_b64_s1", {"io": "prefetched", "n_split": 2}),  # fp32 split partials from the accumulators
 ]
 
 
@@ -964,16 +927,6 @@ def test_tokens_per_cta_odd_shapes(tpc, shape):
     token, consecutive items), odd block counts per token (W=37, K=100: the buffer parity runs on across tokens)."""
     tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
     _check(tile, shape, {"tokens_per_cta": tpc})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("tpc", [1, 4])
-def test_io_prefetched_odd_shapes(tpc, shape):
-    """The producer's Q loads with S (x head blocks) not a multiple of the tokens per CTA (S=777, S=63), two head
-    blocks per token (H=128: the next item's Q is the same token's other heads), odd block counts (W=37, K=100)."""
-    tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
-    _check(tile, shape, {"io": "prefetched", "tokens_per_cta": tpc})
 
 
 @pytest.mark.gpu

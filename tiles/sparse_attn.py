@@ -260,10 +260,6 @@ def sparse_attn_kernel(
         raise ValueError("combine='fused' merges split partials in the ws kernel: schedule='ws', n_split > 1, tokens_per_cta=1")
     if partials not in PARTIALS:
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
-    if io not in IOS:
-        raise ValueError(f"unknown io {io!r}: use one of {', '.join(IOS)}")
-    if io == "prefetched" and (why := _prefetched_refusal(schedule, produce, consumers, wg1_rows, combine, partials, n_split, ablate)):
-        raise ValueError(why)
     if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
@@ -661,7 +657,6 @@ def _sparse_attn_ws(
     out_shape = [B, S, H, D] if NS == 1 else [B, S, NS, H, D]
     out_dtype = bf16 if NS == 1 or partials == "bf16" else f32
     bf16_parts = NS > 1 and partials == "bf16"  # split partials staged out as bf16 like O
-    prefetched = io == "prefetched"  # the producer loads each token's Q by cp.async; O goes from the fragments
     prefetch = produce == "prefetch"  # the batched producer with the next main block's loads issued early
     helped = wg1_rows > 0  # consumer warpgroup 1 fills the last pass of rows of each main block
     TPC = tokens_per_cta
@@ -740,10 +735,7 @@ def _sparse_attn_ws(
                 h_rawsc = T.alloc_local([4], "uint8")
                 h_vals = T.alloc_local([8], bf16)
 
-            # Q landed: every thread's copy (direct), the two consumer warpgroups' (staged), the producer's cp.async (prefetched)
-            bar_q = T.alloc_barrier(arrive_count={"direct": 384, "staged": 256, "prefetched": 128}[io])
-            # io="prefetched": warpgroup 0's last QK^T of the token has completed, the producer may refill Q
-            bar_q_free = T.alloc_barrier(arrive_count=128) if prefetched else None
+            bar_q = T.alloc_barrier(arrive_count=384 if io == "direct" else 256)
             bar_k0_ready = T.alloc_barrier(arrive_count=256 if helped else 128)  # the producer (and warpgroup 1)
             bar_k1_ready = T.alloc_barrier(arrive_count=256 if helped else 128)
             bar_k0_free = T.alloc_barrier(arrive_count=256)
@@ -813,7 +805,6 @@ def _sparse_attn_ws(
                 handoff == "before_pv",
                 bf16_parts,
                 ablate,
-                q_free=bar_q_free,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
@@ -889,8 +880,6 @@ def _sparse_attn_ws(
                     # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
                     # reads a clamped token's rows, never used)
                     _ws_fetch_rows(src, dims, rows_cur, b_i, (bx * TPC) // REP, lo, p)
-                    if prefetched:
-                        _ws_produce_q(Q, Q_l, Q_r, bar_q, b_i, (bx * TPC) // REP, ((bx * TPC) % REP) * HB, p, dims, HB)
                     for j in T.serial(TPC):
                         if bx * TPC + j < S * REP:
                             for it in T.serial(n_blk):
@@ -903,17 +892,8 @@ def _sparse_attn_ws(
                                 else:
                                     T.barrier_wait(bar_k1_free, (((j * n_blk + it) // 2) & 1) ^ 1)
                                     _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
-                                if prefetched:  # noqa: SIM102  (Python flags around TileLang conditions)
-                                    # this token's Q once warpgroup 0's last QK^T of the previous one has completed,
-                                    # after this token's first block (which waited for the previous one's last but one)
-                                    if it == 0:  # noqa: SIM102  (TileLang conditions: Python's `and` would not join them)
-                                        if j > 0:
-                                            T.barrier_wait(bar_q_free, (j - 1) & 1)
-                                            _ws_produce_q(Q, Q_l, Q_r, bar_q, b_i, s_cur, ((bx * TPC + j) % REP) * HB, p, dims, HB)
                 else:
                     _ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
-                    if prefetched:
-                        _ws_produce_q(Q, Q_l, Q_r, bar_q, b_i, s_i, h0, p, dims, HB)
                 if prefetch:  # noqa: SIM102  (a Python flag around a TileLang condition: they cannot be joined with `and`)
                     if lo >= NBW:  # the first block is a main one: its loads go out before the first free buffer
                         _ws_issue_main_loads(src, regs, dims, b_i, p)
@@ -1008,16 +988,13 @@ def _sparse_attn_ws(
 
 
 @T.macro
-def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", q_free=None, last=None):
+def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate=""):
     """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V (``ablate="no_softmax"``:
     S goes to P as it is, no max, exponentials, sums or rescale).
 
     ``early_p`` (``handoff="before_pv"``): P and alpha go to warpgroup 1 before this warpgroup's P V instead of
     after it, so both halves of P V run together and the buffer frees one P V earlier; the shared-memory stores
-    are fenced for the async proxy first (warpgroup 1's wgmma reads them).
-
-    ``q_free`` (``io="prefetched"``): arrived on once the token's ``last`` block's QK^T has completed, the token's last
-    read of Q, so that the producer loads the CTA's next token's Q meanwhile."""
+    are fenced for the async proxy first (warpgroup 1's wgmma reads them)."""
     Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
     KV_l, KV_r, valid, bar_ready, bar_free = buf
     if ablate != "uncoupled":
@@ -1027,9 +1004,6 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", 
     T.wgmma_gemm(Q_l, KV_l, acc_s, transpose_B=True)
     T.wgmma_gemm(Q_r, KV_r, acc_s, transpose_B=True)
     T.wait_wgmma(0)
-    if q_free is not None:  # noqa: SIM102  (a Python flag around a TileLang condition)
-        if last:
-            T.barrier_arrive(q_free)
     if it != 0:
         # S_shared and alpha_shared are reused: warpgroup 1 must be done with the previous step.
         T.barrier_arrive(bar_s_free)
@@ -1370,7 +1344,6 @@ class _WsCta(NamedTuple):
     early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
     bf16_parts: bool = False  # partials="bf16": the split's partial O staged out as bf16 through the freed Q half
     ablate: str = ""  # a timing ablation (see ABLATIONS); "" in every real kernel
-    q_free: Any = None  # io="prefetched": warpgroup 0 arrives once its last QK^T of a token has completed
 
 
 class _WsHelper(NamedTuple):
@@ -1403,9 +1376,9 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
         if cta.ablate == "consumers_idle":  # take each filled buffer and hand it straight back
             _ws_idle_step(cta.bufs, j * n_blk + it)
         elif (j * n_blk + it) % 2 == 0:
-            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, cta.q_free, it == n_blk - 1)
+            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
         else:
-            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, cta.q_free, it == n_blk - 1)
+            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
     if NS == 1:
         for h in T.Parallel(HB):
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -1774,22 +1747,6 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         T.barrier_arrive(bar_ready)
     for rr in T.unroll(R):
         rows_cur[rr] = rows_next[rr]
-
-
-@T.macro
-def _ws_produce_q(Q, Q_l, Q_r, bar_q, b_i, s_i, h0, p, dims, HB):
-    """``io="prefetched"``: producer thread p's share of token ``s_i``'s Q tile (heads ``h0`` .. ``h0 + HB``) by cp.async
-    into Q_l/Q_r: the rows and 16-byte chunks it owns of a bf16 KV block (:func:`_ws_produce_batched`). ``bar_q``
-    completes when every producer thread's copies have landed."""
-    ROWS, D2, lanes = dims.ROWS, dims.D2, dims.lanes
-    c = _lane_col(p, lanes)
-    for rr in T.unroll(HB // ROWS):
-        r = rr * ROWS + _lane_row(p, lanes)
-        for u in T.unroll(4):
-            col = 64 * u + c * 8
-            T.ptx_cp_async(T.access_ptr(Q_l[r, col], "w", 8), T.access_ptr(Q[b_i, s_i, h0 + r, col], "r", 8), 8)
-            T.ptx_cp_async(T.access_ptr(Q_r[r, col], "w", 8), T.access_ptr(Q[b_i, s_i, h0 + r, D2 + col], "r", 8), 8)
-    T.cp_async_barrier_noinc(bar_q)
 
 
 @T.macro
@@ -2280,7 +2237,6 @@ def sparse_attention_bf16(
 # ----------------------------------------------------------------------------------------------
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
-IOS = ("direct", "staged", "prefetched")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -2401,20 +2357,6 @@ def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     """Why partials="bf16" cannot run with config ``c``, or None (either KV format)."""
     if c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores" or c.get("combine", "separate") != "separate":
         return "partials=bf16 is built into the ws kernel's wg0_scores consumers with the separate combine"
-    if c.get("io", "direct") == "prefetched":
-        return "partials=bf16 are staged out through the freed Q tile, which io=prefetched refills for the next token: partials=fp32"
-    return None
-
-
-def _prefetched_refusal(schedule, produce, consumers, wg1_rows, combine, partials, n_split, ablate="") -> str | None:
-    """Why ``io="prefetched"`` cannot be built with these choices (``n_split`` resolved), or None."""
-    if schedule != "ws" or produce != "batched" or consumers != "wg0_scores" or int(wg1_rows) or ablate:
-        return (
-            "io=prefetched is the ws batched producer loading Q for the wg0_scores consumers: schedule=ws, "
-            "produce=batched, consumers=wg0_scores, wg1_rows=0"
-        )
-    if combine != "separate" or (n_split != 1 and partials != "fp32"):
-        return "io=prefetched stores O from the accumulators, nothing staged through Q: combine=separate, and partials=fp32 when split"
     return None
 
 
@@ -2481,17 +2423,9 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             or c.get("produce", "serial") != "batched"
             or c.get("consumers", "wg0_scores") != "wg0_scores"
             or int(c.get("wg1_rows", 0))
-            or c.get("io", "direct") == "direct"
+            or c.get("io", "direct") != "staged"
         ):
-            return (
-                "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, "
-                "consumers=wg0_scores, wg1_rows=0, io=staged or prefetched"
-            )
-        if c.get("io", "direct") == "prefetched":
-            n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
-            args = (c.get("produce", "serial"), c.get("consumers", "wg0_scores"), c.get("wg1_rows", 0), c.get("combine", "separate"))
-            if why := _prefetched_refusal(c["schedule"], *args, c.get("partials", "fp32"), n_split):
-                return why
+            return "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0, io=staged"
         if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
             return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
         if c.get("lanes", "row") != "row" and c["schedule"] != "ws":
@@ -2576,10 +2510,9 @@ class SparseAttnTile(Tile):
             Param("heads_per_block", (32, 64), "heads sharing one gathered block (H=128 runs as two blocks of 64)"),
             Param(
                 "io",
-                IOS,
-                "ws Q load / O store: all threads element-wise and O from the fragments; or per consumer warpgroup in "
-                "16-byte vectors with O staged through the freed Q tile; or Q by the producer's cp.async, the CTA's next "
-                "token's as soon as warpgroup 0's last QK^T of this one completes, and O from the fragments",
+                ("direct", "staged"),
+                "ws Q load / O store: all threads element-wise and O from the fragments, or per consumer warpgroup in "
+                "16-byte vectors with O staged through the freed Q tile",
             ),
             Param(
                 "consumers",
@@ -2827,6 +2760,10 @@ class SparseAttnPrefill(SparseAttnTile):
         gather = {"kv_staging": "gather"}
         return [
             (
+                {"tokens_per_cta": 4},
+                "the expanded prefill 4K 0.7605 against the default's 0.7768 ms (sparse_attn_io_prefetched_session19.json)",
+            ),
+            (
                 {"kv_staging": "expand", "consumers": "seesaw"},
                 (
                     "NOT yet timed with zero-filled unused rows; on bf16 KV at prefill 4K (session 14, row0) seesaw was "
@@ -2849,10 +2786,18 @@ class SparseAttnBf16(SparseAttnTile):
     phase = "any"
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
-        """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200."""
+        """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200, and so did one
+        CTA per sequence (tokens_per_cta) in one run and lost in another."""
         if arch.family != "hopper" or shape.phase != "decode":
             return []
         return [
+            (
+                {"tokens_per_cta": 4},
+                (
+                    "bf16 decode B=128/S=2 0.0603 vs 0.0637 ms (sparse_attn_io_prefetched_session19.json); session 15's "
+                    "tuning run timed tokens_per_cta=2 at 0.0645 against 0.0638"
+                ),
+            ),
             ({"handoff": "before_pv"}, "bf16 decode B=128/S=2 0.0599 vs 0.0636 ms (sparse_attn_run11_early_handoff.json)"),
             (
                 {"handoff": "before_pv", "lanes": "column"},
