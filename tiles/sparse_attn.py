@@ -2752,22 +2752,25 @@ class SparseAttnPrefill(SparseAttnTile):
     splits = False
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
-        """Hopper: the seesaw consumers on the expanded caches (the consumer chain paces the expanded prefill, and
-        seesaw's was the fastest chain measured alone), the gathering path beside the expanding default (so a study
-        times both), and the gathering path's best options (within ~1% of it at prefill 4K before the expansion)."""
+        """Hopper: several tokens per CTA on the expanded caches (the producer runs into the next token), the seesaw
+        consumers on them (the fastest chain measured alone), the gathering path beside the expanding default (so a
+        study times both), and the gathering path's best options (within ~1% of it at prefill 4K before the expansion)."""
         if arch.family != "hopper":
             return []
         gather = {"kv_staging": "gather"}
         return [
             (
                 {"tokens_per_cta": 4},
-                "the expanded prefill 4K 0.7605 against the default's 0.7768 ms (sparse_attn_io_prefetched_session19.json)",
+                (
+                    "the expanded prefill 4K 0.7605 against the default's 0.7768 ms (sparse_attn_io_prefetched_session19.json), "
+                    "763.7 against 766.7 us in session 19's tuning run"
+                ),
             ),
             (
                 {"kv_staging": "expand", "consumers": "seesaw"},
                 (
-                    "NOT yet timed with zero-filled unused rows; on bf16 KV at prefill 4K (session 14, row0) seesaw was "
-                    "0.930 ms against 0.834 with the producer, 0.688 against 0.735 with the consumers alone"
+                    "on bf16 KV at prefill 4K with zero-filled unused rows 0.8350 ms against the default's 0.7840 with the "
+                    "producer, 0.6859 against 0.7405 with the consumers alone (attn_ablation_session19_bf16*.json)"
                 ),
             ),
             (gather, "prefill 4K 1.0195 ms against expand's 0.8290 (sparse_attn_kv_staging_session18.json)"),
@@ -2786,16 +2789,17 @@ class SparseAttnBf16(SparseAttnTile):
     phase = "any"
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
-        """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200, and so did one
-        CTA per sequence (tokens_per_cta) in one run and lost in another."""
+        """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200; one CTA per
+        sequence (tokens_per_cta) won there in one run and came even or lost in others."""
         if arch.family != "hopper" or shape.phase != "decode":
             return []
         return [
             (
                 {"tokens_per_cta": 4},
                 (
-                    "bf16 decode B=128/S=2 0.0603 vs 0.0637 ms (sparse_attn_io_prefetched_session19.json); session 15's "
-                    "tuning run timed tokens_per_cta=2 at 0.0645 against 0.0638"
+                    "bf16 decode B=128/S=2 0.0603 vs 0.0637 ms (sparse_attn_io_prefetched_session19.json); tuning runs: "
+                    "tokens_per_cta=2 0.0645 against 0.0638 (session 15); the study's best 63.0 us against the default's "
+                    "63.3, not this candidate (session 19)"
                 ),
             ),
             ({"handoff": "before_pv"}, "bf16 decode B=128/S=2 0.0599 vs 0.0636 ms (sparse_attn_run11_early_handoff.json)"),
