@@ -69,18 +69,15 @@ LABELS = {
     # session 18, "auto")
     "gather": {"kv_staging": "gather"},
     "expand": {"kv_staging": "expand"},
-    "tpc4_auto": {"tokens_per_cta": 4},  # tpc4 on the prefill's default staging (tpc4 itself runs the gathering producer)
+    "tpc4_auto": {"tokens_per_cta": 4, "kv_staging": "auto"},  # tpc4 on the prefill's default staging (prefill tile only)
 }
-# labels that keep the prefill tile's default kv_staging (the others run its gathering producer: see _override)
-DEFAULT_STAGING_LABELS = {"default", "tpc4_auto"}
 
 
 def _override(tile_name: str, label: str) -> dict:
     """LABELS[label] for ``tile_name``. The producer options are the gathering producer's: at prefill, whose default
-    expands the caches instead, every label outside DEFAULT_STAGING_LABELS runs on kv_staging=gather unless it names
-    kv_staging."""
+    expands the caches instead, every label but "default" runs on kv_staging=gather unless it names kv_staging."""
     override = LABELS[label]
-    if tile_name == "sparse_attn_prefill" and label not in DEFAULT_STAGING_LABELS and "kv_staging" not in override:
+    if tile_name == "sparse_attn_prefill" and label != "default" and "kv_staging" not in override:
         return {**override, "kv_staging": "gather"}
     return override
 
@@ -163,10 +160,8 @@ CHECKS = [
     ("sparse_attn_decode", W37, "parts_bf16"),
     ("sparse_attn_bf16", "decode_b64_s1", "parts_bf16"),
     ("sparse_attn_prefill", "prefill_s4k", "tpc4_auto"),
-    ("sparse_attn_bf16", "prefill_s4k", "tpc4_auto"),
-    ("sparse_attn_decode", "decode_b128_s2", "tpc4_auto"),
-    ("sparse_attn_bf16", "decode_b128_s2", "tpc4_auto"),
     ("sparse_attn_prefill", S777, "tpc4_auto"),
+    ("sparse_attn_bf16", "decode_b128_s2", "tpc4"),  # the other tpc4 rows: _option_rows above
 ]
 
 
