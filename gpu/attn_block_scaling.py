@@ -1,6 +1,7 @@
 """How much of a sparse-attention CTA's time is per block, and how much is fixed per CTA?
 
     python3 gpu/attn_block_scaling.py --out $OUT [--tile sparse_attn_prefill] [--config '{"wg1_rows": 16}']
+    python3 gpu/attn_block_scaling.py --out $OUT --tile sparse_attn_bf16 --variants default,no_q_load,no_o_store
 
 The ws kernel runs one CTA per token (per head block and split) and, at ~205 KiB of shared memory, one CTA per
 SM: a CTA's prologue (Q load, the producer's first gather and dequant) and epilogue (sink, O store) overlap
@@ -12,15 +13,25 @@ the reference first (no time for a wrong kernel), and fits
 
 by least squares: ``t_block`` is the steady-state time of one block on one SM, ``t_fixed`` the per-CTA cost a
 persistent kernel (CTAs that loop over tokens, the producer running into the next token while the consumers
-finish this one) could hide. Prints the table and the fit; writes attn_block_scaling.json (rows, fit,
-environment, command) under --out. Without a CUDA GPU it exits with status 2.
+finish this one) could hide.
+
+``--variants``: besides ``default``, timing ablations of ``tiles.sparse_attn.ABLATIONS`` (e.g. ``no_q_load``,
+``no_o_store``, ``no_softmax``, ``producer_idle``), each fitted the same way in the same run: how much of t_block or
+t_fixed the piece it removes holds. An ablated kernel computes garbage by design and is only timed; it is built on
+the gathering kernel, so a tile whose default expands the caches first needs ``--tile sparse_attn_bf16`` (the
+kernel behind the expansion) or ``--config '{"kv_staging": "gather"}'``. All kernels compile first, in parallel.
+
+Prints the table and each fit; writes attn_block_scaling.json (rows, fits, environment, command) under --out.
+Without a CUDA GPU it exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,12 +49,59 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return a, my - a * mx
 
 
+def _shape(k: int):
+    """Prefill S=4096, H=64, window 128, top-k ``k``."""
+    from tiles.contract import Shape
+
+    dims = {"B": 1, "S": 4096, "Nc": 4096, "Nw": 4096, "H": 64, "W": 128, "K": k, "D": 512}
+    return Shape(f"prefill_s4k_k{k}", "prefill", dims)
+
+
+def _kernel(tile_name: str, k: int, override: dict, variant: str, arch_name: str):
+    """The tile's default (``override`` over it) at top-k ``k``: through the tile for ``default``, else the gathering
+    kernel built directly with the timing ablation ``variant``."""
+    import tiles.sparse_attn as sa
+    from tiles.arch import get_arch
+    from tiles.registry import get_tile
+
+    tile, arch, shape = get_tile(tile_name), get_arch(arch_name), _shape(k)
+    cfg = tile.with_defaults(arch, override)
+    if variant == "default":
+        return tile.build(shape, cfg, arch)
+    if cfg.get("kv_staging", "gather") != "gather":
+        raise ValueError(f"{variant}: ablations cut the gathering kernel; use --tile sparse_attn_bf16 or kv_staging=gather")
+    if tile.splits:
+        cfg["n_split"] = sa.resolve_split(cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"])
+    return sa.CompiledAttention(
+        shape["H"], shape["D"], shape["W"], shape["K"], sa._DEFAULT_SCALE, tile.kv_format, cfg, arch, ablate=variant
+    )
+
+
+def _compile_job(job):
+    """Worker: build one (variant, top-k) kernel so that TileLang's disk cache holds it. Returns (job, error or None)."""
+    try:
+        _kernel(*job)
+        return job, None
+    except Exception as exc:  # noqa: BLE001 - reported, never fatal
+        return job, "".join(traceback.format_exception_only(type(exc), exc)).strip()[-300:]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--tile", default="sparse_attn_prefill")
     parser.add_argument("--config", default="{}", help="JSON over the tile's default config")
+    parser.add_argument("--variants", default="default", help="comma-separated: 'default' and ablation names")
+    parser.add_argument("--workers", type=int, default=14, help="compile processes")
     args = parser.parse_args()
+    override = json.loads(args.config)
+    from tiles.sparse_attn import ABLATIONS
+
+    variants = tuple(v for v in args.variants.split(",") if v)
+    unknown = [v for v in variants if v != "default" and v not in ABLATIONS]
+    if unknown or not variants:  # a typo must not cost a device call
+        print(f"attn_block_scaling: unknown variants {unknown}; use default and {', '.join(ABLATIONS)}", file=sys.stderr)
+        return 2
 
     import torch
 
@@ -52,46 +110,69 @@ def main() -> int:
         return 2
 
     from tiles.arch import detect
-    from tiles.contract import Shape
     from tiles.registry import get_tile
     from tiles.timing import describe_environment, time_cuda, time_cuda_graph
 
     arch, tile = detect(), get_tile(args.tile)
-    override = json.loads(args.config)
-    rows = []
-    for k in TOPKS:
-        dims = {"B": 1, "S": 4096, "Nc": 4096, "Nw": 4096, "H": 64, "W": 128, "K": k, "D": 512}
-        shape = Shape(f"prefill_s4k_k{k}", "prefill", dims)
-        kernel = tile.build(shape, tile.with_defaults(arch, override), arch)
-        inputs = tile.make_inputs(shape, seed=11)
-        cmp = tile.compare(tile.run(kernel, inputs), tile.reference(inputs))  # outputs NaN-poisoned by run()
-        row = {"K": k, "check": "ok" if cmp.ok else "WRONG", "detail": str(cmp)}
-        if cmp.ok:
-            out = {"out": torch.empty_like(inputs["q"])}
-            launch = lambda _j, o=out, kk=kernel, x=inputs: tile.launch(kk, x, o)
-            timing = time_cuda_graph(launch, n_sets=1) or time_cuda(launch, n_sets=1)  # graph replay: device time
-            ms = timing.median_ms
-            blocks = -(-dims["W"] // 64) + -(-k // 64)
-            ctas = dims["S"] * (dims["H"] // 64)
-            row.update(ms=ms, blocks_per_cta=blocks, waves=ctas / arch.sm_count, us_per_cta=1e3 * ms / (ctas / arch.sm_count))
-        rows.append(row)
-        print(
-            f"K={k:5d} {row['check']:5s} " + (f"{row['ms']:.4f} ms  {row['us_per_cta']:.2f} us per CTA slot" if cmp.ok else row["detail"])
-        )
-
-    timed = [r for r in rows if r["check"] == "ok"]
-    fit = None
-    if len(timed) >= 2:
-        t_block, t_fixed = _fit([r["blocks_per_cta"] for r in timed], [r["us_per_cta"] for r in timed])
-        fit = {"t_block_us": t_block, "t_fixed_us": t_fixed}
-        print(f"fit: {t_block:.3f} us per 64-row block per SM + {t_fixed:.2f} us fixed per CTA")
+    jobs = [(args.tile, k, override, v, arch.name) for v in variants for k in TOPKS]
+    if len(jobs) > 1:
+        with multiprocessing.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:  # fills TileLang's disk cache
+            for job, err in pool.imap_unordered(_compile_job, jobs):
+                print(f"compiled {job[3]} K={job[1]}: {err or 'ok'}", flush=True)
+    rows, fits = [], {}
+    for variant in variants:
+        for k in TOPKS:
+            shape = _shape(k)
+            dims = shape.dims
+            inputs = tile.make_inputs(shape, seed=11)
+            row = {"variant": variant, "K": k}
+            try:
+                kernel = _kernel(args.tile, k, override, variant, arch.name)
+            except Exception as exc:  # noqa: BLE001 - one variant that does not build leaves the others' rows
+                row.update(check="BUILD", detail=str(exc)[-300:])
+                rows.append(row)
+                print(f"{variant:14s} K={k:5d} build failed: {row['detail']}")
+                continue
+            if variant == "default":
+                cmp = tile.compare(tile.run(kernel, inputs), tile.reference(inputs))  # outputs NaN-poisoned by run()
+                row.update(check="ok" if cmp.ok else "WRONG", detail=str(cmp))
+            else:
+                row.update(check="ablation", detail="timed only: wrong results by design")
+            if row["check"] != "WRONG":
+                out = tile.alloc_outputs(kernel, inputs)
+                launch = lambda _j, o=out, kk=kernel, x=inputs: tile.launch(kk, x, o)
+                timing = time_cuda_graph(launch, n_sets=1) or time_cuda(launch, n_sets=1)  # graph replay: device time
+                ms = timing.median_ms
+                blocks = -(-dims["W"] // 64) + -(-k // 64)
+                ctas = dims["S"] * (dims["H"] // 64)
+                row.update(ms=ms, blocks_per_cta=blocks, waves=ctas / arch.sm_count, us_per_cta=1e3 * ms / (ctas / arch.sm_count))
+            rows.append(row)
+            print(
+                f"{variant:14s} K={k:5d} {row['check']:8s} "
+                + (f"{row['ms']:.4f} ms  {row['us_per_cta']:.2f} us per CTA slot" if "ms" in row else row["detail"])
+            )
+        timed = [r for r in rows if r["variant"] == variant and "ms" in r]
+        if len(timed) >= 2:
+            t_block, t_fixed = _fit([r["blocks_per_cta"] for r in timed], [r["us_per_cta"] for r in timed])
+            fits[variant] = {"t_block_us": t_block, "t_fixed_us": t_fixed}
+            print(f"{variant}: {t_block:.3f} us per 64-row block per SM + {t_fixed:.2f} us fixed per CTA")
     cmd = "python3 gpu/attn_block_scaling.py --out $OUT --tile " + args.tile + (f" --config '{args.config}'" if override else "")
-    env = describe_environment()
+    cmd += f" --variants {args.variants}" if variants != ("default",) else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attn_block_scaling.json").write_text(
-        json.dumps({"environment": env, "command": cmd, "config": override, "rows": rows, "fit": fit}, indent=1)
+        json.dumps(
+            {
+                "environment": describe_environment(),
+                "command": cmd,
+                "config": override,
+                "rows": rows,
+                "fit": fits.get("default"),
+                "fits": fits,
+            },
+            indent=1,
+        )
     )
-    return 0 if all(r["check"] == "ok" for r in rows) else 1
+    return 0 if all(r["check"] in ("ok", "ablation") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -117,9 +117,11 @@ phase_ablation() {  # the attention default with one role's work removed (gpu/at
 }
 
 phase_attn-scaling() {  # per-block vs per-CTA time of the attention default (gpu/attn_block_scaling.py; SCALING_CONFIG: JSON override)
+  # SCALING_TILE (default sparse_attn_prefill); SCALING_VARIANTS: default and timing ablations, e.g. default,no_q_load
   mkdir -p "$OUT/scaling"
-  timeout "${SCALING_S:-150}" python3 gpu/attn_block_scaling.py --out "$OUT/scaling" --config "${SCALING_CONFIG:-{\}}" > "$OUT/scaling.log" 2>&1
-  note "attn-scaling rc=$? $(grep '^fit' "$OUT/scaling.log")"
+  timeout "${SCALING_S:-150}" python3 gpu/attn_block_scaling.py --out "$OUT/scaling" --config "${SCALING_CONFIG:-{\}}" \
+    --tile "${SCALING_TILE:-sparse_attn_prefill}" --variants "${SCALING_VARIANTS:-default}" > "$OUT/scaling.log" 2>&1
+  note "attn-scaling rc=$? $(grep 'fixed per CTA' "$OUT/scaling.log" | tr '\n' ';')"
 }
 
 phase_profile() {  # indexer and compressor: old and new paths, per-kernel CUDA time against the floor (gpu/profile_tiles.py)

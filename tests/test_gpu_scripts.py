@@ -195,6 +195,19 @@ def test_determinism_probe_counts_the_runs_that_differ(monkeypatch):
     assert row["first_vs_reference"]["error"] == 0.0 and row["worst_vs_reference"]["error"] == 0.5
 
 
+def test_attn_block_scaling_refuses_an_unknown_variant_before_asking_for_a_gpu():
+    import subprocess
+
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "gpu" / "attn_block_scaling.py"), "--variants", "default,no_such_cut"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert res.returncode == 2 and "unknown variants ['no_such_cut']" in res.stderr
+
+
 def test_attn_ablation_refuses_an_unknown_variant_before_asking_for_a_gpu():
     import subprocess
 

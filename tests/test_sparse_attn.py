@@ -619,6 +619,24 @@ def test_producer_ablations_cut_what_they_say(ablate):
     assert counts == tuple(2 * n for n in _ABLATION_SOURCE[ablate])
 
 
+def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
+    """gpu/attn_block_scaling.py's no_q_load and no_o_store remove exactly the consumers' 16-byte Q loads or O stores
+    from the bf16 prefill kernel (the kernel behind the expansion) and nothing else a timing could see; they are
+    refused where there is no staged Q or one-split O to cut."""
+    tile, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
+    cfg = {**tile.with_defaults(SM90, {}), "n_split": 1}
+    counts = {}
+    for ablate in ("", "no_q_load", "no_o_store"):
+        kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90, ablate=ablate)
+        src = kernel.main.get_kernel_source()
+        counts[ablate] = (src.count("*(uint4*)(Q +"), src.count("*(uint4*)(Out +"), src.count("wgmma"), src.count("fence_proxy_async"))
+    assert counts[""] == (2, 2, 27, 4)  # one 16-byte loop per warpgroup and direction
+    assert counts["no_q_load"] == (0, 2, 27, 4) and counts["no_o_store"] == (2, 0, 27, 4)
+    for bad in ({"io": "direct"}, {"n_split": 2}):
+        with pytest.raises(ValueError, match="ablate"):
+            sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", ablate="no_q_load", **bad)
+
+
 FUSED = {"combine": "fused", "partials": "fp32"}  # the fused combine merges fp32 partials (the Hopper default is bf16)
 H128 = _shape("h128", "decode", B=3, S=2, Nc=5000, Nw=130, H=128)
 W37 = _shape("w37", "decode", B=5, S=1, Nc=700, Nw=38, W=37)

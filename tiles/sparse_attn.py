@@ -272,10 +272,12 @@ def sparse_attn_kernel(
         or tokens_per_cta != 1
         or produce != "batched"
         or wg1_rows
+        or (ablate in _EDGE_ABLATIONS and (io != "staged" or n_split != 1))
     ):
         raise ValueError(
             f"ablate={ablate!r}: one of {', '.join(ABLATIONS)}, for the ws kernel's batched producer (and, for "
-            f"{', '.join(_CONSUMER_ABLATIONS)}, its wg0_scores consumers), one token per CTA"
+            f"{', '.join(_CONSUMER_ABLATIONS)}, its wg0_scores consumers; for {', '.join(_EDGE_ABLATIONS)}, "
+            "io='staged' with one split), one token per CTA"
         )
     if schedule == "ws":
         return _sparse_attn_ws(
@@ -1365,7 +1367,8 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     Q_l, acc_o_l, sumexp, sumexp_i, alpha, m_i = sm.Q_l, sm.acc_o, sm.sumexp, sm.sumexp_i, sm.alpha, sm.m_i
     BI = cta.BI
     if cta.io == "staged":
-        T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
+        if cta.ablate != "no_q_load":
+            T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
         T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
         T.barrier_arrive(cta.bar_q)
     T.fill(sumexp, 0)
@@ -1395,7 +1398,8 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
         acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
     if NS == 1 and cta.io == "staged":
         T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
-        T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+        if cta.ablate != "no_o_store":
+            T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
     elif cta.bf16_parts and cta.io == "staged":
         T.copy(acc_o_l, Q_l)
         T.copy(Q_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
@@ -1416,7 +1420,8 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
     Q, Out, HB, D2, NS, b_i, bz, lo, n_blk = cta.Q, cta.Out, cta.HB, cta.D2, cta.NS, cta.b_i, cta.bz, cta.lo, cta.n_blk
     Q_r, S_shared, alpha_shared, final_shared, bufs = cta.Q_r, cta.S_shared, cta.alpha_shared, cta.final_shared, cta.bufs
     if cta.io == "staged":
-        T.copy(Q[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2], Q_r)
+        if cta.ablate != "no_q_load":
+            T.copy(Q[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2], Q_r)
         T.fence_proxy_async()
         T.barrier_arrive(cta.bar_q)
     T.fill(acc_o_r, 0)
@@ -1459,7 +1464,8 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
         acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
     if NS == 1 and cta.io == "staged":
         T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
-        T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
+        if cta.ablate != "no_o_store":
+            T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
     elif cta.bf16_parts and cta.io == "staged":
         T.copy(acc_o_r, Q_r)
         T.copy(Q_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])
@@ -2261,6 +2267,10 @@ _UNUSED_ROWS_DEFAULT = "zeros"
 # blocks are filled as in the default; no_window: the reverse (window blocks unfilled, main blocks as in the default);
 # half_main: the producer fills only the first half of each FP4 main block's rows (what it would do per CTA if two CTAs
 # of a token's two head blocks shared the decode, as FlashMLA's FP8 sparse decode does across a cluster).
+# no_q_load: the consumer warpgroups skip their Q copy from global memory (Q_l/Q_r keep whatever they held; the fence
+# and the Q barrier stay); no_o_store: they stage O through Q as before but store none of it to global memory. Both
+# take one piece out of a CTA's fixed cost (gpu/attn_block_scaling.py --variants); they cut only io="staged" with one
+# split, the ws default's prefill path.
 ABLATIONS = (
     "producer_idle",
     "consumers_idle",
@@ -2274,8 +2284,14 @@ ABLATIONS = (
     "skeleton",
     "no_window",
     "half_main",
+    "no_q_load",
+    "no_o_store",
 )
-_CONSUMER_ABLATIONS = ("consumers_idle", "no_softmax", "uncoupled")  # the ones that change warpgroups 0 and 1
+_CONSUMER_ABLATIONS = ("consumers_idle", "no_softmax", "uncoupled", "no_q_load", "no_o_store")
+_EDGE_ABLATIONS = (
+    "no_q_load",
+    "no_o_store",
+)  # the ones that cut the staged Q load or O store (one split only)  # the ones that change warpgroups 0 and 1
 # The parts of the FP4 producer's work each of its ablations leaves out (half_main and producer_idle change which
 # passes or blocks it fills instead): "loads" (the packed words and scale bytes are made from the row index), "decode"
 # (one value per word from its bits), "stores" (no decoded row written), "main" / "window" (those blocks not filled at
