@@ -70,6 +70,14 @@ LABELS = {
     "gather": {"kv_staging": "gather"},
     "expand": {"kv_staging": "expand"},
     "tpc4_auto": {"tokens_per_cta": 4, "kv_staging": "auto"},  # tpc4 on the prefill's default staging (prefill tile only)
+    # the next token's Q by cp.async under the last QK^T, O staged through the last KV buffer and stored by the producer
+    # (bf16 rows: the bf16 tile, or the prefill tile on its default staging, the expansion: the _auto labels)
+    "ovl2": {"io": "overlapped", "n_split": 1, "tokens_per_cta": 2},
+    "ovl4": {"io": "overlapped", "n_split": 1, "tokens_per_cta": 4},
+    "ovl8": {"io": "overlapped", "n_split": 1, "tokens_per_cta": 8},
+    "ovl2_auto": {"io": "overlapped", "tokens_per_cta": 2, "kv_staging": "auto"},
+    "ovl4_auto": {"io": "overlapped", "tokens_per_cta": 4, "kv_staging": "auto"},
+    "ovl8_auto": {"io": "overlapped", "tokens_per_cta": 8, "kv_staging": "auto"},
 }
 
 
@@ -85,6 +93,8 @@ def _override(tile_name: str, label: str) -> dict:
 H128 = ("odd_h128_b3_s2", "decode", {"B": 3, "S": 2, "Nc": 5000, "Nw": 130, "H": 128, "W": 128, "K": 512})
 W37 = ("odd_w37_b5_s1", "decode", {"B": 5, "S": 1, "Nc": 700, "Nw": 38, "H": 64, "W": 37, "K": 512})
 S777 = ("odd_s777", "prefill", {"B": 1, "S": 777, "Nc": 777, "Nw": 777, "H": 64, "W": 128, "K": 512})
+# 9 blocks per token (1 window + 8 main): the buffer of a token's last block alternates; 5 tokens per sequence
+W37S5 = ("odd_w37_b2_s5", "decode", {"B": 2, "S": 5, "Nc": 700, "Nw": 40, "H": 64, "W": 37, "K": 512})
 
 
 def _option_rows(label: str, bf16: tuple[str, ...] = ()) -> list[tuple]:
@@ -162,6 +172,20 @@ CHECKS = [
     ("sparse_attn_prefill", "prefill_s4k", "tpc4_auto"),
     ("sparse_attn_prefill", S777, "tpc4_auto"),
     ("sparse_attn_bf16", "decode_b128_s2", "tpc4"),  # the other tpc4 rows: _option_rows above
+    ("sparse_attn_prefill", "prefill_s4k", "ovl2_auto"),
+    ("sparse_attn_prefill", "prefill_s4k", "ovl4_auto"),
+    ("sparse_attn_prefill", "prefill_s4k", "ovl8_auto"),
+    ("sparse_attn_prefill", S777, "ovl4_auto"),  # the last CTA runs one token
+    ("sparse_attn_bf16", "prefill_s4k", "ovl2"),
+    ("sparse_attn_bf16", "prefill_s4k", "ovl4"),
+    ("sparse_attn_bf16", "prefill_s4k", "ovl8"),
+    ("sparse_attn_bf16", "decode_b128_s2", "ovl2"),
+    ("sparse_attn_bf16", "decode_b64_s1", "ovl2"),  # one token per CTA all the same
+    ("sparse_attn_bf16", H128, "ovl2"),  # two head blocks per token: items alternate head blocks
+    ("sparse_attn_bf16", H128, "ovl4"),
+    ("sparse_attn_bf16", W37S5, "ovl2"),  # odd blocks per token
+    ("sparse_attn_bf16", W37S5, "ovl4"),
+    ("sparse_attn_bf16", S777, "ovl8"),
 ]
 
 

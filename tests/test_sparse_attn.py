@@ -562,6 +562,44 @@ def test_tokens_per_cta_compiles_for_sm90(tpc):
         assert any("tokens_per_cta" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
 
 
+@pytest.mark.parametrize("tpc", [2, 4, 8])
+def test_overlapped_io_compiles_for_sm90_without_spills(tpc, tmp_path):
+    """io="overlapped" (GPU checks in test_overlapped_io_odd_shapes and gpu/sparse_attn_check.py): warpgroup 1 copies
+    the next token's Q by cp.async onto the Q barrier, the consumers stage O into the token's last KV buffer and only
+    the producer stores O, from each buffer it is about to refill and from the last tokens' at its end."""
+    tile, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
+    config = tile.with_defaults(SM90, {"io": "overlapped", "tokens_per_cta": tpc, "n_split": 1})
+    assert tile.search_space(SM90).violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    assert src.count("tl::mbarrier_cp_async_arrive_noinc(bar_q[0]);") == 1  # warpgroup 1, under the last block
+    producer = src.index("tl::warpgroup_reg_dealloc<96>();")
+    stores = [m.start() for m in re.finditer(re.escape("*(uint4*)(Out +"), src)]
+    # both halves, in the loop and at the end: with 10 blocks per token a token's last block is always in buffer 1,
+    # so TileLang folds away the buffer-0 copies
+    assert len(stores) == 4 and min(stores) > producer, "O leaves only from the producer"
+    log = ptxas_log(src, tmp_path, ptxas_options=(f"--register-usage-level={config['ptxas_level']}",))
+    assert parse_resource_usage(log)[1] == 0, "no spills"
+
+
+def test_overlapped_io_is_refused_where_it_cannot_stage_o():
+    """One token per CTA (nothing to overlap), split partials, FP4 rows (the gathering producer: its own lane map,
+    and spills) and 32-row blocks are refused with the reason."""
+    bf16, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
+    base = {"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}
+    for other, why in (({"tokens_per_cta": 1}, "tokens_per_cta > 1"), ({"n_split": 2}, "n_split=1"), ({"block_I": 32}, "block_I=64")):
+        config = bf16.with_defaults(SM90, {**base, **other})
+        assert any(why in r for r in bf16.search_space(SM90).violations(config, shape, SM90)), other
+    prefill, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
+    over = {"io": "overlapped", "tokens_per_cta": 4}
+    assert prefill.search_space(SM90).violations(prefill.with_defaults(SM90, over), shape, SM90) == []  # expands at 4K
+    gather = prefill.with_defaults(SM90, {**over, "kv_staging": "gather"})
+    assert any("bf16 KV" in r for r in prefill.search_space(SM90).violations(gather, shape, SM90))
+    with pytest.raises(ValueError, match="bf16 KV"):
+        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="fp4", schedule="ws", produce="batched", io="overlapped", tokens_per_cta=4)
+    with pytest.raises(ValueError, match="unknown io"):
+        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", io="prefetched")
+
+
 def test_timing_ablations_build_outside_the_search_space():
     """gpu/attn_ablation.py's variants (wrong results by design) compile for sm90, are refused outside the default ws
     schedule they cut into, and can never be proposed by the tuner or named in a config."""
@@ -945,6 +983,16 @@ def test_tokens_per_cta_odd_shapes(tpc, shape):
     token, consecutive items), odd block counts per token (W=37, K=100: the buffer parity runs on across tokens)."""
     tile = sa.PREFILL_TILE if shape.phase == "prefill" else sa.DECODE_TILE
     _check(tile, shape, {"tokens_per_cta": tpc})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("tpc", [2, 4])
+def test_overlapped_io_odd_shapes(tpc, shape):
+    """io="overlapped" (the bf16 tile) with S (x head blocks) not a multiple of the tokens per CTA (S=777, S=63; B=5
+    and B=2 with one token each: every CTA's only token stored at the end), H=128 (two head blocks per token), odd
+    block counts per token (W=37, K=100: the buffer of a token's last block alternates)."""
+    _check(sa.BF16_TILE, shape, {"io": "overlapped", "tokens_per_cta": tpc, "n_split": 1})
 
 
 @pytest.mark.gpu

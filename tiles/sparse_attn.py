@@ -264,6 +264,12 @@ def sparse_attn_kernel(
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
+    if io not in IOS:
+        raise ValueError(f"unknown io {io!r}: use one of {', '.join(IOS)}")
+    if io == "overlapped" and (
+        why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, ablate)
+    ):
+        raise ValueError(why)
     # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are
     if ablate and (
         ablate not in ABLATIONS
@@ -769,6 +775,9 @@ def _sparse_attn_ws(
             lo = bz * NB // NS
             n_blk = (bz + 1) * NB // NS - lo
             tx = T.get_thread_binding()
+            nxt = None
+            if io == "overlapped":
+                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128)
             fuse = None
             if fused:
                 fuse = _WsFuse(OPart, LsePart, Counter, Sink, Out, comb_shared, last_shared, bar_arrived, bar_last, tx)
@@ -807,6 +816,7 @@ def _sparse_attn_ws(
                 handoff == "before_pv",
                 bf16_parts,
                 ablate,
+                nxt,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
@@ -890,10 +900,25 @@ def _sparse_attn_ws(
                                 b_nxt = T.if_then_else(it + 1 < n_blk, lo + it + 1, lo)
                                 if (j * n_blk + it) % 2 == 0:
                                     T.barrier_wait(bar_k0_free, (((j * n_blk + it) // 2) & 1) ^ 1)
+                                    if io == "overlapped":
+                                        _ws_ovl_store_o(Out, bufs[0], dims, b_i, bx * TPC, REP, j, it, n_blk, p)
                                     _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
                                 else:
                                     T.barrier_wait(bar_k1_free, (((j * n_blk + it) // 2) & 1) ^ 1)
+                                    if io == "overlapped":
+                                        _ws_ovl_store_o(Out, bufs[1], dims, b_i, bx * TPC, REP, j, it, n_blk, p)
                                     _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
+                    if io == "overlapped":
+                        # the O staged in the last tokens' buffers, which no block refills: as if blocks
+                        # count * n_blk and count * n_blk + 1 were acquired (the second-to-last token's too when n_blk == 1)
+                        for e in T.serial(2):
+                            g = nxt.count * n_blk + e
+                            if g % 2 == 0:
+                                T.barrier_wait(bar_k0_free, ((g // 2) & 1) ^ 1)
+                                _ws_ovl_store_o(Out, bufs[0], dims, b_i, bx * TPC, REP, 0, g, n_blk, p)
+                            else:
+                                T.barrier_wait(bar_k1_free, ((g // 2) & 1) ^ 1)
+                                _ws_ovl_store_o(Out, bufs[1], dims, b_i, bx * TPC, REP, 0, g, n_blk, p)
                 else:
                     _ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
                 if prefetch:  # noqa: SIM102  (a Python flag around a TileLang condition: they cannot be joined with `and`)
@@ -990,13 +1015,16 @@ def _sparse_attn_ws(
 
 
 @T.macro
-def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate=""):
+def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", ovl=None):
     """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V (``ablate="no_softmax"``:
     S goes to P as it is, no max, exponentials, sums or rescale).
 
     ``early_p`` (``handoff="before_pv"``): P and alpha go to warpgroup 1 before this warpgroup's P V instead of
     after it, so both halves of P V run together and the buffer frees one P V earlier; the shared-memory stores
-    are fenced for the async proxy first (warpgroup 1's wgmma reads them)."""
+    are fenced for the async proxy first (warpgroup 1's wgmma reads them).
+
+    ``ovl`` (``io="overlapped"``: the _WsCta, the CTA's token j and the token's block it): the token's last block's
+    buffer is kept for O (freed once O_l is staged into it: :func:`_ws_ovl_stage_o`)."""
     Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
     KV_l, KV_r, valid, bar_ready, bar_free = buf
     if ablate != "uncoupled":
@@ -1021,7 +1049,11 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate=""):
     else:
         T.gemm(S_shared, KV_l, acc_o)
         T.barrier_arrive(bar_s_ready)
-    T.barrier_arrive(bar_free)
+    if ovl is None:
+        T.barrier_arrive(bar_free)
+    else:
+        if ovl[2] != ovl[0].n_blk - 1:  # the token's last buffer stages O_l (freed once it is stored)
+            T.barrier_arrive(bar_free)
 
 
 @T.macro
@@ -1346,6 +1378,77 @@ class _WsCta(NamedTuple):
     early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
     bf16_parts: bool = False  # partials="bf16": the split's partial O staged out as bf16 through the freed Q half
     ablate: str = ""  # a timing ablation (see ABLATIONS); "" in every real kernel
+    nxt: Any = None  # io="overlapped": the _WsTokens of the CTA's run of tokens
+
+
+class _WsTokens(NamedTuple):
+    """``io="overlapped"``: the CTA's run of (token, head block) items, for the next token's Q and the previous O."""
+
+    first: Any  # the CTA's first item, bx * tokens_per_cta (token item // REP, head block item % REP)
+    count: Any  # how many it runs: tokens_per_cta, fewer in the last CTA
+    REP: int  # head blocks per token
+    t: Any  # the thread's index in its consumer warpgroup, 0..127
+
+
+@T.macro
+def _ws_ovl_prefetch_q(cta, j, it):
+    """``io="overlapped"``, consumer warpgroup 1 once warpgroup 0's last QK^T of the CTA's token ``j`` (block ``it``
+    of it) has completed: 16-byte cp.async copies of both Q halves for the next token, which arrive on ``bar_q`` as
+    they land (cp.async.mbarrier.arrive.noinc, one arrival per thread; warpgroup 0 arrives itself). Warpgroup 1 waits
+    for P most of a block, so warpgroup 0's loop gains no instructions. Each warp copies whole 512-byte rows."""
+    HB, D2, nxt = cta.HB, cta.D2, cta.nxt
+    if it == cta.n_blk - 1:  # noqa: SIM102  (TileLang conditions)
+        if j + 1 < nxt.count:
+            item = nxt.first + j + 1
+            s_n, h_n = item // nxt.REP, (item % nxt.REP) * HB
+            for i in T.unroll(HB * D2 // 8 // 128):
+                r = i * (128 // (D2 // 8)) + nxt.t // (D2 // 8)
+                col = (nxt.t % (D2 // 8)) * 8
+                T.ptx_cp_async(T.access_ptr(cta.Q_l[r, col], "w", 8), T.access_ptr(cta.Q[cta.b_i, s_n, h_n + r, col], "r", 8), 8)
+                T.ptx_cp_async(T.access_ptr(cta.Q_r[r, col], "w", 8), T.access_ptr(cta.Q[cta.b_i, s_n, h_n + r, D2 + col], "r", 8), 8)
+            T.cp_async_barrier_noinc(cta.bar_q)
+
+
+@T.macro
+def _ws_ovl_stage_o(cta, acc, w, j):
+    """``io="overlapped"``, after token ``j``'s final scale: warpgroup ``w``'s O half into its half of the token's
+    last KV buffer (both P V of that block are done), which is then handed back. The producer stores it to Out before
+    it refills that buffer (:func:`_ws_ovl_store_o`, one block into the next token; after its last block for the
+    CTA's last tokens). Storing here instead costs warpgroup 1 spills (ptxas), and the time on the consumers' path."""
+    if (j * cta.n_blk + cta.n_blk - 1) % 2 == 0:
+        _ws_ovl_stage_into(cta, cta.bufs[0], acc, w, j)
+    else:
+        _ws_ovl_stage_into(cta, cta.bufs[1], acc, w, j)
+
+
+@T.macro
+def _ws_ovl_stage_into(cta, buf, acc, w, j):
+    T.copy(acc, buf.KV_l if w == 0 else buf.KV_r)
+    T.barrier_arrive(buf.free)
+
+
+@T.macro
+def _ws_ovl_store_o(Out, buf, dims, b_i, first, REP, j, it, n_blk, p):
+    """``io="overlapped"``, producer thread ``p`` after the wait for a free buffer, before filling it with block
+    ``it`` of the CTA's token ``j``: when the buffer's last user was the last block of an earlier token (global block
+    index g - 2 for g = j * n_blk + it), it holds that token's O staged by the consumers; store it to Out first. Each
+    thread stores the rows and 16-byte chunks it is about to overwrite by cp.async (those of
+    :func:`_ws_produce_batched` for bf16 rows), so no other thread's copy can land on a chunk before it is read."""
+    ROWS, D2, lanes, BI = dims.ROWS, dims.D2, dims.lanes, dims.BI
+    g = j * n_blk + it
+    if g >= n_blk + 1:  # noqa: SIM102  (TileLang conditions)
+        if (g - 1) % n_blk == 0:
+            item = first + (g - 1) // n_blk - 1
+            s_o, h_o = item // REP, (item % REP) * BI  # heads_per_block == block_I: O fills the buffer
+            c = _lane_col(p, lanes)
+            for rr in T.serial(BI // ROWS):
+                r = rr * ROWS + _lane_row(p, lanes)
+                for u in T.unroll(4):
+                    col = 64 * u + c * 8
+                    for v in T.vectorized(8):
+                        Out[b_i, s_o, h_o + r, col + v] = buf.KV_l[r, col + v]
+                    for v in T.vectorized(8):
+                        Out[b_i, s_o, h_o + r, D2 + col + v] = buf.KV_r[r, col + v]
 
 
 class _WsHelper(NamedTuple):
@@ -1366,10 +1469,17 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     b_i, bz, n_blk, final_shared = cta.b_i, cta.bz, cta.n_blk, cta.final_shared
     Q_l, acc_o_l, sumexp, sumexp_i, alpha, m_i = sm.Q_l, sm.acc_o, sm.sumexp, sm.sumexp_i, sm.alpha, sm.m_i
     BI = cta.BI
+    ovl = cta.io == "overlapped"
     if cta.io == "staged":
         if cta.ablate != "no_q_load":
             T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
         T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
+        T.barrier_arrive(cta.bar_q)
+    elif cta.io == "overlapped":
+        if j == 0:
+            T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
+            T.fence_proxy_async()
+        # a later token's Q came by warpgroup 1's cp.async under the last block of the one before (_ws_ovl_prefetch_q)
         T.barrier_arrive(cta.bar_q)
     T.fill(sumexp, 0)
     T.fill(m_i, -(2**30))
@@ -1379,9 +1489,15 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
         if cta.ablate == "consumers_idle":  # take each filled buffer and hand it straight back
             _ws_idle_step(cta.bufs, j * n_blk + it)
         elif (j * n_blk + it) % 2 == 0:
-            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
+            if ovl:
+                _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, (cta, j, it))
+            else:
+                _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
         else:
-            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
+            if ovl:
+                _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, (cta, j, it))
+            else:
+                _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
     if NS == 1:
         for h in T.Parallel(HB):
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -1396,7 +1512,9 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     T.barrier_arrive(cta.bar_final)
     for h, d in T.Parallel(HB, D2):
         acc_o_l[h, d] = acc_o_l[h, d] * final_shared[h]
-    if NS == 1 and cta.io == "staged":
+    if ovl:
+        _ws_ovl_stage_o(cta, acc_o_l, 0, j)
+    elif NS == 1 and cta.io == "staged":
         T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
         if cta.ablate != "no_o_store":
             T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
@@ -1419,11 +1537,17 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
     (``wg1_rows``, one token per CTA only): also fill the last 16 rows of each main block, one block ahead."""
     Q, Out, HB, D2, NS, b_i, bz, lo, n_blk = cta.Q, cta.Out, cta.HB, cta.D2, cta.NS, cta.b_i, cta.bz, cta.lo, cta.n_blk
     Q_r, S_shared, alpha_shared, final_shared, bufs = cta.Q_r, cta.S_shared, cta.alpha_shared, cta.final_shared, cta.bufs
+    ovl = cta.io == "overlapped"
     if cta.io == "staged":
         if cta.ablate != "no_q_load":
             T.copy(Q[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2], Q_r)
         T.fence_proxy_async()
         T.barrier_arrive(cta.bar_q)
+    elif ovl:  # noqa: SIM102  (a Python flag around a TileLang condition)
+        if j == 0:  # a later token's Q is issued under the last block of the one before (cp.async onto bar_q)
+            T.copy(Q[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2], Q_r)
+            T.fence_proxy_async()
+            T.barrier_arrive(cta.bar_q)
     T.fill(acc_o_r, 0)
     if helper is not None:
         hsrc, hregs, hdims, q = helper
@@ -1449,20 +1573,32 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
         else:
             T.barrier_arrive(cta.bar_s_ready)
             T.barrier_wait(cta.bar_s_ready, (j * n_blk + it) & 1)
+            if ovl:  # warpgroup 0's last QK^T of the token has completed: Q is free for the next token's
+                _ws_ovl_prefetch_q(cta, j, it)
             for h, d in T.Parallel(HB, D2):
                 acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
             if (j * n_blk + it) % 2 == 0:
                 T.gemm(S_shared, bufs[0].KV_r, acc_o_r)
-                T.barrier_arrive(bufs[0].free)
+                if not ovl:
+                    T.barrier_arrive(bufs[0].free)
+                else:
+                    if it != n_blk - 1:  # the token's last buffer stages O_r (freed once it is stored)
+                        T.barrier_arrive(bufs[0].free)
             else:
                 T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
-                T.barrier_arrive(bufs[1].free)
+                if not ovl:
+                    T.barrier_arrive(bufs[1].free)
+                else:
+                    if it != n_blk - 1:
+                        T.barrier_arrive(bufs[1].free)
             T.barrier_arrive(cta.bar_s_free)
     T.barrier_arrive(cta.bar_final)
     T.barrier_wait(cta.bar_final, j & 1)
     for h, d in T.Parallel(HB, D2):
         acc_o_r[h, d] = acc_o_r[h, d] * final_shared[h]
-    if NS == 1 and cta.io == "staged":
+    if ovl:
+        _ws_ovl_stage_o(cta, acc_o_r, 1, j)
+    elif NS == 1 and cta.io == "staged":
         T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
         if cta.ablate != "no_o_store":
             T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
@@ -2242,6 +2378,7 @@ def sparse_attention_bf16(
 # Tiles
 # ----------------------------------------------------------------------------------------------
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
+IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
@@ -2369,6 +2506,20 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     return q + kv + s + raw + 4 * bi * stages
 
 
+def _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, ablate="") -> str | None:
+    """Why ``io="overlapped"`` cannot be built with these choices (``n_split`` resolved or "auto"; ``rows``: the
+    kernel's KV rows, "bf16" or "fp4"), or None."""
+    if schedule != "ws" or produce != "batched" or consumers != "wg0_scores" or int(wg1_rows) or ablate:
+        return "io=overlapped is built into the ws kernel's wg0_scores consumers: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0"
+    if int(tokens_per_cta) < 2 or n_split not in (1, "auto"):
+        return "io=overlapped overlaps one token's O store and the next one's Q load: tokens_per_cta > 1, n_split=1"
+    if rows != "bf16" or int(block_I) != 64:
+        # the producer stores each staged O chunk it is about to overwrite by cp.async: the bf16 rows' mapping (the
+        # FP4 producer, storing on its own lanes' mapping, spilled 40 bytes in ptxas at decode B=128/S=2)
+        return "io=overlapped stages O (64 heads) through a 64-row bf16 KV buffer: bf16 KV (or kv_staging=expand), block_I=64"
+    return None
+
+
 def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     """Why partials="bf16" cannot run with config ``c``, or None (either KV format)."""
     if c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores" or c.get("combine", "separate") != "separate":
@@ -2439,9 +2590,18 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             or c.get("produce", "serial") != "batched"
             or c.get("consumers", "wg0_scores") != "wg0_scores"
             or int(c.get("wg1_rows", 0))
-            or c.get("io", "direct") != "staged"
+            or c.get("io", "direct") not in ("staged", "overlapped")
         ):
-            return "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0, io=staged"
+            return (
+                "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, "
+                "consumers=wg0_scores, wg1_rows=0, io=staged or overlapped"
+            )
+        if c.get("io", "direct") == "overlapped":
+            n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
+            rows = "bf16" if kv_format == "bf16" or resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand" else "fp4"
+            args = (c["schedule"], c.get("produce", "serial"), c.get("consumers", "wg0_scores"), c.get("wg1_rows", 0))
+            if why := _overlapped_refusal(*args, c.get("tokens_per_cta", 1), n_split, c["block_I"], rows):
+                return why
         if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
             return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
         if c.get("lanes", "row") != "row" and c["schedule"] != "ws":
@@ -2526,9 +2686,11 @@ class SparseAttnTile(Tile):
             Param("heads_per_block", (32, 64), "heads sharing one gathered block (H=128 runs as two blocks of 64)"),
             Param(
                 "io",
-                ("direct", "staged"),
+                IOS,
                 "ws Q load / O store: all threads element-wise and O from the fragments, or per consumer warpgroup in "
-                "16-byte vectors with O staged through the freed Q tile",
+                "16-byte vectors with O staged through the freed Q tile, or (overlapped, several tokens per CTA) the "
+                "next token's Q by cp.async under the last QK^T and O staged through the last KV buffer, stored under "
+                "the next token's first QK^T",
             ),
             Param(
                 "consumers",
@@ -2768,13 +2930,17 @@ class SparseAttnPrefill(SparseAttnTile):
     splits = False
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
-        """Hopper: several tokens per CTA on the expanded caches (the producer runs into the next token), the seesaw
-        consumers on them (the fastest chain measured alone), the gathering path beside the expanding default (so a
-        study times both), and the gathering path's best options (within ~1% of it at prefill 4K before the expansion)."""
+        """Hopper: several tokens per CTA on the expanded caches (the producer runs into the next token), with the next
+        token's Q load and this one's O store off the consumers' path (io=overlapped), the seesaw consumers on them
+        (the fastest chain measured alone), the gathering path beside the expanding default (so a study times both),
+        and the gathering path's best options (within ~1% of it at prefill 4K before the expansion)."""
         if arch.family != "hopper":
             return []
         gather = {"kv_staging": "gather"}
+        overlapped = "prefill 4K (expanded) {} against the default's 0.7732 ms and tokens_per_cta=4's 0.7531 in one run (sparse_attn_overlapped_session20.json)"
         return [
+            ({"io": "overlapped", "tokens_per_cta": 4}, overlapped.format("0.7201")),
+            ({"io": "overlapped", "tokens_per_cta": 8}, overlapped.format("0.7211")),
             (
                 {"tokens_per_cta": 4},
                 (
@@ -2806,10 +2972,18 @@ class SparseAttnBf16(SparseAttnTile):
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
         """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200; one CTA per
-        sequence (tokens_per_cta) won there in one run and came even or lost in others."""
-        if arch.family != "hopper" or shape.phase != "decode":
+        sequence (tokens_per_cta) won there in one run and came even or lost in others; with the Q load and O store
+        off the consumers' path (io=overlapped) it won at decode and prefill in one run."""
+        if arch.family != "hopper":
             return []
+        overlapped = "{} {} against the default's {} ms in one run (sparse_attn_overlapped_session20.json)"
+        if shape.phase != "decode":
+            return [
+                ({"io": "overlapped", "tokens_per_cta": 8, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7406", "0.7739")),
+                ({"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7517", "0.7739")),
+            ]
         return [
+            ({"io": "overlapped", "tokens_per_cta": 2, "n_split": 1}, overlapped.format("bf16 decode B=128/S=2", "0.0583", "0.0636")),
             (
                 {"tokens_per_cta": 4},
                 (
