@@ -1,7 +1,7 @@
 """`lab sources` and Tile.kernel_sources: every tile's kernels are found, hashed the same twice, written out on request.
 
-The command is how a change proves it left a default's generated CUDA byte-identical, so a tile whose kernels it
-cannot see would make that proof vacuous: every registered tile must yield at least one kernel source.
+The command is how a change proves it left a default's generated CUDA unchanged, so a tile whose kernels it cannot
+see would make that proof vacuous: every registered tile must yield at least one kernel source.
 """
 
 from __future__ import annotations
@@ -53,7 +53,18 @@ def test_out_writes_each_source(tmp_path, capsys):
     lines = _lines(capsys, "--arch", "sm90", "--tile", "fp4_quant_main", "--out", str(tmp_path))
     written = sorted(tmp_path.rglob("*.cu"))
     assert [p.relative_to(tmp_path).parts[:3] for p in written] == [("sm90", "fp4_quant_main", "decode_b64")]
-    assert written[0].read_text().count("\n") == int(lines[0].split()[5])
+    assert written[0].read_text().count("\n") == int(lines[0].split()[6])
+
+
+def test_masked_source_ignores_which_equal_buffer_is_which_but_not_the_instructions():
+    """TileLang 0.1.15 swaps the names and offsets of equal-sized shared buffers between processes; the masked digest
+    is what a before/after comparison reads, and it must still see a changed instruction."""
+    from lab.commands.sources import masked_source
+
+    a = "void* buf_2 = ((void*)((char*)buf_dyn_shmem + 131072));\nx = *(uint4*)(((bfloat16_t*)buf_2) + i);\nf(workspace_1, KV_r_1);"
+    b = "void* buf_3 = ((void*)((char*)buf_dyn_shmem + 163840));\nx = *(uint4*)(((bfloat16_t*)buf_3) + i);\nf(workspace, KV_r);"
+    assert masked_source(a) == masked_source(b)
+    assert masked_source(a) != masked_source(a.replace("+ i)", "+ i + 8)"))
 
 
 @pytest.mark.parametrize(

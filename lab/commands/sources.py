@@ -1,19 +1,22 @@
 """`lab sources`: the CUDA source of every kernel a tile's config compiles to, hashed or written out (no GPU needed).
 
-A new option must leave the default's kernels byte-identical, and a refactor every config's: hash before and after,
+A new option must leave the default's kernels unchanged, and a refactor every config's: hash before and after,
 
     lab sources --arch sm90,sm80 > before.txt      # change the code, then
     lab sources --arch sm90,sm80 | diff before.txt -
 
-(TileLang can rename or reorder shared buffers in the generated source after a change that looks like a no-op, e.g. a
-local Python binding inside a macro.) ``--out DIR`` writes each source as DIR/ARCH/TILE/SHAPE/KERNEL.cu, e.g. for a
-ptxas register/spill check with nvcc.
+Each line has two digests: the source's, and the ``masked`` one (:func:`masked_source`: shared buffer names and
+their shared-memory offsets blanked) that the comparison is about. TileLang 0.1.15 names and places equal-sized shared
+buffers (the KV buffers, the reduction workspaces) differently from one process to the next: the same kernel of the
+same tree gave two source digests in two processes, with PYTHONHASHSEED fixed too (session 20). ``--out DIR`` writes
+each source as DIR/ARCH/TILE/SHAPE/KERNEL.cu, e.g. for a ptxas register/spill check with nvcc.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 from pathlib import Path
 
 from lab.cli import LabError
@@ -29,6 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="first", help="'first' (default), 'all', or comma-separated shape names")
     parser.add_argument("--config", default=None, help="config over each tile's default: JSON or key=value,... (as lab bench)")
     parser.add_argument("--out", default=None, metavar="DIR", help="also write each source as DIR/ARCH/TILE/SHAPE/KERNEL.cu")
+
+
+# a shared buffer's name with TileLang's uniquifying suffix (buf_2, workspace_1, KV_r_1, S_shared, ...), and an offset
+# into the dynamic shared memory
+_SHARED_NAME = re.compile(r"\b(buf|workspace|KV[01]?_[lr]|Q_[lr]|[A-Za-z0-9]+_shared)(_\d+)?\b")
+_SHARED_OFFSET = re.compile(r"buf_dyn_shmem \+ \d+")
+
+
+def masked_source(src: str) -> str:
+    """``src`` with every shared buffer's suffix and every dynamic shared-memory offset blanked: what stays is the
+    kernel's instructions, whichever of several equal buffers each one touches."""
+    return _SHARED_OFFSET.sub("buf_dyn_shmem + OFFSET", _SHARED_NAME.sub(lambda m: m.group(1), src))
 
 
 def _shapes(tile, spec: str):
@@ -65,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 for kernel, src in sorted(tile.kernel_sources(shape, config, arch).items()):
                     digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-                    print(f"{arch.name} {tile.name} {shape.name} {kernel} {digest} {src.count(chr(10))} lines")
+                    masked = hashlib.sha256(masked_source(src).encode()).hexdigest()[:16]
+                    print(f"{arch.name} {tile.name} {shape.name} {kernel} {digest} masked={masked} {src.count(chr(10))} lines")
                     if args.out:
                         path = Path(args.out) / arch.name / tile.name / shape.name / f"{kernel}.cu"
                         path.parent.mkdir(parents=True, exist_ok=True)
