@@ -45,6 +45,8 @@ def _kernel(tile, shape, arch, ablate: str, override: dict | None = None):
     import tiles.sparse_attn as sa
 
     cfg = tile.with_defaults(arch, override or {})
+    if cfg.get("io") == "auto":  # the ablations cut the one-token kernel with staged Q/O (io="auto" resolves per call)
+        cfg["io"] = "staged"
     if "kv_staging" in cfg:  # the ablations cut the gathering producer's work: the prefill tile's gather path
         cfg["kv_staging"] = "gather"
     if tile.splits:

@@ -66,6 +66,8 @@ def _kernel(tile_name: str, k: int, override: dict, variant: str, arch_name: str
 
     tile, arch, shape = get_tile(tile_name), get_arch(arch_name), _shape(k)
     cfg = tile.with_defaults(arch, override)
+    if variant != "default" and cfg.get("io") == "auto":  # the ablations cut the one-token kernel with staged Q/O
+        cfg["io"] = "staged"
     if variant == "default":
         return tile.build(shape, cfg, arch)
     if cfg.get("kv_staging", "gather") != "gather":

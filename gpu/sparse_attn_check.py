@@ -83,10 +83,14 @@ LABELS = {
 
 def _override(tile_name: str, label: str) -> dict:
     """LABELS[label] for ``tile_name``. The producer options are the gathering producer's: at prefill, whose default
-    expands the caches instead, every label but "default" runs on kv_staging=gather unless it names kv_staging."""
-    override = LABELS[label]
+    expands the caches instead, every label but "default" runs on kv_staging=gather unless it names kv_staging. They
+    are also options of the one-token kernel with staged Q/O: every label but "default" runs on io=staged unless it
+    names io (the prefill and bf16 tiles' default, io="auto", overlaps several tokens per CTA at 4K)."""
+    override = dict(LABELS[label])
+    if label != "default" and "io" not in override and tile_name != "sparse_attn_decode" and override.get("schedule") != "pipelined":
+        override["io"] = "staged"
     if tile_name == "sparse_attn_prefill" and label != "default" and "kv_staging" not in override:
-        return {**override, "kv_staging": "gather"}
+        override["kv_staging"] = "gather"
     return override
 
 

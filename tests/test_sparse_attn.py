@@ -111,7 +111,8 @@ def test_default_compiles_for_sm90(tile, shape_name):
         assert "combine_kernel" in kernel.combine.get_kernel_source() and "main_kernel" in src
     # io=staged: Q arrives in 16-byte vectors per consumer warpgroup, never as 2-byte element copies (the
     # 384-thread copy that Nsight Compute found taking a third of the prefill kernel's stall samples)
-    assert tile.default_config(SM90)["io"] == "staged"
+    # (the prefill and bf16 tiles: io="auto", staged below two waves of 2-token CTAs; every CTA's first Q is staged)
+    assert tile.default_config(SM90)["io"] == ("staged" if tile is sa.DECODE_TILE else "auto")
     assert re.search(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)Q_l\)", src) and re.search(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)Q_r\)", src)
     assert not re.search(r"\(\(bfloat16_t\*\)Q_[lr]\)\[[^;]*\] = Q\[", src)
 
@@ -229,11 +230,12 @@ def test_early_handoff_compiles_for_sm90():
     """handoff=before_pv (GPU checks in GPU_CASES): warpgroup 0 fences its P stores for the async proxy and hands P to
     warpgroup 1 before its own P V; the default hands it over after. Refused outside ws + wg0_scores."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    config = {**tile.default_config(SM90), "handoff": "before_pv"}
+    staged = {**tile.default_config(SM90), "io": "staged"}  # one token per CTA (io="auto" overlaps several at 4K)
+    config = {**staged, "handoff": "before_pv"}
     assert tile.search_space(SM90).violations(config, shape, SM90) == []
     src = tile.build(shape, config, SM90).main.get_kernel_source()
     assert "tl::fence_proxy_async();\n        bar_s_ready[0].arrive();" in src
-    default_src = tile.build(shape, tile.default_config(SM90), SM90).main.get_kernel_source()
+    default_src = tile.build(shape, staged, SM90).main.get_kernel_source()
     assert "tl::fence_proxy_async();\n        bar_s_ready[0].arrive();" not in default_src
     for other in ({"consumers": "balanced"}, {"schedule": "pipelined"}):
         assert any("handoff" in r for r in tile.search_space(SM90).violations({**config, **other}, shape, SM90))
@@ -499,7 +501,8 @@ def test_unused_rows_zeros_predicates_the_bf16_copies():
     """unused_rows=zeros (GPU checks in GPU_CASES; Hopper's default): every cp.async of the ws batched producer's bf16
     rows carries the slot's used flag as its predicate (zero-fill, no read); row0 copies row 0 unpredicated. Refused
     where bf16 rows are copied by another producer; no effect on the FP4/FP8 rows the producer decodes."""
-    for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
+    # io=staged: io="auto" overlaps at 4K, and its Q copies are cp.async too
+    for tile, extra in ((sa.BF16_TILE, {"io": "staged"}), (sa.PREFILL_TILE, {"kv_staging": "expand", "io": "staged"})):
         shape = tile.shape("prefill_s4k")
         cfg = tile.with_defaults(SM90, {**extra, "unused_rows": "zeros"})
         assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
@@ -554,7 +557,7 @@ def test_tokens_per_cta_compiles_for_sm90(tpc):
     """tokens_per_cta (GPU checks in GPU_CASES): each CTA loops over tpc (token, head block) items, the barrier phases
     running on across them; the grid shrinks by tpc. Refused with the producers and consumers it does not cover."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    config = {**tile.default_config(SM90), "tokens_per_cta": tpc}
+    config = {**tile.default_config(SM90), "io": "staged", "tokens_per_cta": tpc}
     assert tile.search_space(SM90).violations(config, shape, SM90) == []
     src = tile.build(shape, config, SM90).main.get_kernel_source()
     assert f"for (int j = 0; j < {tpc}; ++j)" in src and "bar_q[0].wait((j & 1))" in src
@@ -600,12 +603,46 @@ def test_overlapped_io_is_refused_where_it_cannot_stage_o():
         sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", io="prefetched")
 
 
+def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_two_waves_of_tokens():
+    """io="auto" (the prefill and bf16 tiles' Hopper default) resolves per call (sa.resolve_io): overlapped with the most
+    tokens per CTA of 8, 4, 2 that leave two waves of CTAs on the GPU's SMs, where the rows are bf16; else staged with
+    the config's own tokens per CTA. The kernel itself refuses an unresolved "auto"."""
+
+    def resolved(tile, dims, over=None):
+        cfg = tile.with_defaults(SM90, over or {})
+        if tile.splits:
+            cfg["n_split"] = sa.resolve_split(
+                cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], SM90, cfg["schedule"]
+            )
+        if "kv_staging" in cfg:
+            cfg["kv_staging"] = sa.resolve_kv_staging(cfg["kv_staging"], dims)
+        return sa.resolve_io(cfg, dims, SM90, tile.kv_format)
+
+    prefill = sa.PREFILL_TILE
+    assert resolved(prefill, prefill.shape("prefill_s4k")) == ("overlapped", 8)  # 512 CTAs of 8: >= 2 x 132
+    assert resolved(prefill, prefill.shape("prefill_s64k")) == ("overlapped", 8)
+    s777 = _shape("s777", "prefill", B=1, S=777, Nc=777, Nw=777)
+    assert resolved(prefill, s777) == ("overlapped", 2)  # 8 and 4 leave fewer than 264 CTAs
+    s512 = _shape("s512", "prefill", B=1, S=512, Nc=512, Nw=512)
+    assert resolved(prefill, s512) == ("staged", 1)  # expanded, but 256 CTAs of 2 are under two waves
+    assert resolved(prefill, prefill.shape("prefill_s4k"), {"kv_staging": "gather"}) == ("staged", 1)  # FP4 rows
+    assert resolved(prefill, prefill.shape("prefill_s4k"), {"consumers": "seesaw"}) == ("staged", 1)
+    assert resolved(prefill, prefill.shape("prefill_s4k"), {"io": "staged", "tokens_per_cta": 4}) == ("staged", 4)
+    bf16 = sa.BF16_TILE
+    assert resolved(bf16, bf16.shape("prefill_s4k")) == ("overlapped", 8)
+    assert resolved(bf16, bf16.shape("decode_b128_s2")) == ("staged", 1)  # 256 items
+    assert resolved(bf16, bf16.shape("decode_b64_s1")) == ("staged", 1)  # two splits
+    assert sa.DECODE_TILE.default_config(SM90)["io"] == "staged"
+    with pytest.raises(ValueError, match="resolved per call"):
+        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", io="auto")
+
+
 def test_timing_ablations_build_outside_the_search_space():
     """gpu/attn_ablation.py's variants (wrong results by design) compile for sm90, are refused outside the default ws
     schedule they cut into, and can never be proposed by the tuner or named in a config."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
     assert "ablate" not in tile.search_space(SM90).names()
-    cfg = tile.with_defaults(SM90, {"kv_staging": "gather"})
+    cfg = tile.with_defaults(SM90, {"kv_staging": "gather", "io": "staged"})
     kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate="producer_idle")
     src = kernel.main.get_kernel_source()
     assert "csa2_fp4x8_bf16_prmt((&(vals[0]))" not in src  # the producer decodes nothing (the default: 16 calls)
@@ -645,7 +682,7 @@ def test_producer_ablations_cut_what_they_say(ablate):
     """gpu/attn_ablation.py's producer-side variants remove exactly the work they name from the FP4 producer (counted in
     the generated CUDA), so a timing run measures what its label says."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    cfg = tile.with_defaults(SM90, {"kv_staging": "gather"})
+    cfg = tile.with_defaults(SM90, {"kv_staging": "gather", "io": "staged"})
     kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate=ablate)
     src = kernel.main.get_kernel_source()
     counts = (
@@ -662,7 +699,7 @@ def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
     from the bf16 prefill kernel (the kernel behind the expansion) and nothing else a timing could see; they are
     refused where there is no staged Q or one-split O to cut."""
     tile, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
-    cfg = {**tile.with_defaults(SM90, {}), "n_split": 1}
+    cfg = {**tile.with_defaults(SM90, {}), "n_split": 1, "io": "staged"}
     counts = {}
     for ablate in ("", "no_q_load", "no_o_store"):
         kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90, ablate=ablate)

@@ -265,7 +265,7 @@ def sparse_attn_kernel(
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
-        raise ValueError(f"unknown io {io!r}: use one of {', '.join(IOS)}")
+        raise ValueError(f"unknown io {io!r}: use one of {', '.join(IOS)} ('auto' is resolved per call first: resolve_io)")
     if io == "overlapped" and (
         why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, ablate)
     ):
@@ -2257,6 +2257,7 @@ def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], confi
         cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch, cfg["schedule"])
     if "kv_staging" in cfg:
         cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], dims)
+    cfg["io"], cfg["tokens_per_cta"] = resolve_io(cfg, dims, arch, tile.kv_format)
     return cfg
 
 
@@ -2492,6 +2493,33 @@ def resolve_kv_staging(kv_staging: str, dims: Mapping[str, int]) -> str:
     return "expand" if expands else "gather"
 
 
+IO_AUTO_TOKENS = (8, 4, 2)  # io="auto": the most tokens per CTA that leave ...
+IO_AUTO_MIN_WAVES = 2  # ... at least this many waves of CTAs (one CTA per SM)
+# io="auto" (the Hopper prefill default): overlapped where the call's rows are bf16 and it has enough tokens, else
+# staged. H200, one run each (results/sm90/bench/bench_sparse_attn_prefill_overlapped8.json against the default in the
+# call before): io=overlapped with 8 tokens per CTA at prefill 4K 0.7221 vs 0.7709 ms, 16K 2.9139 vs 3.0238, 64K
+# 12.1816 vs 12.7303; at 4K 2, 4 and 8 tokens per CTA all beat staged (sparse_attn_overlapped_session20.json). Calls
+# with fewer than two waves' worth of tokens at 2 per CTA (fewer than 528 on the H200) are not measured and stay staged.
+
+
+def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: str) -> tuple[str, int]:
+    """(io, tokens_per_cta) for one call of ``dims`` (B, S, H) under ``config`` (``n_split`` and ``kv_staging``
+    resolved). ``io="auto"`` -> "overlapped" with the most tokens per CTA of IO_AUTO_TOKENS that still give
+    IO_AUTO_MIN_WAVES waves of CTAs, when the kernel's rows are bf16 (bf16 KV, or FP4 expanded) and the config is one
+    io=overlapped is built for; else "staged" with the config's own tokens per CTA. Any other io is returned as it is."""
+    io, tpc = config.get("io", "direct"), int(config.get("tokens_per_cta", 1))
+    if io != "auto":
+        return io, tpc
+    rows = "bf16" if kv_format == "bf16" or config.get("kv_staging", "gather") == "expand" else "fp4"
+    items = dims["B"] * dims["S"] * (dims["H"] // config["heads_per_block"])
+    for tokens in IO_AUTO_TOKENS:
+        args = (config["schedule"], config.get("produce", "serial"), config.get("consumers", "wg0_scores"), config.get("wg1_rows", 0))
+        refused = _overlapped_refusal(*args, tokens, config.get("n_split", 1), config["block_I"], rows)
+        if not refused and -(-items // tokens) >= IO_AUTO_MIN_WAVES * arch.sm_count:
+            return "overlapped", tokens
+    return "staged", tpc
+
+
 def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     """Shared memory one block asks for (the compiler's own figure is within a few KiB)."""
     hb, bi, d = config["heads_per_block"], config["block_I"], shape["D"]
@@ -2590,11 +2618,11 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             or c.get("produce", "serial") != "batched"
             or c.get("consumers", "wg0_scores") != "wg0_scores"
             or int(c.get("wg1_rows", 0))
-            or c.get("io", "direct") not in ("staged", "overlapped")
+            or c.get("io", "direct") not in ("staged", "overlapped", "auto")
         ):
             return (
                 "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, "
-                "consumers=wg0_scores, wg1_rows=0, io=staged or overlapped"
+                "consumers=wg0_scores, wg1_rows=0, io=staged, overlapped or auto"
             )
         if c.get("io", "direct") == "overlapped":
             n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
@@ -2611,8 +2639,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         if c.get("consumers", "wg0_scores") == "seesaw" and c.get("produce", "serial") not in ("batched", "prefetch"):
             # the serial producer's fixed 80 registers and the seesaw consumers' 2 x SEESAW_NREG are not balanced
             return "consumers=seesaw is built with the batched producer: produce=batched or prefetch"
-        if c.get("io", "direct") == "staged" and c["schedule"] != "ws":
-            return "io=staged splits the Q load between the ws consumer warpgroups: schedule=ws"
+        if c.get("io", "direct") in ("staged", "auto") and c["schedule"] != "ws":
+            return f"io={c['io']} splits the Q load between the ws consumer warpgroups: schedule=ws"
         if c.get("produce", "serial") == "prefetch" and kv_format != "fp4":
             return "produce=prefetch keeps a block of packed FP4 words in registers: FP4 main KV only (bf16 rows go by cp.async)"
         if c.get("produce", "serial") in ("batched", "prefetch") and c["schedule"] != "ws":
@@ -2686,11 +2714,11 @@ class SparseAttnTile(Tile):
             Param("heads_per_block", (32, 64), "heads sharing one gathered block (H=128 runs as two blocks of 64)"),
             Param(
                 "io",
-                IOS,
+                (*IOS, "auto"),
                 "ws Q load / O store: all threads element-wise and O from the fragments, or per consumer warpgroup in "
                 "16-byte vectors with O staged through the freed Q tile, or (overlapped, several tokens per CTA) the "
-                "next token's Q by cp.async under the last QK^T and O staged through the last KV buffer, stored under "
-                "the next token's first QK^T",
+                "next token's Q by cp.async under the last block and O staged through the last KV buffer, stored by the "
+                "producer; auto: overlapped per call where its rows are bf16 and it has the tokens (resolve_io), else staged",
             ),
             Param(
                 "consumers",
@@ -2800,8 +2828,11 @@ class SparseAttnTile(Tile):
         cfg["tokens_per_cta"] = 1
         cfg["handoff"] = "after_pv"
         cfg["lanes"] = "row"
-        # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json)
+        # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json);
+        # the prefill and bf16 tiles: overlapped per call where it applies (io="auto", see IO_AUTO_TOKENS)
         cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
+        if cfg["schedule"] == "ws" and (not self.splits or self.kv_format == "bf16"):
+            cfg["io"] = "auto"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
         # (results/sm90/sparse_attn_run4_regs10.json)
         cfg["ptxas_level"] = 10 if arch.family == "hopper" else 0
@@ -2862,6 +2893,7 @@ class SparseAttnTile(Tile):
             )
         if "kv_staging" in cfg:
             cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], shape)
+        cfg["io"], cfg["tokens_per_cta"] = resolve_io(cfg, shape, arch, self.kv_format)
         return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
 
     def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
@@ -2937,12 +2969,16 @@ class SparseAttnPrefill(SparseAttnTile):
         if arch.family != "hopper":
             return []
         gather = {"kv_staging": "gather"}
-        overlapped = "prefill 4K (expanded) {} against the default's 0.7732 ms and tokens_per_cta=4's 0.7531 in one run (sparse_attn_overlapped_session20.json)"
         return [
-            ({"io": "overlapped", "tokens_per_cta": 4}, overlapped.format("0.7201")),
-            ({"io": "overlapped", "tokens_per_cta": 8}, overlapped.format("0.7211")),
             (
-                {"tokens_per_cta": 4},
+                {"io": "overlapped", "tokens_per_cta": 4},
+                (
+                    "prefill 4K (expanded) 0.7201 against 0.7211 ms with 8 tokens per CTA (what io=auto picks there) in one "
+                    "run (sparse_attn_overlapped_session20.json)"
+                ),
+            ),
+            (
+                {"io": "staged", "tokens_per_cta": 4},
                 (
                     "the expanded prefill 4K 0.7605 against the default's 0.7768 ms (sparse_attn_io_prefetched_session19.json), "
                     "763.7 against 766.7 us in session 19's tuning run"
@@ -2976,16 +3012,14 @@ class SparseAttnBf16(SparseAttnTile):
         off the consumers' path (io=overlapped) it won at decode and prefill in one run."""
         if arch.family != "hopper":
             return []
-        overlapped = "{} {} against the default's {} ms in one run (sparse_attn_overlapped_session20.json)"
-        if shape.phase != "decode":
-            return [
-                ({"io": "overlapped", "tokens_per_cta": 8, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7406", "0.7739")),
-                ({"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7517", "0.7739")),
-            ]
+        overlapped = "{} {} against io=staged's {} ms in one run (sparse_attn_overlapped_session20.json)"
+        if shape.phase != "decode":  # io=auto picks 8 tokens per CTA at prefill 4K: 0.7406 ms in that run
+            return [({"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7517", "0.7739"))]
         return [
+            # one wave of 2-token CTAs: io=auto stays staged there (it wants two waves)
             ({"io": "overlapped", "tokens_per_cta": 2, "n_split": 1}, overlapped.format("bf16 decode B=128/S=2", "0.0583", "0.0636")),
             (
-                {"tokens_per_cta": 4},
+                {"io": "staged", "tokens_per_cta": 4},
                 (
                     "bf16 decode B=128/S=2 0.0603 vs 0.0637 ms (sparse_attn_io_prefetched_session19.json); tuning runs: "
                     "tokens_per_cta=2 0.0645 against 0.0638 (session 15); the study's best 63.0 us against the default's "
