@@ -606,7 +606,7 @@ def test_overlapped_io_is_refused_where_it_cannot_stage_o():
 def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_two_waves_of_tokens():
     """io="auto" (the prefill and bf16 tiles' Hopper default) resolves per call (sa.resolve_io): overlapped with the most
     tokens per CTA of 8, 4, 2 that leave two waves of CTAs on the GPU's SMs, where the rows are bf16; else staged with
-    the config's own tokens per CTA. The kernel itself refuses an unresolved "auto"."""
+    the config's own tokens per CTA (kept whenever it names more than one). The kernel refuses an unresolved "auto"."""
 
     def resolved(tile, dims, over=None):
         cfg = tile.with_defaults(SM90, over or {})
@@ -628,6 +628,8 @@ def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_two_waves_of_tokens()
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"kv_staging": "gather"}) == ("staged", 1)  # FP4 rows
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"consumers": "seesaw"}) == ("staged", 1)
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"io": "staged", "tokens_per_cta": 4}) == ("staged", 4)
+    assert resolved(prefill, prefill.shape("prefill_s4k"), {"tokens_per_cta": 4}) == ("overlapped", 4)  # named: kept
+    assert resolved(prefill, prefill.shape("prefill_s4k"), {"tokens_per_cta": 4, "kv_staging": "gather"}) == ("staged", 4)
     bf16 = sa.BF16_TILE
     assert resolved(bf16, bf16.shape("prefill_s4k")) == ("overlapped", 8)
     assert resolved(bf16, bf16.shape("decode_b128_s2")) == ("staged", 1)  # 256 items
@@ -875,7 +877,8 @@ GPU_CASES = [
     (sa.PREFILL_TILE, "prefill_s4k", {"tokens_per_cta": 8}),
     (sa.DECODE_TILE, "decode_b128_s2", {"tokens_per_cta": 2}),
     (sa.DECODE_TILE, "decode_b64_s1", {"tokens_per_cta": 4, "n_split": 2}),  # one token per batch: items past S idle
-    (sa.BF16_TILE, "prefill_s4k", {"tokens_per_cta": 4}),
+    (sa.BF16_TILE, "prefill_s4k", {"tokens_per_cta": 4}),  # io=auto: overlapped with 4 tokens per CTA
+    (sa.BF16_TILE, "prefill_s4k", {"tokens_per_cta": 4, "io": "staged"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"wg1_rows": 16}),
     (sa.DECODE_TILE, "decode_b128_s2", {"wg1_rows": 16}),
     (sa.DECODE_TILE, "decode_b128_s2", {"wg1_rows": 16, "n_split": 4}),  # CTAs that start on a main block

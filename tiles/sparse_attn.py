@@ -2504,18 +2504,24 @@ IO_AUTO_MIN_WAVES = 2  # ... at least this many waves of CTAs (one CTA per SM)
 
 def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: str) -> tuple[str, int]:
     """(io, tokens_per_cta) for one call of ``dims`` (B, S, H) under ``config`` (``n_split`` and ``kv_staging``
-    resolved). ``io="auto"`` -> "overlapped" with the most tokens per CTA of IO_AUTO_TOKENS that still give
-    IO_AUTO_MIN_WAVES waves of CTAs, when the kernel's rows are bf16 (bf16 KV, or FP4 expanded) and the config is one
-    io=overlapped is built for; else "staged" with the config's own tokens per CTA. Any other io is returned as it is."""
+    resolved). ``io="auto"``: "overlapped" where the kernel's rows are bf16 (bf16 KV, or FP4 expanded) and the config
+    is one io=overlapped is built for, else "staged". The tokens per CTA are the config's when it names more than one;
+    with one (the default) and overlapped, the most of IO_AUTO_TOKENS that still give IO_AUTO_MIN_WAVES waves of CTAs
+    (staged with one token per CTA when none does). Any other io is returned as it is."""
     io, tpc = config.get("io", "direct"), int(config.get("tokens_per_cta", 1))
     if io != "auto":
         return io, tpc
     rows = "bf16" if kv_format == "bf16" or config.get("kv_staging", "gather") == "expand" else "fp4"
+    args = (config["schedule"], config.get("produce", "serial"), config.get("consumers", "wg0_scores"), config.get("wg1_rows", 0))
+
+    def overlaps(tokens: int) -> bool:
+        return _overlapped_refusal(*args, tokens, config.get("n_split", 1), config["block_I"], rows) is None
+
+    if tpc > 1:
+        return ("overlapped" if overlaps(tpc) else "staged"), tpc
     items = dims["B"] * dims["S"] * (dims["H"] // config["heads_per_block"])
     for tokens in IO_AUTO_TOKENS:
-        args = (config["schedule"], config.get("produce", "serial"), config.get("consumers", "wg0_scores"), config.get("wg1_rows", 0))
-        refused = _overlapped_refusal(*args, tokens, config.get("n_split", 1), config["block_I"], rows)
-        if not refused and -(-items // tokens) >= IO_AUTO_MIN_WAVES * arch.sm_count:
+        if overlaps(tokens) and -(-items // tokens) >= IO_AUTO_MIN_WAVES * arch.sm_count:
             return "overlapped", tokens
     return "staged", tpc
 
