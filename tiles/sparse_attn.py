@@ -580,6 +580,15 @@ def _sparse_attn_ws(
     * ``staged``: each consumer warpgroup copies its own half of Q (128 threads, 16-byte vectors) and
       arrives on the Q barrier after a proxy fence; with one split, each writes its O half into the Q
       half it no longer needs and copies that out in 16-byte vectors (as the TileLang example does).
+    * ``overlapped`` (``tokens_per_cta`` > 1, one split, bf16 rows, ``wg0_scores`` with the batched producer): the
+      CTA's first Q as ``staged``; every later one by 16-byte cp.async copies that consumer warpgroup 1 issues once
+      warpgroup 0's last QK^T of the token before has completed (warpgroup 1 waits for P most of a block; the copies
+      arrive on the Q barrier as they land). Each consumer warpgroup writes its O half into its half of the token's
+      last KV buffer (both P V of that block are done) and hands the buffer back; the producer stores O from it before
+      it refills that buffer one block into the next token (each thread storing the chunks it is about to overwrite),
+      and after its last block for the CTA's last tokens. Neither the Q load nor the O store is on the consumers'
+      path: the timing ablations put them at ~1.7 and ~2.5 us of the 5.75 us fixed per CTA (session 20).
+    * ``auto`` (the prefill and bf16 tiles' Hopper default): resolved per call by :func:`resolve_io`.
 
     ``consumers`` is how the two consumer warpgroups share a block's work:
 
@@ -606,7 +615,7 @@ def _sparse_attn_ws(
     block i + 1 while warpgroup 0 computes block i's scores (its loads issued a block ahead), the producer the first
     48, both arriving on the buffer's ready barrier.
 
-    ``tokens_per_cta`` (1, 2, 4, 8; batched producer, ``wg0_scores``, io=staged): each CTA runs that many consecutive
+    ``tokens_per_cta`` (1, 2, 4, 8; batched producer, ``wg0_scores``, io=staged or overlapped): each CTA runs that many consecutive
     (token, head block) items in turn. At ~205 KiB of shared memory one CTA holds an SM, so a CTA's prologue (Q
     load, the producer's first gather and dequant) and epilogue (sink, O store) overlap nothing; with several tokens
     per CTA the producer runs on into the next token's blocks (its index prefetch crosses the boundary) while the
