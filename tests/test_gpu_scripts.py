@@ -195,27 +195,17 @@ def test_determinism_probe_counts_the_runs_that_differ(monkeypatch):
     assert row["first_vs_reference"]["error"] == 0.0 and row["worst_vs_reference"]["error"] == 0.5
 
 
-def test_attn_block_scaling_refuses_an_unknown_variant_before_asking_for_a_gpu():
+@pytest.mark.parametrize(
+    "script, message", [("attn_ablation.py", "unknown ['no_such_cut']"), ("attn_block_scaling.py", "unknown variants ['no_such_cut']")]
+)
+def test_attention_timing_scripts_refuse_an_unknown_variant_before_asking_for_a_gpu(script, message):
     import subprocess
 
     res = subprocess.run(
-        [sys.executable, str(ROOT / "gpu" / "attn_block_scaling.py"), "--variants", "default,no_such_cut"],
+        [sys.executable, str(ROOT / "gpu" / script), "--variants", "default,no_such_cut"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         check=False,
     )
-    assert res.returncode == 2 and "unknown variants ['no_such_cut']" in res.stderr
-
-
-def test_attn_ablation_refuses_an_unknown_variant_before_asking_for_a_gpu():
-    import subprocess
-
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "gpu" / "attn_ablation.py"), "--variants", "default,no_such_cut"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
-    assert res.returncode == 2 and "unknown ['no_such_cut']" in res.stderr
+    assert res.returncode == 2 and message in res.stderr
