@@ -1432,6 +1432,7 @@ def _ws_ovl_stage_o(cta, acc, w, j):
 
 @T.macro
 def _ws_ovl_stage_into(cta, buf, acc, w, j):
+    """Warpgroup ``w``'s O half (the [HB, D/2] fragment ``acc``) into its half of ``buf``; then hand ``buf`` back."""
     T.copy(acc, buf.KV_l if w == 0 else buf.KV_r)
     T.barrier_arrive(buf.free)
 
