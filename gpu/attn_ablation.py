@@ -44,14 +44,7 @@ def _kernel(tile, shape, arch, ablate: str, override: dict | None = None):
     """The tile's default kernel for ``shape`` (``override`` over it), built directly (never cached) with ``ablate``."""
     import tiles.sparse_attn as sa
 
-    cfg = tile.with_defaults(arch, override or {})
-    if cfg.get("io") == "auto":  # the ablations cut the one-token kernel with staged Q/O (io="auto" resolves per call)
-        cfg["io"] = "staged"
-    if "kv_staging" in cfg:  # the ablations cut the gathering producer's work: the prefill tile's gather path
-        cfg["kv_staging"] = "gather"
-    if tile.splits:
-        cfg["n_split"] = sa.resolve_split(cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"])
-    return sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], sa._DEFAULT_SCALE, tile.kv_format, cfg, arch, ablate=ablate)
+    return sa.timing_ablation(tile, shape, arch, ablate, override)
 
 
 def _compile_job(job):

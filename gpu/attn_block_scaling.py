@@ -66,17 +66,11 @@ def _kernel(tile_name: str, k: int, override: dict, variant: str, arch_name: str
 
     tile, arch, shape = get_tile(tile_name), get_arch(arch_name), _shape(k)
     cfg = tile.with_defaults(arch, override)
-    if variant != "default" and cfg.get("io") == "auto":  # the ablations cut the one-token kernel with staged Q/O
-        cfg["io"] = "staged"
     if variant == "default":
         return tile.build(shape, cfg, arch)
     if cfg.get("kv_staging", "gather") != "gather":
         raise ValueError(f"{variant}: ablations cut the gathering kernel; use --tile sparse_attn_bf16 or kv_staging=gather")
-    if tile.splits:
-        cfg["n_split"] = sa.resolve_split(cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"])
-    return sa.CompiledAttention(
-        shape["H"], shape["D"], shape["W"], shape["K"], sa._DEFAULT_SCALE, tile.kv_format, cfg, arch, ablate=variant
-    )
+    return sa.timing_ablation(tile, shape, arch, variant, override)
 
 
 def _compile_job(job):

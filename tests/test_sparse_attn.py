@@ -609,14 +609,8 @@ def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_two_waves_of_tokens()
     the config's own tokens per CTA (kept whenever it names more than one). The kernel refuses an unresolved "auto"."""
 
     def resolved(tile, dims, over=None):
-        cfg = tile.with_defaults(SM90, over or {})
-        if tile.splits:
-            cfg["n_split"] = sa.resolve_split(
-                cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], SM90, cfg["schedule"]
-            )
-        if "kv_staging" in cfg:
-            cfg["kv_staging"] = sa.resolve_kv_staging(cfg["kv_staging"], dims)
-        return sa.resolve_io(cfg, dims, SM90, tile.kv_format)
+        cfg = tile.resolve_call(tile.with_defaults(SM90, over or {}), dims, SM90)
+        return cfg["io"], cfg["tokens_per_cta"]
 
     prefill = sa.PREFILL_TILE
     assert resolved(prefill, prefill.shape("prefill_s4k")) == ("overlapped", 8)  # 512 CTAs of 8: >= 2 x 132

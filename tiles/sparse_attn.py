@@ -910,12 +910,12 @@ def _sparse_attn_ws(
                                 if (j * n_blk + it) % 2 == 0:
                                     T.barrier_wait(bar_k0_free, (((j * n_blk + it) // 2) & 1) ^ 1)
                                     if io == "overlapped":
-                                        _ws_ovl_store_o(Out, bufs[0], dims, b_i, bx * TPC, REP, j, it, n_blk, p)
+                                        _ws_ovl_store_o(Out, bufs[0], dims, b_i, nxt, j, it, n_blk, p)
                                     _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
                                 else:
                                     T.barrier_wait(bar_k1_free, (((j * n_blk + it) // 2) & 1) ^ 1)
                                     if io == "overlapped":
-                                        _ws_ovl_store_o(Out, bufs[1], dims, b_i, bx * TPC, REP, j, it, n_blk, p)
+                                        _ws_ovl_store_o(Out, bufs[1], dims, b_i, nxt, j, it, n_blk, p)
                                     _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
                     if io == "overlapped":
                         # the O staged in the last tokens' buffers, which no block refills: as if blocks
@@ -924,10 +924,10 @@ def _sparse_attn_ws(
                             g = nxt.count * n_blk + e
                             if g % 2 == 0:
                                 T.barrier_wait(bar_k0_free, ((g // 2) & 1) ^ 1)
-                                _ws_ovl_store_o(Out, bufs[0], dims, b_i, bx * TPC, REP, 0, g, n_blk, p)
+                                _ws_ovl_store_o(Out, bufs[0], dims, b_i, nxt, 0, g, n_blk, p)
                             else:
                                 T.barrier_wait(bar_k1_free, ((g // 2) & 1) ^ 1)
-                                _ws_ovl_store_o(Out, bufs[1], dims, b_i, bx * TPC, REP, 0, g, n_blk, p)
+                                _ws_ovl_store_o(Out, bufs[1], dims, b_i, nxt, 0, g, n_blk, p)
                 else:
                     _ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
                 if prefetch:  # noqa: SIM102  (a Python flag around a TileLang condition: they cannot be joined with `and`)
@@ -1032,8 +1032,7 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", 
     after it, so both halves of P V run together and the buffer frees one P V earlier; the shared-memory stores
     are fenced for the async proxy first (warpgroup 1's wgmma reads them).
 
-    ``ovl`` (``io="overlapped"``: the _WsCta, the CTA's token j and the token's block it): the token's last block's
-    buffer is kept for O (freed once O_l is staged into it: :func:`_ws_ovl_stage_o`)."""
+    ``ovl``: see :func:`_ws_hand_back`."""
     Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
     KV_l, KV_r, valid, bar_ready, bar_free = buf
     if ablate != "uncoupled":
@@ -1058,10 +1057,18 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", 
     else:
         T.gemm(S_shared, KV_l, acc_o)
         T.barrier_arrive(bar_s_ready)
+    _ws_hand_back(bar_free, ovl)
+
+
+@T.macro
+def _ws_hand_back(bar_free, ovl):
+    """A consumer warpgroup is done with a KV buffer: arrive on its free barrier. ``ovl`` (``io="overlapped"``: the
+    _WsCta, the token j, its block it): the token's last block's buffer is kept, O is staged into it
+    (:func:`_ws_ovl_stage_o` hands it back)."""
     if ovl is None:
         T.barrier_arrive(bar_free)
     else:
-        if ovl[2] != ovl[0].n_blk - 1:  # the token's last buffer stages O_l (freed once it is stored)
+        if ovl[2] != ovl[0].n_blk - 1:
             T.barrier_arrive(bar_free)
 
 
@@ -1438,7 +1445,7 @@ def _ws_ovl_stage_into(cta, buf, acc, w, j):
 
 
 @T.macro
-def _ws_ovl_store_o(Out, buf, dims, b_i, first, REP, j, it, n_blk, p):
+def _ws_ovl_store_o(Out, buf, dims, b_i, nxt, j, it, n_blk, p):
     """``io="overlapped"``, producer thread ``p`` after the wait for a free buffer, before filling it with block
     ``it`` of the CTA's token ``j``: when the buffer's last user was the last block of an earlier token (global block
     index g - 2 for g = j * n_blk + it), it holds that token's O staged by the consumers; store it to Out first. Each
@@ -1448,8 +1455,8 @@ def _ws_ovl_store_o(Out, buf, dims, b_i, first, REP, j, it, n_blk, p):
     g = j * n_blk + it
     if g >= n_blk + 1:  # noqa: SIM102  (TileLang conditions)
         if (g - 1) % n_blk == 0:
-            item = first + (g - 1) // n_blk - 1
-            s_o, h_o = item // REP, (item % REP) * BI  # heads_per_block == block_I: O fills the buffer
+            item = nxt.first + (g - 1) // n_blk - 1
+            s_o, h_o = item // nxt.REP, (item % nxt.REP) * BI  # heads_per_block == block_I: O fills the buffer
             c = _lane_col(p, lanes)
             for rr in T.serial(BI // ROWS):
                 r = rr * ROWS + _lane_row(p, lanes)
@@ -1499,15 +1506,9 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
         if cta.ablate == "consumers_idle":  # take each filled buffer and hand it straight back
             _ws_idle_step(cta.bufs, j * n_blk + it)
         elif (j * n_blk + it) % 2 == 0:
-            if ovl:
-                _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, (cta, j, it))
-            else:
-                _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
+            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, (cta, j, it) if ovl else None)
         else:
-            if ovl:
-                _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, (cta, j, it))
-            else:
-                _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate)
+            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, (cta, j, it) if ovl else None)
     if NS == 1:
         for h in T.Parallel(HB):
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -1589,18 +1590,10 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
                 acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
             if (j * n_blk + it) % 2 == 0:
                 T.gemm(S_shared, bufs[0].KV_r, acc_o_r)
-                if not ovl:
-                    T.barrier_arrive(bufs[0].free)
-                else:
-                    if it != n_blk - 1:  # the token's last buffer stages O_r (freed once it is stored)
-                        T.barrier_arrive(bufs[0].free)
+                _ws_hand_back(bufs[0].free, (cta, j, it) if ovl else None)
             else:
                 T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
-                if not ovl:
-                    T.barrier_arrive(bufs[1].free)
-                else:
-                    if it != n_blk - 1:
-                        T.barrier_arrive(bufs[1].free)
+                _ws_hand_back(bufs[1].free, (cta, j, it) if ovl else None)
             T.barrier_arrive(cta.bar_s_free)
     T.barrier_arrive(cta.bar_final)
     T.barrier_wait(cta.bar_final, j & 1)
@@ -2263,12 +2256,7 @@ def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], confi
         cfg = dict(_PICKED[key])
     reasons = tile.search_space(arch).violations(cfg, shape, arch)
     _require(not reasons, f"config {cfg} is not valid for {tile.name} at {dims}: {'; '.join(reasons)}")
-    if tile.splits:
-        cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch, cfg["schedule"])
-    if "kv_staging" in cfg:
-        cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], dims)
-    cfg["io"], cfg["tokens_per_cta"] = resolve_io(cfg, dims, arch, tile.kv_format)
-    return cfg
+    return tile.resolve_call(cfg, dims, arch)
 
 
 def _arch_of(device: torch.device) -> Arch:
@@ -2435,11 +2423,9 @@ ABLATIONS = (
     "no_q_load",
     "no_o_store",
 )
+# the ones that change warpgroups 0 and 1, and of those the ones that cut the staged Q load or O store (one split only)
 _CONSUMER_ABLATIONS = ("consumers_idle", "no_softmax", "uncoupled", "no_q_load", "no_o_store")
-_EDGE_ABLATIONS = (
-    "no_q_load",
-    "no_o_store",
-)  # the ones that cut the staged Q load or O store (one split only)  # the ones that change warpgroups 0 and 1
+_EDGE_ABLATIONS = ("no_q_load", "no_o_store")
 # The parts of the FP4 producer's work each of its ablations leaves out (half_main and producer_idle change which
 # passes or blocks it fills instead): "loads" (the packed words and scale bytes are made from the row index), "decode"
 # (one value per word from its bits), "stores" (no decoded row written), "main" / "window" (those blocks not filled at
@@ -2453,6 +2439,20 @@ _PRODUCER_CUTS = {
     "no_window": frozenset({"window"}),
     "no_fence": frozenset({"fence"}),
 }
+
+
+def timing_ablation(tile: "SparseAttnTile", shape: Shape, arch: Arch, ablate: str, override: Config | None = None) -> "CompiledAttention":
+    """The tile's default for ``shape`` (``override`` over it) as the kernel the ablations cut into (the gathering
+    producer, one token per CTA with staged Q/O: io="auto" and kv_staging pinned so) with the timing ablation
+    ``ablate`` (see ABLATIONS; "" for that kernel as it is). Built directly, never cached or proposed by the tuner;
+    what gpu/attn_ablation.py and gpu/attn_block_scaling.py time."""
+    cfg = tile.with_defaults(arch, override or {})
+    if cfg.get("io") == "auto":
+        cfg["io"] = "staged"
+    if "kv_staging" in cfg:
+        cfg["kv_staging"] = "gather"
+    cfg = tile.resolve_call(cfg, shape, arch)
+    return CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, tile.kv_format, cfg, arch, ablate=ablate)
 
 
 def _cuts(dims, part: str) -> bool:
@@ -2521,7 +2521,7 @@ def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: s
     io, tpc = config.get("io", "direct"), int(config.get("tokens_per_cta", 1))
     if io != "auto":
         return io, tpc
-    rows = "bf16" if kv_format == "bf16" or config.get("kv_staging", "gather") == "expand" else "fp4"
+    rows = _kernel_rows(kv_format, config.get("kv_staging", "gather"))
     args = (config["schedule"], config.get("produce", "serial"), config.get("consumers", "wg0_scores"), config.get("wg1_rows", 0))
 
     def overlaps(tokens: int) -> bool:
@@ -2548,6 +2548,11 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     kv = bi * d * 2 * stages
     raw = bi * (d // 2 + d // 16) * stages if (config.get("dequant") == "staged" and kv_format == "fp4") else 0
     return q + kv + s + raw + 4 * bi * stages
+
+
+def _kernel_rows(kv_format: str, kv_staging: str) -> str:
+    """The KV rows the attention kernel reads ("bf16" or "fp4"), ``kv_staging`` resolved: the expansion's are bf16."""
+    return "bf16" if kv_format == "bf16" or kv_staging == "expand" else "fp4"
 
 
 def _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, ablate="") -> str | None:
@@ -2642,7 +2647,7 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             )
         if c.get("io", "direct") == "overlapped":
             n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
-            rows = "bf16" if kv_format == "bf16" or resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand" else "fp4"
+            rows = _kernel_rows(kv_format, resolve_kv_staging(c.get("kv_staging", "gather"), s))
             args = (c["schedule"], c.get("produce", "serial"), c.get("consumers", "wg0_scores"), c.get("wg1_rows", 0))
             if why := _overlapped_refusal(*args, c.get("tokens_per_cta", 1), n_split, c["block_I"], rows):
                 return why
@@ -2902,15 +2907,19 @@ class SparseAttnTile(Tile):
         reason = self.support_reason(arch)
         if reason:
             raise TileError(f"{self.name} does not support {arch.name}: {reason}")
-        cfg = self.with_defaults(arch, config)
-        if self.splits:
-            cfg["n_split"] = resolve_split(
-                cfg["n_split"], shape["B"], shape["S"], shape["H"], cfg["heads_per_block"], arch, cfg["schedule"]
-            )
-        if "kv_staging" in cfg:
-            cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], shape)
-        cfg["io"], cfg["tokens_per_cta"] = resolve_io(cfg, shape, arch, self.kv_format)
+        cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
         return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
+
+    def resolve_call(self, config: Config, dims: Mapping[str, int], arch: Arch) -> Config:
+        """``config`` (full) with its per-call choices resolved for one call of ``dims`` (a Shape or its dims), in the
+        order they depend on each other: ``n_split``, then ``kv_staging``, then ``io`` and ``tokens_per_cta``."""
+        cfg = dict(config)
+        if self.splits:
+            cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch, cfg["schedule"])
+        if "kv_staging" in cfg:
+            cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], dims)
+        cfg["io"], cfg["tokens_per_cta"] = resolve_io(cfg, dims, arch, self.kv_format)
+        return cfg
 
     def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
         return make_attention_inputs(shape, seed, device, self.kv_format)
