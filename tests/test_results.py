@@ -10,7 +10,7 @@ import yaml
 from test_tuning_toys import ScaleToy
 
 from tiles.arch import get_arch
-from tiles.contract import Shape
+from tiles.contract import Constraint, SearchSpace, Shape
 from tiles.results import SCHEMA, ResultsError, config_for, load_winner, results_path
 from tuning.export import export_results
 
@@ -145,6 +145,36 @@ def test_stale_config_is_refused(written, monkeypatch):
     monkeypatch.setenv("CSA2_RESULTS_DIR", str(root))
     with pytest.raises(ResultsError, match="no longer accepts"):
         config_for(toy, toy.shapes()[0], SM90)
+
+
+class ShapeBoundToy(ScaleToy):
+    """ScaleToy whose ``ws`` schedule needs N >= 4096: a constraint that depends on the shape."""
+
+    def search_space(self, arch):
+        small = Constraint("ws_needs_n4k", lambda c, s, a: "ws needs N >= 4096" if c["schedule"] == "ws" and s["N"] < 4096 else None)
+        space = super().search_space(arch)
+        return SearchSpace(space.params, (*space.constraints, small))
+
+
+def test_a_winner_that_does_not_apply_to_a_nearby_shape_gives_the_default(tmp_path):
+    """A winner valid where it was tuned but refused at a nearby shape (the constraint depends on the shape) is not
+    evidence there: the default runs and the source says why. The same config refused at its own bucket's shape
+    is a stale file and raises."""
+    toy = ShapeBoundToy()
+    winner = {"block": 256, "schedule": "ws", "stages": 3}
+    path = export_results(toy, SM90, [_summary("decode_n4k", winner, 1.0, 1.5, toy.default_config(SM90))], "x", tmp_path, environment=ENV)
+    near = Shape("decode_n2k", "decode", {"N": 2048})  # distance 1: within the transfer distance
+    config, source = load_winner(toy.name, SM90, near, default=toy.default_config(SM90), root=tmp_path, tile=toy)
+    assert config == toy.default_config(SM90)
+    assert source == f"default (tuned:{path}#decode_n4k does not apply to decode_n2k: ws_needs_n4k: ws needs N >= 4096)"
+    at_its_shape = load_winner(toy.name, SM90, toy.shapes()[0], default=toy.default_config(SM90), root=tmp_path, tile=toy)
+    assert at_its_shape == (winner, f"tuned:{path}#decode_n4k")
+    data = yaml.safe_load(path.read_text())
+    data["shapes"]["decode_n4k"]["dims"]["N"] = 1024  # now refused at its own bucket's shape: the file is stale
+    path.write_text(yaml.safe_dump(data))
+    os.utime(path, ns=(2, 2))
+    with pytest.raises(ResultsError, match="no longer accepts"):
+        load_winner(toy.name, SM90, near, default=toy.default_config(SM90), root=tmp_path, tile=toy)
 
 
 def test_unknown_arch_lists_known_ones():

@@ -128,21 +128,30 @@ def _shown(path: Path) -> str:
 
 
 def load_winner(
-    tile_name: str, arch: Arch | str, shape: Shape, default: Config | None = None, root: Path | None = None, allow_stale: bool = False
+    tile_name: str,
+    arch: Arch | str,
+    shape: Shape,
+    default: Config | None = None,
+    root: Path | None = None,
+    allow_stale: bool = False,
+    tile=None,
 ) -> tuple[Config, str]:
     """The config to run ``tile_name`` with on (arch, shape), and where it came from.
 
     Returns ``(config, "tuned:<file>#<bucket>")`` (``<file>`` repo-relative for the lab's own ``results/``) for the nearest stored bucket within
     :data:`MAX_TRANSFER_DISTANCE`, else ``(default, "default")``. ``default`` is the tile's default config for ``arch``; when not
     given it is looked up through :mod:`tiles.registry`. A stored config that the tile's
-    current search space rejects raises :class:`ResultsError` (the file is stale).
+    current search space rejects at its own bucket's shape raises :class:`ResultsError` (the file is stale); one
+    valid there but not at ``shape`` (a nearer bucket was not stored) gives the default, with source
+    ``"default (tuned:<file>#<bucket> does not apply to <shape>: ...)"``. ``tile``: the tile object (else looked up by
+    name; unregistered tiles are not checked against a search space).
 
     A winner that does not name every parameter of the tile's current search space was tuned before a
     structural option existed: it won nothing over that option, so the default runs instead, with source
     ``"default (stale: ...)"`` (``allow_stale=True`` returns it anyway: the tuner seeds studies with it).
     """
     arch = get_arch(arch) if isinstance(arch, str) else arch
-    tile = _registered(tile_name)
+    tile = tile if tile is not None else _registered(tile_name)
     if default is None:
         if tile is None:
             from tiles.registry import get_tile
@@ -160,21 +169,20 @@ def load_winner(
     if missing and not allow_stale:
         return dict(default), f"default (stale: {_shown(path)}#{bucket} predates {', '.join(missing)})"
     if tile is not None:
-        bad = tile.search_space(arch).violations(config, shape, arch)
+        space = tile.search_space(arch)
+        own = Shape(bucket, entry.get("phase", "any"), entry.get("dims") or {})
+        bad = space.violations(config, own, arch)
         if bad:
             raise ResultsError(
                 f"results file {path} bucket {bucket!r} holds a config the tile no longer accepts ({'; '.join(bad)}): re-run `lab tune`"
             )
+        if bucket != shape.name and (bad := space.violations(config, shape, arch)):
+            # Valid where it was tuned, not at this nearby shape (a constraint that depends on the shape, e.g. a
+            # choice that needs bf16 rows): not evidence here, so the default runs.
+            return dict(default), f"default (tuned:{_shown(path)}#{bucket} does not apply to {shape.name}: {'; '.join(bad)})"
     return config, f"tuned:{_shown(path)}#{bucket}"
 
 
 def config_for(tile, shape: Shape, arch: Arch) -> tuple[Config, str]:
     """What a tile calls at run time: its tuned config for (arch, shape) or its default, with the source."""
-    config, source = load_winner(tile.name, arch, shape, default=tile.default_config(arch))
-    if source.startswith("tuned:"):
-        bad = tile.search_space(arch).violations(config, shape, arch)
-        if bad:
-            raise ResultsError(
-                f"results file {source[6:]} holds a config tile {tile.name} no longer accepts ({'; '.join(bad)}): re-run `lab tune`"
-            )
-    return config, source
+    return load_winner(tile.name, arch, shape, default=tile.default_config(arch), tile=tile)
