@@ -1385,3 +1385,84 @@ def test_main_pass_in_pool_matches_reference(label, layout):
     ratios; in the default layout and in the two-CTA k-split one (a tuning candidate)."""
     cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), {**layout, **MAIN_IN_POOL})
     _variant_matches_reference_and_base(cfg, {"main_pass": "separate"}, ("prefill_r2_s64k", "prefill_r1_s64k"))
+
+
+# ---------------------------------------------------------------------------------- kv_prefetch="next_rows"
+# The next batch's kv/gate loads issued as soon as this batch is pooled, so they land under its norm, RoPE and encode
+# (tiles/compressor.py, _load_direct_rows). The two-CTA layouts of the 64K winners; three CTAs only at ratio 1.
+PREFETCH_LAYOUTS = [
+    ("r2_two_ctas_of_32_k_split_main_in_pool", 2, {"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, "main_pass": "in_pool"}),
+    (
+        "r1_two_ctas_of_32_split_acc_main_in_pool",
+        1,
+        {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split", "main_pass": "in_pool"},
+    ),
+    ("r1_three_ctas_of_16", 1, {"block_g": 16, "ctas_per_sm": 3}),
+]
+PREFETCH = {"kv_prefetch": "next_rows"}
+
+
+def test_kv_prefetch_in_the_space_and_refused_where_it_spills_or_has_nothing_to_overlap():
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2, r1 = tile.shape("prefill_r2_s64k"), tile.shape("prefill_r1_s64k")
+    assert {p.name: p.choices for p in space.params}["kv_prefetch"] == ("off", "next_rows")
+    assert tile.default_config(SM90)["kv_prefetch"] == "off"
+
+    def why(c, shape=r2):
+        return " | ".join(space.violations(tile.with_defaults(SM90, c), shape, SM90))
+
+    two = {"block_g": 32, "ctas_per_sm": 2, **PREFETCH}
+    assert why(two) == "" and why(PREFETCH, r1) == ""
+    three = {"block_g": 16, "ctas_per_sm": 3, **PREFETCH}
+    assert "spills at 3 CTAs" in why(three) and why(three, r1) == ""  # ratio 2: ptxas spilled 228 bytes
+    assert tile.with_defaults(SM90, PREFETCH)["ctas_per_sm"] == 2  # unnamed: the default's fallback to two CTAs of 32
+    assert "needs norm_pass=in_pool" in why({**two, "norm_pass": "separate"})
+    assert "unknown kv_prefetch" in why({**two, "kv_prefetch": "bogus"})
+    assert tile.with_defaults(SM90, {"kv_prefetch": "next_rows", "kv_load": "slabs"})["kv_prefetch"] == "next_rows"  # named: kept, refused
+    with pytest.raises(TileError, match="kv_prefetch"):
+        cp._build(SM90, 2, tile.with_defaults(SM90, {**two, "norm_pass": "separate"}))
+
+
+@pytest.mark.parametrize("label, ratio, layout", PREFETCH_LAYOUTS, ids=[c[0] for c in PREFETCH_LAYOUTS])
+def test_kv_prefetch_compiles_sm90_and_fits(label, ratio, layout, tmp_path):
+    """The first batch loaded before the loop and batch r + 1 inside it after batch r's pooling (before its sum of
+    squares), one load per row and tensor in each place; the build fits its CTAs per SM without spilling; the same
+    shared memory as without the prefetch."""
+    cfg = cp.COMPRESSOR.with_defaults(SM90, {**layout, **PREFETCH})
+    ctas = cfg["ctas_per_sm"]
+    kernel, src = _build_without_producer(ratio, cfg, ctas)
+    _, off = _build_without_producer(ratio, {**cfg, "kv_prefetch": "off"}, ctas)
+    loop = src.index("for (int r = 0; r < ")
+    tensors = ("kv", "gate") if ratio == 2 else ("kv",)
+    for name in tensors:
+        assert src[:loop].count(f"*(float4*)({name} + ") == ratio  # the first batch: one load per token row
+        assert src[loop:].count(f"*(float4*)({name} + ") == ratio  # the next batch, inside the loop
+    batches = cfg["block_g"] // cp.DIRECT_ROWS
+    guard = src.index(f"if (r < {batches - 1})", loop)
+    assert src.index("pooled_f", loop) < guard < src.index("*(float4*)(kv + ", loop)  # after the pooling
+    assert off.index("for (int r = 0; r < ") < off.index("*(float4*)(kv + ")  # without it: loaded inside the loop only
+    assert _dynamic_smem(kernel, 256) == cp._smem_flat({**cfg, "kv_prefetch": "off"}, ratio)
+    _assert_flat_build_fits(kernel, src, cfg, ratio, ctas, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, ratio, layout", PREFETCH_LAYOUTS, ids=[c[0] for c in PREFETCH_LAYOUTS])
+def test_kv_prefetch_matches_reference_and_is_bit_identical(label, ratio, layout):
+    """Against the torch reference (fp4-near-exact rule) at 4K, 64K, decode and odd shapes of its ratio, all four caches
+    byte-identical to the same layout without the prefetch (the same expressions on the same values), the decode tail
+    state (ratio 2) and two runs bitwise equal at 64K."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = tile.with_defaults(arch, {**layout, **PREFETCH})
+    for shape in [s for s in _flat_shapes("direct") if s["ratio"] == ratio]:
+        ev = evaluate(tile, shape, cfg, arch, seed=7, time_it=False)
+        assert ev.outcome == OK, f"{shape.name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 11, "cuda")
+        base = tile.run(tile.build(shape, {**cfg, "kv_prefetch": "off"}, arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        for name in base:
+            assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
+    if ratio == 2:
+        full, inputs = _decode_tail_entries_equal(cfg)
+        names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
+        assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    _two_runs_bitwise_equal(tile.shape(f"prefill_r{ratio}_s64k"), cfg)
