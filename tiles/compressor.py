@@ -142,9 +142,11 @@ def _e2m1_code_search(v):
 
 POOL_MATHS = ("ieee", "fast")  # how the ratio-2 softmax over a group's two tokens is computed (see _pool_pair)
 PROJ_K_SPLITS = (1, 2)  # register projection: each warp covers all 512 k, or half of them with twice the output columns
-NORM_PASSES = ("separate", "in_pool")  # RMSNorm after the pooling from rot_s, or on the pooled rows in registers (kv_load=direct)
-MAIN_PASSES = ("separate", "in_pool")  # RoPE + main cache as passes over rot_s, or from the rows in registers (norm_pass=in_pool)
-KV_PREFETCHES = ("off", "next_rows")  # norm_pass=in_pool: the next batch's kv/gate loads issued before this batch's norm and encode
+NORM_PASSES = ("separate", "in_pool")
+MAIN_PASSES = (
+    "separate",
+    "in_pool",
+)  # RoPE + main cache as passes over rot_s, or from the rows in registers (norm_pass=in_pool)  # RMSNorm after the pooling from rot_s, or on the pooled rows in registers (kv_load=direct)
 
 
 def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
@@ -263,22 +265,6 @@ def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
 
 MULTI_CTA_CHUNK, MULTI_CTA_STAGES = 16, 3  # ctas_per_sm > 1: kv/gate slab width and pipeline depth
 DIRECT_ROWS = 8  # kv_load=direct: groups whose kv/gate rows are loaded into registers before any is pooled
-
-
-@T.macro
-def _load_direct_rows(kv, gate, rows_f, b, g0, r, G, ratio: int):
-    """kv_load=direct: batch ``r``'s kv (and, ratio 2, gate) rows of the CTA's groups from global memory into the
-    [DIRECT_ROWS, 512] register fragments ``rows_f`` = (kv of token 0[, kv of token 1, gate 0, gate 1]). Rows past G
-    read row G - 1 (their results are never stored)."""
-    for i, d in T.Parallel(DIRECT_ROWS, D):
-        g = T.max(T.min(g0 + r * DIRECT_ROWS + i, G - 1), 0)
-        rows_f[0][i, d] = kv[b, g * ratio, d]
-        if ratio == 2:
-            rows_f[1][i, d] = kv[b, g * 2 + 1, d]
-            rows_f[2][i, d] = gate[b, g * 2, d]
-            rows_f[3][i, d] = gate[b, g * 2 + 1, d]
-
-
 NORM_LANES = 8  # ctas_per_sm > 1: threads per latent row in the RMSNorm sum of squares (one shuffle reduction)
 PROJ_OPERANDS = ("smem", "registers", "wgmma")  # where the tf32x3 projection's operands live (see _compress_kernel)
 PROJ_ACCUMULATORS = ("shared", "split")  # register projection: one accumulator per output tile, or the small products apart
@@ -679,7 +665,6 @@ def _compress_kernel(
     norm_pass: str = "separate",
     proj_k_split: int = 1,
     main_pass: str = "separate",
-    kv_prefetch: str = "off",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -738,10 +723,6 @@ def _compress_kernel(
     ``proj_k_split`` (register projection, one accumulator): 1, every warp covers all 512 k for 16 output columns; 2, a
     warp covers half of them for 32 columns (:data:`_PROJ_REGS_K2_CUDA`: half the latent reads and splits per warp, Wk in
     ``wk_fragment_order(Wk, 32)``, the two halves added in k_s).
-    ``kv_prefetch`` (norm_pass="in_pool"): "off" loads each batch of ``DIRECT_ROWS`` groups' kv/gate rows when its pooling
-    starts, so every batch waits out a full HBM round trip; "next_rows" issues the next batch's loads as soon as this
-    batch is pooled (its kv/gate registers are dead then), so they land while this batch is normalised, rotated and
-    encoded. The same expressions on the same values: the caches are bit-identical to "off"'s.
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -771,8 +752,6 @@ def _compress_kernel(
         raise TileError(f"norm_pass='in_pool' normalises the direct loads' pooled rows: it needs kv_load='direct' (got {kv_load!r})")
     if main_pass not in MAIN_PASSES or (main_pass == "in_pool" and (norm_pass != "in_pool" or encode != "thresholds")):
         raise TileError(f"main_pass {main_pass!r}: use 'separate', or 'in_pool' with norm_pass='in_pool' and encode='thresholds'")
-    if kv_prefetch not in KV_PREFETCHES or (kv_prefetch != "off" and norm_pass != "in_pool"):
-        raise TileError(f"kv_prefetch {kv_prefetch!r}: use 'off', or 'next_rows' with norm_pass='in_pool'")
     if proj_operands not in PROJ_OPERANDS:
         raise TileError(f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}")
     # "wgmma" reads Wk like "registers" (fragment order from L2, no Wk stages): the same refusals, and then its own.
@@ -896,13 +875,14 @@ def _compress_kernel(
                     # No slabs, no barrier per slab: each thread's kv/gate float4s straight from global memory into the
                     # softmax (the same expressions as _staged_pool, so the same latent bits). Rows past G read row G - 1
                     # (their results are never stored).
-                    rows_f = (*kv_f, *gate_f)
-                    batches = block_g // DIRECT_ROWS
-                    if kv_prefetch == "next_rows":
-                        _load_direct_rows(kv, gate, rows_f, b, g0, 0, G, ratio)
-                    for r in T.serial(batches):
-                        if kv_prefetch == "off":
-                            _load_direct_rows(kv, gate, rows_f, b, g0, r, G, ratio)
+                    for r in T.serial(block_g // DIRECT_ROWS):
+                        for i, d in T.Parallel(DIRECT_ROWS, D):
+                            g = T.max(T.min(g0 + r * DIRECT_ROWS + i, G - 1), 0)
+                            kv_f[0][i, d] = kv[b, g * ratio, d]
+                            if ratio == 2:
+                                kv_f[1][i, d] = kv[b, g * 2 + 1, d]
+                                gate_f[0][i, d] = gate[b, g * 2, d]
+                                gate_f[1][i, d] = gate[b, g * 2 + 1, d]
                         if norm_pass == "in_pool":
                             # The pooled rows stay in registers: their squares summed per row (the lanes of a row share
                             # one warp: a shuffle reduction), then written once, normalised.
@@ -912,11 +892,6 @@ def _compress_kernel(
                                 else:
                                     x0, x1 = gate_f[0][i, d], gate_f[1][i, d]
                                     pooled_f[i, d] = _pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
-                            if kv_prefetch == "next_rows" and batches > 1:  # noqa: SIM102 -- a build-time choice around a TIR branch
-                                # kv_f/gate_f are dead once pooled: the next batch's loads go out now and land while
-                                # this batch is normalised, rotated and encoded, instead of after it.
-                                if r + 1 < batches:
-                                    _load_direct_rows(kv, gate, rows_f, b, g0, r + 1, G, ratio)
                             for i, d in T.Parallel(DIRECT_ROWS, D):
                                 sq_f[i, d] = pooled_f[i, d] * pooled_f[i, d]
                             T.reduce_sum(sq_f, ss_f, dim=1)
@@ -1144,7 +1119,6 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("norm_pass", "separate"),
         cfg.get("proj_k_split", 1),
         cfg.get("main_pass", "separate"),
-        cfg.get("kv_prefetch", "off"),
     )
 
 
@@ -1423,12 +1397,6 @@ class CompressorTile(Tile):
                 "norm_pass=in_pool, encode=thresholds: RoPE and the main cache's amax, scale and codes as passes over rot_s "
                 "(barriers between), or from the normalised rows in registers (the group max by two shuffles; the same bits)",
             ),
-            Param(
-                "kv_prefetch",
-                KV_PREFETCHES,
-                f"norm_pass=in_pool: each batch of {DIRECT_ROWS} groups' kv/gate loaded when its pooling starts, or the next "
-                "batch's loads issued right after this one is pooled, to land under its norm, RoPE and encode (the same bits)",
-            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -1476,7 +1444,6 @@ class CompressorTile(Tile):
                 "norm_pass": "in_pool",
                 "proj_k_split": 1,
                 "main_pass": "separate",  # "in_pool": NOT yet run on a GPU (gpu/session.sh queued)
-                "kv_prefetch": "off",
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
             # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
@@ -1489,7 +1456,7 @@ class CompressorTile(Tile):
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
-            cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1, main_pass="separate", kv_prefetch="off")
+            cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1, main_pass="separate")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
@@ -1563,8 +1530,6 @@ class CompressorTile(Tile):
             cfg["norm_pass"] = "separate"  # the pooled rows are in registers only with the direct loads
         if "main_pass" not in config and cfg.get("main_pass") == "in_pool" and cfg["norm_pass"] != "in_pool":
             cfg["main_pass"] = "separate"  # and only then can the main cache be encoded from them
-        if "kv_prefetch" not in config and cfg.get("kv_prefetch") != "off" and cfg["norm_pass"] != "in_pool":
-            cfg["kv_prefetch"] = "off"  # nothing runs between a batch's pooling and the next batch's without the norm there
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
@@ -1714,15 +1679,6 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"unknown main_pass {main_pass!r}: use one of {', '.join(MAIN_PASSES)}"
     if main_pass == "in_pool" and (norm_pass != "in_pool" or config.get("encode", "divide") != "thresholds"):
         return "main_pass=in_pool encodes the normalised rows in registers: it needs norm_pass=in_pool and encode=thresholds"
-    kv_prefetch = config.get("kv_prefetch", "off")
-    if kv_prefetch not in KV_PREFETCHES:
-        return f"unknown kv_prefetch {kv_prefetch!r}: use one of {', '.join(KV_PREFETCHES)}"
-    if kv_prefetch != "off" and norm_pass != "in_pool":
-        return "kv_prefetch=next_rows overlaps the next batch's loads with this batch's norm and encode: it needs norm_pass=in_pool"
-    if kv_prefetch != "off" and n > 2 and shape.dims.get("ratio", 2) == 2:
-        # ptxas (sm_90a): 228 bytes of spills at three CTAs of 16 (80 registers), ratio 2: the next batch's 16 float4s
-        # live beside the pooled rows. No spills at two CTAs of 32 (116-121 registers) or at ratio 1.
-        return "kv_prefetch=next_rows at ratio 2 holds two batches' kv/gate: it spills at 3 CTAs per SM (use ctas_per_sm 1-2)"
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2 and config.get("pool_math", "ieee") == "ieee":
         # ptxas: 80 registers (the cap of 3 x 256 threads) and 36-40 bytes of spills at block_g 16, ratio 2, with the
         # reference's pooling expression; pool_math="fast" compiles to 80 registers without spills (session 9).
