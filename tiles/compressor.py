@@ -142,11 +142,8 @@ def _e2m1_code_search(v):
 
 POOL_MATHS = ("ieee", "fast")  # how the ratio-2 softmax over a group's two tokens is computed (see _pool_pair)
 PROJ_K_SPLITS = (1, 2)  # register projection: each warp covers all 512 k, or half of them with twice the output columns
-NORM_PASSES = ("separate", "in_pool")
-MAIN_PASSES = (
-    "separate",
-    "in_pool",
-)  # RoPE + main cache as passes over rot_s, or from the rows in registers (norm_pass=in_pool)  # RMSNorm after the pooling from rot_s, or on the pooled rows in registers (kv_load=direct)
+NORM_PASSES = ("separate", "in_pool")  # RMSNorm after the pooling from rot_s, or on the pooled rows in registers (kv_load=direct)
+MAIN_PASSES = ("separate", "in_pool")  # RoPE + main cache as passes over rot_s, or from the rows in registers (norm_pass=in_pool)
 
 
 def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
