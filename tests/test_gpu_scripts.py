@@ -196,16 +196,38 @@ def test_determinism_probe_counts_the_runs_that_differ(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "script, message", [("attn_ablation.py", "unknown ['no_such_cut']"), ("attn_block_scaling.py", "unknown variants ['no_such_cut']")]
+    "script, flag, message",
+    [
+        ("attn_ablation.py", "--variants", "unknown ['no_such_cut']"),
+        ("attn_block_scaling.py", "--variants", "unknown variants ['no_such_cut']"),
+        ("attn_prefill_lengths.py", "--labels", "unknown labels ['no_such_cut']"),
+    ],
 )
-def test_attention_timing_scripts_refuse_an_unknown_variant_before_asking_for_a_gpu(script, message):
+def test_attention_timing_scripts_refuse_an_unknown_variant_before_asking_for_a_gpu(script, flag, message):
     import subprocess
 
     res = subprocess.run(
-        [sys.executable, str(ROOT / "gpu" / script), "--variants", "default,no_such_cut"],
+        [sys.executable, str(ROOT / "gpu" / script), flag, "default,no_such_cut"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         check=False,
     )
     assert res.returncode == 2 and message in res.stderr
+
+
+@pytest.mark.parametrize("tile_name", ["sparse_attn_prefill", "sparse_attn_bf16"])
+def test_prefill_lengths_span_every_choice_of_io_auto(tile_name):
+    """gpu/attn_prefill_lengths.py's default lengths cover each choice io="auto" makes on the H200 (staged below two
+    waves of 2-token CTAs, then overlapped with 2, 4 and 8 tokens per CTA), and every label it times is valid at every
+    length (none is silently left out)."""
+    import attn_prefill_lengths as apl
+
+    tile, sm90 = get_tile(tile_name), get_arch("sm90")
+    chosen = set()
+    for s in apl.LENGTHS:
+        shape = apl.shape_at(s)
+        resolved = tile.resolve_call(tile.with_defaults(sm90, {}), shape.dims, sm90)
+        chosen.add((resolved["io"], resolved["tokens_per_cta"]))
+        assert all(apl._refusal(tile_name, s, label, "sm90") is None for label in apl.LABELS), s
+    assert chosen == {("staged", 1), ("overlapped", 2), ("overlapped", 4), ("overlapped", 8)}
