@@ -1,13 +1,13 @@
 """Does ``io="auto"`` pick the fastest Q/O handling at every prompt length?
 
-    python3 gpu/attn_prefill_lengths.py --out $OUT [--tile sparse_attn_prefill] [--lengths 512,1024,2048,4096]
+    python3 gpu/attn_prefill_lengths.py --out $OUT [--tile sparse_attn_prefill] [--lengths 256,512,1024,4096]
 
 The sparse-attention tiles' default ``io="auto"`` resolves per call (``tiles.sparse_attn.resolve_io``): where the
 kernel's rows are bf16 it runs ``overlapped`` with the most of 8, 4 or 2 tokens per CTA that still leave two waves of
-CTAs, below that ``staged`` with one token per CTA. That rule was timed at 4K and above only. This times, at each
+CTAs (IO_AUTO_MIN_WAVES), below that ``staged`` with one token per CTA. This times, at each
 prefill length S (B=1, H=64, window 128, top-k 512), the default and the fixed alternatives it chooses between:
 
-    staged1     io=staged, one token per CTA (the choice below two waves of 2-token CTAs)
+    staged1     io=staged, one token per CTA (the choice below the waves of 2-token CTAs)
     staged4     io=staged, 4 tokens per CTA
     ovl2/4/8    io=overlapped with 2, 4 or 8 tokens per CTA
 
@@ -37,7 +37,7 @@ LABELS = {
     "ovl4": {"io": "overlapped", "tokens_per_cta": 4},
     "ovl8": {"io": "overlapped", "tokens_per_cta": 8},
 }
-LENGTHS = (512, 768, 1024, 1536, 2048, 3072, 4096)
+LENGTHS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 def shape_at(s: int):

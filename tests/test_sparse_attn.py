@@ -603,10 +603,11 @@ def test_overlapped_io_is_refused_where_it_cannot_stage_o():
         sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", io="prefetched")
 
 
-def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_two_waves_of_tokens():
+def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_enough_waves_of_tokens():
     """io="auto" (the prefill and bf16 tiles' Hopper default) resolves per call (sa.resolve_io): overlapped with the most
-    tokens per CTA of 8, 4, 2 that leave two waves of CTAs on the GPU's SMs, where the rows are bf16; else staged with
-    the config's own tokens per CTA (kept whenever it names more than one). The kernel refuses an unresolved "auto"."""
+    tokens per CTA of 8, 4, 2 that leave 1.9 waves of CTAs on the GPU's SMs (IO_AUTO_MIN_WAVES), where the rows are
+    bf16; else staged with the config's own tokens per CTA (kept whenever it names more than one). The kernel refuses
+    an unresolved "auto"."""
 
     def resolved(tile, dims, over=None):
         cfg = tile.resolve_call(tile.with_defaults(SM90, over or {}), dims, SM90)
@@ -616,9 +617,11 @@ def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_two_waves_of_tokens()
     assert resolved(prefill, prefill.shape("prefill_s4k")) == ("overlapped", 8)  # 512 CTAs of 8: >= 2 x 132
     assert resolved(prefill, prefill.shape("prefill_s64k")) == ("overlapped", 8)
     s777 = _shape("s777", "prefill", B=1, S=777, Nc=777, Nw=777)
-    assert resolved(prefill, s777) == ("overlapped", 2)  # 8 and 4 leave fewer than 264 CTAs
-    s512 = _shape("s512", "prefill", B=1, S=512, Nc=512, Nw=512)
-    assert resolved(prefill, s512) == ("staged", 1)  # expanded, but 256 CTAs of 2 are under two waves
+    assert resolved(prefill, s777) == ("overlapped", 2)  # 8 and 4 leave fewer than 1.9 x 132 = 250.8 CTAs
+    # 256 CTAs of 2, 4 and 8 at 512, 1024 and 2048 tokens (1.94 waves: as fast or faster than the next count down, as
+    # measured); below 512 tokens the prefill gathers FP4 rows
+    for s, expected in ((500, ("staged", 1)), (512, ("overlapped", 2)), (1024, ("overlapped", 4)), (2048, ("overlapped", 8))):
+        assert resolved(prefill, _shape(f"s{s}", "prefill", B=1, S=s, Nc=s, Nw=s)) == expected, s
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"kv_staging": "gather"}) == ("staged", 1)  # FP4 rows
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"consumers": "seesaw"}) == ("staged", 1)
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"io": "staged", "tokens_per_cta": 4}) == ("staged", 4)
@@ -626,6 +629,8 @@ def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_two_waves_of_tokens()
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"tokens_per_cta": 4, "kv_staging": "gather"}) == ("staged", 4)
     bf16 = sa.BF16_TILE
     assert resolved(bf16, bf16.shape("prefill_s4k")) == ("overlapped", 8)
+    for s, expected in ((500, ("staged", 1)), (502, ("overlapped", 2))):  # 250 CTAs of 2 are under 1.9 waves, 251 not
+        assert resolved(bf16, _shape(f"s{s}", "prefill", B=1, S=s, Nc=s, Nw=s)) == expected, s
     assert resolved(bf16, bf16.shape("decode_b128_s2")) == ("staged", 1)  # 256 items
     assert resolved(bf16, bf16.shape("decode_b64_s1")) == ("staged", 1)  # two splits
     assert sa.DECODE_TILE.default_config(SM90)["io"] == "staged"

@@ -2504,12 +2504,18 @@ def resolve_kv_staging(kv_staging: str, dims: Mapping[str, int]) -> str:
 
 
 IO_AUTO_TOKENS = (8, 4, 2)  # io="auto": the most tokens per CTA that leave ...
-IO_AUTO_MIN_WAVES = 2  # ... at least this many waves of CTAs (one CTA per SM)
+IO_AUTO_MIN_WAVES = 1.9  # ... at least this many waves of CTAs (one CTA per SM): a second wave at least 90% full
 # io="auto" (the Hopper prefill default): overlapped where the call's rows are bf16 and it has enough tokens, else
 # staged. H200, one run each (results/sm90/bench/bench_sparse_attn_prefill_overlapped8.json against the default in the
 # call before): io=overlapped with 8 tokens per CTA at prefill 4K 0.7221 vs 0.7709 ms, 16K 2.9139 vs 3.0238, 64K
-# 12.1816 vs 12.7303; at 4K 2, 4 and 8 tokens per CTA all beat staged (sparse_attn_overlapped_session20.json). Calls
-# with fewer than two waves' worth of tokens at 2 per CTA (fewer than 528 on the H200) are not measured and stay staged.
+# 12.1816 vs 12.7303; at 4K 2, 4 and 8 tokens per CTA all beat staged (sparse_attn_overlapped_session20.json).
+# The wave threshold, H200, one run per tile (results/sm90/attn_prefill_lengths_{prefill,bf16}_session21.json, prompts
+# of 512-4096 tokens, every config checked first): with 1.94 waves of CTAs, i.e. 2, 4 or 8 tokens per CTA at 512, 1024
+# or 2048 tokens, the larger count was as fast or faster than the default of then (threshold 2) in both tiles: 512
+# tokens 0.1005 / 0.0984 ms against 0.1072 / 0.1058 staged; 1024 0.1877 / 0.1854 against 0.1911 / 0.1893 with 2 per
+# CTA; 2048 0.3646 / 0.3644 against 0.3594 / 0.3655 with 4 (level). With 1.45 waves it lost by 26% (768 tokens, 4 per
+# CTA: 0.1830 against 0.1455 ms) and 27% (1536, 8 per CTA). Below 1.9 waves of 2-token CTAs (fewer than 502
+# tokens on the H200) the calls stay staged.
 
 
 def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: str) -> tuple[str, int]:
@@ -3041,7 +3047,7 @@ class SparseAttnBf16(SparseAttnTile):
         if shape.phase != "decode":  # io=auto picks 8 tokens per CTA at prefill 4K: 0.7406 ms in that run
             return [({"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7517", "0.7739"))]
         return [
-            # one wave of 2-token CTAs: io=auto stays staged there (it wants two waves)
+            # one wave of 2-token CTAs: io=auto stays staged there (it wants 1.9 waves, IO_AUTO_MIN_WAVES)
             ({"io": "overlapped", "tokens_per_cta": 2, "n_split": 1}, overlapped.format("bf16 decode B=128/S=2", "0.0583", "0.0636")),
             (
                 {"io": "staged", "tokens_per_cta": 4},
