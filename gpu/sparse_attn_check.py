@@ -62,6 +62,12 @@ LABELS = {
     "seesaw": {"consumers": "seesaw"},
     "seesaw_col": {"consumers": "seesaw", "lanes": "column"},
     "seesaw_split4": {"consumers": "seesaw", "n_split": 4},
+    # the two blocks of a pair at once, the running max handed 0 -> 1 -> 0, each warpgroup's own P V from registers
+    # (FlashMLA's sparse prefill schedule); _auto: on the prefill's default staging (the expansion: bf16 rows)
+    "paired": {"consumers": "paired"},
+    "paired_split4": {"consumers": "paired", "n_split": 4},
+    "paired_auto": {"consumers": "paired", "kv_staging": "auto"},
+    "seesaw_auto": {"consumers": "seesaw", "kv_staging": "auto"},
     # the split partials of O stored and combined as bf16 (half the bytes of the fp32 partials)
     "parts_bf16": {"partials": "bf16"},
     "parts_bf16_split4": {"partials": "bf16", "n_split": 4},
@@ -165,6 +171,13 @@ CHECKS = [
     *_option_rows("seesaw", bf16=("prefill_s4k", "decode_b128_s2", "decode_b64_s1")),
     *_option_rows("seesaw_col", bf16=("prefill_s4k",)),
     ("sparse_attn_decode", "decode_b64_s1", "seesaw_split4"),  # 2-3 blocks per split: the taken last block
+    *_option_rows("paired", bf16=("prefill_s4k", "decode_b128_s2", "decode_b64_s1")),
+    ("sparse_attn_decode", "decode_b64_s1", "paired_split4"),  # 2-3 blocks per split: warpgroup 1 without a block
+    ("sparse_attn_bf16", W37S5, "paired"),  # 9 blocks per token
+    ("sparse_attn_bf16", H128, "paired"),
+    ("sparse_attn_prefill", "prefill_s4k", "paired_auto"),
+    ("sparse_attn_prefill", S777, "paired_auto"),
+    ("sparse_attn_prefill", "prefill_s4k", "seesaw_auto"),
     ("sparse_attn_decode", "decode_b64_s1", "split4"),
     ("sparse_attn_decode", "decode_b64_s1", "parts_bf16"),
     ("sparse_attn_decode", "decode_b64_s1", "parts_bf16_split4"),

@@ -174,6 +174,35 @@ def test_seesaw_consumers_compile_for_sm90(tile, shape_name, tmp_path):
     assert any("produce=batched or prefetch" in r for r in tile.search_space(SM90).violations(serial, shape, SM90))
 
 
+@pytest.mark.parametrize(
+    "tile,shape_name",
+    [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k"), (sa.BF16_TILE, "decode_b128_s2")],
+    ids=["decode", "prefill", "bf16"],
+)
+def test_paired_consumers_compile_for_sm90(tile, shape_name, tmp_path):
+    """consumers=paired (FlashMLA's sparse prefill schedule; GPU checks in GPU_CASES): each warpgroup computes a whole
+    64 x 64 S of its own block, adds its own block to its half of O by an RS wgmma from its P fragment and the other's
+    block by an SS wgmma from the other's P tile, hands the running max over in both directions, and fits: ptxas
+    without spills; refused with the serial producer and the fused combine."""
+    shape = tile.shape(shape_name)
+    config = tile.with_defaults(SM90, {"consumers": "paired"})
+    space = tile.search_space(SM90)
+    assert space.violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    full_s = re.findall(r"wgmma_ss<[^>]*, 64, 64, 16,[^>]*>\([^;]*\(\(uint32_t\*\)\((__\d+) \+ 0\)\)", src)
+    assert len(set(full_s)) == 2, "each warpgroup computes a 64 x 64 block of S in its own fragment"
+    own_pv = re.findall(r"wgmma_rs<[^>]*, 64, 256, 16,[^>]*>\(reinterpret_cast<const uint32_t\*>\((P[01]_frag) \+", src)
+    assert sorted(set(own_pv)) == ["P0_frag", "P1_frag"], "each warpgroup's own P V from its P fragment"
+    assert len(re.findall(r"wgmma_ss<[^>]*, 64, 256, 16,", src)) == 2, "each takes the other's block from shared memory"
+    assert "bar_m0" in src and "bar_m1" in src and "handed_shared" in src
+    assert src.count(f"tl::warpgroup_reg_alloc<{sa.PAIRED_NREG}>();") == 2
+    assert f"tl::warpgroup_reg_dealloc<{504 - 2 * sa.PAIRED_NREG}>();" in src
+    log = ptxas_log(src, tmp_path, ptxas_options=(f"--register-usage-level={config['ptxas_level']}",))
+    assert parse_resource_usage(log)[1] == 0, "no spills"
+    for bad, why in (({"produce": "serial"}, "produce=batched or prefetch"), ({"combine": "fused", "n_split": 2}, "combine=fused")):
+        assert any(why in r for r in space.violations({**config, **bad}, shape, SM90)), bad
+
+
 def test_bf16_partials_compile_for_sm90():
     """partials=bf16 (GPU checks in GPU_CASES): the split CTAs store their partial O as bf16 in 16-byte vectors through
     the freed Q halves (fp32 partials: 8-byte fragment stores), the combine kernel reads bf16; refused where it is not
@@ -906,6 +935,17 @@ GPU_CASES = [
     (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "seesaw", "lanes": "column"}),
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "seesaw"}),
     (sa.BF16_TILE, "decode_b64_s1", {"consumers": "seesaw"}),
+    # consumers=paired: the two blocks of a pair at once (even and odd block counts per split, warpgroup 1 without a
+    # block in the last pair, one block per split, 32-row blocks with io=direct, the prefetch producer, bf16 KV)
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "paired"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "paired", "n_split": 4}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "paired", "n_split": 8}),
+    (sa.DECODE_TILE, "decode_b64_s1", {"consumers": "paired", "block_I": 32, "io": "direct"}),
+    (sa.DECODE_TILE, "decode_b128_s2", {"consumers": "paired", "produce": "prefetch"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired", "kv_staging": "gather", "lanes": "column"}),
+    (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired"}),
+    (sa.BF16_TILE, "decode_b128_s2", {"consumers": "paired", "unused_rows": "zeros"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     # the Ada default's layout (32 heads over 4 warps: the softmax reduces across warps through a shared workspace
@@ -1061,12 +1101,14 @@ def test_bf16_partials_odd_shapes(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
-def test_seesaw_consumers_odd_shapes(tile, shape):
-    """Whole blocks in turn with partial blocks (W=37, K=100: -1 rows), odd block counts (the last block taken after
-    the loop), H=128 (two head blocks per token) and odd S."""
+@pytest.mark.parametrize("consumers", ["seesaw", "paired"])
+def test_seesaw_consumers_odd_shapes(tile, shape, consumers):
+    """Whole blocks in turn (seesaw) or in pairs (paired) with partial blocks (W=37, K=100: -1 rows), odd block counts
+    (seesaw: the last block taken after the loop; paired: warpgroup 1 without a block in the last pair), H=128 (two
+    head blocks per token) and odd S."""
     if tile is sa.DECODE_TILE and shape.phase == "prefill":
         tile = sa.PREFILL_TILE
-    _check(tile, shape, {"consumers": "seesaw"})
+    _check(tile, shape, {"consumers": consumers})
 
 
 @pytest.mark.gpu

@@ -607,6 +607,10 @@ def _sparse_attn_ws(
       other, but each warpgroup's QK^T of its next block runs on the tensor cores under the other's softmax, and
       both do the same work (warpgroup 1 no longer idles through QK^T and the softmax). Each keeps the row sum of
       its own blocks; the two meet once at the end. See :func:`_ws_seesaw_consumer`.
+    * ``paired`` (FlashMLA's sparse prefill schedule): the warpgroups take the two blocks of a pair at once (block
+      2 k + w in buffer w), so both QK^T run together; warpgroup 0's softmax hands its new max to warpgroup 1, whose
+      max is the pair's and goes back; each adds its own block by an RS wgmma from its P registers and the other's
+      from shared memory. See :func:`_ws_paired_consumer`.
 
     ``wg1_rows`` (0 or 16, FP4 with the batched producer and ``wg0_scores``): rows of each main block that consumer
     warpgroup 1 gathers and dequantises itself. In Nsight Compute (prefill 4K, io=staged; results/sm90/ncu_roles_*)
@@ -683,6 +687,7 @@ def _sparse_attn_ws(
     balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
     seesaw = consumers == "seesaw"  # the consumer warpgroups take whole blocks in turn (both compute S)
+    paired = consumers == "paired"  # ... the two blocks of a pair at once (both compute S)
     batched = produce in ("batched", "prefetch")
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
@@ -725,7 +730,7 @@ def _sparse_attn_ws(
             m_i = T.alloc_fragment([HB], f32)
             m_i_prev = T.alloc_fragment([HB], f32)
             row_local = T.alloc_local([1], "int32")
-            if balanced or seesaw:
+            if balanced or seesaw or paired:
                 # warpgroup 1's scores and softmax state (warpgroup 0 uses acc_s, m_i, ...): a fragment's layout
                 # belongs to one thread range
                 acc_s1 = T.alloc_fragment([HB, BI // 2 if balanced else BI], f32)
@@ -736,9 +741,12 @@ def _sparse_attn_ws(
                 m_i_prev1 = T.alloc_fragment([HB], f32)
                 rowmax_shared = T.alloc_shared([2, HB], f32, scope="shared")  # each warpgroup's row max of the block
                 rowsum_shared = T.alloc_shared([2, HB], f32, scope="shared")  # each warpgroup's partial row sums
-            if seesaw:
+            if seesaw or paired:
                 P1_shared = T.alloc_shared([HB, BI], bf16)  # warpgroup 1's P (warpgroup 0's goes to S_shared)
                 handed_shared = T.alloc_shared([2, 2, HB], f32, scope="shared")  # per warpgroup: its block's rescale, new max
+            if paired:  # each warpgroup's P in registers, the A operand of its own P V
+                P0_frag = T.alloc_fragment([HB, BI], bf16)
+                P1_frag = T.alloc_fragment([HB, BI], bf16)
             if batched:
                 rows_cur = T.alloc_local([BI // ROWS], "int32")  # this thread's rows of the block being filled
                 rows_next = T.alloc_local([BI // ROWS], "int32")  # ... and of the next one, fetched early
@@ -763,11 +771,14 @@ def _sparse_attn_ws(
             if balanced:
                 bar_max = T.alloc_barrier(arrive_count=256)  # both warpgroups' block row maxima are in rowmax_shared
                 bar_p = T.alloc_barrier(arrive_count=256)  # both halves of P are in S_shared
-            if seesaw:
+            if seesaw or paired:
                 bar_p0 = T.alloc_barrier(arrive_count=128)  # warpgroup 0's P, rescale and max are in shared memory
                 bar_p1 = T.alloc_barrier(arrive_count=128)  # warpgroup 1's
                 bar_p0_free = T.alloc_barrier(arrive_count=128)  # warpgroup 1 is done with warpgroup 0's P (its P V completed)
                 bar_p1_free = T.alloc_barrier(arrive_count=128)  # warpgroup 0 is done with warpgroup 1's
+            if paired:
+                bar_m0 = T.alloc_barrier(arrive_count=128)  # warpgroup 0's new running max is in handed_shared
+                bar_m1 = T.alloc_barrier(arrive_count=128)  # warpgroup 1's (the pair's)
             if fused:  # see _ws_fused_combine
                 comb_shared = T.alloc_shared([2, NS + 2, HB], f32, scope="shared")  # per warpgroup: weights, max, denominator
                 last_shared = T.alloc_shared([1], "int32", scope="shared")  # the counter's old value: NS - 1 in the last CTA
@@ -830,7 +841,7 @@ def _sparse_attn_ws(
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
                 pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
                 balanced_args = (pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse)
-            if seesaw:  # what both seesaw consumer warpgroups share
+            if seesaw or paired:  # what both seesaw (paired) consumer warpgroups share
                 see = _WsSeesaw(
                     Q,
                     Q_l,
@@ -845,11 +856,16 @@ def _sparse_attn_ws(
                     (bar_p0, bar_p1),
                     (bar_p0_free, bar_p1_free),
                     bar_final,
+                    (bar_m0, bar_m1) if paired else None,
                 )
                 seesaw_args = (see, bufs, b_i, s_i, h0, bz, n_blk, -(-NB // NS), HB, BI, D2, NS, scale2, io)
 
             if tx < 128:
-                if seesaw:
+                if paired:
+                    T.set_max_nreg(PAIRED_NREG, 1)
+                    half0 = _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev)
+                    _ws_paired_consumer(half0, see, P0_frag, *seesaw_args[1:])
+                elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
                     _ws_seesaw_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *seesaw_args)
                 elif balanced:
@@ -867,7 +883,11 @@ def _sparse_attn_ws(
                             if bx * TPC + j < S * REP:
                                 _ws_wg0_token(cta, sm, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif tx < 256:
-                if seesaw:
+                if paired:
+                    T.set_max_nreg(PAIRED_NREG, 1)
+                    half1 = _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1)
+                    _ws_paired_consumer(half1, see, P1_frag, *seesaw_args[1:])
+                elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
                     _ws_seesaw_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *seesaw_args)
                 elif balanced:
@@ -892,7 +912,8 @@ def _sparse_attn_ws(
             elif batched:
                 # 240 + 168 + 96 (balanced: 200 + 200 + 104; seesaw: 2 x SEESAW_NREG + the rest) = 504 registers per
                 # thread slot: what the 384-thread launch allocates (168 x 3)
-                T.set_max_nreg(504 - 2 * BALANCED_NREG if balanced else (504 - 2 * SEESAW_NREG if seesaw else 96), 0)
+                consumer_nreg = {"balanced": BALANCED_NREG, "balanced_overlap": BALANCED_NREG, "seesaw": SEESAW_NREG, "paired": PAIRED_NREG}
+                T.set_max_nreg(504 - 2 * consumer_nreg[consumers] if consumers in consumer_nreg else 96, 0)
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
@@ -1124,7 +1145,7 @@ class _WsPair(NamedTuple):
 def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse):
     """Consumer warpgroup ``half.w`` under ``consumers="balanced"`` (or ``"balanced_overlap"``: ``overlap``): Q load,
     the block loop, the sink and the O store (``fuse``: the fused combine's :class:`_WsFuse`, else None)."""
-    w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
+    w, Q_own, _, acc_o, sumexp, _, _, m_i, _ = half
     Q, Sink, Out, LsePart = pair.Q, pair.Sink, pair.Out, pair.LsePart
     if io == "staged":
         T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
@@ -1141,13 +1162,22 @@ def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2,
             _ws_balanced_step(half, pair, bufs[1], bufs[0], it, HB, BI // 2, D2, scale2, overlap)
     if overlap:  # the last block's P V is still in flight
         T.wait_wgmma(0)
-    # the two partial row sums meet; past this barrier both warpgroups' last QK^T is done, so Q is free
+    _ws_halves_epilogue(half, pair.rowsum_shared, pair.bar_final, Sink, Out, LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, fuse)
+
+
+@T.macro
+def _ws_halves_epilogue(half, rowsum_shared, bar_final, Sink, Out, LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, fuse=None):
+    """The end of a token for the consumer schedules whose warpgroups each keep a partial row sum under one shared
+    running max (``balanced``, ``seesaw``, ``paired``): the two sums meet (past this barrier both warpgroups' last
+    QK^T is done, so Q is free), then the sink, the final scale and this warpgroup's half of O (or the split's
+    partial), staged through its Q half with ``io="staged"``; ``fuse``: the fused combine's (balanced only)."""
+    w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
     for h in T.Parallel(HB):
-        pair.rowsum_shared[w, h] = sumexp[h]
-    T.barrier_arrive(pair.bar_final)
-    T.barrier_wait(pair.bar_final, 0)
+        rowsum_shared[w, h] = sumexp[h]
+    T.barrier_arrive(bar_final)
+    T.barrier_wait(bar_final, 0)
     for h in T.Parallel(HB):
-        sumexp[h] = pair.rowsum_shared[0, h] + pair.rowsum_shared[1, h]  # the same order in both warpgroups
+        sumexp[h] = rowsum_shared[0, h] + rowsum_shared[1, h]  # the same order in both warpgroups
     if NS == 1:
         for h in T.Parallel(HB):  # alpha: first M = max(m, sink) (no overflow for a large sink), then the final scale
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -1246,6 +1276,7 @@ class _WsSeesaw(NamedTuple):
     bar_p: Any  # (warpgroup 0's, warpgroup 1's) P, rescale and max handed over: 128 arrivals
     bar_p_free: Any  # (for warpgroup 0's P, for warpgroup 1's) the other's P V with it completed: 128 arrivals
     bar_final: Any
+    bar_m: Any = None  # consumers="paired": (warpgroup 0's, warpgroup 1's) new running max handed over: 128 arrivals
 
 
 @T.macro
@@ -1332,35 +1363,96 @@ def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, B
             T.wait_wgmma(0)
             T.barrier_arrive(other.free)
             T.barrier_arrive(see.bar_p_free[1 - w])
-    # the two partial row sums meet; past this barrier both warpgroups' last QK^T is done, so Q is free
-    for h in T.Parallel(HB):
-        see.rowsum_shared[w, h] = sumexp[h]
-    T.barrier_arrive(see.bar_final)
-    T.barrier_wait(see.bar_final, 0)
-    for h in T.Parallel(HB):
-        sumexp[h] = see.rowsum_shared[0, h] + see.rowsum_shared[1, h]  # the same order in both warpgroups
-    if NS == 1:
-        for h in T.Parallel(HB):  # alpha: first M = max(m, sink) (no overflow for a large sink), then the final scale
-            alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
-            sumexp_i[h] = sumexp[h] * T.exp2(m_i[h] * scale2 - alpha[h]) + T.exp2(Sink[h0 + h] * LOG2E - alpha[h])
-            alpha[h] = T.if_then_else(sumexp_i[h] > 0, T.exp2(m_i[h] * scale2 - alpha[h]) / sumexp_i[h], 0.0)
-    else:
-        for h in T.Parallel(HB):
-            alpha[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
-        if w == 0:
+    _ws_halves_epilogue(half, see.rowsum_shared, see.bar_final, Sink, Out, LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io)
+
+
+PAIRED_NREG = 208  # per consumer thread under consumers="paired": O half (128) + S (32) + P in bf16 (16) + softmax + addresses
+
+
+@T.macro
+def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io):
+    """Consumer warpgroup ``half.w`` under ``consumers="paired"`` (FlashMLA's sparse prefill schedule): the two
+    warpgroups take the two blocks of a pair at once, warpgroup w block g = 2 k + w (in buffer w). ``P_own``: its
+    [HB, BI] bf16 register fragment of P, the A operand of its own P V.
+
+    Per pair k: both compute S = Q K^T of their block at the same time. Warpgroup 0's softmax runs from its own running
+    max and hands the new max m0 to warpgroup 1, whose softmax runs from m0: m1 = max(m0, its block's) is the pair's
+    max. Each rescales its half of O by its own step (old max -> its new max) and issues its own P V from registers.
+    Warpgroup 0 then takes m1, brings its P, O and row sum to it (one factor per row), and stores P for warpgroup 1;
+    warpgroup 1 stores its P (already at m1). Each adds the other's block to its half of O from shared memory, then
+    releases it. A buffer is free once its owner's own P V and the other's P V of it completed (256 arrivals, as
+    for the other schedules). In the last pair of an odd block count warpgroup 1 has no block: it takes m0 as m1,
+    scores nothing and stores a zero P that nobody reads. Each keeps the row sum of its own blocks (at the same max);
+    they meet at the end (:func:`_ws_halves_epilogue`)."""
+    w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
+    own, other = bufs[w], bufs[1 - w]
+    if io == "staged":
+        T.copy(see.Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
+        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
+        T.barrier_arrive(see.bar_q)
+    T.fill(sumexp, 0)
+    T.fill(m_i, -(2**30))
+    T.fill(acc_o, 0)
+    T.barrier_wait(see.bar_q, 0)
+    # A static trip count and a guard, as in _ws_seesaw_consumer (TileLang 0.1.15 unrolls a trip count of 0 or 1).
+    for k in T.serial((max_blk + 1) // 2):
+        if 2 * k < n_blk:
+            mine = 2 * k + w < n_blk  # warpgroup 1 has no block in the last pair of an odd count
+            if mine:
+                T.barrier_wait(own.ready, k & 1)
+                for h, bi in T.Parallel(HB, BI):
+                    acc_s[h, bi] = T.if_then_else(own.valid[bi], 0, -T.infinity("float32"))
+                T.wgmma_gemm(see.Q_l, own.KV_l, acc_s, transpose_B=True)
+                T.wgmma_gemm(see.Q_r, own.KV_r, acc_s, transpose_B=True)
+                T.wait_wgmma(0)
+            else:
+                T.fill(acc_s, -T.infinity("float32"))
+            T.copy(m_i, m_i_prev)
+            if w == 1:  # start from warpgroup 0's new max (>= this warpgroup's old one: both end each pair at m1)
+                T.barrier_wait(see.bar_m[0], k & 1)
+                for h in T.Parallel(HB):
+                    m_i[h] = see.handed[0, 1, h]
+            T.reduce_max(acc_s, m_i, dim=1, clear=False)
             for h in T.Parallel(HB):
-                LsePart[b_i, s_i, bz, h0 + h] = T.if_then_else(
-                    sumexp[h] > 0, T.log2(T.max(sumexp[h], 1e-30)) + m_i[h] * scale2, -T.infinity("float32")
-                )
-    for h, d in T.Parallel(HB, D2):
-        acc_o[h, d] = acc_o[h, d] * alpha[h]
-    if NS == 1 and io == "staged":
-        T.copy(acc_o, Q_own)
-        T.copy(Q_own, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
-    elif NS == 1:
-        T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
-    else:
-        T.copy(acc_o, Out[b_i, s_i, bz, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+                alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
+            for h, bi in T.Parallel(HB, BI):
+                acc_s[h, bi] = T.exp2(acc_s[h, bi] * scale2 - m_i[h] * scale2)
+            T.reduce_sum(acc_s, sumexp_i, dim=1)
+            for h in T.Parallel(HB):
+                sumexp[h] = sumexp[h] * alpha[h] + sumexp_i[h]
+                see.handed[w, 1, h] = m_i[h]
+            T.barrier_arrive(see.bar_m[w])
+            for h, d in T.Parallel(HB, D2):
+                acc_o[h, d] = acc_o[h, d] * alpha[h]
+            T.copy(acc_s, P_own)
+            if mine:
+                T.wgmma_gemm(P_own, own.KV_l if w == 0 else own.KV_r, acc_o)  # its own block, P from registers
+            if w == 0:
+                T.barrier_wait(see.bar_m[1], k & 1)
+                for h in T.Parallel(HB):
+                    alpha[h] = T.exp2((m_i[h] - see.handed[1, 1, h]) * scale2)  # m0 -> m1
+                    m_i[h] = see.handed[1, 1, h]
+                    sumexp[h] = sumexp[h] * alpha[h]
+                for h, bi in T.Parallel(HB, BI):
+                    acc_s[h, bi] = acc_s[h, bi] * alpha[h]
+            if k > 0:  # the other's P V with this warpgroup's previous P is done
+                T.barrier_wait(see.bar_p_free[w], (k - 1) & 1)
+            T.copy(acc_s, see.P[w])
+            T.fence_proxy_async()  # P goes to the other warpgroup's wgmma (async proxy)
+            T.barrier_arrive(see.bar_p[w])
+            if mine:
+                T.wait_wgmma(0)
+                T.barrier_arrive(own.free)
+            if w == 0:
+                for h, d in T.Parallel(HB, D2):
+                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+            if 2 * k + 1 - w < n_blk:  # the other's block of this pair
+                T.barrier_wait(see.bar_p[1 - w], k & 1)
+                T.wgmma_gemm(see.P[1 - w], other.KV_l if w == 0 else other.KV_r, acc_o)
+                T.wait_wgmma(0)
+                T.barrier_arrive(other.free)
+                T.barrier_arrive(see.bar_p_free[1 - w])
+    _ws_halves_epilogue(half, see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io)
 
 
 class _WsCta(NamedTuple):
@@ -2548,7 +2640,7 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     q = hb * d * 2
     s = hb * bi * 2
     if config["schedule"] == "ws":
-        seesaw = config.get("consumers") == "seesaw"  # a second P tile, the hand-over values and the row sums (fp32)
+        seesaw = config.get("consumers") in ("seesaw", "paired")  # a second P tile, the hand-over values and the row sums (fp32)
         return q + 2 * bi * d * 2 + s * (2 if seesaw else 1) + 2 * bi + 8 * hb + (24 * hb if seesaw else 0)
     stages = max(1, config["num_stages"])
     kv = bi * d * 2 * stages
@@ -2663,9 +2755,9 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "lanes=column maps the ws producer warpgroup's lanes: schedule=ws"
         if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
             return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
-        if c.get("consumers", "wg0_scores") == "seesaw" and c.get("produce", "serial") not in ("batched", "prefetch"):
+        if c.get("consumers", "wg0_scores") in ("seesaw", "paired") and c.get("produce", "serial") not in ("batched", "prefetch"):
             # the serial producer's fixed 80 registers and the seesaw consumers' 2 x SEESAW_NREG are not balanced
-            return "consumers=seesaw is built with the batched producer: produce=batched or prefetch"
+            return f"consumers={c['consumers']} is built with the batched producer: produce=batched or prefetch"
         if c.get("io", "direct") in ("staged", "auto") and c["schedule"] != "ws":
             return f"io={c['io']} splits the Q load between the ws consumer warpgroups: schedule=ws"
         if c.get("produce", "serial") == "prefetch" and kv_format != "fp4":
@@ -2704,8 +2796,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         if int(c.get("wg1_rows", 0)):
             # warpgroup 1 then holds producer registers besides its accumulator: ptxas spills ~500 bytes
             return "combine=fused with wg1_rows spills in consumer warpgroup 1 (ptxas): wg1_rows=0"
-        if c.get("consumers", "wg0_scores") == "seesaw":
-            return "combine=fused is not built into the seesaw consumers: combine=separate"
+        if c.get("consumers", "wg0_scores") in ("seesaw", "paired"):
+            return f"combine=fused is not built into the {c['consumers']} consumers: combine=separate"
         n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
         return None if n_split > 1 else "combine=fused merges split partials: n_split resolves to 1 here, nothing to combine"
 
@@ -2749,11 +2841,13 @@ class SparseAttnTile(Tile):
             ),
             Param(
                 "consumers",
-                ("wg0_scores", "balanced", "balanced_overlap", "seesaw"),
+                ("wg0_scores", "balanced", "balanced_overlap", "seesaw", "paired"),
                 "ws consumer split: warpgroup 0 computes all of S and the softmax (both then compute half of O), or each "
                 "warpgroup half of S's rows and its softmax with the row max exchanged through shared memory (overlap: "
                 "P V left in flight under the next block's QK^T), or whole blocks in turn with P, the rescale and the "
-                "running max handed over (seesaw: one warpgroup's QK^T under the other's softmax)",
+                "running max handed over (seesaw: one warpgroup's QK^T under the other's softmax), or the two blocks "
+                "of a pair at once, the max handed from warpgroup 0 to 1 and back, each warpgroup's own P V from "
+                "registers (paired: FlashMLA's sparse prefill schedule)",
             ),
             Param(
                 "tokens_per_cta",
