@@ -68,6 +68,10 @@ LABELS = {
     "paired_split4": {"consumers": "paired", "n_split": 4},
     "paired_auto": {"consumers": "paired", "kv_staging": "auto"},
     "seesaw_auto": {"consumers": "seesaw", "kv_staging": "auto"},
+    # paired with each KV buffer handed over in halves (FlashMLA's order; bf16 rows: the bf16 tile, or _auto)
+    "halves": {"consumers": "paired_halves"},
+    "halves_split4": {"consumers": "paired_halves", "n_split": 4},
+    "halves_auto": {"consumers": "paired_halves", "kv_staging": "auto"},
     # the split partials of O stored and combined as bf16 (half the bytes of the fp32 partials)
     "parts_bf16": {"partials": "bf16"},
     "parts_bf16_split4": {"partials": "bf16", "n_split": 4},
@@ -178,6 +182,15 @@ CHECKS = [
     ("sparse_attn_prefill", "prefill_s4k", "paired_auto"),
     ("sparse_attn_prefill", S777, "paired_auto"),
     ("sparse_attn_prefill", "prefill_s4k", "seesaw_auto"),
+    ("sparse_attn_bf16", "prefill_s4k", "halves"),
+    ("sparse_attn_bf16", "decode_b128_s2", "halves"),
+    ("sparse_attn_bf16", "decode_b64_s1", "halves"),
+    ("sparse_attn_bf16", "decode_b64_s1", "halves_split4"),  # 2-3 blocks per split: warpgroup 1 without a block
+    ("sparse_attn_bf16", W37S5, "halves"),  # 9 blocks per token
+    ("sparse_attn_bf16", H128, "halves"),
+    ("sparse_attn_bf16", S777, "halves"),
+    ("sparse_attn_prefill", "prefill_s4k", "halves_auto"),
+    ("sparse_attn_prefill", S777, "halves_auto"),
     ("sparse_attn_decode", "decode_b64_s1", "split4"),
     ("sparse_attn_decode", "decode_b64_s1", "parts_bf16"),
     ("sparse_attn_decode", "decode_b64_s1", "parts_bf16_split4"),

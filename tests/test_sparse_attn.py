@@ -203,6 +203,40 @@ def test_paired_consumers_compile_for_sm90(tile, shape_name, tmp_path):
         assert any(why in r for r in space.violations({**config, **bad}, shape, SM90)), bad
 
 
+def test_paired_halves_hand_each_buffer_over_in_halves():
+    """consumers=paired_halves: four more barriers (each buffer's right half ready and free, one warpgroup freeing
+    each half); the producer fills the halves in FlashMLA's order (buffer 0 left, buffer 1 right, buffer 0 right,
+    buffer 1 left) and each warpgroup's QK^T waits first for its own half; refused on FP4 rows, with the serial
+    producer, several tokens per CTA and the timing ablations (which hand whole buffers over)."""
+    tile, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
+    config = tile.with_defaults(SM90, {"consumers": "paired_halves"})
+    space = tile.search_space(SM90)
+    assert space.violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    for name in ("bar_k0r_ready", "bar_k1r_ready", "bar_k0r_free", "bar_k1r_free"):
+        assert f"{name}[0].init(128)" in src or re.search(rf"{name}\[0\]\.init\(128\)", src), name
+    fills = re.findall(r"mbarrier_cp_async_arrive_noinc\((bar_k[01]r?_ready)\[0\]\)", src)
+    assert fills == ["bar_k0_ready", "bar_k1r_ready", "bar_k0r_ready", "bar_k1_ready"], fills
+    waits = re.findall(r"(bar_k[01]r?_ready)\[0\]\.wait", src)
+    assert waits[:2] == ["bar_k0_ready", "bar_k0r_ready"] and waits[2:4] == ["bar_k1r_ready", "bar_k1_ready"], waits
+    prefill = sa.PREFILL_TILE
+    assert space.violations(config, prefill.shape("prefill_s4k"), SM90) == []  # expanded: bf16 rows
+    refusals = (
+        (prefill, {"kv_staging": "gather"}),
+        (tile, {"produce": "serial"}),
+        (tile, {"tokens_per_cta": 2}),
+    )
+    for t, over in refusals:
+        why = t.search_space(SM90).violations(
+            {**t.with_defaults(SM90, {"consumers": "paired_halves"}), **over}, t.shape("prefill_s4k"), SM90
+        )
+        assert why, over
+    with pytest.raises(ValueError, match="paired_halves"):
+        sa.sparse_attn_kernel(
+            64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", consumers="paired_halves", ablate="producer_idle"
+        )
+
+
 def test_bf16_partials_compile_for_sm90():
     """partials=bf16 (GPU checks in GPU_CASES): the split CTAs store their partial O as bf16 in 16-byte vectors through
     the freed Q halves (fp32 partials: 8-byte fragment stores), the combine kernel reads bf16; refused where it is not
@@ -946,6 +980,12 @@ GPU_CASES = [
     (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired", "kv_staging": "gather", "lanes": "column"}),
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired"}),
     (sa.BF16_TILE, "decode_b128_s2", {"consumers": "paired", "unused_rows": "zeros"}),
+    # consumers=paired_halves: each KV buffer handed over in halves (bf16 rows; odd counts and short splits)
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves"}),
+    (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves"}),
+    (sa.BF16_TILE, "decode_b128_s2", {"consumers": "paired_halves", "n_split": 4}),
+    (sa.BF16_TILE, "decode_b64_s1", {"consumers": "paired_halves", "n_split": 8}),
+    (sa.BF16_TILE, "decode_b64_s1", {"consumers": "paired_halves", "unused_rows": "zeros"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     # the Ada default's layout (32 heads over 4 warps: the softmax reduces across warps through a shared workspace
@@ -1101,13 +1141,15 @@ def test_bf16_partials_odd_shapes(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
-@pytest.mark.parametrize("consumers", ["seesaw", "paired"])
+@pytest.mark.parametrize("consumers", ["seesaw", "paired", "paired_halves"])
 def test_seesaw_consumers_odd_shapes(tile, shape, consumers):
     """Whole blocks in turn (seesaw) or in pairs (paired) with partial blocks (W=37, K=100: -1 rows), odd block counts
     (seesaw: the last block taken after the loop; paired: warpgroup 1 without a block in the last pair), H=128 (two
     head blocks per token) and odd S."""
     if tile is sa.DECODE_TILE and shape.phase == "prefill":
         tile = sa.PREFILL_TILE
+    if consumers == "paired_halves" and tile is not sa.BF16_TILE:
+        pytest.skip("paired_halves hands bf16 rows over: the bf16 tile's odd shapes cover it")
     _check(tile, shape, {"consumers": consumers})
 
 

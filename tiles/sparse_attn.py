@@ -270,6 +270,8 @@ def sparse_attn_kernel(
         why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, ablate)
     ):
         raise ValueError(why)
+    if consumers == "paired_halves" and (why := _halves_refusal(schedule, produce, tokens_per_cta, kv_format, ablate)):
+        raise ValueError(why)
     # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are
     if ablate and (
         ablate not in ABLATIONS
@@ -687,7 +689,8 @@ def _sparse_attn_ws(
     balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
     seesaw = consumers == "seesaw"  # the consumer warpgroups take whole blocks in turn (both compute S)
-    paired = consumers == "paired"  # ... the two blocks of a pair at once (both compute S)
+    paired = consumers in ("paired", "paired_halves")  # ... the two blocks of a pair at once (both compute S)
+    halves = consumers == "paired_halves"  # ... each KV buffer handed over in halves (bf16 rows)
     batched = produce in ("batched", "prefetch")
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
@@ -763,8 +766,16 @@ def _sparse_attn_ws(
             bar_q = T.alloc_barrier(arrive_count=384 if io == "direct" else 256)
             bar_k0_ready = T.alloc_barrier(arrive_count=256 if helped else 128)  # the producer (and warpgroup 1)
             bar_k1_ready = T.alloc_barrier(arrive_count=256 if helped else 128)
-            bar_k0_free = T.alloc_barrier(arrive_count=256)
-            bar_k1_free = T.alloc_barrier(arrive_count=256)
+            # paired_halves: the left halves' barriers (the right halves' below); one consumer warpgroup frees a half
+            bar_k0_free = T.alloc_barrier(arrive_count=128 if halves else 256)
+            bar_k1_free = T.alloc_barrier(arrive_count=128 if halves else 256)
+            if halves:
+                bar_k0r_ready = T.alloc_barrier(arrive_count=128)
+                bar_k1r_ready = T.alloc_barrier(arrive_count=128)
+                bar_k0r_free = T.alloc_barrier(arrive_count=128)
+                bar_k1r_free = T.alloc_barrier(arrive_count=128)
+                rows_pair = T.alloc_local([BI // ROWS], "int32")  # the producer's rows of the next pair's first block
+                rows_pair_next = T.alloc_local([BI // ROWS], "int32")  # ... and of its second
             bar_s_ready = T.alloc_barrier(arrive_count=256)
             bar_s_free = T.alloc_barrier(arrive_count=256)
             bar_final = T.alloc_barrier(arrive_count=256)
@@ -786,8 +797,8 @@ def _sparse_attn_ws(
                 bar_last = T.alloc_barrier(arrive_count=1)  # thread 0 has counted the CTA's arrival
             # the two KV buffers, used in turn: block it goes to buffer it % 2
             bufs = (
-                _WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free),
-                _WsBuffer(KV1_l, KV1_r, valid1, bar_k1_ready, bar_k1_free),
+                _WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free, *((bar_k0r_ready, bar_k0r_free) if halves else ())),
+                _WsBuffer(KV1_l, KV1_r, valid1, bar_k1_ready, bar_k1_free, *((bar_k1r_ready, bar_k1r_free) if halves else ())),
             )
 
             b_i, s_i = by, bx // REP
@@ -864,7 +875,7 @@ def _sparse_attn_ws(
                 if paired:
                     T.set_max_nreg(PAIRED_NREG, 1)
                     half0 = _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev)
-                    _ws_paired_consumer(half0, see, P0_frag, *seesaw_args[1:])
+                    _ws_paired_consumer(half0, see, P0_frag, *seesaw_args[1:], halves)
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
                     _ws_seesaw_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *seesaw_args)
@@ -886,7 +897,7 @@ def _sparse_attn_ws(
                 if paired:
                     T.set_max_nreg(PAIRED_NREG, 1)
                     half1 = _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1)
-                    _ws_paired_consumer(half1, see, P1_frag, *seesaw_args[1:])
+                    _ws_paired_consumer(half1, see, P1_frag, *seesaw_args[1:], halves)
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
                     _ws_seesaw_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *seesaw_args)
@@ -912,7 +923,8 @@ def _sparse_attn_ws(
             elif batched:
                 # 240 + 168 + 96 (balanced: 200 + 200 + 104; seesaw: 2 x SEESAW_NREG + the rest) = 504 registers per
                 # thread slot: what the 384-thread launch allocates (168 x 3)
-                consumer_nreg = {"balanced": BALANCED_NREG, "balanced_overlap": BALANCED_NREG, "seesaw": SEESAW_NREG, "paired": PAIRED_NREG}
+                consumer_nreg = {"balanced": BALANCED_NREG, "balanced_overlap": BALANCED_NREG, "seesaw": SEESAW_NREG}
+                consumer_nreg.update(paired=PAIRED_NREG, paired_halves=PAIRED_NREG)
                 T.set_max_nreg(504 - 2 * consumer_nreg[consumers] if consumers in consumer_nreg else 96, 0)
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
@@ -969,6 +981,9 @@ def _sparse_attn_ws(
                             _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, lo + it, p, fp4, main_passes)
                         else:
                             _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, lo + it, p, fp4, main_passes)
+                elif TPC == 1 and halves:
+                    pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
+                    _ws_produce_halves(src, dims, bufs, pair_rows, b_i, s_i, lo, n_blk, -(-NB // NS), p)
                 elif TPC == 1:
                     for it in T.serial(n_blk):
                         blk = lo + it
@@ -1370,7 +1385,7 @@ PAIRED_NREG = 208  # per consumer thread under consumers="paired": O half (128) 
 
 
 @T.macro
-def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io):
+def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io, halves=False):
     """Consumer warpgroup ``half.w`` under ``consumers="paired"`` (FlashMLA's sparse prefill schedule): the two
     warpgroups take the two blocks of a pair at once, warpgroup w block g = 2 k + w (in buffer w). ``P_own``: its
     [HB, BI] bf16 register fragment of P, the A operand of its own P V.
@@ -1383,7 +1398,13 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
     releases it. A buffer is free once its owner's own P V and the other's P V of it completed (256 arrivals, as
     for the other schedules). In the last pair of an odd block count warpgroup 1 has no block: it takes m0 as m1,
     scores nothing and stores a zero P that nobody reads. Each keeps the row sum of its own blocks (at the same max);
-    they meet at the end (:func:`_ws_halves_epilogue`)."""
+    they meet at the end (:func:`_ws_halves_epilogue`).
+
+    ``halves`` (consumers="paired_halves"): each half of a KV buffer is handed over on its own barriers
+    (:func:`_ws_produce_halves`). Warpgroup w's own half (the one its P V reads: left for 0, right for 1) has two
+    readers, its QK^T and its own P V, and warpgroup w frees it right after that P V; the other half is read last by
+    the other warpgroup's P V, which frees it. Each warpgroup's QK^T starts on its own half, which the producer
+    refills first."""
     w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
     own, other = bufs[w], bufs[1 - w]
     if io == "staged":
@@ -1399,11 +1420,20 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
         if 2 * k < n_blk:
             mine = 2 * k + w < n_blk  # warpgroup 1 has no block in the last pair of an odd count
             if mine:
-                T.barrier_wait(own.ready, k & 1)
-                for h, bi in T.Parallel(HB, BI):
-                    acc_s[h, bi] = T.if_then_else(own.valid[bi], 0, -T.infinity("float32"))
-                T.wgmma_gemm(see.Q_l, own.KV_l, acc_s, transpose_B=True)
-                T.wgmma_gemm(see.Q_r, own.KV_r, acc_s, transpose_B=True)
+                if halves:
+                    first, second = ((own.ready, see.Q_l, own.KV_l), (own.ready_r, see.Q_r, own.KV_r))[:: 1 - 2 * w]
+                    T.barrier_wait(first[0], k & 1)  # the row-valid flags come with the first half
+                    for h, bi in T.Parallel(HB, BI):
+                        acc_s[h, bi] = T.if_then_else(own.valid[bi], 0, -T.infinity("float32"))
+                    T.wgmma_gemm(first[1], first[2], acc_s, transpose_B=True)
+                    T.barrier_wait(second[0], k & 1)
+                    T.wgmma_gemm(second[1], second[2], acc_s, transpose_B=True)
+                else:
+                    T.barrier_wait(own.ready, k & 1)
+                    for h, bi in T.Parallel(HB, BI):
+                        acc_s[h, bi] = T.if_then_else(own.valid[bi], 0, -T.infinity("float32"))
+                    T.wgmma_gemm(see.Q_l, own.KV_l, acc_s, transpose_B=True)
+                    T.wgmma_gemm(see.Q_r, own.KV_r, acc_s, transpose_B=True)
                 T.wait_wgmma(0)
             else:
                 T.fill(acc_s, -T.infinity("float32"))
@@ -1428,6 +1458,9 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
             if mine:
                 T.wgmma_gemm(P_own, own.KV_l if w == 0 else own.KV_r, acc_o)  # its own block, P from registers
             if w == 0:
+                # its own P V completes under warpgroup 1's softmax; then its half (the whole buffer: its share) is freed
+                T.wait_wgmma(0)
+                T.barrier_arrive(own.free)
                 T.barrier_wait(see.bar_m[1], k & 1)
                 for h in T.Parallel(HB):
                     alpha[h] = T.exp2((m_i[h] - see.handed[1, 1, h]) * scale2)  # m0 -> m1
@@ -1440,9 +1473,9 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
             T.copy(acc_s, see.P[w])
             T.fence_proxy_async()  # P goes to the other warpgroup's wgmma (async proxy)
             T.barrier_arrive(see.bar_p[w])
-            if mine:
+            if w == 1 and mine:
                 T.wait_wgmma(0)
-                T.barrier_arrive(own.free)
+                T.barrier_arrive(own.free_r if halves else own.free)  # halves: its own half only
             if w == 0:
                 for h, d in T.Parallel(HB, D2):
                     acc_o[h, d] = acc_o[h, d] * alpha[h]
@@ -1450,7 +1483,7 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
                 T.barrier_wait(see.bar_p[1 - w], k & 1)
                 T.wgmma_gemm(see.P[1 - w], other.KV_l if w == 0 else other.KV_r, acc_o)
                 T.wait_wgmma(0)
-                T.barrier_arrive(other.free)
+                T.barrier_arrive(other.free_r if halves and w == 1 else other.free)  # halves: the half it just read
                 T.barrier_arrive(see.bar_p_free[1 - w])
     _ws_halves_epilogue(half, see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io)
 
@@ -1804,8 +1837,10 @@ class _WsBuffer(NamedTuple):
     KV_l: Any
     KV_r: Any
     valid: Any
-    ready: Any  # producer -> consumers: the rows have landed
-    free: Any  # consumers -> producer: both GEMMs are done with it
+    ready: Any  # producer -> consumers: the rows have landed (consumers="paired_halves": the left half's)
+    free: Any  # consumers -> producer: both GEMMs are done with it (paired_halves: with the left half)
+    ready_r: Any = None  # consumers="paired_halves": the right half's rows have landed (128 arrivals: the producer)
+    free_r: Any = None  # ... its last reader is done with the right half (128 arrivals: one consumer warpgroup)
 
 
 class _WsSoftmax(NamedTuple):
@@ -1984,6 +2019,62 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         T.barrier_arrive(bar_ready)
     for rr in T.unroll(R):
         rows_cur[rr] = rows_next[rr]
+
+
+@T.macro
+def _ws_fill_half(src, dims, kv_buf, h, rows, b_i, blk, p, flags: bool):
+    """consumers="paired_halves" (bf16 rows): producer thread p's cp.async copies of block ``blk``'s half ``h`` (0:
+    KV_l, dims 0..D/2; 1: KV_r) for the rows in ``rows``, arriving on that half's ready barrier as they land;
+    ``flags``: also write the block's row-valid flags (with the half its owner reads first)."""
+    WinA, MainA = src.WinA, src.MainA
+    _, _, BI, NBW, ROWS, D2, _, _, lanes = dims[:9]
+    c = _lane_col(p, lanes)
+    buf = kv_buf.KV_r if h else kv_buf.KV_l
+    for rr in T.unroll(BI // ROWS):
+        r = rr * ROWS + _lane_row(p, lanes)
+        if flags:
+            kv_buf.valid[r] = rows[rr] >= 0
+        row = T.max(rows[rr], 0)
+        used = (rows[rr] >= 0,) if dims.unused_rows == "zeros" else ()
+        for u in T.unroll(4):
+            col = 64 * u + c * 8
+            if blk < NBW:
+                T.ptx_cp_async(T.access_ptr(buf[r, col], "w", 8), T.access_ptr(WinA[b_i, row, h * D2 + col], "r", 8), 8, *used)
+            else:
+                T.ptx_cp_async(T.access_ptr(buf[r, col], "w", 8), T.access_ptr(MainA[b_i, row, h * D2 + col], "r", 8), 8, *used)
+    T.cp_async_barrier_noinc(kv_buf.ready_r if h else kv_buf.ready)
+
+
+@T.macro
+def _ws_produce_halves(src, dims, bufs, pair_rows, b_i, s_i, lo, n_blk, max_blk, p):
+    """The producer under consumers="paired_halves" (bf16 rows, one token per CTA): per pair k (blocks 2 k in buffer 0,
+    2 k + 1 in buffer 1) the four halves in the order their last readers free them (FlashMLA's): buffer 0's left
+    (warpgroup 0's own half: its QK^T and own P V), buffer 1's right (warpgroup 1's own half), buffer 0's right
+    (read last by warpgroup 1's P V of block 2 k), buffer 1's left. The next pair's rows are fetched after the first
+    two halves went out, into the second pair of row registers."""
+    rows_a, rows_b, rows_a2, rows_b2 = pair_rows
+    b0, b1 = bufs
+    _ws_fetch_rows(src, dims, rows_a, b_i, s_i, lo, p)
+    _ws_fetch_rows(src, dims, rows_b, b_i, s_i, lo + 1, p)
+    # A static trip count and a guard (as the consumers': TileLang 0.1.15 unrolls a trip count of 0 or 1).
+    for k in T.serial((max_blk + 1) // 2):
+        if 2 * k < n_blk:
+            second = 2 * k + 1 < n_blk
+            T.barrier_wait(b0.free, (k & 1) ^ 1)
+            _ws_fill_half(src, dims, b0, 0, rows_a, b_i, lo + 2 * k, p, True)
+            if second:
+                T.barrier_wait(b1.free_r, (k & 1) ^ 1)
+                _ws_fill_half(src, dims, b1, 1, rows_b, b_i, lo + 2 * k + 1, p, True)
+            _ws_fetch_rows(src, dims, rows_a2, b_i, s_i, lo + 2 * k + 2, p)
+            _ws_fetch_rows(src, dims, rows_b2, b_i, s_i, lo + 2 * k + 3, p)
+            T.barrier_wait(b0.free_r, (k & 1) ^ 1)
+            _ws_fill_half(src, dims, b0, 1, rows_a, b_i, lo + 2 * k, p, False)
+            if second:
+                T.barrier_wait(b1.free, (k & 1) ^ 1)
+                _ws_fill_half(src, dims, b1, 0, rows_b, b_i, lo + 2 * k + 1, p, False)
+            for rr in T.unroll(dims.BI // dims.ROWS):
+                rows_a[rr] = rows_a2[rr]
+                rows_b[rr] = rows_b2[rr]
 
 
 @T.macro
@@ -2640,7 +2731,7 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     q = hb * d * 2
     s = hb * bi * 2
     if config["schedule"] == "ws":
-        seesaw = config.get("consumers") in ("seesaw", "paired")  # a second P tile, the hand-over values and the row sums (fp32)
+        seesaw = config.get("consumers") in ("seesaw", "paired", "paired_halves")  # a second P tile, the hand-over values, row sums
         return q + 2 * bi * d * 2 + s * (2 if seesaw else 1) + 2 * bi + 8 * hb + (24 * hb if seesaw else 0)
     stages = max(1, config["num_stages"])
     kv = bi * d * 2 * stages
@@ -2651,6 +2742,17 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
 def _kernel_rows(kv_format: str, kv_staging: str) -> str:
     """The KV rows the attention kernel reads ("bf16" or "fp4"), ``kv_staging`` resolved: the expansion's are bf16."""
     return "bf16" if kv_format == "bf16" or kv_staging == "expand" else "fp4"
+
+
+def _halves_refusal(schedule, produce, tokens_per_cta, rows, ablate="") -> str | None:
+    """Why ``consumers="paired_halves"`` cannot run (its producer copies bf16 rows half by half, one token per CTA, and
+    no timing ablation hands its half barriers over), or None. ``rows``: the kernel's row format (_kernel_rows)."""
+    if schedule != "ws" or produce != "batched" or int(tokens_per_cta) != 1 or rows != "bf16" or ablate:
+        return (
+            "consumers=paired_halves hands bf16 KV rows over in halves: schedule=ws, produce=batched, tokens_per_cta=1, "
+            "bf16 KV or kv_staging=expand, no timing ablation"
+        )
+    return None
 
 
 def _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, ablate="") -> str | None:
@@ -2755,7 +2857,10 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "lanes=column maps the ws producer warpgroup's lanes: schedule=ws"
         if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
             return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
-        if c.get("consumers", "wg0_scores") in ("seesaw", "paired") and c.get("produce", "serial") not in ("batched", "prefetch"):
+        if c.get("consumers", "wg0_scores") in ("seesaw", "paired", "paired_halves") and c.get("produce", "serial") not in (
+            "batched",
+            "prefetch",
+        ):
             # the serial producer's fixed 80 registers and the seesaw consumers' 2 x SEESAW_NREG are not balanced
             return f"consumers={c['consumers']} is built with the batched producer: produce=batched or prefetch"
         if c.get("io", "direct") in ("staged", "auto") and c["schedule"] != "ws":
@@ -2767,6 +2872,10 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         if c.get("fp4_decode", "fma") != "fma" and (why := _prmt_decode_refusal(c, kv_format)):
             return why
         expands = resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand"
+        if c.get("consumers", "wg0_scores") == "paired_halves":
+            rows = _kernel_rows(kv_format, "expand" if expands else "gather")
+            if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows):
+                return why
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _zero_rows_refusal(c, kv_format)):
             return why
@@ -2796,7 +2905,7 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         if int(c.get("wg1_rows", 0)):
             # warpgroup 1 then holds producer registers besides its accumulator: ptxas spills ~500 bytes
             return "combine=fused with wg1_rows spills in consumer warpgroup 1 (ptxas): wg1_rows=0"
-        if c.get("consumers", "wg0_scores") in ("seesaw", "paired"):
+        if c.get("consumers", "wg0_scores") in ("seesaw", "paired", "paired_halves"):
             return f"combine=fused is not built into the {c['consumers']} consumers: combine=separate"
         n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
         return None if n_split > 1 else "combine=fused merges split partials: n_split resolves to 1 here, nothing to combine"
@@ -2841,13 +2950,14 @@ class SparseAttnTile(Tile):
             ),
             Param(
                 "consumers",
-                ("wg0_scores", "balanced", "balanced_overlap", "seesaw", "paired"),
+                ("wg0_scores", "balanced", "balanced_overlap", "seesaw", "paired", "paired_halves"),
                 "ws consumer split: warpgroup 0 computes all of S and the softmax (both then compute half of O), or each "
                 "warpgroup half of S's rows and its softmax with the row max exchanged through shared memory (overlap: "
                 "P V left in flight under the next block's QK^T), or whole blocks in turn with P, the rescale and the "
                 "running max handed over (seesaw: one warpgroup's QK^T under the other's softmax), or the two blocks "
                 "of a pair at once, the max handed from warpgroup 0 to 1 and back, each warpgroup's own P V from "
-                "registers (paired: FlashMLA's sparse prefill schedule)",
+                "registers (paired: FlashMLA's sparse prefill schedule; paired_halves: with each KV buffer handed "
+                "over in halves, bf16 rows)",
             ),
             Param(
                 "tokens_per_cta",
