@@ -1070,7 +1070,7 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", 
 
     ``ovl``: see :func:`_ws_hand_back`."""
     Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
-    KV_l, KV_r, valid, bar_ready, bar_free = buf
+    KV_l, KV_r, valid, bar_ready, bar_free = buf[:5]
     if ablate != "uncoupled":
         T.barrier_wait(bar_ready, (it // 2) & 1)
     for h, bi in T.Parallel(HB, BI):
@@ -1229,7 +1229,7 @@ def _ws_balanced_step(half, pair, buf, prev_buf, it, HB, BI2, D2, scale2, overla
     block instead of two, the tensor cores fed back to back), and the previous buffer is released there.
     """
     w, _, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
-    KV_l, KV_r, valid, bar_ready, bar_free = buf
+    KV_l, KV_r, valid, bar_ready, bar_free = buf[:5]
     r0 = w * BI2
     T.barrier_wait(bar_ready, (it // 2) & 1)
     for h, j in T.Parallel(HB, BI2):
