@@ -981,7 +981,7 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired"}),
     (sa.BF16_TILE, "decode_b128_s2", {"consumers": "paired", "unused_rows": "zeros"}),
     # consumers=paired_halves: each KV buffer handed over in halves (bf16 rows; odd counts and short splits)
-    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves", "kv_staging": "expand"}),  # expanded at every case
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves"}),
     (sa.BF16_TILE, "decode_b128_s2", {"consumers": "paired_halves", "n_split": 4}),
     (sa.BF16_TILE, "decode_b64_s1", {"consumers": "paired_halves", "n_split": 8}),

@@ -3244,10 +3244,15 @@ class SparseAttnBf16(SparseAttnTile):
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
         """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200; one CTA per
         sequence (tokens_per_cta) won there in one run and came even or lost in others; with the Q load and O store
-        off the consumers' path (io=overlapped) it won at decode and prefill in one run."""
+        off the consumers' path (io=overlapped) it won at decode and prefill in one run; the paired consumers with each
+        buffer handed over in halves won at decode B=128/S=2 in two runs."""
         if arch.family != "hopper":
             return []
         overlapped = "{} {} against io=staged's {} ms in one run (sparse_attn_overlapped_session20.json)"
+        halves = (
+            {"consumers": "paired_halves"},
+            "bf16 decode B=128/S=2 0.0606 vs the default's 0.0633 and 0.0634 ms in two runs (sparse_attn_paired_halves*_session21.json)",
+        )
         if shape.phase != "decode":  # io=auto picks 8 tokens per CTA at prefill 4K: 0.7406 ms in that run
             return [({"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7517", "0.7739"))]
         return [
@@ -3262,6 +3267,7 @@ class SparseAttnBf16(SparseAttnTile):
                 ),
             ),
             ({"handoff": "before_pv"}, "bf16 decode B=128/S=2 0.0599 vs 0.0636 ms (sparse_attn_run11_early_handoff.json)"),
+            halves,
             (
                 {"handoff": "before_pv", "lanes": "column"},
                 "bf16 decode B=128/S=2 0.0623 vs 0.0644 ms (sparse_attn_run12_lanes_column.json)",
