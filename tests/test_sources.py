@@ -67,6 +67,19 @@ def test_masked_source_ignores_which_equal_buffer_is_which_but_not_the_instructi
     assert masked_source(a) != masked_source(a.replace("+ i)", "+ i + 8)"))
 
 
+def test_masked_source_ignores_local_names_and_declaration_order_but_not_which_local_is_read():
+    """A refactor that moves code into a macro renames TileLang's locals (``__3`` becomes the macro parameter's name)
+    and may reorder their declarations (session 21: the seesaw and balanced kernels after their shared prologue and
+    epilogue); the masked digest keeps those, and still sees a local read in the wrong place or a resized one."""
+    from lab.commands.sources import masked_source
+
+    a = "  float __3[2];\n  float m_i[2];\n  __3[0] = m_i[0] * 2.0f;\n  out[0] = __3[0] + m_i[1];\n"
+    b = "  float m_i[2];\n  float sumexp_i[2];\n  sumexp_i[0] = m_i[0] * 2.0f;\n  out[0] = sumexp_i[0] + m_i[1];\n"
+    assert masked_source(a) == masked_source(b)
+    assert masked_source(a) != masked_source(a.replace("out[0] = __3[0]", "out[0] = m_i[0]"))
+    assert masked_source(a) != masked_source(a.replace("float __3[2]", "float __3[4]"))
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -5,8 +5,8 @@ A new option must leave the default's kernels unchanged, and a refactor every co
     lab sources --arch sm90,sm80 > before.txt      # change the code, then
     lab sources --arch sm90,sm80 | diff before.txt -
 
-Each line has two digests: the source's, and the ``masked`` one (:func:`masked_source`: shared buffer names and
-their shared-memory offsets blanked) that the comparison is about. TileLang 0.1.15 names and places equal-sized shared
+Each line has two digests: the source's, and the ``masked`` one (:func:`masked_source`: shared buffer names, their
+shared-memory offsets, local names and the order of local declarations blanked) that the comparison is about. TileLang 0.1.15 names and places equal-sized shared
 buffers (the KV buffers, the reduction workspaces) differently from one process to the next: the same kernel of the
 same tree gave two source digests in two processes, with PYTHONHASHSEED fixed too (session 20). ``--out DIR`` writes
 each source as DIR/ARCH/TILE/SHAPE/KERNEL.cu, e.g. for a ptxas register/spill check with nvcc.
@@ -40,10 +40,22 @@ _SHARED_NAME = re.compile(r"\b(buf|workspace|KV[01]?_[lr]|Q_[lr]|[A-Za-z0-9]+_sh
 _SHARED_OFFSET = re.compile(r"buf_dyn_shmem \+ \d+")
 
 
+# a local array's declaration (TileLang declares each fragment and local buffer at the top of the kernel)
+_LOCAL_ARRAY = re.compile(r"^[ \t]*([A-Za-z_][\w:]*(?: [A-Za-z_]\w*)?) ([A-Za-z_]\w*)\[(\d+)\];[ \t]*$", re.MULTILINE)
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
 def masked_source(src: str) -> str:
-    """``src`` with every shared buffer's suffix and every dynamic shared-memory offset blanked: what stays is the
-    kernel's instructions, whichever of several equal buffers each one touches."""
-    return _SHARED_OFFSET.sub("buf_dyn_shmem + OFFSET", _SHARED_NAME.sub(lambda m: m.group(1), src))
+    """``src`` with what does not change the program blanked: every shared buffer's suffix and every dynamic
+    shared-memory offset (whichever of several equal buffers each instruction touches), the order of the local array
+    declarations (kept as a sorted list of types and sizes), and every identifier's spelling (each renamed by its first
+    use). A refactor that only renames TileLang's locals, e.g. a macro's parameters, keeps the masked source; a changed
+    instruction, operand, constant or declaration does not."""
+    text = _SHARED_OFFSET.sub("buf_dyn_shmem + OFFSET", _SHARED_NAME.sub(lambda m: m.group(1), src))
+    declarations = sorted(f"{m.group(1)} [{m.group(3)}]" for m in _LOCAL_ARRAY.finditer(text))
+    names: dict[str, str] = {}
+    body = _IDENTIFIER.sub(lambda m: names.setdefault(m.group(0), f"v{len(names)}"), _LOCAL_ARRAY.sub("", text))
+    return "\n".join(declarations) + "\n" + body
 
 
 def _shapes(tile, spec: str):
