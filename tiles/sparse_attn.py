@@ -1160,16 +1160,8 @@ class _WsPair(NamedTuple):
 def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse):
     """Consumer warpgroup ``half.w`` under ``consumers="balanced"`` (or ``"balanced_overlap"``: ``overlap``): Q load,
     the block loop, the sink and the O store (``fuse``: the fused combine's :class:`_WsFuse`, else None)."""
-    w, Q_own, _, acc_o, sumexp, _, _, m_i, _ = half
-    Q, Sink, Out, LsePart = pair.Q, pair.Sink, pair.Out, pair.LsePart
-    if io == "staged":
-        T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
-        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
-        T.barrier_arrive(pair.bar_q)
-    T.fill(sumexp, 0)
-    T.fill(m_i, -(2**30))
-    T.fill(acc_o, 0)
-    T.barrier_wait(pair.bar_q, 0)
+    Sink, Out, LsePart = pair.Sink, pair.Out, pair.LsePart
+    _ws_halves_prologue(half, pair.Q, pair.bar_q, b_i, s_i, h0, HB, D2, io)
     for it in T.serial(n_blk):
         if it % 2 == 0:
             _ws_balanced_step(half, pair, bufs[0], bufs[1], it, HB, BI // 2, D2, scale2, overlap)
@@ -1178,6 +1170,22 @@ def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2,
     if overlap:  # the last block's P V is still in flight
         T.wait_wgmma(0)
     _ws_halves_epilogue(half, pair.rowsum_shared, pair.bar_final, Sink, Out, LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, fuse)
+
+
+@T.macro
+def _ws_halves_prologue(half, Q, bar_q, b_i, s_i, h0, HB, D2, io):
+    """The start of a token for the consumer schedules of :func:`_ws_halves_epilogue`: with ``io="staged"`` this
+    warpgroup's Q half in 16-byte vectors (``io="direct"``: all threads loaded Q before the roles split); O, the row
+    sum and the running max cleared; then the wait until both Q halves are in."""
+    w, Q_own, _, acc_o, sumexp, _, _, m_i, _ = half
+    if io == "staged":
+        T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
+        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
+        T.barrier_arrive(bar_q)
+    T.fill(sumexp, 0)
+    T.fill(m_i, -(2**30))
+    T.fill(acc_o, 0)
+    T.barrier_wait(bar_q, 0)
 
 
 @T.macro
@@ -1321,17 +1329,10 @@ def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, B
     P; hand over P, the rescale and the new max; wait for the taken P V, release that buffer and P; rescale O; its
     half of O += P V for g. Both warpgroups see every block's rescale in the same order, so both carry the same
     running max and scale their own row sums alike; the sums meet at the end as under ``balanced``."""
-    w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
-    Q, Sink, Out, LsePart = see.Q, see.Sink, see.Out, see.LsePart
+    w, _, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
+    Sink, Out, LsePart = see.Sink, see.Out, see.LsePart
     own, other = bufs[w], bufs[1 - w]
-    if io == "staged":
-        T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
-        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
-        T.barrier_arrive(see.bar_q)
-    T.fill(sumexp, 0)
-    T.fill(m_i, -(2**30))
-    T.fill(acc_o, 0)
-    T.barrier_wait(see.bar_q, 0)
+    _ws_halves_prologue(half, see.Q, see.bar_q, b_i, s_i, h0, HB, D2, io)
     # A static trip count (the most blocks a split has) and a guard: with the trip count (n_blk + 1 - w) // 2, where it
     # can only be 0 or 1 (splits of 1-2 blocks) TileLang 0.1.15 replaced the loop by one unguarded pass, and a guard
     # inside it was proven true from the loop's own bound (the H200 hung on a buffer never filled, session 11).
@@ -1405,16 +1406,9 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
     readers, its QK^T and its own P V, and warpgroup w frees it right after that P V; the other half is read last by
     the other warpgroup's P V, which frees it. Each warpgroup's QK^T starts on its own half, which the producer
     refills first."""
-    w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
+    w, _, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
     own, other = bufs[w], bufs[1 - w]
-    if io == "staged":
-        T.copy(see.Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
-        T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
-        T.barrier_arrive(see.bar_q)
-    T.fill(sumexp, 0)
-    T.fill(m_i, -(2**30))
-    T.fill(acc_o, 0)
-    T.barrier_wait(see.bar_q, 0)
+    _ws_halves_prologue(half, see.Q, see.bar_q, b_i, s_i, h0, HB, D2, io)
     # A static trip count and a guard, as in _ws_seesaw_consumer (TileLang 0.1.15 unrolls a trip count of 0 or 1).
     for k in T.serial((max_blk + 1) // 2):
         if 2 * k < n_blk:
