@@ -72,6 +72,10 @@ LABELS = {
     "halves": {"consumers": "paired_halves"},
     "halves_split4": {"consumers": "paired_halves", "n_split": 4},
     "halves_auto": {"consumers": "paired_halves", "kv_staging": "auto"},
+    # ... with the next token's Q loaded under the last pair and O stored through the P tiles (io=overlapped)
+    "halves_ovl4": {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 4},
+    "halves_ovl8": {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8},
+    "halves_ovl8_auto": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8, "kv_staging": "auto"},
     # the split partials of O stored and combined as bf16 (half the bytes of the fp32 partials)
     "parts_bf16": {"partials": "bf16"},
     "parts_bf16_split4": {"partials": "bf16", "n_split": 4},
@@ -191,6 +195,12 @@ CHECKS = [
     ("sparse_attn_bf16", S777, "halves"),
     ("sparse_attn_prefill", "prefill_s4k", "halves_auto"),
     ("sparse_attn_prefill", S777, "halves_auto"),
+    ("sparse_attn_bf16", "prefill_s4k", "halves_ovl4"),
+    ("sparse_attn_bf16", "prefill_s4k", "halves_ovl8"),
+    ("sparse_attn_bf16", H128, "halves_ovl4"),  # two head blocks per token: items alternate head blocks
+    ("sparse_attn_bf16", S777, "halves_ovl8"),  # the last CTA runs one token
+    ("sparse_attn_prefill", "prefill_s4k", "halves_ovl8_auto"),
+    ("sparse_attn_prefill", S777, "halves_ovl8_auto"),
     ("sparse_attn_decode", "decode_b64_s1", "split4"),
     ("sparse_attn_decode", "decode_b64_s1", "parts_bf16"),
     ("sparse_attn_decode", "decode_b64_s1", "parts_bf16_split4"),

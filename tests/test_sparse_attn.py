@@ -224,7 +224,7 @@ def test_paired_halves_hand_each_buffer_over_in_halves():
     refusals = (
         (prefill, {"kv_staging": "gather"}),
         (tile, {"produce": "serial"}),
-        (tile, {"tokens_per_cta": 2}),
+        (tile, {"tokens_per_cta": 2, "io": "staged"}),  # several tokens per CTA: io=overlapped only
     )
     for t, over in refusals:
         why = t.search_space(SM90).violations(
@@ -235,6 +235,33 @@ def test_paired_halves_hand_each_buffer_over_in_halves():
         sa.sparse_attn_kernel(
             64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", consumers="paired_halves", ablate="producer_idle"
         )
+
+
+def test_paired_halves_overlapped_loads_q_ahead_and_stores_o_through_the_p_tiles(tmp_path):
+    """paired_halves with io="overlapped" (NOT yet run on a GPU): io="auto" picks it for the paired_halves config at
+    prefill 4K (8 tokens per CTA) and not at decode; each warpgroup cp.asyncs its Q half for the next token and stores
+    its O half through its own P tile in four chunks of 64 columns (16-byte vectors), its own 128-arrival barrier
+    between them; the producer stores nothing; ptxas without spills at PAIRED_OVL_NREG; refused where a token's blocks
+    do not make whole pairs."""
+    tile, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
+    space = tile.search_space(SM90)
+    config = tile.with_defaults(SM90, {"consumers": "paired_halves"})
+    resolved = tile.resolve_call(config, shape.dims, SM90)
+    assert (resolved["io"], resolved["tokens_per_cta"]) == ("overlapped", 8)
+    decode = tile.resolve_call(config, tile.shape("decode_b128_s2").dims, SM90)
+    assert (decode["io"], decode["tokens_per_cta"]) == ("staged", 1)
+    assert space.violations(config, shape, SM90) == []
+    src = tile.build(shape, config, SM90).main.get_kernel_source()
+    assert src.count(f"tl::warpgroup_reg_alloc<{sa.PAIRED_OVL_NREG}>();") == 2
+    assert src.count("cp_async_barrier_noinc(bar_q") + src.count("mbarrier_cp_async_arrive_noinc(bar_q") == 2
+    assert len(re.findall(r"\*\(uint4\*\)\(Out \+", src)) == 2, "each warpgroup's O half in 16-byte vectors"
+    assert len(re.findall(r"bar_own(_1)?\[0\]\.wait\([01]\)", src)) == 4, "per warpgroup: chunk written, chunk read"
+    log = ptxas_log(src, tmp_path, ptxas_options=(f"--register-usage-level={config['ptxas_level']}",))
+    assert parse_resource_usage(log)[1] == 0, "no spills"
+    w37 = _shape("w37", "prefill", B=1, S=4096, Nc=4096, Nw=4096, W=37)  # 1 + 8 blocks a token
+    odd = {**config, "io": "overlapped", "n_split": 1, "tokens_per_cta": 8}
+    assert any("whole pairs" in r for r in space.violations(odd, w37, SM90))
+    assert tile.resolve_call(config, w37.dims, SM90)["io"] == "staged"  # auto: not for odd counts
 
 
 def test_bf16_partials_compile_for_sm90():
@@ -986,6 +1013,10 @@ GPU_CASES = [
     (sa.BF16_TILE, "decode_b128_s2", {"consumers": "paired_halves", "n_split": 4}),
     (sa.BF16_TILE, "decode_b64_s1", {"consumers": "paired_halves", "n_split": 8}),
     (sa.BF16_TILE, "decode_b64_s1", {"consumers": "paired_halves", "unused_rows": "zeros"}),
+    # ... with io=overlapped (NOT yet run on a GPU): the next token's Q under the last pair, O through the P tiles
+    (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8}),
+    (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "kv_staging": "expand"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     # the Ada default's layout (32 heads over 4 warps: the softmax reduces across warps through a shared workspace

@@ -266,11 +266,12 @@ def sparse_attn_kernel(
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
         raise ValueError(f"unknown io {io!r}: use one of {', '.join(IOS)} ('auto' is resolved per call first: resolve_io)")
+    blocks = -(-window // block_I) + -(-topk // block_I)
     if io == "overlapped" and (
-        why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, ablate)
+        why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, ablate, blocks)
     ):
         raise ValueError(why)
-    if consumers == "paired_halves" and (why := _halves_refusal(schedule, produce, tokens_per_cta, kv_format, ablate)):
+    if consumers == "paired_halves" and (why := _halves_refusal(schedule, produce, tokens_per_cta, kv_format, ablate, io)):
         raise ValueError(why)
     # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are
     if ablate and (
@@ -776,6 +777,9 @@ def _sparse_attn_ws(
                 bar_k1r_free = T.alloc_barrier(arrive_count=128)
                 rows_pair = T.alloc_local([BI // ROWS], "int32")  # the producer's rows of the next pair's first block
                 rows_pair_next = T.alloc_local([BI // ROWS], "int32")  # ... and of its second
+                if TPC > 1:  # io=overlapped: each warpgroup's own barrier for storing its O half through its P tile
+                    bar_o0 = T.alloc_barrier(arrive_count=128)
+                    bar_o1 = T.alloc_barrier(arrive_count=128)
             bar_s_ready = T.alloc_barrier(arrive_count=256)
             bar_s_free = T.alloc_barrier(arrive_count=256)
             bar_final = T.alloc_barrier(arrive_count=256)
@@ -873,9 +877,16 @@ def _sparse_attn_ws(
 
             if tx < 128:
                 if paired:
-                    T.set_max_nreg(PAIRED_NREG, 1)
+                    T.set_max_nreg(PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG, 1)
                     half0 = _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev)
-                    _ws_paired_consumer(half0, see, P0_frag, *seesaw_args[1:], halves)
+                    if TPC == 1:
+                        _ws_paired_consumer(half0, see, P0_frag, *seesaw_args[1:], halves)
+                    else:  # paired_halves with io=overlapped
+                        for j in T.serial(TPC):
+                            if bx * TPC + j < S * REP:
+                                s_j, h_j = (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB
+                                tail = (bz, n_blk, NB, HB, BI, D2, NS, scale2, io, True, j, nxt, bar_o0)
+                                _ws_paired_consumer(half0, see, P0_frag, bufs, b_i, s_j, h_j, *tail)
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
                     _ws_seesaw_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *seesaw_args)
@@ -895,9 +906,16 @@ def _sparse_attn_ws(
                                 _ws_wg0_token(cta, sm, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif tx < 256:
                 if paired:
-                    T.set_max_nreg(PAIRED_NREG, 1)
+                    T.set_max_nreg(PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG, 1)
                     half1 = _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1)
-                    _ws_paired_consumer(half1, see, P1_frag, *seesaw_args[1:], halves)
+                    if TPC == 1:
+                        _ws_paired_consumer(half1, see, P1_frag, *seesaw_args[1:], halves)
+                    else:  # paired_halves with io=overlapped
+                        for j in T.serial(TPC):
+                            if bx * TPC + j < S * REP:
+                                s_j, h_j = (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB
+                                tail = (bz, n_blk, NB, HB, BI, D2, NS, scale2, io, True, j, nxt, bar_o1)
+                                _ws_paired_consumer(half1, see, P1_frag, bufs, b_i, s_j, h_j, *tail)
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
                     _ws_seesaw_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *seesaw_args)
@@ -924,13 +942,16 @@ def _sparse_attn_ws(
                 # 240 + 168 + 96 (balanced: 200 + 200 + 104; seesaw: 2 x SEESAW_NREG + the rest) = 504 registers per
                 # thread slot: what the 384-thread launch allocates (168 x 3)
                 consumer_nreg = {"balanced": BALANCED_NREG, "balanced_overlap": BALANCED_NREG, "seesaw": SEESAW_NREG}
-                consumer_nreg.update(paired=PAIRED_NREG, paired_halves=PAIRED_NREG)
+                consumer_nreg.update(paired=PAIRED_NREG, paired_halves=PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG)
                 T.set_max_nreg(504 - 2 * consumer_nreg[consumers] if consumers in consumer_nreg else 96, 0)
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
                 dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows)
-                if TPC > 1:
+                if TPC > 1 and halves:  # io=overlapped (the constraints)
+                    pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
+                    _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt)
+                elif TPC > 1:
                     # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
                     # reads a clamped token's rows, never used)
                     _ws_fetch_rows(src, dims, rows_cur, b_i, (bx * TPC) // REP, lo, p)
@@ -1173,32 +1194,45 @@ def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2,
 
 
 @T.macro
-def _ws_halves_prologue(half, Q, bar_q, b_i, s_i, h0, HB, D2, io):
+def _ws_halves_prologue(half, Q, bar_q, b_i, s_i, h0, HB, D2, io, j=0):
     """The start of a token for the consumer schedules of :func:`_ws_halves_epilogue`: with ``io="staged"`` this
-    warpgroup's Q half in 16-byte vectors (``io="direct"``: all threads loaded Q before the roles split); O, the row
-    sum and the running max cleared; then the wait until both Q halves are in."""
+    warpgroup's Q half in 16-byte vectors (``io="direct"``: all threads loaded Q before the roles split; ``"overlapped"``
+    (paired_halves): the CTA's first token's like staged, later ones' came by cp.async in the token before, their
+    arrivals counting); O, the row sum and the running max cleared; then the wait until both Q halves are in (``j``:
+    the CTA's token, the barrier's phase)."""
     w, Q_own, _, acc_o, sumexp, _, _, m_i, _ = half
     if io == "staged":
         T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
         T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
         T.barrier_arrive(bar_q)
+    elif io == "overlapped":  # noqa: SIM102  (a Python flag around a TileLang condition)
+        if j == 0:
+            T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
+            T.fence_proxy_async()
+            T.barrier_arrive(bar_q)
     T.fill(sumexp, 0)
     T.fill(m_i, -(2**30))
     T.fill(acc_o, 0)
-    T.barrier_wait(bar_q, 0)
+    T.barrier_wait(bar_q, j & 1)
 
 
 @T.macro
-def _ws_halves_epilogue(half, rowsum_shared, bar_final, Sink, Out, LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, fuse=None):
+def _ws_halves_epilogue(
+    half, rowsum_shared, bar_final, Sink, Out, LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, fuse=None, j=0, ptile=None
+):
     """The end of a token for the consumer schedules whose warpgroups each keep a partial row sum under one shared
     running max (``balanced``, ``seesaw``, ``paired``): the two sums meet (past this barrier both warpgroups' last
     QK^T is done, so Q is free), then the sink, the final scale and this warpgroup's half of O (or the split's
-    partial), staged through its Q half with ``io="staged"``; ``fuse``: the fused combine's (balanced only)."""
+    partial), staged through its Q half with ``io="staged"``; ``fuse``: the fused combine's (balanced only). ``j``: the
+    CTA's token (the final barrier's phase). ``ptile`` (paired_halves with io="overlapped", where Q already holds the
+    next token's and both KV buffers the next pair's rows): (this warpgroup's [HB, BI] P tile, the barrier the other's
+    P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup): O goes out through the P tile
+    in chunks of BI columns, in 16-byte vectors."""
     w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
     for h in T.Parallel(HB):
         rowsum_shared[w, h] = sumexp[h]
     T.barrier_arrive(bar_final)
-    T.barrier_wait(bar_final, 0)
+    T.barrier_wait(bar_final, j & 1)
     for h in T.Parallel(HB):
         sumexp[h] = rowsum_shared[0, h] + rowsum_shared[1, h]  # the same order in both warpgroups
     if NS == 1:
@@ -1216,7 +1250,19 @@ def _ws_halves_epilogue(half, rowsum_shared, bar_final, Sink, Out, LsePart, b_i,
                 )
     for h, d in T.Parallel(HB, D2):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
-    if NS == 1 and io == "staged":
+    if ptile is not None:
+        tile, bar_tile_free, phase, bar_own = ptile
+        T.barrier_wait(bar_tile_free, phase)  # the other warpgroup's P V of the token's last pair has read the tile
+        BI = tile.shape[1]
+        for c in T.unroll(D2 // BI):
+            for h, d in T.Parallel(HB, BI):
+                tile[h, d] = acc_o[h, c * BI + d]
+            T.barrier_arrive(bar_own)
+            T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
+            T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
+            T.barrier_arrive(bar_own)
+            T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
+    elif NS == 1 and io == "staged":
         T.copy(acc_o, Q_own)
         T.copy(Q_own, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
     elif NS == 1:
@@ -1383,10 +1429,15 @@ def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, B
 
 
 PAIRED_NREG = 208  # per consumer thread under consumers="paired": O half (128) + S (32) + P in bf16 (16) + softmax + addresses
+# ... with io="overlapped" (several tokens per CTA: the Q prefetch and the chunked O store besides): ptxas spilled 104
+# bytes at 208 and 48 at 216, none at 224 (the producer, 504 - 2 x 224 = 56 registers, copies bf16 rows only)
+PAIRED_OVL_NREG = 224
 
 
 @T.macro
-def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io, halves=False):
+def _ws_paired_consumer(
+    half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io, halves=False, j=0, nxt=None, bar_own=None
+):
     """Consumer warpgroup ``half.w`` under ``consumers="paired"`` (FlashMLA's sparse prefill schedule): the two
     warpgroups take the two blocks of a pair at once, warpgroup w block g = 2 k + w (in buffer w). ``P_own``: its
     [HB, BI] bf16 register fragment of P, the A operand of its own P V.
@@ -1405,14 +1456,25 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
     (:func:`_ws_produce_halves`). Warpgroup w's own half (the one its P V reads: left for 0, right for 1) has two
     readers, its QK^T and its own P V, and warpgroup w frees it right after that P V; the other half is read last by
     the other warpgroup's P V, which frees it. Each warpgroup's QK^T starts on its own half, which the producer
-    refills first."""
-    w, _, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
+    refills first.
+
+    ``nxt`` (io="overlapped", paired_halves, an even block count; NOT yet run on a GPU): token ``j`` of the CTA's run
+    (the _WsTokens), its pairs numbered on from the tokens before (barrier phases). In a token's last pair each
+    warpgroup, once both QK^T are done (past its wait for the other's max), copies its half of the next token's Q by
+    cp.async, arriving on the Q barrier as it lands. Its O half goes out through its own P tile (``bar_own``: its
+    128-arrival barrier), so that no KV half waits for O: the producer refills them for the next token's first pair
+    as they are freed. (Staging O in two KV halves for the producer to store measured no faster: a token's first pair
+    needs all four halves; session 21.)"""
+    w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
     own, other = bufs[w], bufs[1 - w]
-    _ws_halves_prologue(half, see.Q, see.bar_q, b_i, s_i, h0, HB, D2, io)
+    ovl = nxt is not None
+    npairs = (max_blk + 1) // 2  # with io=overlapped: n_blk == max_blk, even
+    _ws_halves_prologue(half, see.Q, see.bar_q, b_i, s_i, h0, HB, D2, io, j)
     # A static trip count and a guard, as in _ws_seesaw_consumer (TileLang 0.1.15 unrolls a trip count of 0 or 1).
-    for k in T.serial((max_blk + 1) // 2):
-        if 2 * k < n_blk:
-            mine = 2 * k + w < n_blk  # warpgroup 1 has no block in the last pair of an odd count
+    for kk in T.serial(npairs):
+        k = j * npairs + kk  # the CTA's pair index: barrier phases run on across its tokens
+        if 2 * kk < n_blk:
+            mine = 2 * kk + w < n_blk  # warpgroup 1 has no block in the last pair of an odd count
             if mine:
                 if halves:
                     first, second = ((own.ready, see.Q_l, own.KV_l), (own.ready_r, see.Q_r, own.KV_r))[:: 1 - 2 * w]
@@ -1436,6 +1498,8 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
                 T.barrier_wait(see.bar_m[0], k & 1)
                 for h in T.Parallel(HB):
                     m_i[h] = see.handed[0, 1, h]
+                if ovl:
+                    _ws_paired_prefetch_q(see, nxt, Q_own, b_i, w, j, kk == npairs - 1, HB, D2)
             T.reduce_max(acc_s, m_i, dim=1, clear=False)
             for h in T.Parallel(HB):
                 alpha[h] = T.exp2((m_i_prev[h] - m_i[h]) * scale2)
@@ -1456,6 +1520,8 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
                 T.wait_wgmma(0)
                 T.barrier_arrive(own.free)
                 T.barrier_wait(see.bar_m[1], k & 1)
+                if ovl:
+                    _ws_paired_prefetch_q(see, nxt, Q_own, b_i, w, j, kk == npairs - 1, HB, D2)
                 for h in T.Parallel(HB):
                     alpha[h] = T.exp2((m_i[h] - see.handed[1, 1, h]) * scale2)  # m0 -> m1
                     m_i[h] = see.handed[1, 1, h]
@@ -1473,13 +1539,33 @@ def _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk
             if w == 0:
                 for h, d in T.Parallel(HB, D2):
                     acc_o[h, d] = acc_o[h, d] * alpha[h]
-            if 2 * k + 1 - w < n_blk:  # the other's block of this pair
+            if 2 * kk + 1 - w < n_blk:  # the other's block of this pair
                 T.barrier_wait(see.bar_p[1 - w], k & 1)
                 T.wgmma_gemm(see.P[1 - w], other.KV_l if w == 0 else other.KV_r, acc_o)
                 T.wait_wgmma(0)
                 T.barrier_arrive(other.free_r if halves and w == 1 else other.free)  # halves: the half it just read
                 T.barrier_arrive(see.bar_p_free[1 - w])
-    _ws_halves_epilogue(half, see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io)
+    args = (see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, None, j)
+    if ovl:  # O out through this warpgroup's P tile, once the other's P V of the token's last pair has read it
+        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own))
+    else:
+        _ws_halves_epilogue(half, *args)
+
+
+@T.macro
+def _ws_paired_prefetch_q(see, nxt, Q_own, b_i, w, j, last, HB, D2):
+    """paired_halves with io="overlapped": in the token's last pair (``last``), once both warpgroups' QK^T are done,
+    warpgroup ``w``'s half of the next token's Q by 16-byte cp.async copies that arrive on the Q barrier as they land
+    (cp.async.mbarrier.arrive.noinc: one arrival per thread). Each warp copies whole 512-byte rows."""
+    if last:  # noqa: SIM102  (TileLang conditions)
+        if j + 1 < nxt.count:
+            item = nxt.first + j + 1
+            s_n, h_n = item // nxt.REP, (item % nxt.REP) * HB
+            for i in T.unroll(HB * D2 // 8 // 128):
+                r = i * (128 // (D2 // 8)) + nxt.t // (D2 // 8)
+                col = (nxt.t % (D2 // 8)) * 8
+                T.ptx_cp_async(T.access_ptr(Q_own[r, col], "w", 8), T.access_ptr(see.Q[b_i, s_n, h_n + r, w * D2 + col], "r", 8), 8)
+            T.cp_async_barrier_noinc(see.bar_q)
 
 
 class _WsCta(NamedTuple):
@@ -2069,6 +2155,39 @@ def _ws_produce_halves(src, dims, bufs, pair_rows, b_i, s_i, lo, n_blk, max_blk,
             for rr in T.unroll(dims.BI // dims.ROWS):
                 rows_a[rr] = rows_a2[rr]
                 rows_b[rr] = rows_b2[rr]
+
+
+@T.macro
+def _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt):
+    """The producer under paired_halves with io="overlapped": :func:`_ws_produce_halves` over the CTA's run of tokens
+    (n_blk even, one split), the pair index and the barrier phases running on across them and the row fetch crossing
+    into the next token. NOT yet run on a GPU."""
+    rows_a, rows_b, rows_a2, rows_b2 = pair_rows
+    b0, b1 = bufs
+    npairs = n_blk // 2
+    _ws_fetch_rows(src, dims, rows_a, b_i, nxt.first // nxt.REP, lo, p)
+    _ws_fetch_rows(src, dims, rows_b, b_i, nxt.first // nxt.REP, lo + 1, p)
+    for j in T.serial(TPC):
+        if j < nxt.count:
+            s_j = (nxt.first + j) // nxt.REP
+            s_n = T.if_then_else(j + 1 < nxt.count, (nxt.first + j + 1) // nxt.REP, s_j)  # past the last: unused
+            for kk in T.serial(npairs):
+                k = j * npairs + kk
+                T.barrier_wait(b0.free, (k & 1) ^ 1)
+                _ws_fill_half(src, dims, b0, 0, rows_a, b_i, lo + 2 * kk, p, True)
+                T.barrier_wait(b1.free_r, (k & 1) ^ 1)
+                _ws_fill_half(src, dims, b1, 1, rows_b, b_i, lo + 2 * kk + 1, p, True)
+                last = kk + 1 == npairs
+                s_f = T.if_then_else(last, s_n, s_j)
+                _ws_fetch_rows(src, dims, rows_a2, b_i, s_f, T.if_then_else(last, lo, lo + 2 * kk + 2), p)
+                _ws_fetch_rows(src, dims, rows_b2, b_i, s_f, T.if_then_else(last, lo + 1, lo + 2 * kk + 3), p)
+                T.barrier_wait(b0.free_r, (k & 1) ^ 1)
+                _ws_fill_half(src, dims, b0, 1, rows_a, b_i, lo + 2 * kk, p, False)
+                T.barrier_wait(b1.free, (k & 1) ^ 1)
+                _ws_fill_half(src, dims, b1, 0, rows_b, b_i, lo + 2 * kk + 1, p, False)
+                for rr in T.unroll(dims.BI // dims.ROWS):
+                    rows_a[rr] = rows_a2[rr]
+                    rows_b[rr] = rows_b2[rr]
 
 
 @T.macro
@@ -2707,8 +2826,10 @@ def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: s
     rows = _kernel_rows(kv_format, config.get("kv_staging", "gather"))
     args = (config["schedule"], config.get("produce", "serial"), config.get("consumers", "wg0_scores"), config.get("wg1_rows", 0))
 
+    blocks = -(-dims["W"] // config["block_I"]) + -(-dims["K"] // config["block_I"])
+
     def overlaps(tokens: int) -> bool:
-        return _overlapped_refusal(*args, tokens, config.get("n_split", 1), config["block_I"], rows) is None
+        return _overlapped_refusal(*args, tokens, config.get("n_split", 1), config["block_I"], rows, blocks=blocks) is None
 
     if tpc > 1:
         return ("overlapped" if overlaps(tpc) else "staged"), tpc
@@ -2738,22 +2859,31 @@ def _kernel_rows(kv_format: str, kv_staging: str) -> str:
     return "bf16" if kv_format == "bf16" or kv_staging == "expand" else "fp4"
 
 
-def _halves_refusal(schedule, produce, tokens_per_cta, rows, ablate="") -> str | None:
-    """Why ``consumers="paired_halves"`` cannot run (its producer copies bf16 rows half by half, one token per CTA, and
-    no timing ablation hands its half barriers over), or None. ``rows``: the kernel's row format (_kernel_rows)."""
-    if schedule != "ws" or produce != "batched" or int(tokens_per_cta) != 1 or rows != "bf16" or ablate:
+def _halves_refusal(schedule, produce, tokens_per_cta, rows, ablate="", io="staged") -> str | None:
+    """Why ``consumers="paired_halves"`` cannot run (its producer copies bf16 rows half by half, several tokens per CTA
+    only with io="overlapped", and no timing ablation hands its half barriers over), or None. ``rows``: the kernel's
+    row format (_kernel_rows)."""
+    if schedule != "ws" or produce != "batched" or rows != "bf16" or ablate or (int(tokens_per_cta) != 1 and io != "overlapped"):
         return (
-            "consumers=paired_halves hands bf16 KV rows over in halves: schedule=ws, produce=batched, tokens_per_cta=1, "
-            "bf16 KV or kv_staging=expand, no timing ablation"
+            "consumers=paired_halves hands bf16 KV rows over in halves: schedule=ws, produce=batched, bf16 KV or "
+            "kv_staging=expand, no timing ablation, tokens_per_cta=1 unless io=overlapped"
         )
     return None
 
 
-def _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, ablate="") -> str | None:
+def _overlapped_refusal(
+    schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, ablate="", blocks=None
+) -> str | None:
     """Why ``io="overlapped"`` cannot be built with these choices (``n_split`` resolved or "auto"; ``rows``: the
-    kernel's KV rows, "bf16" or "fp4"), or None."""
-    if schedule != "ws" or produce != "batched" or consumers != "wg0_scores" or int(wg1_rows) or ablate:
-        return "io=overlapped is built into the ws kernel's wg0_scores consumers: schedule=ws, produce=batched, consumers=wg0_scores, wg1_rows=0"
+    kernel's KV rows, "bf16" or "fp4"; ``blocks``: the blocks per token, None when not known here), or None."""
+    if schedule != "ws" or produce != "batched" or consumers not in ("wg0_scores", "paired_halves") or int(wg1_rows) or ablate:
+        return (
+            "io=overlapped is built into the ws kernel's wg0_scores and paired_halves consumers: schedule=ws, "
+            "produce=batched, consumers=wg0_scores or paired_halves, wg1_rows=0"
+        )
+    if consumers == "paired_halves" and blocks is not None and blocks % 2:
+        # the pairs' barrier phases run on across the CTA's tokens: a token ends on a whole pair
+        return "io=overlapped with consumers=paired_halves needs whole pairs: an even number of blocks per token"
     if int(tokens_per_cta) < 2 or n_split not in (1, "auto"):
         return "io=overlapped overlaps one token's O store and the next one's Q load: tokens_per_cta > 1, n_split=1"
     if rows != "bf16" or int(block_I) != 64:
@@ -2831,19 +2961,20 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         if int(c.get("tokens_per_cta", 1)) > 1 and (
             c["schedule"] != "ws"
             or c.get("produce", "serial") != "batched"
-            or c.get("consumers", "wg0_scores") != "wg0_scores"
+            or c.get("consumers", "wg0_scores") not in ("wg0_scores", "paired_halves")
             or int(c.get("wg1_rows", 0))
             or c.get("io", "direct") not in ("staged", "overlapped", "auto")
         ):
             return (
                 "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, "
-                "consumers=wg0_scores, wg1_rows=0, io=staged, overlapped or auto"
+                "consumers=wg0_scores (or paired_halves with io=overlapped), wg1_rows=0, io=staged, overlapped or auto"
             )
         if c.get("io", "direct") == "overlapped":
             n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
             rows = _kernel_rows(kv_format, resolve_kv_staging(c.get("kv_staging", "gather"), s))
             args = (c["schedule"], c.get("produce", "serial"), c.get("consumers", "wg0_scores"), c.get("wg1_rows", 0))
-            if why := _overlapped_refusal(*args, c.get("tokens_per_cta", 1), n_split, c["block_I"], rows):
+            blocks = -(-s["W"] // c["block_I"]) + -(-s["K"] // c["block_I"])
+            if why := _overlapped_refusal(*args, c.get("tokens_per_cta", 1), n_split, c["block_I"], rows, blocks=blocks):
                 return why
         if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
             return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
@@ -2868,7 +2999,10 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         expands = resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand"
         if c.get("consumers", "wg0_scores") == "paired_halves":
             rows = _kernel_rows(kv_format, "expand" if expands else "gather")
-            if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows):
+            io = c.get("io", "direct")
+            if io == "auto":  # resolved as per call: kv_staging first (the rows), then io
+                io = resolve_io({**c, "kv_staging": "expand" if expands else "gather"}, s, a, kv_format)[0]
+            if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
                 return why
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _zero_rows_refusal(c, kv_format)):
