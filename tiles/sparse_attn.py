@@ -777,9 +777,10 @@ def _sparse_attn_ws(
                 bar_k1r_free = T.alloc_barrier(arrive_count=128)
                 rows_pair = T.alloc_local([BI // ROWS], "int32")  # the producer's rows of the next pair's first block
                 rows_pair_next = T.alloc_local([BI // ROWS], "int32")  # ... and of its second
-                if TPC > 1:  # io=overlapped: each warpgroup's own barrier for storing its O half through its P tile
-                    bar_o0 = T.alloc_barrier(arrive_count=128)
-                    bar_o1 = T.alloc_barrier(arrive_count=128)
+            bar_o0 = bar_o1 = None
+            if halves and TPC > 1:  # io=overlapped: each warpgroup's own barrier for storing its O half through its P tile
+                bar_o0 = T.alloc_barrier(arrive_count=128)
+                bar_o1 = T.alloc_barrier(arrive_count=128)
             bar_s_ready = T.alloc_barrier(arrive_count=256)
             bar_s_free = T.alloc_barrier(arrive_count=256)
             bar_final = T.alloc_barrier(arrive_count=256)
@@ -878,15 +879,18 @@ def _sparse_attn_ws(
             if tx < 128:
                 if paired:
                     T.set_max_nreg(PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG, 1)
-                    half0 = _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev)
-                    if TPC == 1:
-                        _ws_paired_consumer(half0, see, P0_frag, *seesaw_args[1:], halves)
-                    else:  # paired_halves with io=overlapped
-                        for j in T.serial(TPC):
-                            if bx * TPC + j < S * REP:
-                                s_j, h_j = (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB
-                                tail = (bz, n_blk, NB, HB, BI, D2, NS, scale2, io, True, j, nxt, bar_o0)
-                                _ws_paired_consumer(half0, see, P0_frag, bufs, b_i, s_j, h_j, *tail)
+                    _ws_paired_warpgroup(
+                        _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev),
+                        P0_frag,
+                        bar_o0,
+                        seesaw_args,
+                        halves,
+                        TPC,
+                        bx,
+                        S,
+                        REP,
+                        nxt,
+                    )
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
                     _ws_seesaw_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *seesaw_args)
@@ -907,15 +911,18 @@ def _sparse_attn_ws(
             elif tx < 256:
                 if paired:
                     T.set_max_nreg(PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG, 1)
-                    half1 = _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1)
-                    if TPC == 1:
-                        _ws_paired_consumer(half1, see, P1_frag, *seesaw_args[1:], halves)
-                    else:  # paired_halves with io=overlapped
-                        for j in T.serial(TPC):
-                            if bx * TPC + j < S * REP:
-                                s_j, h_j = (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB
-                                tail = (bz, n_blk, NB, HB, BI, D2, NS, scale2, io, True, j, nxt, bar_o1)
-                                _ws_paired_consumer(half1, see, P1_frag, bufs, b_i, s_j, h_j, *tail)
+                    _ws_paired_warpgroup(
+                        _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1),
+                        P1_frag,
+                        bar_o1,
+                        seesaw_args,
+                        halves,
+                        TPC,
+                        bx,
+                        S,
+                        REP,
+                        nxt,
+                    )
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
                     _ws_seesaw_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *seesaw_args)
@@ -1550,6 +1557,22 @@ def _ws_paired_consumer(
         _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own))
     else:
         _ws_halves_epilogue(half, *args)
+
+
+@T.macro
+def _ws_paired_warpgroup(half, P_own, bar_own, seesaw_args, halves, TPC, bx, S, REP, nxt):
+    """Consumer warpgroup ``half.w`` under the paired consumers: its one token (:func:`_ws_paired_consumer`), or, with
+    paired_halves and io="overlapped", the CTA's run of tokens one after another (``bar_own``: its barrier for the O
+    store through its P tile)."""
+    see, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io = seesaw_args
+    if TPC == 1:
+        _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io, halves)
+    else:
+        for j in T.serial(TPC):
+            if bx * TPC + j < S * REP:
+                s_j, h_j = (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB
+                tail = (bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io, True, j, nxt, bar_own)
+                _ws_paired_consumer(half, see, P_own, bufs, b_i, s_j, h_j, *tail)
 
 
 @T.macro
