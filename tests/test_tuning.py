@@ -214,6 +214,30 @@ def test_tile_candidates_are_seeded_after_the_default(tmp_path):
     ]
 
 
+def test_the_log_has_a_line_per_measured_trial_with_its_source(tmp_path):
+    """Each measured trial prints what ran (its difference from the default), where it came from (the default, a
+    candidate's reason) and its time or what went wrong, so a log tells whether a candidate was tried and how it timed."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from tuning.progress import TuneProgress, trial_line
+
+    buf = io.StringIO()
+    with TuneProgress(Console(file=buf, width=200)) as progress:
+        tune([toys.ScaleToy()], _opts(tmp_path, trials=4), shapes="decode", progress=progress)
+    lines = [line for line in buf.getvalue().splitlines() if line.startswith("toy_scale decode_n4k #")]
+    assert any(" ok 1.5" in line and line.endswith("the default  (default)") for line in lines), lines  # 1.5 ms
+    assert len(lines) == 4 and all(" ok " in line for line in lines), lines
+    runner = SimpleNamespace(tile=toys.ScaleToy(), shape=toys.TOY_SHAPES[0], default={"block": 128, "schedule": "pipelined", "stages": 2})
+    config = {"block": 128, "schedule": "ws", "stages": 3}
+    ok = trial_line(runner, 3, {"outcome": "ok", "ms": 0.0612}, config, "candidate: ws measured faster")
+    assert ok == "toy_scale decode_n4k #3 ok 61.2 us  schedule=ws stages=3  (candidate: ws measured faster)"
+    wrong = trial_line(runner, 4, {"outcome": "wrong", "message": "rel_l2 0.5 > 0.01"}, config, None)
+    assert wrong == "toy_scale decode_n4k #4 wrong rel_l2 0.5 > 0.01  schedule=ws stages=3"
+
+
 def test_faults_hangs_and_wrong_results_never_end_the_study(tmp_path):
     opts = _opts(tmp_path, trials=7, trial_timeout_s=12)
     [summary] = tune([toys.FaultToy()], opts)

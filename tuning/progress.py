@@ -49,12 +49,16 @@ class TuneProgress:
             task = self.progress.add_task(f"{runner.tile.name} {runner.shape.name}", total=total, best="-", speedup="-", fails="")
             self._state[id(runner)] = {"task": task, "best": None, "default": None, "fails": Counter(), "done": 0}
 
-    def on_trial(self, runner, number: int, attrs: dict) -> None:
+    def on_trial(self, runner, number: int, attrs: dict, config: dict | None = None, source: str | None = None) -> None:
+        """One finished trial: the live row, and (measured or failed, not refused by a constraint or a repeat) a line
+        in the log: what ran (the config's difference from the default), where it came from, its time or outcome."""
         outcome = attrs.get("outcome")
         with self._lock:
             st = self._state.get(id(runner))
             if st is None or outcome == "duplicate":
                 return
+            if outcome != harness.INVALID and "repeat_of" not in attrs and not runner.opts.compile_only:
+                self.progress.console.print(trial_line(runner, number, attrs, config or {}, source), highlight=False)
             st["done"] += 1
             if outcome == harness.OK and not runner.opts.compile_only and attrs.get("ms") is not None:
                 if st["best"] is None or attrs["ms"] < st["best"]:
@@ -103,6 +107,15 @@ class TuneProgress:
                 row += [outcomes, rate]
             table.add_row(*row)
         return Group(table, winners) if winners else table
+
+
+def trial_line(runner, number: int, attrs: dict, config: dict, source: str | None) -> str:
+    """``<tile> <shape> #<n> <outcome> <time>  <params that differ from the default>  (<source>)``: one line a trial."""
+    changed = {k: v for k, v in sorted(config.items()) if runner.default.get(k) != v}
+    what = " ".join(f"{k}={v}" for k, v in changed.items()) or "the default"
+    result = _fmt_ms(attrs.get("ms")) if attrs.get("outcome") == harness.OK else (attrs.get("message") or "")[:120]
+    line = f"{runner.tile.name} {runner.shape.name} #{number} {attrs.get('outcome')} {result}  {what}"
+    return line + (f"  ({source})" if source else "")
 
 
 def _default_ms(runner) -> float | None:

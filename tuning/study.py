@@ -328,7 +328,7 @@ class StudyRunner:
             if attrs.get("outcome") != DUPLICATE and "repeat_of" not in attrs:
                 self._ran += 1
         if self.progress is not None:
-            self.progress.on_trial(self, trial.number, attrs)
+            self.progress.on_trial(self, trial.number, attrs, dict(trial.params), trial.user_attrs.get("source"))
 
     def _tried_valid(self, trials: list[FrozenTrial]) -> int:
         """Distinct configs measured, failed or in flight (the ones a constraint refused are not valid)."""
