@@ -266,7 +266,7 @@ def sparse_attn_kernel(
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
         raise ValueError(f"unknown io {io!r}: use one of {', '.join(IOS)} ('auto' is resolved per call first: resolve_io)")
-    blocks = -(-window // block_I) + -(-topk // block_I)
+    blocks = blocks_per_token(window, topk, block_I)
     if io == "overlapped" and (
         why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, ablate, blocks)
     ):
@@ -876,27 +876,22 @@ def _sparse_attn_ws(
                 )
                 seesaw_args = (see, bufs, b_i, s_i, h0, bz, n_blk, -(-NB // NS), HB, BI, D2, NS, scale2, io)
 
+            if balanced or seesaw or paired:  # each consumer warpgroup's own fragments (warpgroup 1's exist only here)
+                wg_half = (
+                    _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev),
+                    _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1),
+                )
+
             if tx < 128:
                 if paired:
                     T.set_max_nreg(PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG, 1)
-                    _ws_paired_warpgroup(
-                        _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev),
-                        P0_frag,
-                        bar_o0,
-                        seesaw_args,
-                        halves,
-                        TPC,
-                        bx,
-                        S,
-                        REP,
-                        nxt,
-                    )
+                    _ws_paired_warpgroup(wg_half[0], P0_frag, bar_o0, seesaw_args, halves, TPC, bx, S, REP, nxt)
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
-                    _ws_seesaw_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *seesaw_args)
+                    _ws_seesaw_consumer(wg_half[0], *seesaw_args)
                 elif balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
-                    _ws_balanced_consumer(_WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev), *balanced_args)
+                    _ws_balanced_consumer(wg_half[0], *balanced_args)
                 else:
                     T.set_max_nreg(240, 1)
                     sm = _WsSoftmax(
@@ -911,24 +906,13 @@ def _sparse_attn_ws(
             elif tx < 256:
                 if paired:
                     T.set_max_nreg(PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG, 1)
-                    _ws_paired_warpgroup(
-                        _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1),
-                        P1_frag,
-                        bar_o1,
-                        seesaw_args,
-                        halves,
-                        TPC,
-                        bx,
-                        S,
-                        REP,
-                        nxt,
-                    )
+                    _ws_paired_warpgroup(wg_half[1], P1_frag, bar_o1, seesaw_args, halves, TPC, bx, S, REP, nxt)
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
-                    _ws_seesaw_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *seesaw_args)
+                    _ws_seesaw_consumer(wg_half[1], *seesaw_args)
                 elif balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
-                    _ws_balanced_consumer(_WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1), *balanced_args)
+                    _ws_balanced_consumer(wg_half[1], *balanced_args)
                 else:
                     T.set_max_nreg(168, 1)
                     if helped:
@@ -2849,7 +2833,7 @@ def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: s
     rows = _kernel_rows(kv_format, config.get("kv_staging", "gather"))
     args = (config["schedule"], config.get("produce", "serial"), config.get("consumers", "wg0_scores"), config.get("wg1_rows", 0))
 
-    blocks = -(-dims["W"] // config["block_I"]) + -(-dims["K"] // config["block_I"])
+    blocks = blocks_per_token(dims["W"], dims["K"], config["block_I"])
 
     def overlaps(tokens: int) -> bool:
         return _overlapped_refusal(*args, tokens, config.get("n_split", 1), config["block_I"], rows, blocks=blocks) is None
@@ -2875,6 +2859,11 @@ def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
     kv = bi * d * 2 * stages
     raw = bi * (d // 2 + d // 16) * stages if (config.get("dequant") == "staged" and kv_format == "fp4") else 0
     return q + kv + s + raw + 4 * bi * stages
+
+
+def blocks_per_token(window: int, topk: int, block_I: int) -> int:
+    """KV blocks a token's index lists make: the window's and the top-k's, each rounded up to whole blocks."""
+    return -(-window // block_I) + -(-topk // block_I)
 
 
 def _kernel_rows(kv_format: str, kv_staging: str) -> str:
@@ -2996,7 +2985,7 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
             rows = _kernel_rows(kv_format, resolve_kv_staging(c.get("kv_staging", "gather"), s))
             args = (c["schedule"], c.get("produce", "serial"), c.get("consumers", "wg0_scores"), c.get("wg1_rows", 0))
-            blocks = -(-s["W"] // c["block_I"]) + -(-s["K"] // c["block_I"])
+            blocks = blocks_per_token(s["W"], s["K"], c["block_I"])
             if why := _overlapped_refusal(*args, c.get("tokens_per_cta", 1), n_split, c["block_I"], rows, blocks=blocks):
                 return why
         if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
@@ -3043,7 +3032,7 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
     def split(c, s, a):
         if c.get("n_split", 1) == "auto":
             return None
-        blocks = -(-s["W"] // c["block_I"]) + -(-s["K"] // c["block_I"])
+        blocks = blocks_per_token(s["W"], s["K"], c["block_I"])
         return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
 
     def combine(c, s, a):
