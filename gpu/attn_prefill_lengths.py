@@ -10,6 +10,8 @@ prefill length S (B=1, H=64, window 128, top-k 512), the default and the fixed a
     staged1     io=staged, one token per CTA (the choice below the waves of 2-token CTAs)
     staged4     io=staged, 4 tokens per CTA
     ovl2/4/8    io=overlapped with 2, 4 or 8 tokens per CTA
+    halves1     consumers=paired_halves, io=staged, one token per CTA
+    halves2/4/8 consumers=paired_halves, io=overlapped with 2, 4 or 8 tokens per CTA
 
 Every (length, label) is checked against the reference on fresh inputs (NaN-poisoned outputs) before it is timed
 (CUDA-graph replay: device time); a label the constraints refuse at a length is listed as refused. The table marks
@@ -36,6 +38,11 @@ LABELS = {
     "ovl2": {"io": "overlapped", "tokens_per_cta": 2},
     "ovl4": {"io": "overlapped", "tokens_per_cta": 4},
     "ovl8": {"io": "overlapped", "tokens_per_cta": 8},
+    # the paired consumers with each KV buffer handed over in halves, staged or overlapped (O through the P tiles)
+    "halves1": {"consumers": "paired_halves", "io": "staged", "tokens_per_cta": 1},
+    "halves2": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 2},
+    "halves4": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
+    "halves8": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8},
 }
 LENGTHS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 

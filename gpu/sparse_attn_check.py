@@ -73,6 +73,7 @@ LABELS = {
     "halves_split4": {"consumers": "paired_halves", "n_split": 4},
     "halves_auto": {"consumers": "paired_halves", "kv_staging": "auto"},
     # ... with the next token's Q loaded under the last pair and O stored through the P tiles (io=overlapped)
+    "halves_ovl2": {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2},
     "halves_ovl4": {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 4},
     "halves_ovl8": {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8},
     "halves_ovl8_auto": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8, "kv_staging": "auto"},
@@ -195,6 +196,9 @@ CHECKS = [
     ("sparse_attn_bf16", S777, "halves"),
     ("sparse_attn_prefill", "prefill_s4k", "halves_auto"),
     ("sparse_attn_prefill", S777, "halves_auto"),
+    ("sparse_attn_bf16", "decode_b128_s2", "halves_ovl2"),  # one wave of 2-token CTAs (the tuned winner's ovl2)
+    ("sparse_attn_bf16", "decode_b64_s1", "halves_ovl2"),  # two sequences' tokens in a CTA
+    ("sparse_attn_bf16", H128, "halves_ovl2"),
     ("sparse_attn_bf16", "prefill_s4k", "halves_ovl4"),
     ("sparse_attn_bf16", "prefill_s4k", "halves_ovl8"),
     ("sparse_attn_bf16", H128, "halves_ovl4"),  # two head blocks per token: items alternate head blocks
