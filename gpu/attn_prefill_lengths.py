@@ -1,13 +1,15 @@
-"""Does ``io="auto"`` pick the fastest Q/O handling at every prompt length?
+"""Do ``io="auto"`` and ``consumers="auto"`` pick the fastest Q/O handling and consumers at every prompt length?
 
     python3 gpu/attn_prefill_lengths.py --out $OUT [--tile sparse_attn_prefill] [--lengths 256,512,1024,4096]
 
 The sparse-attention tiles' default ``io="auto"`` resolves per call (``tiles.sparse_attn.resolve_io``): where the
-kernel's rows are bf16 it runs ``overlapped`` with the most of 8, 4 or 2 tokens per CTA that still leave two waves of
-CTAs (IO_AUTO_MIN_WAVES), below that ``staged`` with one token per CTA. This times, at each
-prefill length S (B=1, H=64, window 128, top-k 512), the default and the fixed alternatives it chooses between:
+kernel's rows are bf16 it runs ``overlapped`` with 8, 4 or 2 tokens per CTA or ``staged`` with one, whichever leaves
+the busiest SM the least work (waves of CTAs x work per CTA); ``consumers="auto"`` (``resolve_consumers``) then runs
+paired_halves where that overlaps a prefill's tokens. This times, at each prefill length S (B=1, H=64, window 128,
+top-k 512), the default and the fixed alternatives it chooses between:
 
-    staged1     io=staged, one token per CTA (the choice below the waves of 2-token CTAs)
+    wg0         consumers=wg0_scores with io="auto" (the default before session 22, with session 22's io rule)
+    staged1     io=staged, one token per CTA
     staged4     io=staged, 4 tokens per CTA
     ovl2/4/8    io=overlapped with 2, 4 or 8 tokens per CTA
     halves1     consumers=paired_halves, io=staged, one token per CTA
@@ -33,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 LABELS = {
     "default": {},
+    "wg0": {"consumers": "wg0_scores"},
     "staged1": {"io": "staged", "tokens_per_cta": 1},
     "staged4": {"io": "staged", "tokens_per_cta": 4},
     "ovl2": {"io": "overlapped", "tokens_per_cta": 2},

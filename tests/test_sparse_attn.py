@@ -111,10 +111,14 @@ def test_default_compiles_for_sm90(tile, shape_name):
         assert "combine_kernel" in kernel.combine.get_kernel_source() and "main_kernel" in src
     # io=staged: Q arrives in 16-byte vectors per consumer warpgroup, never as 2-byte element copies (the
     # 384-thread copy that Nsight Compute found taking a third of the prefill kernel's stall samples)
-    # (the prefill and bf16 tiles: io="auto", staged below two waves of 2-token CTAs; every CTA's first Q is staged)
+    # (the prefill and bf16 tiles: io="auto", per call; every CTA's first Q is staged). wg0_scores stages Q in two
+    # halves (Q_l, Q_r); the paired consumers (the prefill default, consumers="auto") each its own half (Q_own)
     assert tile.default_config(SM90)["io"] == ("staged" if tile is sa.DECODE_TILE else "auto")
-    assert re.search(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)Q_l\)", src) and re.search(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)Q_r\)", src)
-    assert not re.search(r"\(\(bfloat16_t\*\)Q_[lr]\)\[[^;]*\] = Q\[", src)
+    consumers = tile.resolve_call(tile.default_config(SM90), shape, SM90)["consumers"]
+    assert consumers == ("paired_halves" if tile is sa.PREFILL_TILE else "wg0_scores")
+    for name in ("Q_own",) if consumers == "paired_halves" else ("Q_l", "Q_r"):
+        assert re.search(rf"\*\(uint4\*\)\(\(\(bfloat16_t\*\){name}(_\d+)?\)", src), name
+    assert not re.search(r"\(\(bfloat16_t\*\)Q_\w+\)\[[^;]*\] = Q\[", src)
 
 
 @pytest.mark.parametrize(
@@ -238,8 +242,8 @@ def test_paired_halves_hand_each_buffer_over_in_halves():
 
 
 def test_paired_halves_overlapped_loads_q_ahead_and_stores_o_through_the_p_tiles(tmp_path):
-    """paired_halves with io="overlapped" (NOT yet run on a GPU): io="auto" picks it for the paired_halves config at
-    prefill 4K (8 tokens per CTA) and not at decode; each warpgroup cp.asyncs its Q half for the next token and stores
+    """paired_halves with io="overlapped" (the prefill default since session 22, consumers="auto"): io="auto" picks it
+    for the paired_halves config at prefill 4K (8 tokens per CTA) and not at decode B=64/S=1 (two splits); each warpgroup cp.asyncs its Q half for the next token and stores
     its O half through its own P tile in four chunks of 64 columns (16-byte vectors), its own 128-arrival barrier
     between them; the producer stores nothing; ptxas without spills at PAIRED_OVL_NREG; refused where a token's blocks
     do not make whole pairs."""
@@ -248,7 +252,7 @@ def test_paired_halves_overlapped_loads_q_ahead_and_stores_o_through_the_p_tiles
     config = tile.with_defaults(SM90, {"consumers": "paired_halves"})
     resolved = tile.resolve_call(config, shape.dims, SM90)
     assert (resolved["io"], resolved["tokens_per_cta"]) == ("overlapped", 8)
-    decode = tile.resolve_call(config, tile.shape("decode_b128_s2").dims, SM90)
+    decode = tile.resolve_call(config, tile.shape("decode_b64_s1").dims, SM90)
     assert (decode["io"], decode["tokens_per_cta"]) == ("staged", 1)
     assert space.violations(config, shape, SM90) == []
     src = tile.build(shape, config, SM90).main.get_kernel_source()
@@ -693,25 +697,27 @@ def test_overlapped_io_is_refused_where_it_cannot_stage_o():
         sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", io="prefetched")
 
 
-def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_enough_waves_of_tokens():
-    """io="auto" (the prefill and bf16 tiles' Hopper default) resolves per call (sa.resolve_io): overlapped with the most
-    tokens per CTA of 8, 4, 2 that leave 1.9 waves of CTAs on the GPU's SMs (IO_AUTO_MIN_WAVES), where the rows are
-    bf16; else staged with the config's own tokens per CTA (kept whenever it names more than one). The kernel refuses
-    an unresolved "auto"."""
+def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_the_waves_of_tokens_cost_least():
+    """io="auto" (the prefill and bf16 tiles' Hopper default) resolves per call (sa.resolve_io): where the rows are
+    bf16, overlapped with 8, 4 or 2 tokens per CTA or staged with one, whichever leaves the busiest SM the least work
+    (sa._io_cost: waves of CTAs x (tokens per CTA + IO_CTA_COST), staged tokens weighing IO_STAGED_TOKEN_COST); else
+    staged with the config's own tokens per CTA (kept whenever it names more than one). The kernel refuses an
+    unresolved "auto"."""
 
     def resolved(tile, dims, over=None):
         cfg = tile.resolve_call(tile.with_defaults(SM90, over or {}), dims, SM90)
         return cfg["io"], cfg["tokens_per_cta"]
 
     prefill = sa.PREFILL_TILE
-    assert resolved(prefill, prefill.shape("prefill_s4k")) == ("overlapped", 8)  # 512 CTAs of 8: >= 2 x 132
-    assert resolved(prefill, prefill.shape("prefill_s64k")) == ("overlapped", 8)
+    assert resolved(prefill, prefill.shape("prefill_s4k")) == ("overlapped", 8)  # 4 waves x 8.12 against 8 x 4.12
+    assert resolved(prefill, prefill.shape("prefill_s64k")) == ("overlapped", 8)  # 63 x 8.12 against 249 x 2.12
     s777 = _shape("s777", "prefill", B=1, S=777, Nc=777, Nw=777)
-    assert resolved(prefill, s777) == ("overlapped", 2)  # 8 and 4 leave fewer than 1.9 x 132 = 250.8 CTAs
-    # 256 CTAs of 2, 4 and 8 at 512, 1024 and 2048 tokens (1.94 waves: as fast or faster than the next count down, as
-    # measured); below 512 tokens the prefill gathers FP4 rows
-    for s, expected in ((500, ("staged", 1)), (512, ("overlapped", 2)), (1024, ("overlapped", 4)), (2048, ("overlapped", 8))):
-        assert resolved(prefill, _shape(f"s{s}", "prefill", B=1, S=s, Nc=s, Nw=s)) == expected, s
+    assert resolved(prefill, s777) == ("overlapped", 2)  # 3 waves x 2.12 against 2 x 4.12, 1 x 8.12, 6 x 1.09
+    # one wave of 4 or 8 tokens a CTA against two of 2 or 4 (the tie goes to the fewer CTAs, as measured); a second wave
+    # half full costs a full one (768: 2 per CTA, as measured); below 512 tokens the prefill gathers FP4 rows
+    for s, tokens in ((500, 1), (512, 4), (768, 2), (1024, 8), (1536, 4), (2048, 8), (16384, 8)):
+        io = "staged" if tokens == 1 else "overlapped"
+        assert resolved(prefill, _shape(f"s{s}", "prefill", B=1, S=s, Nc=s, Nw=s)) == (io, tokens), s
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"kv_staging": "gather"}) == ("staged", 1)  # FP4 rows
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"consumers": "seesaw"}) == ("staged", 1)
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"io": "staged", "tokens_per_cta": 4}) == ("staged", 4)
@@ -719,13 +725,46 @@ def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_enough_waves_of_token
     assert resolved(prefill, prefill.shape("prefill_s4k"), {"tokens_per_cta": 4, "kv_staging": "gather"}) == ("staged", 4)
     bf16 = sa.BF16_TILE
     assert resolved(bf16, bf16.shape("prefill_s4k")) == ("overlapped", 8)
-    for s, expected in ((500, ("staged", 1)), (502, ("overlapped", 2))):  # 250 CTAs of 2 are under 1.9 waves, 251 not
+    # 128 tokens: one wave staged (1.09) against one of 2 per CTA (2.12); 256: one wave of 2 per CTA (2.12) against two
+    # staged (2.18); 384: three staged (3.27) against one wave of 4 per CTA (4.12); 500: 4.12 against 2 x 2.12, 4 x 1.09
+    for s, expected in ((128, ("staged", 1)), (256, ("overlapped", 2)), (384, ("staged", 1)), (500, ("overlapped", 4))):
         assert resolved(bf16, _shape(f"s{s}", "prefill", B=1, S=s, Nc=s, Nw=s)) == expected, s
-    assert resolved(bf16, bf16.shape("decode_b128_s2")) == ("staged", 1)  # 256 items
+    assert resolved(bf16, bf16.shape("decode_b128_s2")) == ("overlapped", 2)  # 256 items: one wave of 2 per CTA
     assert resolved(bf16, bf16.shape("decode_b64_s1")) == ("staged", 1)  # two splits
     assert sa.DECODE_TILE.default_config(SM90)["io"] == "staged"
     with pytest.raises(ValueError, match="resolved per call"):
         sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", io="auto")
+
+
+def test_consumers_auto_pairs_the_blocks_where_io_auto_overlaps_a_prefill():
+    """consumers="auto" (the prefill and bf16 tiles' Hopper default) resolves per call (sa.resolve_consumers):
+    paired_halves where io="auto" overlaps the call's tokens and the call rereads its rows (a prefill), the rest of the
+    config allowing it; else wg0_scores. The bf16 tile's bf16 partials stay the default (wg0_scores wherever there are
+    splits). The kernel refuses an unresolved "auto"."""
+
+    def consumers(tile, dims, over=None):
+        config = tile.with_defaults(SM90, over or {})
+        assert tile.search_space(SM90).violations(config, dims, SM90) == []
+        return tile.resolve_call(config, dims, SM90)["consumers"]
+
+    prefill, bf16 = sa.PREFILL_TILE, sa.BF16_TILE
+    s4k = prefill.shape("prefill_s4k")
+    assert prefill.default_config(SM90)["consumers"] == bf16.default_config(SM90)["consumers"] == "auto"
+    assert sa.DECODE_TILE.default_config(SM90)["consumers"] == "wg0_scores"
+    assert consumers(prefill, s4k) == consumers(bf16, s4k) == "paired_halves"
+    assert bf16.resolve_call(bf16.default_config(SM90), s4k, SM90)["partials"] == "fp32"  # one split: no partials
+    assert consumers(prefill, _shape("s384", "prefill", B=1, S=384, Nc=384, Nw=384)) == "wg0_scores"  # FP4 rows
+    assert consumers(prefill, s4k, {"io": "staged"}) == "wg0_scores"  # io named: no overlap to pair with
+    assert consumers(prefill, s4k, {"io": "overlapped", "tokens_per_cta": 4}) == "wg0_scores"  # io named
+    assert consumers(prefill, s4k, {"handoff": "before_pv"}) == "wg0_scores"  # wg0_scores' option
+    w37 = _shape("w37", "prefill", B=1, S=4096, Nc=4096, Nw=4096, W=37)  # 9 blocks a token: no whole pairs
+    assert consumers(prefill, w37) == "wg0_scores"
+    # decode: rows read about once (paired_halves overlapped lost at B=128/S=2), or split
+    assert consumers(bf16, bf16.shape("decode_b128_s2")) == "wg0_scores"
+    assert bf16.resolve_call(bf16.default_config(SM90), bf16.shape("decode_b64_s1"), SM90)["partials"] == "bf16"
+    assert "wgmma" in prefill.build(s4k, prefill.default_config(SM90), SM90).main.get_kernel_source()
+    with pytest.raises(ValueError, match="resolved per call"):
+        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", consumers="auto")
 
 
 def test_timing_ablations_build_outside_the_search_space():
@@ -733,7 +772,7 @@ def test_timing_ablations_build_outside_the_search_space():
     schedule they cut into, and can never be proposed by the tuner or named in a config."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
     assert "ablate" not in tile.search_space(SM90).names()
-    cfg = tile.with_defaults(SM90, {"kv_staging": "gather", "io": "staged"})
+    cfg = tile.resolve_call(tile.with_defaults(SM90, {"kv_staging": "gather", "io": "staged"}), shape, SM90)
     kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate="producer_idle")
     src = kernel.main.get_kernel_source()
     assert "csa2_fp4x8_bf16_prmt((&(vals[0]))" not in src  # the producer decodes nothing (the default: 16 calls)
@@ -773,7 +812,7 @@ def test_producer_ablations_cut_what_they_say(ablate):
     """gpu/attn_ablation.py's producer-side variants remove exactly the work they name from the FP4 producer (counted in
     the generated CUDA), so a timing run measures what its label says."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    cfg = tile.with_defaults(SM90, {"kv_staging": "gather", "io": "staged"})
+    cfg = tile.resolve_call(tile.with_defaults(SM90, {"kv_staging": "gather", "io": "staged"}), shape, SM90)
     kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate=ablate)
     src = kernel.main.get_kernel_source()
     counts = (
@@ -790,7 +829,7 @@ def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
     from the bf16 prefill kernel (the kernel behind the expansion) and nothing else a timing could see; they are
     refused where there is no staged Q or one-split O to cut."""
     tile, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
-    cfg = {**tile.with_defaults(SM90, {}), "n_split": 1, "io": "staged"}
+    cfg = tile.resolve_call(tile.with_defaults(SM90, {"n_split": 1, "io": "staged"}), shape, SM90)  # wg0_scores
     counts = {}
     for ablate in ("", "no_q_load", "no_o_store"):
         kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90, ablate=ablate)

@@ -256,6 +256,8 @@ def sparse_attn_kernel(
     ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
     ``ablate`` (timing only, wrong results by design; never in the search space): see :data:`ABLATIONS`.
     """
+    if consumers == "auto":
+        raise ValueError("consumers='auto' is resolved per call first: resolve_consumers")
     if combine == "fused" and (schedule != "ws" or n_split == 1 or tokens_per_cta != 1):
         raise ValueError("combine='fused' merges split partials in the ws kernel: schedule='ws', n_split > 1, tokens_per_cta=1")
     if partials not in PARTIALS:
@@ -2800,33 +2802,55 @@ def resolve_kv_staging(kv_staging: str, dims: Mapping[str, int]) -> str:
     (B * (Nw + Nc)) at least EXPAND_MIN_READS times on average, else "gather"."""
     if kv_staging != "auto":
         return kv_staging
-    tokens = dims["B"] * dims["S"]
+    return "expand" if dims["B"] * dims["S"] >= EXPAND_MIN_TOKENS and _rereads_rows(dims) else "gather"
+
+
+def _rereads_rows(dims: Mapping[str, int]) -> bool:
+    """True when the call's W + K gathered rows a token read every row of its caches (B * (Nw + Nc)) at least
+    EXPAND_MIN_READS times on average: a prefill, whose rows stay in L2 between their reads."""
     rows = dims["B"] * (dims["Nw"] + dims["Nc"])
-    expands = tokens >= EXPAND_MIN_TOKENS and tokens * (dims["W"] + dims["K"]) >= EXPAND_MIN_READS * rows
-    return "expand" if expands else "gather"
+    return dims["B"] * dims["S"] * (dims["W"] + dims["K"]) >= EXPAND_MIN_READS * rows
 
 
-IO_AUTO_TOKENS = (8, 4, 2)  # io="auto": the most tokens per CTA that leave ...
-IO_AUTO_MIN_WAVES = 1.9  # ... at least this many waves of CTAs (one CTA per SM): a second wave at least 90% full
-# io="auto" (the Hopper prefill default): overlapped where the call's rows are bf16 and it has enough tokens, else
-# staged. H200, one run each (results/sm90/bench/bench_sparse_attn_prefill_overlapped8.json against the default in the
-# call before): io=overlapped with 8 tokens per CTA at prefill 4K 0.7221 vs 0.7709 ms, 16K 2.9139 vs 3.0238, 64K
-# 12.1816 vs 12.7303; at 4K 2, 4 and 8 tokens per CTA all beat staged (sparse_attn_overlapped_session20.json).
-# The wave threshold, H200, one run per tile (results/sm90/attn_prefill_lengths_{prefill,bf16}_session21.json, prompts
-# of 512-4096 tokens, every config checked first): with 1.94 waves of CTAs, i.e. 2, 4 or 8 tokens per CTA at 512, 1024
-# or 2048 tokens, the larger count was as fast or faster than the default of then (threshold 2) in both tiles: 512
-# tokens 0.1005 / 0.0984 ms against 0.1072 / 0.1058 staged; 1024 0.1877 / 0.1854 against 0.1911 / 0.1893 with 2 per
-# CTA; 2048 0.3646 / 0.3644 against 0.3594 / 0.3655 with 4 (level). With 1.45 waves it lost by 26% (768 tokens, 4 per
-# CTA: 0.1830 against 0.1455 ms) and 27% (1536, 8 per CTA). Below 1.9 waves of 2-token CTAs (fewer than 502
-# tokens on the H200) the calls stay staged.
+IO_AUTO_TOKENS = (8, 4, 2)  # io="auto": the tokens per CTA it chooses between with overlapped (staged runs one)
+IO_STAGED_TOKEN_COST = 1.09  # ... in units of an overlapped token's time: a token with io=staged
+IO_CTA_COST = 0.12  # ... and an overlapped CTA's exposed first Q load and last O store
+# io="auto" (the Hopper default of the prefill and bf16 tiles): overlapped where the call's rows are bf16 and it has the
+# tokens, else staged, at the tokens per CTA that leave the busiest SM the least work: ceil(CTAs / SMs) waves x (tokens
+# per CTA + IO_CTA_COST), or with staged ceil(items / SMs) x IO_STAGED_TOKEN_COST (:func:`_io_cost`). Both costs come
+# from the H200 block-scaling fits at top-k 512 (10 blocks a token): wg0_scores staged 1.946 us a block + 5.72 a token
+# against overlapped 2.022 + 2.86 (25.2 / 23.1 us a token; 5.72 - 2.86 = 0.12 x 23.1), paired_halves 1.829 + 5.99
+# against 1.895 + 3.27 (24.3 / 22.2; 0.12 x 22.2) (results/sm90/attn_block_scaling_bf16_*_session2{0,1,2}*.json).
+# What the rule reproduces, H200 (results/sm90/attn_prefill_lengths_*_session2{1,2}*.json, every config checked first):
+# - 768 tokens: 2 per CTA (3 waves x 2.12 = 6.4) 0.1458 against 4 per CTA (2 waves x 4.12 = 8.2) 0.1830 ms, and 1536:
+#   4 per CTA 0.2742 against 8 per CTA 0.3484 (a second wave half full costs as much as a full one);
+# - 256 tokens (bf16): 2 per CTA (one wave, 2.12) 2.5% faster than staged (two waves, 2 x 1.09); 384: staged
+#   (3 x 1.09 against 2 x 2.12) 19% faster than 2 per CTA;
+# - paired_halves, 512 tokens: 4 per CTA (one wave) 0.0923 / 0.0904 ms (prefill / bf16 tile) against 2 per CTA (two
+#   waves) 0.0946 / 0.0931; 16384: 8 per CTA 2.8064 / 2.8909 against 2 per CTA (fewer ceiling slots, more CTAs)
+#   2.8527 / 2.9369. At 1024-16384 tokens 8 and 4 per CTA were within 1% but at 4096 in the prefill tile (0.6908
+#   against 0.6656 ms, 4 per CTA faster; the bf16 tile 0.7190 against 0.7239, and in another run 0.6997 against
+#   0.7013, 8 per CTA faster).
+# - bf16 decode B=128/S=2 (256 items): 2 per CTA (one wave) 0.0585 against staged's 0.0636 ms (the stored tuned
+#   winner of sessions 20-21; sparse_attn_run_default_ovl2_halves_ovl2_session22.json).
+
+
+def _io_cost(items: int, io: str, tokens: int, sm_count: int) -> float:
+    """The busiest SM's work, in overlapped token times, when ``items`` (token, head block) items go ``tokens`` to a CTA
+    with ``io`` ("staged" or "overlapped"), one CTA per SM at a time: the waves of CTAs (the last one part full) times a
+    CTA's work."""
+    ctas = -(-items // tokens)
+    waves = -(-ctas // sm_count)
+    return waves * (tokens * IO_STAGED_TOKEN_COST if io == "staged" else tokens + IO_CTA_COST)
 
 
 def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: str) -> tuple[str, int]:
-    """(io, tokens_per_cta) for one call of ``dims`` (B, S, H) under ``config`` (``n_split`` and ``kv_staging``
-    resolved). ``io="auto"``: "overlapped" where the kernel's rows are bf16 (bf16 KV, or FP4 expanded) and the config
-    is one io=overlapped is built for, else "staged". The tokens per CTA are the config's when it names more than one;
-    with one (the default) and overlapped, the most of IO_AUTO_TOKENS that still give IO_AUTO_MIN_WAVES waves of CTAs
-    (staged with one token per CTA when none does). Any other io is returned as it is."""
+    """(io, tokens_per_cta) for one call of ``dims`` (B, S, H) under ``config`` (``n_split``, ``kv_staging`` and
+    ``consumers`` resolved). ``io="auto"``: "overlapped" where the kernel's rows are bf16 (bf16 KV, or FP4 expanded) and
+    the config is one io=overlapped is built for, else "staged". The tokens per CTA are the config's when it names more
+    than one; with one (the default), the choice of overlapped with each of IO_AUTO_TOKENS and staged with one token per
+    CTA that leaves the busiest SM the least work (:func:`_io_cost`; ties to more tokens per CTA). Any other io is
+    returned as it is."""
     io, tpc = config.get("io", "direct"), int(config.get("tokens_per_cta", 1))
     if io != "auto":
         return io, tpc
@@ -2841,10 +2865,42 @@ def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: s
     if tpc > 1:
         return ("overlapped" if overlaps(tpc) else "staged"), tpc
     items = dims["B"] * dims["S"] * (dims["H"] // config["heads_per_block"])
-    for tokens in IO_AUTO_TOKENS:
-        if overlaps(tokens) and -(-items // tokens) >= IO_AUTO_MIN_WAVES * arch.sm_count:
-            return "overlapped", tokens
-    return "staged", tpc
+    staged = (_io_cost(items, "staged", 1, arch.sm_count), -1, "staged", 1)
+    overlapped = [(_io_cost(items, "overlapped", t, arch.sm_count), -t, "overlapped", t) for t in IO_AUTO_TOKENS if overlaps(t)]
+    _, _, io, tpc = min([staged, *overlapped])
+    return io, tpc
+
+
+# consumers="auto" (the Hopper default of the prefill and bf16 tiles): paired_halves where io="auto" takes it to
+# io=overlapped and the call rereads its KV rows (EXPAND_MIN_READS: a prefill), else wg0_scores. H200, one run per tile,
+# every config checked first (results/sm90/attn_prefill_lengths_*_session22.json; ms, prefill tile / bf16 tile, the
+# default of then: wg0_scores with io="auto"): 512 tokens 0.0923 / 0.0904 against 0.1004 / 0.0991, 1024 0.1749 / 0.1723
+# against 0.1885 / 0.1898, 2048 0.3377 / 0.3377 against 0.3645 / 0.3618, 4096 0.6656-0.6908 / 0.7190 against 0.7099 /
+# 0.7178 (the bf16 tile level; another run 0.6806 / 0.6997 against 0.7105 / 0.7176), 16384 2.8064 / 2.8909 against
+# 2.9084 / 3.0002. At bf16 decode B=128/S=2 (rows read about once) paired_halves with io=overlapped lost: 0.0632
+# against wg0_scores' 0.0585 ms at 2 tokens per CTA in the same run.
+
+
+def resolve_consumers(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: str) -> Config:
+    """``config`` with ``consumers="auto"`` resolved for one call of ``dims``: "paired_halves" where ``io`` is "auto"
+    and takes it to "overlapped", the call rereads its KV rows (a prefill) and the constraints allow it; else
+    "wg0_scores". paired_halves runs one split, so bf16 ``partials`` (nothing to store) become fp32. Any other
+    ``consumers`` is returned as it is."""
+    if config.get("consumers") != "auto":
+        return config
+    probe = {**config, "consumers": "paired_halves"}
+    if "partials" in probe:
+        probe["partials"] = "fp32"  # io=overlapped runs one split: no partials, the same kernel
+    staging = resolve_kv_staging(config.get("kv_staging", "gather"), dims)
+    n_split = resolve_split(config.get("n_split", 1), dims["B"], dims["S"], dims["H"], config["heads_per_block"], arch, config["schedule"])
+    resolved = {**probe, "kv_staging": staging, "n_split": n_split}
+    halves = (
+        config.get("io") == "auto"
+        and _rereads_rows(dims)
+        and resolve_io(resolved, dims, arch, kv_format)[0] == "overlapped"
+        and not any(con.check(probe, dims, arch) for con in _constraints(kv_format))
+    )
+    return probe if halves else {**config, "consumers": "wg0_scores"}
 
 
 def smem_bytes(config: Config, shape: Shape, kv_format: str) -> int:
@@ -2907,7 +2963,9 @@ def _overlapped_refusal(
 
 def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     """Why partials="bf16" cannot run with config ``c``, or None (either KV format)."""
-    if c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores" or c.get("combine", "separate") != "separate":
+    # consumers="auto" is wg0_scores wherever there are splits (its paired_halves runs io=overlapped: one split)
+    consumers = c.get("consumers", "wg0_scores")
+    if c["schedule"] != "ws" or consumers not in ("wg0_scores", "auto") or c.get("combine", "separate") != "separate":
         return "partials=bf16 is built into the ws kernel's wg0_scores consumers with the separate combine"
     return None
 
@@ -3050,8 +3108,12 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
         return None if n_split > 1 else "combine=fused merges split partials: n_split resolves to 1 here, nothing to combine"
 
+    def on_resolved_consumers(check):
+        """``check`` of the config with consumers="auto" resolved for the shape (resolve_consumers)."""
+        return lambda c, s, a: check(resolve_consumers(c, s, a, kv_format), s, a)
+
     constraints = (heads, registers, warpgroups, ws_shape, producer, shared, split, combine)
-    return tuple(Constraint(f.__name__, f) for f in constraints)
+    return tuple(Constraint(f.__name__, on_resolved_consumers(f)) for f in constraints)
 
 
 class SparseAttnTile(Tile):
@@ -3090,14 +3152,15 @@ class SparseAttnTile(Tile):
             ),
             Param(
                 "consumers",
-                ("wg0_scores", "balanced", "balanced_overlap", "seesaw", "paired", "paired_halves"),
+                ("wg0_scores", "balanced", "balanced_overlap", "seesaw", "paired", "paired_halves", "auto"),
                 "ws consumer split: warpgroup 0 computes all of S and the softmax (both then compute half of O), or each "
                 "warpgroup half of S's rows and its softmax with the row max exchanged through shared memory (overlap: "
                 "P V left in flight under the next block's QK^T), or whole blocks in turn with P, the rescale and the "
                 "running max handed over (seesaw: one warpgroup's QK^T under the other's softmax), or the two blocks "
                 "of a pair at once, the max handed from warpgroup 0 to 1 and back, each warpgroup's own P V from "
                 "registers (paired: FlashMLA's sparse prefill schedule; paired_halves: with each KV buffer handed "
-                "over in halves, bf16 rows)",
+                "over in halves, bf16 rows); auto: paired_halves where io=auto overlaps a prefill's tokens "
+                "(resolve_consumers), else wg0_scores",
             ),
             Param(
                 "tokens_per_cta",
@@ -3204,6 +3267,10 @@ class SparseAttnTile(Tile):
         cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
         if cfg["schedule"] == "ws" and (not self.splits or self.kv_format == "bf16"):
             cfg["io"] = "auto"
+            # ... and there FlashMLA's paired consumers with the buffers handed over in halves where io=auto overlaps a
+            # prefill's tokens (consumers="auto", see resolve_consumers): prefill 4K 0.6806 against 0.7105 ms, 1K
+            # 0.1749 against 0.1885 (sparse_attn_run_default_halves*_session22.json, attn_prefill_lengths_*_session22.json)
+            cfg["consumers"] = "auto"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
         # (results/sm90/sparse_attn_run4_regs10.json)
         cfg["ptxas_level"] = 10 if arch.family == "hopper" else 0
@@ -3262,12 +3329,14 @@ class SparseAttnTile(Tile):
 
     def resolve_call(self, config: Config, dims: Mapping[str, int], arch: Arch) -> Config:
         """``config`` (full) with its per-call choices resolved for one call of ``dims`` (a Shape or its dims), in the
-        order they depend on each other: ``n_split``, then ``kv_staging``, then ``io`` and ``tokens_per_cta``."""
+        order they depend on each other: ``n_split``, then ``kv_staging``, then ``consumers``, then ``io`` and
+        ``tokens_per_cta``."""
         cfg = dict(config)
         if self.splits:
             cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch, cfg["schedule"])
         if "kv_staging" in cfg:
             cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], dims)
+        cfg = resolve_consumers(cfg, dims, arch, self.kv_format)
         cfg["io"], cfg["tokens_per_cta"] = resolve_io(cfg, dims, arch, self.kv_format)
         return cfg
 
@@ -3337,14 +3406,24 @@ class SparseAttnPrefill(SparseAttnTile):
     splits = False
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
-        """Hopper: several tokens per CTA on the expanded caches (the producer runs into the next token), with the next
-        token's Q load and this one's O store off the consumers' path (io=overlapped), the seesaw consumers on them
-        (the fastest chain measured alone), the gathering path beside the expanding default (so a study times both),
-        and the gathering path's best options (within ~1% of it at prefill 4K before the expansion)."""
+        """Hopper: the default's paired_halves at 4 tokens per CTA (io=auto takes 8 at 4K), its wg0_scores consumers
+        (the default before session 22), several tokens per CTA on the expanded caches (the producer runs into the next
+        token), with the next token's Q load and this one's O store off the consumers' path (io=overlapped), the seesaw
+        consumers on them (the fastest chain measured alone), the gathering path beside the expanding default (so a
+        study times both), and the gathering path's best options (within ~1% of it at prefill 4K before the
+        expansion)."""
         if arch.family != "hopper":
             return []
         gather = {"kv_staging": "gather"}
         return [
+            (
+                {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
+                "prefill 4K 0.6656 against 8 per CTA's 0.6908 ms in one run (attn_prefill_lengths_prefill_session22.json)",
+            ),
+            (
+                {"consumers": "wg0_scores"},
+                "the default before session 22: prefill 4K 0.7099 against paired_halves' 0.6656-0.6908 ms in one run",
+            ),
             (
                 {"io": "overlapped", "tokens_per_cta": 4},
                 (
@@ -3390,13 +3469,36 @@ class SparseAttnBf16(SparseAttnTile):
             return []
         overlapped = "{} {} against io=staged's {} ms in one run (sparse_attn_overlapped_session20.json)"
         halves = (
-            {"consumers": "paired_halves"},
+            {"consumers": "paired_halves", "io": "staged"},  # io=auto would overlap 2 tokens per CTA: 0.0632 ms
             "bf16 decode B=128/S=2 0.0606 vs the default's 0.0633 and 0.0634 ms in two runs (sparse_attn_paired_halves*_session21.json)",
         )
         if shape.phase != "decode":  # io=auto picks 8 tokens per CTA at prefill 4K: 0.7406 ms in that run
-            return [({"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7517", "0.7739"))]
+            return [
+                ({"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7517", "0.7739")),
+                (
+                    {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "n_split": 1},
+                    (
+                        "bf16 prefill 4K 0.7239 against 8 per CTA's 0.7190 ms, 0.7013 against 0.6997 in another run; 4 per CTA "
+                        "was 3.8% faster in the FP4 tile (attn_prefill_lengths_*_session22.json)"
+                    ),
+                ),
+                (
+                    {"consumers": "wg0_scores"},
+                    (
+                        "the default before session 22: bf16 prefill 4K 0.7178 against paired_halves' 0.7190 ms in one run, "
+                        "0.7176 against 0.6997 in another"
+                    ),
+                ),
+            ]
         return [
-            # one wave of 2-token CTAs: io=auto stays staged there (it wants 1.9 waves, IO_AUTO_MIN_WAVES)
+            (
+                {"io": "staged"},
+                (
+                    "the default before session 22 (one token per CTA at decode B=128/S=2): 0.0636 against 2 per CTA's 0.0585 ms "
+                    "in one run (sparse_attn_run_default_ovl2_halves_ovl2_session22.json)"
+                ),
+            ),
+            # one wave of 2-token CTAs: what io=auto takes at B=128/S=2 (resolve_io), named for the other decode shapes
             ({"io": "overlapped", "tokens_per_cta": 2, "n_split": 1}, overlapped.format("bf16 decode B=128/S=2", "0.0583", "0.0636")),
             (
                 {"io": "staged", "tokens_per_cta": 4},
