@@ -158,6 +158,21 @@ def test_relative_l2_nan_and_inf_positions_must_match():
     assert not relative_l2({"y": torch.ones(3)}, {"y": ref}, tol=1.0).ok
 
 
+def test_relative_l2_in_chunks_is_the_whole_tensors_error(monkeypatch):
+    """The chunked comparison (big outputs: a 64K prefill's is 8 GiB as fp32) gives the error of the whole tensors,
+    and finds a NaN or inf in any chunk."""
+    import tiles.compare
+
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(4, 250, generator=g).to(torch.bfloat16)
+    out = ref.float() + 1e-2 * torch.randn(4, 250, generator=g)
+    whole = ((out - ref.float()).norm() / ref.float().norm()).item()
+    monkeypatch.setattr(tiles.compare, "CHUNK", 64)  # 16 chunks, the last one part full
+    assert relative_l2({"y": out}, {"y": ref}, tol=1.0).error == pytest.approx(whole, rel=1e-5)
+    out[3, 249] = float("nan")  # in the last chunk
+    assert not relative_l2({"y": out}, {"y": ref}, tol=1.0).ok
+
+
 def test_relative_l2_zero_reference_uses_absolute_error():
     zero = torch.zeros(8)
     assert relative_l2({"y": zero.clone()}, {"y": zero}, tol=0).ok
