@@ -1052,7 +1052,7 @@ GPU_CASES = [
     (sa.BF16_TILE, "decode_b128_s2", {"consumers": "paired_halves", "n_split": 4}),
     (sa.BF16_TILE, "decode_b64_s1", {"consumers": "paired_halves", "n_split": 8}),
     (sa.BF16_TILE, "decode_b64_s1", {"consumers": "paired_halves", "unused_rows": "zeros"}),
-    # ... with io=overlapped (NOT yet run on a GPU): the next token's Q under the last pair, O through the P tiles
+    # ... with io=overlapped (the prefill default since session 22): the next token's Q under the last pair, O through the P tiles
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8}),
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2}),
     (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "kv_staging": "expand"}),

@@ -1451,7 +1451,7 @@ def _ws_paired_consumer(
     the other warpgroup's P V, which frees it. Each warpgroup's QK^T starts on its own half, which the producer
     refills first.
 
-    ``nxt`` (io="overlapped", paired_halves, an even block count; NOT yet run on a GPU): token ``j`` of the CTA's run
+    ``nxt`` (io="overlapped", paired_halves, an even block count; the prefill default since session 22): token ``j`` of the CTA's run
     (the _WsTokens), its pairs numbered on from the tokens before (barrier phases). In a token's last pair each
     warpgroup, once both QK^T are done (past its wait for the other's max), copies its half of the next token's Q by
     cp.async, arriving on the Q barrier as it lands. Its O half goes out through its own P tile (``bar_own``: its
@@ -2170,7 +2170,7 @@ def _ws_produce_halves(src, dims, bufs, pair_rows, b_i, s_i, lo, n_blk, max_blk,
 def _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt):
     """The producer under paired_halves with io="overlapped": :func:`_ws_produce_halves` over the CTA's run of tokens
     (n_blk even, one split), the pair index and the barrier phases running on across them and the row fetch crossing
-    into the next token. NOT yet run on a GPU."""
+    into the next token (the prefill default since session 22: consumers="auto")."""
     rows_a, rows_b, rows_a2, rows_b2 = pair_rows
     b0, b1 = bufs
     npairs = n_blk // 2
