@@ -767,6 +767,27 @@ def test_consumers_auto_pairs_the_blocks_where_io_auto_overlaps_a_prefill():
         sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", consumers="auto")
 
 
+def test_constraints_resolve_consumers_auto_once_per_config_and_shape(monkeypatch):
+    """The constraints that read ``consumers`` judge "auto" as it resolves at the shape, resolving it once for the
+    constraints of one config and shape (the tuner enumerates millions of configs), and again for another shape."""
+    calls = []
+    real = sa.resolve_consumers
+    monkeypatch.setattr(sa, "resolve_consumers", lambda c, s, a, k: calls.append(s["W"]) or real(c, s, a, k))
+    tile = sa.BF16_TILE
+    space, config = tile.search_space(SM90), tile.with_defaults(SM90, {})
+    s4k, w37 = tile.shape("prefill_s4k"), _shape("w37", "prefill", B=1, S=4096, Nc=4096, Nw=4096, W=37)
+    for shape in (s4k, s4k, w37, s4k):
+        assert space.violations(config, shape, SM90) == []
+    assert calls == [128, 37, 128]  # s4k (the second check of it: remembered), w37, s4k again
+    assert space.violations({**config, "consumers": "wg0_scores"}, s4k, SM90) == [] and len(calls) == 3
+    # the resolution is what the constraints see: paired_halves at 4K needs whole pairs, so an odd top-k block count
+    # resolves to wg0_scores and stays valid; named, paired_halves with io=overlapped is refused there
+    odd = _shape("odd", "prefill", B=1, S=4096, Nc=4096, Nw=4096, K=448)  # 2 + 7 blocks
+    assert space.violations(config, odd, SM90) == []
+    named = {**config, "consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8, "partials": "fp32"}
+    assert any("whole pairs" in r for r in space.violations(named, odd, SM90))
+
+
 def test_timing_ablations_build_outside_the_search_space():
     """gpu/attn_ablation.py's variants (wrong results by design) compile for sm90, are refused outside the default ws
     schedule they cut into, and can never be proposed by the tuner or named in a config."""

@@ -3108,12 +3108,26 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
         return None if n_split > 1 else "combine=fused merges split partials: n_split resolves to 1 here, nothing to combine"
 
+    # the last "auto" config resolved, (key, config), replaced whole: the tuner enumerates a space in a thread
+    last: list = [None]
+
+    def resolved(c, s, a):
+        if c.get("consumers") != "auto":
+            return c
+        key = (tuple(sorted(c.items())), tuple(sorted(getattr(s, "dims", s).items())), a.name)
+        entry = last[0]
+        if entry is None or entry[0] != key:
+            entry = last[0] = (key, resolve_consumers(c, s, a, kv_format))
+        return entry[1]
+
     def on_resolved_consumers(check):
         """``check`` of the config with consumers="auto" resolved for the shape (resolve_consumers)."""
-        return lambda c, s, a: check(resolve_consumers(c, s, a, kv_format), s, a)
+        return lambda c, s, a: check(resolved(c, s, a), s, a)
 
+    # the ones that read ``consumers`` see "auto" resolved (the tuner's enumeration of a space checks millions)
+    reads_consumers = (producer, shared, combine)
     constraints = (heads, registers, warpgroups, ws_shape, producer, shared, split, combine)
-    return tuple(Constraint(f.__name__, on_resolved_consumers(f)) for f in constraints)
+    return tuple(Constraint(f.__name__, on_resolved_consumers(f) if f in reads_consumers else f) for f in constraints)
 
 
 class SparseAttnTile(Tile):
