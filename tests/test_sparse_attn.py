@@ -627,6 +627,32 @@ def test_unused_rows_zeros_predicates_the_bf16_copies():
     assert "unused_rows" not in sa.DECODE_TILE.search_space(SM90).names()
 
 
+def test_kv_l2_evict_last_hints_every_bf16_row_copy():
+    """kv_l2=evict_last (NOT yet a default): every 16-byte copy of a bf16 KV row by the ws batched producer carries an
+    L2 evict_last policy (the zero-filling ones keep their predicate), and only those: the Q copies stay plain. "normal"
+    builds what the key's absence builds. Refused where another producer copies bf16 rows; FP4/FP8 rows unaffected."""
+    for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
+        shape = tile.shape("prefill_s4k")
+        assert tile.default_config(SM90)["kv_l2"] == "normal"
+        cfg = tile.with_defaults(SM90, {**extra, "kv_l2": "evict_last"})
+        assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
+        src = tile.build(shape, cfg, SM90).main.get_kernel_source()
+        assert "createpolicy.fractional.L2::evict_last.b64" in src and "L2::cache_hint.L2::256B" in src
+        # paired_halves (the default here): one copy site per half and row source, zero-filling (unused_rows=zeros)
+        assert src.count("csa2_cp_async16_keep_if((&") == 8 and "cp_async_gs_conditional" not in src
+        assert src.count("cp_async_gs<16>") == 2  # each warpgroup's copies of the next token's Q half
+        normal = tile.build(shape, tile.with_defaults(SM90, {**extra, "kv_l2": "normal"}), SM90).main.get_kernel_source()
+        assert "csa2_cp_async16_keep" not in normal and normal.count("cp_async_gs_conditional<16>") == 8
+    gather = sa.PREFILL_TILE.with_defaults(SM90, {"kv_staging": "gather"})
+    shape = sa.PREFILL_TILE.shape("prefill_s4k")
+    sources = {sa.PREFILL_TILE.build(shape, {**gather, "kv_l2": v}, SM90).main.get_kernel_source() for v in sa.KV_L2S}
+    assert len(sources) == 1  # FP4 rows decoded by the producer: the key does not apply
+    for tile, extra in ((sa.BF16_TILE, {"produce": "serial"}), (sa.BF16_TILE, {"schedule": "pipelined"})):
+        cfg = tile.with_defaults(SM90, {**extra, "kv_l2": "evict_last"})
+        assert any("kv_l2" in r for r in tile.search_space(SM90).violations(cfg, tile.shape("prefill_s4k"), SM90)), extra
+    assert "kv_l2" not in sa.DECODE_TILE.search_space(SM90).names()
+
+
 @pytest.mark.parametrize("arch_name", ["sm80", "sm86", "sm89", "sm90"])
 def test_kv_staging_expand_compiles_everywhere(arch_name):
     """The expansion calls the gathering producer's own decode helpers (so the bf16 rows are its bits), and the
@@ -861,6 +887,18 @@ def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
     for bad in ({"io": "direct"}, {"n_split": 2}):
         with pytest.raises(ValueError, match="ablate"):
             sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", ablate="no_q_load", **bad)
+    # paired_halves with io=overlapped (the prefill default): the next token's Q copies, and O's stores from the P tile
+    halves = {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8}
+    cfg = tile.resolve_call(tile.with_defaults(SM90, halves), shape, SM90)
+    counts = {}
+    for ablate in ("", "no_q_load", "no_o_store"):
+        kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90, ablate=ablate)
+        src = kernel.main.get_kernel_source()
+        counts[ablate] = (src.count("cp_async_gs<16>"), src.count("*(uint4*)(Out +"), src.count("wgmma"), "ablate" in src)
+    assert counts[""][:2] == (2, 2) and counts["no_q_load"][:2] == (0, 2) and counts["no_o_store"][:2] == (2, 0)
+    assert len({c[2:] for c in counts.values()}) == 1
+    with pytest.raises(ValueError, match="ablat"):
+        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", ablate="no_softmax", **halves)
 
 
 FUSED = {"combine": "fused", "partials": "fp32"}  # the fused combine merges fp32 partials (the Hopper default is bf16)
@@ -1077,6 +1115,9 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8}),
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2}),
     (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "kv_staging": "expand"}),
+    # kv_l2=evict_last: the bf16 row copies under an L2 policy (the prefill default's producer, the decode's batched one)
+    (sa.PREFILL_TILE, "prefill_s4k", {"kv_l2": "evict_last", "kv_staging": "expand"}),
+    (sa.BF16_TILE, "decode_b128_s2", {"kv_l2": "evict_last"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     # the Ada default's layout (32 heads over 4 warps: the softmax reduces across warps through a shared workspace

@@ -239,6 +239,7 @@ def sparse_attn_kernel(
     partials: str = "fp32",
     ablate: str = "",
     unused_rows: str = "row0",
+    kv_l2: str = "normal",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -264,6 +265,8 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
+    if kv_l2 not in KV_L2S or (kv_l2 != "normal" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
+        raise ValueError(f"kv_l2 {kv_l2!r}: one of {', '.join(KV_L2S)}; 'evict_last' is the ws batched producer's bf16 KV copy")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
@@ -275,20 +278,26 @@ def sparse_attn_kernel(
         raise ValueError(why)
     if consumers == "paired_halves" and (why := _halves_refusal(schedule, produce, tokens_per_cta, kv_format, ablate, io)):
         raise ValueError(why)
-    # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are
-    if ablate and (
-        ablate not in ABLATIONS
-        or schedule != "ws"
-        or (consumers != "wg0_scores" and ablate in _CONSUMER_ABLATIONS)
-        or tokens_per_cta != 1
-        or produce != "batched"
-        or wg1_rows
-        or (ablate in _EDGE_ABLATIONS and (io != "staged" or n_split != 1))
+    # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are;
+    # the Q-load and O-store cuts also into paired_halves with io=overlapped (the prefill default's path)
+    halves_edges = ablate in _EDGE_ABLATIONS and consumers == "paired_halves" and io == "overlapped"
+    if (
+        ablate
+        and not halves_edges
+        and (
+            ablate not in ABLATIONS
+            or schedule != "ws"
+            or (consumers != "wg0_scores" and ablate in _CONSUMER_ABLATIONS)
+            or tokens_per_cta != 1
+            or produce != "batched"
+            or wg1_rows
+            or (ablate in _EDGE_ABLATIONS and (io != "staged" or n_split != 1))
+        )
     ):
         raise ValueError(
             f"ablate={ablate!r}: one of {', '.join(ABLATIONS)}, for the ws kernel's batched producer (and, for "
             f"{', '.join(_CONSUMER_ABLATIONS)}, its wg0_scores consumers; for {', '.join(_EDGE_ABLATIONS)}, "
-            "io='staged' with one split), one token per CTA"
+            "io='staged' with one split, or paired_halves with io='overlapped'), one token per CTA"
         )
     if schedule == "ws":
         return _sparse_attn_ws(
@@ -313,6 +322,7 @@ def sparse_attn_kernel(
             partials,
             ablate,
             unused_rows,
+            kv_l2,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -558,6 +568,7 @@ def _sparse_attn_ws(
     partials="fp32",
     ablate="",
     unused_rows="row0",
+    kv_l2="normal",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -713,8 +724,8 @@ def _sparse_attn_ws(
     def body(Q, WinA, WinB, WinIdx, MainA, MainB, TopkIdx, Sink, Out, LsePart, OPart, Counter):
         """The whole CTA; OPart and Counter are None unless ``combine="fused"``."""
         with T.Kernel(T.ceildiv(S * REP, TPC) if TPC > 1 else S * REP, B, NS, threads=384) as (bx, by, bz):
-            if (batched and fp4) or fused:  # one import: the helpers the producer and the fused combine call
-                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else ""))
+            if (batched and fp4) or fused or kv_l2 != "normal":  # one import: the producer's and the fused combine's helpers
+                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else "") + (_KV_L2_CUDA if kv_l2 != "normal" else ""))
             Q_l = T.alloc_shared([HB, D2], bf16)
             Q_r = T.alloc_shared([HB, D2], bf16)
             KV0_l = T.alloc_shared([BI, D2], bf16)
@@ -815,7 +826,7 @@ def _sparse_attn_ws(
             tx = T.get_thread_binding()
             nxt = None
             if io == "overlapped":
-                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128)
+                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128, ablate)
             fuse = None
             if fused:
                 fuse = _WsFuse(OPart, LsePart, Counter, Sink, Out, comb_shared, last_shared, bar_arrived, bar_last, tx)
@@ -940,7 +951,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows, kv_l2)
                 if TPC > 1 and halves:  # io=overlapped (the constraints)
                     pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
                     _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt)
@@ -1219,8 +1230,8 @@ def _ws_halves_epilogue(
     partial), staged through its Q half with ``io="staged"``; ``fuse``: the fused combine's (balanced only). ``j``: the
     CTA's token (the final barrier's phase). ``ptile`` (paired_halves with io="overlapped", where Q already holds the
     next token's and both KV buffers the next pair's rows): (this warpgroup's [HB, BI] P tile, the barrier the other's
-    P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup): O goes out through the P tile
-    in chunks of BI columns, in 16-byte vectors."""
+    P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup, False under the timing ablation
+    no_o_store): O goes out through the P tile in chunks of BI columns, in 16-byte vectors."""
     w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
     for h in T.Parallel(HB):
         rowsum_shared[w, h] = sumexp[h]
@@ -1244,7 +1255,7 @@ def _ws_halves_epilogue(
     for h, d in T.Parallel(HB, D2):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
     if ptile is not None:
-        tile, bar_tile_free, phase, bar_own = ptile
+        tile, bar_tile_free, phase, bar_own, store = ptile
         T.barrier_wait(bar_tile_free, phase)  # the other warpgroup's P V of the token's last pair has read the tile
         BI = tile.shape[1]
         for c in T.unroll(D2 // BI):
@@ -1252,7 +1263,8 @@ def _ws_halves_epilogue(
                 tile[h, d] = acc_o[h, c * BI + d]
             T.barrier_arrive(bar_own)
             T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
-            T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
+            if store:  # ablate="no_o_store" (timing only): the chunks go through the tile, not out
+                T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
             T.barrier_arrive(bar_own)
             T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
     elif NS == 1 and io == "staged":
@@ -1540,7 +1552,8 @@ def _ws_paired_consumer(
                 T.barrier_arrive(see.bar_p_free[1 - w])
     args = (see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, None, j)
     if ovl:  # O out through this warpgroup's P tile, once the other's P V of the token's last pair has read it
-        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own))
+        store = nxt.ablate != "no_o_store"
+        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store))
     else:
         _ws_halves_epilogue(half, *args)
 
@@ -1565,12 +1578,14 @@ def _ws_paired_warpgroup(half, P_own, bar_own, seesaw_args, halves, TPC, bx, S, 
 def _ws_paired_prefetch_q(see, nxt, Q_own, b_i, w, j, last, HB, D2):
     """paired_halves with io="overlapped": in the token's last pair (``last``), once both warpgroups' QK^T are done,
     warpgroup ``w``'s half of the next token's Q by 16-byte cp.async copies that arrive on the Q barrier as they land
-    (cp.async.mbarrier.arrive.noinc: one arrival per thread). Each warp copies whole 512-byte rows."""
+    (cp.async.mbarrier.arrive.noinc: one arrival per thread). Each warp copies whole 512-byte rows. The timing
+    ablation no_q_load issues no copies (the arrivals stay)."""
+    copies = 0 if nxt.ablate == "no_q_load" else HB * D2 // 8 // 128
     if last:  # noqa: SIM102  (TileLang conditions)
         if j + 1 < nxt.count:
             item = nxt.first + j + 1
             s_n, h_n = item // nxt.REP, (item % nxt.REP) * HB
-            for i in T.unroll(HB * D2 // 8 // 128):
+            for i in T.unroll(copies):
                 r = i * (128 // (D2 // 8)) + nxt.t // (D2 // 8)
                 col = (nxt.t % (D2 // 8)) * 8
                 T.ptx_cp_async(T.access_ptr(Q_own[r, col], "w", 8), T.access_ptr(see.Q[b_i, s_n, h_n + r, w * D2 + col], "r", 8), 8)
@@ -1618,6 +1633,7 @@ class _WsTokens(NamedTuple):
     count: Any  # how many it runs: tokens_per_cta, fewer in the last CTA
     REP: int  # head blocks per token
     t: Any  # the thread's index in its consumer warpgroup, 0..127
+    ablate: str = ""  # paired_halves: "no_q_load" / "no_o_store" cut the next token's Q copy / O's global store (timing)
 
 
 @T.macro
@@ -1987,6 +2003,7 @@ class _WsDims(NamedTuple):
     fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
     ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads, no_stores, ...; see ABLATIONS); "" in every real kernel
     unused_rows: str = "row0"  # bf16 KV: what the batched producer's cp.async puts in an unused slot's row (UNUSED_ROWS)
+    kv_l2: str = "normal"  # bf16 KV: the L2 policy of the batched producer's row copies (KV_L2S)
 
 
 def _lane_row(p, lanes):
@@ -2061,11 +2078,11 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
             for u in T.unroll(4):
                 col = 64 * u + c * 8
                 if blk < NBW:
-                    T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(WinA[b_i, row, col], "r", 8), 8, *used)
-                    T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(WinA[b_i, row, D2 + col], "r", 8), 8, *used)
+                    _ws_copy16(KV_l[r, col], WinA[b_i, row, col], used, dims.kv_l2)
+                    _ws_copy16(KV_r[r, col], WinA[b_i, row, D2 + col], used, dims.kv_l2)
                 else:
-                    T.ptx_cp_async(T.access_ptr(KV_l[r, col], "w", 8), T.access_ptr(MainA[b_i, row, col], "r", 8), 8, *used)
-                    T.ptx_cp_async(T.access_ptr(KV_r[r, col], "w", 8), T.access_ptr(MainA[b_i, row, D2 + col], "r", 8), 8, *used)
+                    _ws_copy16(KV_l[r, col], MainA[b_i, row, col], used, dims.kv_l2)
+                    _ws_copy16(KV_r[r, col], MainA[b_i, row, D2 + col], used, dims.kv_l2)
         _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
         T.cp_async_barrier_noinc(bar_ready)
     else:
@@ -2110,6 +2127,40 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         rows_cur[rr] = rows_next[rr]
 
 
+# kv_l2="evict_last": the producer's 16-byte row copies with an L2 policy that keeps the rows (FlashMLA's sparse prefill
+# copies its gathered rows so, with a 256-byte L2 prefetch): at long prompts each token's Q and O (64 KiB each) stream
+# through L2 past the expanded caches, which every token rereads. ``valid`` false: nothing read, 16 zero bytes.
+_KV_L2_CUDA = r"""
+__device__ __forceinline__ unsigned long long csa2_l2_evict_last() {
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void csa2_cp_async16_keep(void* dst, const void* src) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n"
+               :: "r"(s), "l"(src), "l"(csa2_l2_evict_last()) : "memory");
+}
+__device__ __forceinline__ void csa2_cp_async16_keep_if(void* dst, const void* src, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n"
+               :: "r"(s), "l"(src), "r"(valid ? 16 : 0), "l"(csa2_l2_evict_last()) : "memory");
+}
+"""
+
+
+@T.macro
+def _ws_copy16(dst, src, used, kv_l2: str):
+    """One 16-byte cp.async of a bf16 row piece ``src`` (global) to ``dst`` (shared); ``used``: () or (predicate,),
+    which zero-fills when false; ``kv_l2`` (KV_L2S): "normal", or "evict_last" (the policy that keeps it in L2)."""
+    if kv_l2 == "normal":
+        T.ptx_cp_async(T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), 8, *used)
+    elif used:
+        T.call_extern("handle", "csa2_cp_async16_keep_if", T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), used[0])
+    else:
+        T.call_extern("handle", "csa2_cp_async16_keep", T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8))
+
+
 @T.macro
 def _ws_fill_half(src, dims, kv_buf, h, rows, b_i, blk, p, flags: bool):
     """consumers="paired_halves" (bf16 rows): producer thread p's cp.async copies of block ``blk``'s half ``h`` (0:
@@ -2128,9 +2179,9 @@ def _ws_fill_half(src, dims, kv_buf, h, rows, b_i, blk, p, flags: bool):
         for u in T.unroll(4):
             col = 64 * u + c * 8
             if blk < NBW:
-                T.ptx_cp_async(T.access_ptr(buf[r, col], "w", 8), T.access_ptr(WinA[b_i, row, h * D2 + col], "r", 8), 8, *used)
+                _ws_copy16(buf[r, col], WinA[b_i, row, h * D2 + col], used, dims.kv_l2)
             else:
-                T.ptx_cp_async(T.access_ptr(buf[r, col], "w", 8), T.access_ptr(MainA[b_i, row, h * D2 + col], "r", 8), 8, *used)
+                _ws_copy16(buf[r, col], MainA[b_i, row, h * D2 + col], used, dims.kv_l2)
     T.cp_async_barrier_noinc(kv_buf.ready_r if h else kv_buf.ready)
 
 
@@ -2382,11 +2433,13 @@ class CompiledAttention:
                 "fp4_decode",
                 "partials",
                 "unused_rows",
+                "kv_l2",
             )
             if k in config
         }
         if kv_format != "bf16":
-            params.pop("unused_rows", None)  # FP4/FP8 rows: the producer's own unused-row path (the key is for bf16 rows)
+            params.pop("unused_rows", None)
+            params.pop("kv_l2", None)  # FP4/FP8 rows: the producer's own unused-row path (the key is for bf16 rows)
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         if ablate:
@@ -2684,6 +2737,7 @@ def sparse_attention_bf16(
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
+KV_L2S = ("normal", "evict_last")  # bf16 KV, ws batched producer: the row copies' L2 policy (see _KV_L2_CUDA)
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -2710,8 +2764,9 @@ _UNUSED_ROWS_DEFAULT = "zeros"
 # of a token's two head blocks shared the decode, as FlashMLA's FP8 sparse decode does across a cluster).
 # no_q_load: the consumer warpgroups skip their Q copy from global memory (Q_l/Q_r keep whatever they held; the fence
 # and the Q barrier stay); no_o_store: they stage O through Q as before but store none of it to global memory. Both
-# take one piece out of a CTA's fixed cost (gpu/attn_block_scaling.py --variants); they cut only io="staged" with one
-# split, the ws default's prefill path.
+# take one piece out of a CTA's fixed cost (gpu/attn_block_scaling.py --variants); they cut io="staged" with one
+# split (wg0_scores), and paired_halves with io="overlapped" (the prefill default's path: the next token's Q copies, and
+# O's global store from the P tile).
 ABLATIONS = (
     "producer_idle",
     "consumers_idle",
@@ -2748,7 +2803,8 @@ _PRODUCER_CUTS = {
 
 def timing_ablation(tile: "SparseAttnTile", shape: Shape, arch: Arch, ablate: str, override: Config | None = None) -> "CompiledAttention":
     """The tile's default for ``shape`` (``override`` over it) as the kernel the ablations cut into (the gathering
-    producer, one token per CTA with staged Q/O: io="auto" and kv_staging pinned so) with the timing ablation
+    producer, one token per CTA with staged Q/O: io="auto" and kv_staging pinned so; an io named in ``override``
+    stays, e.g. paired_halves with io="overlapped" for no_q_load and no_o_store) with the timing ablation
     ``ablate`` (see ABLATIONS; "" for that kernel as it is). Built directly, never cached or proposed by the tuner;
     what gpu/attn_ablation.py and gpu/attn_block_scaling.py time."""
     cfg = tile.with_defaults(arch, override or {})
@@ -2931,10 +2987,12 @@ def _halves_refusal(schedule, produce, tokens_per_cta, rows, ablate="", io="stag
     """Why ``consumers="paired_halves"`` cannot run (its producer copies bf16 rows half by half, several tokens per CTA
     only with io="overlapped", and no timing ablation hands its half barriers over), or None. ``rows``: the kernel's
     row format (_kernel_rows)."""
-    if schedule != "ws" or produce != "batched" or rows != "bf16" or ablate or (int(tokens_per_cta) != 1 and io != "overlapped"):
+    cut = ablate and not (ablate in _EDGE_ABLATIONS and io == "overlapped")  # those two cut its overlapped Q and O
+    if schedule != "ws" or produce != "batched" or rows != "bf16" or cut or (int(tokens_per_cta) != 1 and io != "overlapped"):
         return (
             "consumers=paired_halves hands bf16 KV rows over in halves: schedule=ws, produce=batched, bf16 KV or "
-            "kv_staging=expand, no timing ablation, tokens_per_cta=1 unless io=overlapped"
+            "kv_staging=expand, no timing ablation but no_q_load/no_o_store with io=overlapped, tokens_per_cta=1 "
+            "unless io=overlapped"
         )
     return None
 
@@ -2944,10 +3002,12 @@ def _overlapped_refusal(
 ) -> str | None:
     """Why ``io="overlapped"`` cannot be built with these choices (``n_split`` resolved or "auto"; ``rows``: the
     kernel's KV rows, "bf16" or "fp4"; ``blocks``: the blocks per token, None when not known here), or None."""
-    if schedule != "ws" or produce != "batched" or consumers not in ("wg0_scores", "paired_halves") or int(wg1_rows) or ablate:
+    cut = ablate and not (ablate in _EDGE_ABLATIONS and consumers == "paired_halves")  # those two: timing only
+    if schedule != "ws" or produce != "batched" or consumers not in ("wg0_scores", "paired_halves") or int(wg1_rows) or cut:
         return (
             "io=overlapped is built into the ws kernel's wg0_scores and paired_halves consumers: schedule=ws, "
-            "produce=batched, consumers=wg0_scores or paired_halves, wg1_rows=0"
+            "produce=batched, consumers=wg0_scores or paired_halves, wg1_rows=0, no timing ablation (paired_halves: "
+            "but no_q_load or no_o_store)"
         )
     if consumers == "paired_halves" and blocks is not None and blocks % 2:
         # the pairs' barrier phases run on across the CTA's tokens: a token ends on a whole pair
@@ -2970,13 +3030,13 @@ def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     return None
 
 
-def _zero_rows_refusal(c: Config, kv_format: str) -> str | None:
-    """Why unused_rows="zeros" cannot run with config ``c``, or None. It concerns bf16 rows: bf16 KV, or FP4 KV under
-    kv_staging "expand" or "auto" (which may expand); the FP4/FP8 rows the producer decodes have their own unused-row
-    path, where the key does not apply."""
+def _zero_rows_refusal(c: Config, kv_format: str, what: str = "unused_rows=zeros") -> str | None:
+    """Why ``what`` (unused_rows="zeros", or kv_l2="evict_last") cannot run with config ``c``, or None. Both concern
+    bf16 rows: bf16 KV, or FP4 KV under kv_staging "expand" or "auto" (which may expand); the FP4/FP8 rows the
+    producer decodes have their own path, where the keys do not apply."""
     bf16_rows = kv_format == "bf16" or c.get("kv_staging", "gather") != "gather"
     if bf16_rows and (c["schedule"] != "ws" or c.get("produce", "serial") != "batched"):
-        return "unused_rows=zeros is the ws batched producer's cp.async of bf16 rows: schedule=ws, produce=batched"
+        return f"{what} is the ws batched producer's cp.async of bf16 rows: schedule=ws, produce=batched"
     return None
 
 
@@ -3076,6 +3136,8 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
                 return why
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _zero_rows_refusal(c, kv_format)):
+            return why
+        if c.get("kv_l2", "normal") != "normal" and (why := _zero_rows_refusal(c, kv_format, "kv_l2=evict_last")):
             return why
         if expands and fp4_rows:
             return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
@@ -3242,6 +3304,14 @@ class SparseAttnTile(Tile):
                     "copies row 0 by cp.async, or its cp.async reads nothing and zero-fills",
                 )
             )
+            params.append(
+                Param(
+                    "kv_l2",
+                    KV_L2S,
+                    "bf16 rows, ws batched producer: the row copies' L2 policy, normal or evict_last (with a 256-byte "
+                    "prefetch; keeps the rows every token rereads in L2 past the Q and O streams)",
+                )
+            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -3297,6 +3367,7 @@ class SparseAttnTile(Tile):
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
                 cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
+                cfg["kv_l2"] = "normal"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
                 # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
                 # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
@@ -3304,6 +3375,7 @@ class SparseAttnTile(Tile):
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
             cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
+            cfg["kv_l2"] = "normal"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
