@@ -627,6 +627,20 @@ def test_unused_rows_zeros_predicates_the_bf16_copies():
     assert "unused_rows" not in sa.DECODE_TILE.search_space(SM90).names()
 
 
+def test_kernel_key_is_what_the_auto_choices_resolve_to():
+    """Tile.kernel_key keys a config by the config it resolves to at the shape, so the tuner measures an "auto"
+    config and the config naming its resolution once (the prefill 4K space: 14,224 valid configs, 4,200 kernels)."""
+    for tile, shape_name in ((sa.PREFILL_TILE, "prefill_s4k"), (sa.BF16_TILE, "decode_b128_s2"), (sa.DECODE_TILE, "decode_b64_s1")):
+        shape = tile.shape(shape_name)
+        resolved = tile.resolve_call(tile.with_defaults(SM90, {}), shape, SM90)
+        assert tile.kernel_key(shape, {}, SM90) == tile.kernel_key(shape, resolved, SM90)
+        assert tile.kernel_key(shape, {}, SM90) != tile.kernel_key(shape, {"block_I": 32}, SM90)
+    shape = sa.PREFILL_TILE.shape("prefill_s4k")
+    halves8 = {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8}
+    assert sa.PREFILL_TILE.kernel_key(shape, {}, SM90) == sa.PREFILL_TILE.kernel_key(shape, halves8, SM90)
+    assert sa.PREFILL_TILE.kernel_key(shape, {}, SM90) != sa.PREFILL_TILE.kernel_key(shape, {"consumers": "wg0_scores"}, SM90)
+
+
 def test_kv_l2_evict_last_hints_every_bf16_row_copy():
     """kv_l2=evict_last (NOT yet a default): every 16-byte copy of a bf16 KV row by the ws batched producer carries an
     L2 evict_last policy (the zero-filling ones keep their predicate), and only those: the Q copies stay plain. "normal"

@@ -144,6 +144,44 @@ def test_valid_configs_nearest_and_exhaustion():
     assert valid.nearest(proposal, exclude=everything) is None
 
 
+def test_configs_of_one_kernel_are_measured_once(tmp_path):
+    """An "auto" choice and the choice it resolves to build one kernel (Tile.kernel_key): given the whole grid, the
+    study measures each distinct kernel once and answers the other config of each pair from that record (a repeat
+    naming the trial it shares the kernel with, no budget)."""
+    toy = toys.AutoToy()
+    space, shape = toy.search_space(SM90), toy.shapes()[0]  # decode: auto -> ws
+    opts = _opts(tmp_path, trials=space.size())
+    [summary] = tune([toy], opts, shapes="decode")
+    trials = _study(opts, summary.study).get_trials()
+    valid = [c for c in space.all_configs() if not space.violations(c, shape, SM90)]
+    kernels = {toy.kernel_key(shape, c, SM90) for c in valid}
+    measured = [t for t in trials if uses_budget(t)]
+    assert len(kernels) < len(valid) and len(measured) == len(kernels)
+    assert {t.user_attrs["kernel_key"] for t in measured} == kernels
+    shared = [t for t in trials if "same_kernel_as" in t.user_attrs]  # (the budget past the grid asks again: repeats)
+    assert len({config_key(t.params) for t in shared}) == len(valid) - len(kernels)
+    by_number = {t.number: t for t in trials}
+    for t in shared:
+        src = by_number[t.user_attrs["same_kernel_as"]]
+        assert t.value == src.value and t.user_attrs["kernel_key"] == src.user_attrs["kernel_key"] and t.params != src.params
+        assert {t.params["schedule"], src.params["schedule"]} == {"auto", "ws"}
+    assert summary.best.params["schedule"] != "auto" or "repeat_of" not in summary.best.user_attrs
+
+
+def test_valid_configs_count_kernels_not_configs():
+    """ValidConfigs keyed by the tile's kernel key: ``len`` counts distinct kernels, and ``nearest`` skips a config whose
+    kernel was tried under another config."""
+    toy = toys.AutoToy()
+    space, shape = toy.search_space(SM90), toy.shapes()[0]
+    valid = ValidConfigs(space, shape, SM90, seed=0, kernel_key=lambda c: toy.kernel_key(shape, c, SM90))
+    configs = [c for c in space.all_configs() if not space.violations(c, shape, SM90)]
+    assert len(valid) == len({toy.kernel_key(shape, c, SM90) for c in configs}) == len(configs) * 3 // 4
+    ws = {"block": 256, "schedule": "ws", "stages": 3}
+    proposal = {"block": 256, "schedule": "auto", "stages": 3}
+    assert valid.nearest(proposal, exclude=set()) == proposal
+    assert valid.nearest(proposal, exclude=set(), exclude_kernels={toy.kernel_key(shape, ws, SM90)}) not in (proposal, ws)
+
+
 def test_valid_configs_survive_a_constraint_that_raises():
     """A constraint that raises on some point stops the enumeration, not the study: nothing is replaced, the reason kept."""
     toy = toys.SparseToy()

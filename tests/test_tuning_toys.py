@@ -14,7 +14,7 @@ import torch
 
 from tiles.arch import Arch, get_arch
 from tiles.compare import relative_l2
-from tiles.contract import Comparison, Config, Constraint, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.contract import Comparison, Config, Constraint, Param, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
 from tiles.harness import OK, WRONG_RESULT, compile_tile
 
 TOY_SHAPES = [Shape("decode_n4k", "decode", {"N": 4096}), Shape("prefill_n1m", "prefill", {"N": 1 << 20})]
@@ -78,6 +78,8 @@ def fake_evaluate(tile_ref: str, shape_name: str, config: dict, arch_name: str, 
         ev.outcome, ev.error, ev.message = WRONG_RESULT, 0.5, "WRONG (rel_l2<=tol, error 0.5)"
         return ev.to_dict()
     time.sleep(float(os.environ.get("TOY_EVAL_SLEEP", "0")))
+    if hasattr(tile, "resolve"):  # AutoToy: the kernel an "auto" config builds
+        config = tile.resolve(config, tile.shape(shape_name))
     ev.ms = synthetic_ms(config) if "schedule" in config else {"good_fast": 1.0, "good_slow": 2.0}.get(mode, 3.0)
     ev.outcome = OK
     return ev.to_dict()
@@ -183,7 +185,30 @@ class SparseToy(ScaleToy):
         return {"block_m": 16, "block_n": 16, "block_k": 16}
 
 
-TILES = [ScaleToy(), FaultToy(), SparseToy()]
+class AutoToy(ScaleToy):
+    """ScaleToy with ``schedule="auto"``, resolved per shape as the attention's "auto" choices are: ws at decode,
+    pipelined at prefill. An "auto" config builds the kernel of the config naming what it resolves to."""
+
+    name = "toy_auto"
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        space = super().search_space(arch)
+        params = tuple(Param(p.name, (*p.choices, "auto")) if p.name == "schedule" else p for p in space.params)
+        return SearchSpace(params, space.constraints)
+
+    def resolve(self, config: Config, shape: Shape) -> Config:
+        if config["schedule"] != "auto":
+            return dict(config)
+        return {**config, "schedule": "ws" if shape.phase == "decode" else "pipelined"}
+
+    def kernel_key(self, shape: Shape, config: Config, arch: Arch) -> str:
+        return canonical_key(self.resolve(self.with_defaults(arch, config), shape))
+
+    def build(self, shape: Shape, config: Config, arch: Arch):
+        return super().build(shape, self.resolve(config, shape), arch)
+
+
+TILES = [ScaleToy(), FaultToy(), SparseToy(), AutoToy()]
 
 
 def test_synthetic_cost_prefers_a_non_default_config():

@@ -14,6 +14,8 @@ contract. Tiles are found by :mod:`tiles.registry`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -165,6 +167,12 @@ class Tile:
         """``config`` over the default (a tile whose default choices depend on each other overrides this)."""
         return {**self.default_config(arch), **config}
 
+    def kernel_key(self, shape: Shape, config: Config, arch: Arch) -> str:
+        """What identifies the kernel(s) :meth:`build` makes of ``config`` at ``shape``: configs with equal keys build the
+        same kernels, so the tuner measures one of them and answers the others from its record. The default: the config
+        over the defaults; a tile whose choices resolve per call ("auto" values) keys by what they resolve to."""
+        return canonical_key(self.with_defaults(arch, config))
+
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
         """Structural configs worth one trial each before the tuner samples: partial configs (merged over the default
         by :meth:`with_defaults`), each with the measurement that suggests it, e.g. an option that beat the default at
@@ -230,6 +238,12 @@ class Tile:
     def bytes_moved(self, shape: Shape) -> float:
         """The fewest bytes one call must move through device memory."""
         raise NotImplementedError
+
+
+def canonical_key(config: Config) -> str:
+    """A short digest of a config's canonical JSON (sorted keys): equal configs, equal keys, across processes."""
+    text = json.dumps(dict(config), sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def kernel_sources_of(obj, name: str = "main", depth: int = 0) -> dict[str, str]:

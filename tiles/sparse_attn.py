@@ -56,7 +56,7 @@ from model.formats import fp4_dequantize, fp8_dequantize
 from model.ops.sparse_attn import sparse_attention as _ref_sparse_attention
 from tiles.arch import Arch, get_arch
 from tiles.compare import relative_l2
-from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
 from tiles.fp4 import PRMT_ASM_CUDA
 from tiles.kv_expand import expand_caches, expand_kernel
 from tiles.shapes import attention_shapes
@@ -3412,6 +3412,12 @@ class SparseAttnTile(Tile):
             raise TileError(f"{self.name} does not support {arch.name}: {reason}")
         cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
         return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
+
+    def kernel_key(self, shape: Shape, config: Config, arch: Arch) -> str:
+        """The resolved config's key: a config naming "auto" (consumers, io, n_split, kv_staging) and one naming what it
+        resolves to at ``shape`` build the same kernels (e.g. the prefill default and paired_halves, io=overlapped,
+        8 tokens per CTA at 4K)."""
+        return canonical_key(self.resolve_call(self.with_defaults(arch, config), shape, arch))
 
     def resolve_call(self, config: Config, dims: Mapping[str, int], arch: Arch) -> Config:
         """``config`` (full) with its per-call choices resolved for one call of ``dims`` (a Shape or its dims), in the

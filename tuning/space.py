@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -94,14 +95,20 @@ class ValidConfigs:
     config that differs from it in the fewest parameters (ties broken at random) and has not been tried, so every
     proposal turns into a measurement near what the sampler asked for.
 
+    Configs that build the same kernel (``kernel_key``, e.g. :meth:`tiles.contract.Tile.kernel_key`: an "auto" choice
+    and the choice it resolves to) count once: ``len`` is the number of distinct kernels, and :meth:`nearest` skips
+    a config whose kernel was tried (the prefill attention's 14,224 valid configs at 4K are 4,200 kernels).
+
     The enumeration runs in a background thread from construction; :meth:`nearest` waits for it.
     """
 
-    def __init__(self, space: SearchSpace, shape: Shape, arch: Arch, seed: int = 0):
+    def __init__(self, space: SearchSpace, shape: Shape, arch: Arch, seed: int = 0, kernel_key: Callable[[Config], str] | None = None):
         self._space, self._shape, self._arch = space, shape, arch
         self._names = space.names()
         self._rng = np.random.default_rng(seed)
+        self._kernel_key = kernel_key or config_key
         self._configs: list[Config] = []
+        self._kernels: list[str] = []  # each valid config's kernel key
         self._codes: np.ndarray | None = None  # [valid configs, params] choice indices
         self.error: str | None = None  # why the enumeration stopped, if it did (then nothing is replaced)
         self._done = threading.Event()
@@ -116,31 +123,34 @@ class ValidConfigs:
                 if not any(c.check(config, self._shape, self._arch) for c in self._space.constraints):
                     configs.append((config, combo))
             self._codes = np.array([combo for _, combo in configs], dtype=np.int16).reshape(len(configs), len(self._names))
+            self._kernels = [self._kernel_key(config) for config, _ in configs]
             self._configs = [config for config, _ in configs]
-        except Exception as exc:  # noqa: BLE001 -- a constraint that raises on some point: no replacement, the study goes on
-            self.error, self._configs, self._codes = f"{type(exc).__name__}: {exc}", [], None
+        except Exception as exc:  # noqa: BLE001 -- a constraint (or key) that raises on some point: no replacement, the study goes on
+            self.error, self._configs, self._kernels, self._codes = f"{type(exc).__name__}: {exc}", [], [], None
         finally:
             self._done.set()
 
     def __len__(self) -> int:
+        """The number of distinct kernels the valid configs build."""
         self._done.wait()
-        return len(self._configs)
+        return len(set(self._kernels))
 
     @property
     def ready(self) -> bool:
         """The enumeration has finished (``len`` and :meth:`nearest` answer without waiting)."""
         return self._done.is_set()
 
-    def nearest(self, config: Config, exclude: set[str]) -> Config | None:
+    def nearest(self, config: Config, exclude: set[str], exclude_kernels: set[str] = frozenset()) -> Config | None:
         """The valid config differing from ``config`` in the fewest parameters whose :func:`config_key` is not in
-        ``exclude`` (ties: random), or None when every valid config is excluded."""
+        ``exclude`` and whose kernel key is not in ``exclude_kernels`` (ties: random), or None when every valid config
+        is excluded."""
         self._done.wait()
         if not self._configs:
             return None
         code = np.array([_choice_index(p.choices, config.get(p.name)) for p in self._space.params], dtype=np.int16)
         distance = (self._codes != code).sum(axis=1) + self._rng.random(len(self._configs))  # fraction: the tie-break
         for i in np.argsort(distance):
-            if config_key(self._configs[i]) not in exclude:
+            if config_key(self._configs[i]) not in exclude and self._kernels[i] not in exclude_kernels:
                 return dict(self._configs[i])
         return None
 

@@ -269,7 +269,7 @@ class StudyRunner:
                 # The budget covers the whole grid: measuring every config beats sampling it.
                 configs += [(c, "grid") for c in self.space.all_configs()]
             elif self.space.constraints and self.space.size() <= MAX_ENUMERATED:
-                self.valid = ValidConfigs(self.space, self.shape, self.arch, seed=self.opts.seed)
+                self.valid = ValidConfigs(self.space, self.shape, self.arch, seed=self.opts.seed, kernel_key=self._kernel_key)
         existing = {config_key(trial_config(t)) for t in self.study.get_trials(deepcopy=False)}
         for config, source in configs:
             if config_key(config) not in existing:
@@ -330,12 +330,24 @@ class StudyRunner:
         if self.progress is not None:
             self.progress.on_trial(self, trial.number, attrs, dict(trial.params), trial.user_attrs.get("source"))
 
-    def _tried_valid(self, trials: list[FrozenTrial]) -> int:
-        """Distinct configs measured, failed or in flight (the ones a constraint refused are not valid)."""
+    def _kernel_key(self, config: Config) -> str:
+        """The tile's key for the kernel ``config`` builds at this shape (:meth:`tiles.contract.Tile.kernel_key`); a
+        tile whose key raises on some config keys it by the config alone (a bad config never stops the study)."""
+        try:
+            return self.tile.kernel_key(self.shape, config, self.arch)
+        except Exception:  # noqa: BLE001
+            return config_key(config)
+
+    def _trial_kernel(self, t: FrozenTrial) -> str:
+        return t.user_attrs.get("kernel_key") or self._kernel_key(trial_config(t))
+
+    def _tried_kernels(self, trials: list[FrozenTrial]) -> set[str]:
+        """Distinct kernels measured, failed or in flight (the configs a constraint refused build none)."""
         skip = (harness.INVALID, DUPLICATE, INTERRUPTED)
-        return len(
-            {config_key(trial_config(t)) for t in trials if t.state != TrialState.WAITING and t.user_attrs.get("outcome") not in skip}
-        )
+        return {self._trial_kernel(t) for t in trials if t.state != TrialState.WAITING and t.user_attrs.get("outcome") not in skip}
+
+    def _tried_valid(self, trials: list[FrozenTrial]) -> int:
+        return len(self._tried_kernels(trials))
 
     def _enqueue_nearest_valid(self, number: int, config: Config) -> None:
         """Queue the untried valid config nearest to an invalid proposal (:class:`tuning.space.ValidConfigs`)."""
@@ -343,10 +355,40 @@ class StudyRunner:
             return
         len(self.valid)  # waits for the enumeration outside the lock, so other lanes can record their results meanwhile
         with self._lock:
-            tried = {config_key(trial_config(t)) for t in self.study.get_trials(deepcopy=False)}
-            nearest = self.valid.nearest(config, exclude=tried)
+            trials = self.study.get_trials(deepcopy=False)
+            tried = {config_key(trial_config(t)) for t in trials}
+            nearest = self.valid.nearest(config, exclude=tried, exclude_kernels=self._tried_kernels(trials))
             if nearest is not None:
                 self.study.enqueue_trial(nearest, user_attrs={"source": f"nearest valid to trial {number}"})
+
+    def _same_kernel_as_another(self, trial: optuna.Trial, config: Config) -> bool:
+        """Record the trial's kernel key; when another config built that kernel, answer from its record (a repeat, no
+        budget) or, while it is in flight, leave it to that trial (duplicate). Checked and recorded under the lock, so
+        two lanes with two configs of one kernel run it once. True when the trial is finished here."""
+        kernel, key = self._kernel_key(config), config_key(config)
+        with self._lock:
+            others = [
+                t
+                for t in self.study.get_trials(deepcopy=False)
+                if t.number != trial.number
+                and t.user_attrs.get("kernel_key") == kernel
+                and t.user_attrs.get("outcome") not in (INTERRUPTED, DUPLICATE, harness.INVALID)
+            ]
+            trial.set_user_attr("kernel_key", kernel)
+            finished = sorted((t for t in others if counts_toward_budget(t)), key=lambda t: ("repeat_of" in t.user_attrs, t.number))
+            self._consecutive_repeats = self._consecutive_repeats + 1 if finished else 0
+        if finished:
+            src = finished[0]  # the measurement itself where there is one, else a repeat of it
+            first = src.user_attrs.get("repeat_of", src.number)
+            skip = ("owner", "source", "config_key", "kernel_key", "repeat_of", "same_kernel_as")
+            attrs = {k: v for k, v in src.user_attrs.items() if k not in skip} | {"repeat_of": first, "same_kernel_as": first}
+            self._finish(trial, attrs, src.state, src.value)
+            return True
+        if others:
+            msg = f"same kernel as trial {others[0].number} (config {config_key(trial_config(others[0]))}, here {key})"
+            self._finish(trial, {"outcome": DUPLICATE, "message": msg}, TrialState.PRUNED)
+            return True
+        return False
 
     def run_trial(self, trial: optuna.Trial) -> None:
         config = {name: trial.params[name] for name in self.space.names()}
@@ -380,13 +422,15 @@ class StudyRunner:
             # The same config is queued or running elsewhere (another lane, process or host): it is done there, once.
             self._finish(trial, {"outcome": DUPLICATE, "message": f"same config as trial {earlier[0].number}"}, TrialState.PRUNED)
             return
-        with self._lock:
-            self._consecutive_repeats = 0
 
         reasons = self.space.violations(config, self.shape, self.arch)
         if reasons:
+            with self._lock:
+                self._consecutive_repeats = 0
             self._enqueue_nearest_valid(trial.number, config)  # before the tell: this lane's next ask takes it
             self._finish(trial, {"outcome": harness.INVALID, "message": "; ".join(reasons)}, TrialState.PRUNED)
+            return
+        if self._same_kernel_as_another(trial, config):
             return
 
         ref = tile_ref(self.tile)
