@@ -80,9 +80,12 @@ def seed_configs(tile: Tile, shape: Shape, arch: Arch, root: Path | None = None)
     return unique
 
 
-# Spaces up to this size are enumerated to find their valid configs (the largest today, the FP4 attention's
-# 1.47M points, takes 4-7 s on one core, in the background while the study's first configs compile).
+# Spaces up to this size are enumerated to find their valid configs (4M points take ~7 s on one core, in the
+# background while the study's first configs compile); larger ones are searched around each proposal instead
+# (NearbyValidConfigs: the attention spaces, 6.9-13.8M points, and the indexer's 29M).
 MAX_ENUMERATED = 4_000_000
+# NearbyValidConfigs: constraint checks per proposal before it gives up (~1-2 us each on one core)
+MAX_NEARBY_CHECKS = 200_000
 
 
 class ValidConfigs:
@@ -99,8 +102,11 @@ class ValidConfigs:
     and the choice it resolves to) count once: ``len`` is the number of distinct kernels, and :meth:`nearest` skips
     a config whose kernel was tried (the prefill attention's 14,224 valid configs at 4K are 4,200 kernels).
 
-    The enumeration runs in a background thread from construction; :meth:`nearest` waits for it.
+    The enumeration runs in a background thread from construction; :meth:`nearest` waits for it. Spaces larger
+    than :data:`MAX_ENUMERATED` are searched around each proposal instead (:class:`NearbyValidConfigs`).
     """
+
+    exhaustible = True  # ``len`` is known: a study can tell that it has tried every valid kernel
 
     def __init__(self, space: SearchSpace, shape: Shape, arch: Arch, seed: int = 0, kernel_key: Callable[[Config], str] | None = None):
         self._space, self._shape, self._arch = space, shape, arch
@@ -135,6 +141,10 @@ class ValidConfigs:
         self._done.wait()
         return len(set(self._kernels))
 
+    def wait(self) -> None:
+        """Until the enumeration has finished."""
+        self._done.wait()
+
     @property
     def ready(self) -> bool:
         """The enumeration has finished (``len`` and :meth:`nearest` answer without waiting)."""
@@ -153,6 +163,72 @@ class ValidConfigs:
             if config_key(self._configs[i]) not in exclude and self._kernels[i] not in exclude_kernels:
                 return dict(self._configs[i])
         return None
+
+
+class NearbyValidConfigs:
+    """:class:`ValidConfigs`' replacement of invalid proposals for a space too large to enumerate: the valid configs
+    one parameter away from the proposal, then two, then three, ... (each radius in full, up to
+    :data:`MAX_NEARBY_CHECKS` constraint checks a proposal), and of the nearest radius holding an untried one (config
+    and kernel not excluded), one at random. The enumeration's answer up to the tie-break, at the cost of the
+    neighbourhood: for uniformly random proposals (the sampler's first trials) on the H200 attention spaces, 2-6
+    parameters away, 0.04-0.2 s a proposal on one core (tests/test_tuning.py). Not ``exhaustible``: the study cannot
+    know when every valid kernel was tried, and stops by its budget and its invalid limit. Safe to call from several
+    lanes at once (each search keeps its own count).
+    """
+
+    exhaustible = False
+    ready = True
+
+    def __init__(self, space: SearchSpace, shape: Shape, arch: Arch, seed: int = 0, kernel_key: Callable[[Config], str] | None = None):
+        self._space, self._shape, self._arch = space, shape, arch
+        self._rng = np.random.default_rng(seed)
+        self._kernel_key = kernel_key or config_key
+        self.error: str | None = None  # why a search stopped early, if one did (a constraint raised)
+
+    def wait(self) -> None:
+        """Nothing to wait for: each search runs when asked."""
+
+    def _untried_valid(self, config: Config, exclude: set[str], exclude_kernels: set[str]) -> bool:
+        if any(c.check(config, self._shape, self._arch) for c in self._space.constraints):
+            return False
+        return config_key(config) not in exclude and self._kernel_key(config) not in exclude_kernels
+
+    def _pick(self, found: list[Config]) -> Config | None:
+        return found[int(self._rng.integers(len(found)))] if found else None
+
+    def nearest(self, config: Config, exclude: set[str], exclude_kernels: set[str] = frozenset()) -> Config | None:
+        """The untried valid config fewest parameters away from ``config`` (ties: random), or None when none lies within
+        :data:`MAX_NEARBY_CHECKS` checks of it."""
+        params = self._space.params
+        base = {p.name: config.get(p.name, p.choices[0]) for p in params}
+        checks = 1
+        try:
+            if self._untried_valid(base, exclude, exclude_kernels):
+                return base
+            for radius in range(1, len(params) + 1):
+                found = []
+                for chosen in itertools.combinations(params, radius):
+                    others = [[v for v in p.choices if v != base[p.name]] for p in chosen]
+                    for values in itertools.product(*others):
+                        candidate = base | {p.name: v for p, v in zip(chosen, values, strict=True)}
+                        if self._untried_valid(candidate, exclude, exclude_kernels):
+                            found.append(candidate)
+                        checks += 1
+                        if checks >= MAX_NEARBY_CHECKS:
+                            return self._pick(found)
+                if found:
+                    return self._pick(found)
+        except Exception as exc:  # noqa: BLE001 -- a constraint that raises: no replacement, the study goes on
+            self.error = f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def valid_configs(space: SearchSpace, shape: Shape, arch: Arch, seed: int = 0, kernel_key: Callable[[Config], str] | None = None):
+    """:class:`ValidConfigs` (enumerated) for a space of up to :data:`MAX_ENUMERATED` points, else
+    :class:`NearbyValidConfigs` (searched around each proposal)."""
+    if space.size() <= MAX_ENUMERATED:
+        return ValidConfigs(space, shape, arch, seed=seed, kernel_key=kernel_key)
+    return NearbyValidConfigs(space, shape, arch, seed=seed, kernel_key=kernel_key)
 
 
 def _choice_index(choices: tuple, value) -> int:

@@ -34,7 +34,7 @@ from tiles import harness
 from tiles.arch import Arch, require_present
 from tiles.contract import Config, Shape, Tile
 from tiles.results import results_dir
-from tuning.space import MAX_ENUMERATED, ValidConfigs, config_key, distributions, seed_configs
+from tuning.space import NearbyValidConfigs, ValidConfigs, config_key, distributions, seed_configs, valid_configs
 from tuning.workers import WorkerDied, WorkerPool, WorkerTimeout, tile_ref
 
 INTERRUPTED, DUPLICATE = "interrupted", "duplicate"
@@ -250,7 +250,9 @@ class StudyRunner:
         self._in_flight = 0
         self._consecutive_repeats = 0
         self._ran = 0
-        self.valid: ValidConfigs | None = None  # set by prepare() where invalid proposals are replaced (see ValidConfigs)
+        self.valid: ValidConfigs | NearbyValidConfigs | None = (
+            None  # set by prepare() where invalid proposals are replaced (see ValidConfigs)
+        )
 
     # -- setup --
     def prepare(self) -> None:
@@ -268,8 +270,8 @@ class StudyRunner:
             if self.space.size() <= self.opts.trials:
                 # The budget covers the whole grid: measuring every config beats sampling it.
                 configs += [(c, "grid") for c in self.space.all_configs()]
-            elif self.space.constraints and self.space.size() <= MAX_ENUMERATED:
-                self.valid = ValidConfigs(self.space, self.shape, self.arch, seed=self.opts.seed, kernel_key=self._kernel_key)
+            elif self.space.constraints:
+                self.valid = valid_configs(self.space, self.shape, self.arch, seed=self.opts.seed, kernel_key=self._kernel_key)
         existing = {config_key(trial_config(t)) for t in self.study.get_trials(deepcopy=False)}
         for config, source in configs:
             if config_key(config) not in existing:
@@ -291,7 +293,7 @@ class StudyRunner:
                 return None
             if self._consecutive_repeats >= max(20, 2 * len(self.space.all_configs()) if self.space.size() <= 4096 else 20):
                 return None  # the sampler keeps returning configs already measured: the space is exhausted
-            if self.valid is not None and self.valid.ready and self._tried_valid(trials) >= len(self.valid):
+            if self.valid is not None and self.valid.exhaustible and self.valid.ready and self._tried_valid(trials) >= len(self.valid):
                 return None  # every valid config has been tried or is in flight: nothing new to measure
             trial = self.study.ask(self.dists)
             self._in_flight += 1
@@ -353,12 +355,15 @@ class StudyRunner:
         """Queue the untried valid config nearest to an invalid proposal (:class:`tuning.space.ValidConfigs`)."""
         if self.valid is None:
             return
-        len(self.valid)  # waits for the enumeration outside the lock, so other lanes can record their results meanwhile
+        self.valid.wait()  # for the enumeration, outside the lock, so other lanes can record their results meanwhile
         with self._lock:
             trials = self.study.get_trials(deepcopy=False)
-            tried = {config_key(trial_config(t)) for t in trials}
-            nearest = self.valid.nearest(config, exclude=tried, exclude_kernels=self._tried_kernels(trials))
-            if nearest is not None:
+            tried, tried_kernels = {config_key(trial_config(t)) for t in trials}, self._tried_kernels(trials)
+        # outside the lock: a search around the proposal (NearbyValidConfigs) can take a few hundred milliseconds; two
+        # lanes that queue the same config meanwhile measure it once (the second is a duplicate or a repeat)
+        nearest = self.valid.nearest(config, exclude=tried, exclude_kernels=tried_kernels)
+        if nearest is not None:
+            with self._lock:
                 self.study.enqueue_trial(nearest, user_attrs={"source": f"nearest valid to trial {number}"})
 
     def _same_kernel_as_another(self, trial: optuna.Trial, config: Config) -> bool:
