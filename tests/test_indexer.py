@@ -1629,3 +1629,20 @@ def test_select_split_matches_reference(parts):
     for shape in [tile.shape("decode_b64_n32k"), tile.shape("decode_b1_n128k"), _odd(3, 2, 1000), _odd(2, 1, 77)]:
         ev = evaluate(tile, shape, cfg, arch, seed=6, time_it=False)
         assert ev.outcome == OK, f"split {parts} {shape.name}: {ev.message}"
+
+
+def test_indexer_kernel_key_follows_what_its_launch_resolves():
+    """indexer_topk's Tile.kernel_key: tiles_per_cta="auto" keys as the tile count the score launch resolves it to,
+    and under the two-pass select the multipass select's keys (which its launch never reads) do not count; the tuner
+    then measures such configs once."""
+    from tiles.registry import get_tile
+
+    sm90, tile = SM90, get_tile("indexer_topk")
+    for shape_name, tiles in (("decode_b64_n128k", 16), ("decode_b1_n128k", 4)):
+        shape = tile.shape(shape_name)
+        assert tile.default_config(sm90)["select_algo"] == "two_pass"
+        key = tile.kernel_key(shape, {}, sm90)
+        assert key == tile.kernel_key(shape, {"tiles_per_cta": tiles}, sm90) == tile.kernel_key(shape, {"select_threads": 512}, sm90)
+        assert key != tile.kernel_key(shape, {"tiles_per_cta": 1}, sm90)
+        multipass = {"select_algo": "multipass"}
+        assert tile.kernel_key(shape, multipass, sm90) != tile.kernel_key(shape, {**multipass, "select_threads": 512}, sm90)

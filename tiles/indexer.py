@@ -41,7 +41,20 @@ from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_
 from tiles import radix_select
 from tiles.arch import Arch, get_arch
 from tiles.compare import relative_l2
-from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, kernel_sources_of, poisoned
+from tiles.contract import (
+    Comparison,
+    Config,
+    Constraint,
+    Inputs,
+    Param,
+    SearchSpace,
+    Shape,
+    Tile,
+    TileError,
+    canonical_key,
+    kernel_sources_of,
+    poisoned,
+)
 from tiles.fp4 import PRMT_ASM_CUDA
 from tiles.shapes import flash, indexer_shapes, reindex_shapes
 
@@ -1870,6 +1883,20 @@ class IndexerTopkTile(_ScoreAndSelectTile):
                 "one 128K row's select 21.0 us vs 25.4 (H200, select_check_run3_staged.json)",
             ),
         ]
+
+    def kernel_key(self, shape: Shape, config: Config, arch: Arch) -> str:
+        """The config with ``tiles_per_cta`` resolved as the score launch resolves it; under the two-pass select without
+        the multipass select's keys (its launch reads only the ``radix_*`` ones, whose "auto" knobs stay as named: a
+        conservative key), under the multipass one with ``select_split`` resolved as its launch resolves it."""
+        cfg = self.with_defaults(arch, config)
+        rows, n = shape["B"] * shape["S"], shape["N"]
+        cfg["tiles_per_cta"] = resolve_tiles_per_cta(cfg["tiles_per_cta"], rows, n, cfg["block_n"], arch)
+        if cfg.get("select_algo", "multipass") == "two_pass":
+            for multipass_only in ("select_threads", "radix_bits", "select_split"):
+                cfg.pop(multipass_only, None)
+        else:
+            cfg["select_split"] = resolve_select_split(cfg.get("select_split", 1), rows, n, shape["K"], arch)
+        return canonical_key(cfg)
 
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
