@@ -250,9 +250,8 @@ class StudyRunner:
         self._in_flight = 0
         self._consecutive_repeats = 0
         self._ran = 0
-        self.valid: ValidConfigs | NearbyValidConfigs | None = (
-            None  # set by prepare() where invalid proposals are replaced (see ValidConfigs)
-        )
+        # set by prepare() where invalid proposals are replaced (see ValidConfigs, NearbyValidConfigs)
+        self.valid: ValidConfigs | NearbyValidConfigs | None = None
 
     # -- setup --
     def prepare(self) -> None:
@@ -352,7 +351,8 @@ class StudyRunner:
         return len(self._tried_kernels(trials))
 
     def _enqueue_nearest_valid(self, number: int, config: Config) -> None:
-        """Queue the untried valid config nearest to an invalid proposal (:class:`tuning.space.ValidConfigs`)."""
+        """Queue the untried valid config nearest to an invalid proposal (:class:`tuning.space.ValidConfigs`, or
+        :class:`tuning.space.NearbyValidConfigs` for a space too large to enumerate)."""
         if self.valid is None:
             return
         self.valid.wait()  # for the enumeration, outside the lock, so other lanes can record their results meanwhile
