@@ -639,6 +639,11 @@ def test_kernel_key_is_what_the_auto_choices_resolve_to():
     halves8 = {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8}
     assert sa.PREFILL_TILE.kernel_key(shape, {}, SM90) == sa.PREFILL_TILE.kernel_key(shape, halves8, SM90)
     assert sa.PREFILL_TILE.kernel_key(shape, {}, SM90) != sa.PREFILL_TILE.kernel_key(shape, {"consumers": "wg0_scores"}, SM90)
+    # the bf16 rows' copy keys build nothing different where the producer decodes FP4/FP8 rows (as CompiledAttention)
+    key = sa.PREFILL_TILE.kernel_key
+    gather, expand = {"kv_staging": "gather"}, {"kv_staging": "expand"}
+    assert key(shape, gather, SM90) == key(shape, {**gather, "kv_l2": "evict_last", "unused_rows": "row0"}, SM90)
+    assert key(shape, expand, SM90) != key(shape, {**expand, "kv_l2": "evict_last"}, SM90)
 
 
 def test_kv_l2_evict_last_hints_every_bf16_row_copy():

@@ -2438,8 +2438,9 @@ class CompiledAttention:
             if k in config
         }
         if kv_format != "bf16":
-            params.pop("unused_rows", None)
-            params.pop("kv_l2", None)  # FP4/FP8 rows: the producer's own unused-row path (the key is for bf16 rows)
+            # FP4/FP8 rows: the producer's own unused-row path and loads (these keys are for bf16 rows: BF16_ROW_KEYS)
+            for key in BF16_ROW_KEYS:
+                params.pop(key, None)
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         if ablate:
@@ -2737,6 +2738,7 @@ def sparse_attention_bf16(
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
+BF16_ROW_KEYS = ("unused_rows", "kv_l2")  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
 KV_L2S = ("normal", "evict_last")  # bf16 KV, ws batched producer: the row copies' L2 policy (see _KV_L2_CUDA)
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
@@ -3030,7 +3032,7 @@ def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     return None
 
 
-def _zero_rows_refusal(c: Config, kv_format: str, what: str = "unused_rows=zeros") -> str | None:
+def _bf16_copy_refusal(c: Config, kv_format: str, what: str = "unused_rows=zeros") -> str | None:
     """Why ``what`` (unused_rows="zeros", or kv_l2="evict_last") cannot run with config ``c``, or None. Both concern
     bf16 rows: bf16 KV, or FP4 KV under kv_staging "expand" or "auto" (which may expand); the FP4/FP8 rows the
     producer decodes have their own path, where the keys do not apply."""
@@ -3054,7 +3056,7 @@ def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
 _NARROW_DEFAULTS = (
     ("fp4_decode", "prmt", "fma", _prmt_decode_refusal),  # the ws batched producer's packed word decode
     ("partials", "bf16", "fp32", _bf16_partials_refusal),  # the ws wg0_scores consumers' split epilogue
-    ("unused_rows", "zeros", "row0", _zero_rows_refusal),  # the ws batched producer's bf16 cp.async
+    ("unused_rows", "zeros", "row0", _bf16_copy_refusal),  # the ws batched producer's bf16 cp.async
 )
 
 
@@ -3135,9 +3137,9 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
                 return why
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
-        if c.get("unused_rows", "row0") != "row0" and (why := _zero_rows_refusal(c, kv_format)):
+        if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
             return why
-        if c.get("kv_l2", "normal") != "normal" and (why := _zero_rows_refusal(c, kv_format, "kv_l2=evict_last")):
+        if c.get("kv_l2", "normal") != "normal" and (why := _bf16_copy_refusal(c, kv_format, "kv_l2=evict_last")):
             return why
         if expands and fp4_rows:
             return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
@@ -3417,7 +3419,11 @@ class SparseAttnTile(Tile):
         """The resolved config's key: a config naming "auto" (consumers, io, n_split, kv_staging) and one naming what it
         resolves to at ``shape`` build the same kernels (e.g. the prefill default and paired_halves, io=overlapped,
         8 tokens per CTA at 4K)."""
-        return canonical_key(self.resolve_call(self.with_defaults(arch, config), shape, arch))
+        cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
+        if self.kv_format != "bf16" and cfg.get("kv_staging", "gather") == "gather":
+            for key in BF16_ROW_KEYS:  # as CompiledAttention: FP4/FP8 rows decoded by the producer ignore them
+                cfg.pop(key, None)
+        return canonical_key(cfg)
 
     def resolve_call(self, config: Config, dims: Mapping[str, int], arch: Arch) -> Config:
         """``config`` (full) with its per-call choices resolved for one call of ``dims`` (a Shape or its dims), in the
