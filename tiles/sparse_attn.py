@@ -280,10 +280,9 @@ def sparse_attn_kernel(
         raise ValueError(why)
     # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are;
     # the Q-load and O-store cuts also into paired_halves with io=overlapped (the prefill default's path)
-    halves_edges = ablate in _EDGE_ABLATIONS and consumers == "paired_halves" and io == "overlapped"
     if (
         ablate
-        and not halves_edges
+        and not _halves_edge_cut(ablate, consumers, io)
         and (
             ablate not in ABLATIONS
             or schedule != "ws"
@@ -2136,11 +2135,6 @@ __device__ __forceinline__ unsigned long long csa2_l2_evict_last() {
   asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
-__device__ __forceinline__ void csa2_cp_async16_keep(void* dst, const void* src) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n"
-               :: "r"(s), "l"(src), "l"(csa2_l2_evict_last()) : "memory");
-}
 __device__ __forceinline__ void csa2_cp_async16_keep_if(void* dst, const void* src, bool valid) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n"
@@ -2155,10 +2149,9 @@ def _ws_copy16(dst, src, used, kv_l2: str):
     which zero-fills when false; ``kv_l2`` (KV_L2S): "normal", or "evict_last" (the policy that keeps it in L2)."""
     if kv_l2 == "normal":
         T.ptx_cp_async(T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), 8, *used)
-    elif used:
-        T.call_extern("handle", "csa2_cp_async16_keep_if", T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), used[0])
-    else:
-        T.call_extern("handle", "csa2_cp_async16_keep", T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8))
+    else:  # unpredicated: valid (a src-size of 16 bytes copies the whole piece)
+        valid = used[0] if used else T.bool(True)
+        T.call_extern("handle", "csa2_cp_async16_keep_if", T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), valid)
 
 
 @T.macro
@@ -2985,11 +2978,17 @@ def _kernel_rows(kv_format: str, kv_staging: str) -> str:
     return "bf16" if kv_format == "bf16" or kv_staging == "expand" else "fp4"
 
 
+def _halves_edge_cut(ablate: str, consumers: str, io: str) -> bool:
+    """True for the timing ablations built into paired_halves with io="overlapped" (the prefill default's path):
+    no_q_load and no_o_store cut its next token's Q copies and O's global store."""
+    return ablate in _EDGE_ABLATIONS and consumers == "paired_halves" and io == "overlapped"
+
+
 def _halves_refusal(schedule, produce, tokens_per_cta, rows, ablate="", io="staged") -> str | None:
     """Why ``consumers="paired_halves"`` cannot run (its producer copies bf16 rows half by half, several tokens per CTA
     only with io="overlapped", and no timing ablation hands its half barriers over), or None. ``rows``: the kernel's
     row format (_kernel_rows)."""
-    cut = ablate and not (ablate in _EDGE_ABLATIONS and io == "overlapped")  # those two cut its overlapped Q and O
+    cut = ablate and not _halves_edge_cut(ablate, "paired_halves", io)
     if schedule != "ws" or produce != "batched" or rows != "bf16" or cut or (int(tokens_per_cta) != 1 and io != "overlapped"):
         return (
             "consumers=paired_halves hands bf16 KV rows over in halves: schedule=ws, produce=batched, bf16 KV or "
@@ -3004,7 +3003,7 @@ def _overlapped_refusal(
 ) -> str | None:
     """Why ``io="overlapped"`` cannot be built with these choices (``n_split`` resolved or "auto"; ``rows``: the
     kernel's KV rows, "bf16" or "fp4"; ``blocks``: the blocks per token, None when not known here), or None."""
-    cut = ablate and not (ablate in _EDGE_ABLATIONS and consumers == "paired_halves")  # those two: timing only
+    cut = ablate and not _halves_edge_cut(ablate, consumers, "overlapped")
     if schedule != "ws" or produce != "batched" or consumers not in ("wg0_scores", "paired_halves") or int(wg1_rows) or cut:
         return (
             "io=overlapped is built into the ws kernel's wg0_scores and paired_halves consumers: schedule=ws, "
@@ -3420,7 +3419,7 @@ class SparseAttnTile(Tile):
         resolves to at ``shape`` build the same kernels (e.g. the prefill default and paired_halves, io=overlapped,
         8 tokens per CTA at 4K)."""
         cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
-        if self.kv_format != "bf16" and cfg.get("kv_staging", "gather") == "gather":
+        if _kernel_rows(self.kv_format, cfg.get("kv_staging", "gather")) != "bf16":
             for key in BF16_ROW_KEYS:  # as CompiledAttention: FP4/FP8 rows decoded by the producer ignore them
                 cfg.pop(key, None)
         return canonical_key(cfg)

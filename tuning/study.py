@@ -292,7 +292,12 @@ class StudyRunner:
                 return None
             if self._consecutive_repeats >= max(20, 2 * len(self.space.all_configs()) if self.space.size() <= 4096 else 20):
                 return None  # the sampler keeps returning configs already measured: the space is exhausted
-            if self.valid is not None and self.valid.exhaustible and self.valid.ready and self._tried_valid(trials) >= len(self.valid):
+            if (
+                self.valid is not None
+                and self.valid.exhaustible
+                and self.valid.ready
+                and len(self._tried_kernels(trials)) >= len(self.valid)
+            ):
                 return None  # every valid config has been tried or is in flight: nothing new to measure
             trial = self.study.ask(self.dists)
             self._in_flight += 1
@@ -346,9 +351,6 @@ class StudyRunner:
         """Distinct kernels measured, failed or in flight (the configs a constraint refused build none)."""
         skip = (harness.INVALID, DUPLICATE, INTERRUPTED)
         return {self._trial_kernel(t) for t in trials if t.state != TrialState.WAITING and t.user_attrs.get("outcome") not in skip}
-
-    def _tried_valid(self, trials: list[FrozenTrial]) -> int:
-        return len(self._tried_kernels(trials))
 
     def _enqueue_nearest_valid(self, number: int, config: Config) -> None:
         """Queue the untried valid config nearest to an invalid proposal (:class:`tuning.space.ValidConfigs`, or
