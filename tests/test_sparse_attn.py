@@ -642,34 +642,8 @@ def test_kernel_key_is_what_the_auto_choices_resolve_to():
     # the bf16 rows' copy keys build nothing different where the producer decodes FP4/FP8 rows (as CompiledAttention)
     key = sa.PREFILL_TILE.kernel_key
     gather, expand = {"kv_staging": "gather"}, {"kv_staging": "expand"}
-    assert key(shape, gather, SM90) == key(shape, {**gather, "kv_l2": "evict_last", "unused_rows": "row0"}, SM90)
-    assert key(shape, expand, SM90) != key(shape, {**expand, "kv_l2": "evict_last"}, SM90)
-
-
-def test_kv_l2_evict_last_hints_every_bf16_row_copy():
-    """kv_l2=evict_last (NOT yet a default): every 16-byte copy of a bf16 KV row by the ws batched producer carries an
-    L2 evict_last policy (the zero-filling ones keep their predicate), and only those: the Q copies stay plain. "normal"
-    builds what the key's absence builds. Refused where another producer copies bf16 rows; FP4/FP8 rows unaffected."""
-    for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
-        shape = tile.shape("prefill_s4k")
-        assert tile.default_config(SM90)["kv_l2"] == "normal"
-        cfg = tile.with_defaults(SM90, {**extra, "kv_l2": "evict_last"})
-        assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
-        src = tile.build(shape, cfg, SM90).main.get_kernel_source()
-        assert "createpolicy.fractional.L2::evict_last.b64" in src and "L2::cache_hint.L2::256B" in src
-        # paired_halves (the default here): one copy site per half and row source, zero-filling (unused_rows=zeros)
-        assert src.count("csa2_cp_async16_keep_if((&") == 8 and "cp_async_gs_conditional" not in src
-        assert src.count("cp_async_gs<16>") == 2  # each warpgroup's copies of the next token's Q half
-        normal = tile.build(shape, tile.with_defaults(SM90, {**extra, "kv_l2": "normal"}), SM90).main.get_kernel_source()
-        assert "csa2_cp_async16_keep" not in normal and normal.count("cp_async_gs_conditional<16>") == 8
-    gather = sa.PREFILL_TILE.with_defaults(SM90, {"kv_staging": "gather"})
-    shape = sa.PREFILL_TILE.shape("prefill_s4k")
-    sources = {sa.PREFILL_TILE.build(shape, {**gather, "kv_l2": v}, SM90).main.get_kernel_source() for v in sa.KV_L2S}
-    assert len(sources) == 1  # FP4 rows decoded by the producer: the key does not apply
-    for tile, extra in ((sa.BF16_TILE, {"produce": "serial"}), (sa.BF16_TILE, {"schedule": "pipelined"})):
-        cfg = tile.with_defaults(SM90, {**extra, "kv_l2": "evict_last"})
-        assert any("kv_l2" in r for r in tile.search_space(SM90).violations(cfg, tile.shape("prefill_s4k"), SM90)), extra
-    assert "kv_l2" not in sa.DECODE_TILE.search_space(SM90).names()
+    assert key(shape, {**gather, "unused_rows": "zeros"}, SM90) == key(shape, {**gather, "unused_rows": "row0"}, SM90)
+    assert key(shape, {**expand, "unused_rows": "zeros"}, SM90) != key(shape, {**expand, "unused_rows": "row0"}, SM90)
 
 
 @pytest.mark.parametrize("arch_name", ["sm80", "sm86", "sm89", "sm90"])
@@ -1134,9 +1108,6 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8}),
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2}),
     (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "kv_staging": "expand"}),
-    # kv_l2=evict_last: the bf16 row copies under an L2 policy (the prefill default's producer, the decode's batched one)
-    (sa.PREFILL_TILE, "prefill_s4k", {"kv_l2": "evict_last", "kv_staging": "expand"}),
-    (sa.BF16_TILE, "decode_b128_s2", {"kv_l2": "evict_last"}),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     # the Ada default's layout (32 heads over 4 warps: the softmax reduces across warps through a shared workspace

@@ -239,7 +239,6 @@ def sparse_attn_kernel(
     partials: str = "fp32",
     ablate: str = "",
     unused_rows: str = "row0",
-    kv_l2: str = "normal",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -265,8 +264,6 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
-    if kv_l2 not in KV_L2S or (kv_l2 != "normal" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
-        raise ValueError(f"kv_l2 {kv_l2!r}: one of {', '.join(KV_L2S)}; 'evict_last' is the ws batched producer's bf16 KV copy")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
@@ -321,7 +318,6 @@ def sparse_attn_kernel(
             partials,
             ablate,
             unused_rows,
-            kv_l2,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -567,7 +563,6 @@ def _sparse_attn_ws(
     partials="fp32",
     ablate="",
     unused_rows="row0",
-    kv_l2="normal",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -723,8 +718,8 @@ def _sparse_attn_ws(
     def body(Q, WinA, WinB, WinIdx, MainA, MainB, TopkIdx, Sink, Out, LsePart, OPart, Counter):
         """The whole CTA; OPart and Counter are None unless ``combine="fused"``."""
         with T.Kernel(T.ceildiv(S * REP, TPC) if TPC > 1 else S * REP, B, NS, threads=384) as (bx, by, bz):
-            if (batched and fp4) or fused or kv_l2 != "normal":  # one import: the producer's and the fused combine's helpers
-                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else "") + (_KV_L2_CUDA if kv_l2 != "normal" else ""))
+            if (batched and fp4) or fused:  # one import: the producer's and the fused combine's helpers
+                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else ""))
             Q_l = T.alloc_shared([HB, D2], bf16)
             Q_r = T.alloc_shared([HB, D2], bf16)
             KV0_l = T.alloc_shared([BI, D2], bf16)
@@ -950,7 +945,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows, kv_l2)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows)
                 if TPC > 1 and halves:  # io=overlapped (the constraints)
                     pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
                     _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt)
@@ -2002,7 +1997,6 @@ class _WsDims(NamedTuple):
     fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
     ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads, no_stores, ...; see ABLATIONS); "" in every real kernel
     unused_rows: str = "row0"  # bf16 KV: what the batched producer's cp.async puts in an unused slot's row (UNUSED_ROWS)
-    kv_l2: str = "normal"  # bf16 KV: the L2 policy of the batched producer's row copies (KV_L2S)
 
 
 def _lane_row(p, lanes):
@@ -2077,11 +2071,11 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
             for u in T.unroll(4):
                 col = 64 * u + c * 8
                 if blk < NBW:
-                    _ws_copy16(KV_l[r, col], WinA[b_i, row, col], used, dims.kv_l2)
-                    _ws_copy16(KV_r[r, col], WinA[b_i, row, D2 + col], used, dims.kv_l2)
+                    _ws_copy16(KV_l[r, col], WinA[b_i, row, col], used)
+                    _ws_copy16(KV_r[r, col], WinA[b_i, row, D2 + col], used)
                 else:
-                    _ws_copy16(KV_l[r, col], MainA[b_i, row, col], used, dims.kv_l2)
-                    _ws_copy16(KV_r[r, col], MainA[b_i, row, D2 + col], used, dims.kv_l2)
+                    _ws_copy16(KV_l[r, col], MainA[b_i, row, col], used)
+                    _ws_copy16(KV_r[r, col], MainA[b_i, row, D2 + col], used)
         _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
         T.cp_async_barrier_noinc(bar_ready)
     else:
@@ -2126,32 +2120,11 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         rows_cur[rr] = rows_next[rr]
 
 
-# kv_l2="evict_last": the producer's 16-byte row copies with an L2 policy that keeps the rows (FlashMLA's sparse prefill
-# copies its gathered rows so, with a 256-byte L2 prefetch): at long prompts each token's Q and O (64 KiB each) stream
-# through L2 past the expanded caches, which every token rereads. ``valid`` false: nothing read, 16 zero bytes.
-_KV_L2_CUDA = r"""
-__device__ __forceinline__ unsigned long long csa2_l2_evict_last() {
-  unsigned long long policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ void csa2_cp_async16_keep_if(void* dst, const void* src, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n"
-               :: "r"(s), "l"(src), "r"(valid ? 16 : 0), "l"(csa2_l2_evict_last()) : "memory");
-}
-"""
-
-
 @T.macro
-def _ws_copy16(dst, src, used, kv_l2: str):
+def _ws_copy16(dst, src, used):
     """One 16-byte cp.async of a bf16 row piece ``src`` (global) to ``dst`` (shared); ``used``: () or (predicate,),
-    which zero-fills when false; ``kv_l2`` (KV_L2S): "normal", or "evict_last" (the policy that keeps it in L2)."""
-    if kv_l2 == "normal":
-        T.ptx_cp_async(T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), 8, *used)
-    else:  # unpredicated: valid (a src-size of 16 bytes copies the whole piece)
-        valid = used[0] if used else T.bool(True)
-        T.call_extern("handle", "csa2_cp_async16_keep_if", T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), valid)
+    which zero-fills when false."""
+    T.ptx_cp_async(T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), 8, *used)
 
 
 @T.macro
@@ -2172,9 +2145,9 @@ def _ws_fill_half(src, dims, kv_buf, h, rows, b_i, blk, p, flags: bool):
         for u in T.unroll(4):
             col = 64 * u + c * 8
             if blk < NBW:
-                _ws_copy16(buf[r, col], WinA[b_i, row, h * D2 + col], used, dims.kv_l2)
+                _ws_copy16(buf[r, col], WinA[b_i, row, h * D2 + col], used)
             else:
-                _ws_copy16(buf[r, col], MainA[b_i, row, h * D2 + col], used, dims.kv_l2)
+                _ws_copy16(buf[r, col], MainA[b_i, row, h * D2 + col], used)
     T.cp_async_barrier_noinc(kv_buf.ready_r if h else kv_buf.ready)
 
 
@@ -2426,7 +2399,6 @@ class CompiledAttention:
                 "fp4_decode",
                 "partials",
                 "unused_rows",
-                "kv_l2",
             )
             if k in config
         }
@@ -2731,8 +2703,7 @@ def sparse_attention_bf16(
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
-BF16_ROW_KEYS = ("unused_rows", "kv_l2")  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
-KV_L2S = ("normal", "evict_last")  # bf16 KV, ws batched producer: the row copies' L2 policy (see _KV_L2_CUDA)
+BF16_ROW_KEYS = ("unused_rows",)  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -3032,7 +3003,7 @@ def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
 
 
 def _bf16_copy_refusal(c: Config, kv_format: str, what: str = "unused_rows=zeros") -> str | None:
-    """Why ``what`` (unused_rows="zeros", or kv_l2="evict_last") cannot run with config ``c``, or None. Both concern
+    """Why ``what`` (unused_rows="zeros") cannot run with config ``c``, or None. It concerns
     bf16 rows: bf16 KV, or FP4 KV under kv_staging "expand" or "auto" (which may expand); the FP4/FP8 rows the
     producer decodes have their own path, where the keys do not apply."""
     bf16_rows = kv_format == "bf16" or c.get("kv_staging", "gather") != "gather"
@@ -3137,8 +3108,6 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
                 return why
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
-            return why
-        if c.get("kv_l2", "normal") != "normal" and (why := _bf16_copy_refusal(c, kv_format, "kv_l2=evict_last")):
             return why
         if expands and fp4_rows:
             return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
@@ -3305,14 +3274,6 @@ class SparseAttnTile(Tile):
                     "copies row 0 by cp.async, or its cp.async reads nothing and zero-fills",
                 )
             )
-            params.append(
-                Param(
-                    "kv_l2",
-                    KV_L2S,
-                    "bf16 rows, ws batched producer: the row copies' L2 policy, normal or evict_last (with a 256-byte "
-                    "prefetch; keeps the rows every token rereads in L2 past the Q and O streams)",
-                )
-            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -3368,7 +3329,6 @@ class SparseAttnTile(Tile):
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
                 cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
-                cfg["kv_l2"] = "normal"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
                 # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
                 # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
@@ -3376,7 +3336,6 @@ class SparseAttnTile(Tile):
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
             cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
-            cfg["kv_l2"] = "normal"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
