@@ -239,6 +239,7 @@ def sparse_attn_kernel(
     partials: str = "fp32",
     ablate: str = "",
     unused_rows: str = "row0",
+    o_store: str = "threads",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -255,6 +256,7 @@ def sparse_attn_kernel(
     left zero after it).
     ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
     ``ablate`` (timing only, wrong results by design; never in the search space): see :data:`ABLATIONS`.
+    ``o_store`` (O_STORES; paired_halves with io="overlapped" only): how each O chunk goes from its P tile to Out.
     """
     if consumers == "auto":
         raise ValueError("consumers='auto' is resolved per call first: resolve_consumers")
@@ -264,6 +266,8 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
+    if o_store not in O_STORES or (o_store != "threads" and (consumers != "paired_halves" or io != "overlapped")):
+        raise ValueError(f"o_store {o_store!r}: one of {', '.join(O_STORES)}; 'tma' is paired_halves' O store with io='overlapped'")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
@@ -318,6 +322,7 @@ def sparse_attn_kernel(
             partials,
             ablate,
             unused_rows,
+            o_store,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -563,6 +568,7 @@ def _sparse_attn_ws(
     partials="fp32",
     ablate="",
     unused_rows="row0",
+    o_store="threads",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -718,8 +724,9 @@ def _sparse_attn_ws(
     def body(Q, WinA, WinB, WinIdx, MainA, MainB, TopkIdx, Sink, Out, LsePart, OPart, Counter):
         """The whole CTA; OPart and Counter are None unless ``combine="fused"``."""
         with T.Kernel(T.ceildiv(S * REP, TPC) if TPC > 1 else S * REP, B, NS, threads=384) as (bx, by, bz):
-            if (batched and fp4) or fused:  # one import: the producer's and the fused combine's helpers
-                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else ""))
+            stagger = ablate == "stagger"
+            if (batched and fp4) or fused or stagger:  # one import: the producer's, the fused combine's, the ablation's helpers
+                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else "") + (_STAGGER_CUDA if stagger else ""))
             Q_l = T.alloc_shared([HB, D2], bf16)
             Q_r = T.alloc_shared([HB, D2], bf16)
             KV0_l = T.alloc_shared([BI, D2], bf16)
@@ -820,7 +827,10 @@ def _sparse_attn_ws(
             tx = T.get_thread_binding()
             nxt = None
             if io == "overlapped":
-                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128, ablate)
+                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128, ablate, o_store)
+            if stagger:  # noqa: SIM102  (TileLang conditions)
+                if bx % 2 == 1 and bx < STAGGER_CTAS:  # the first wave's odd CTAs start half a token late (timing only)
+                    T.call_extern("handle", "csa2_spin", STAGGER_CYCLES)
             fuse = None
             if fused:
                 fuse = _WsFuse(OPart, LsePart, Counter, Sink, Out, comb_shared, last_shared, bar_arrived, bar_last, tx)
@@ -1224,8 +1234,9 @@ def _ws_halves_epilogue(
     partial), staged through its Q half with ``io="staged"``; ``fuse``: the fused combine's (balanced only). ``j``: the
     CTA's token (the final barrier's phase). ``ptile`` (paired_halves with io="overlapped", where Q already holds the
     next token's and both KV buffers the next pair's rows): (this warpgroup's [HB, BI] P tile, the barrier the other's
-    P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup, False under the timing ablation
-    no_o_store): O goes out through the P tile in chunks of BI columns, in 16-byte vectors."""
+    P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup, the O store (O_STORES; "" under
+    the timing ablation no_o_store), the thread's index in the warpgroup): O goes out through the P tile in chunks of BI
+    columns, by the warpgroup's threads in 16-byte vectors ("threads") or by one TMA store a chunk ("tma")."""
     w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
     for h in T.Parallel(HB):
         rowsum_shared[w, h] = sumexp[h]
@@ -1249,16 +1260,23 @@ def _ws_halves_epilogue(
     for h, d in T.Parallel(HB, D2):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
     if ptile is not None:
-        tile, bar_tile_free, phase, bar_own, store = ptile
+        tile, bar_tile_free, phase, bar_own, store, t = ptile
         T.barrier_wait(bar_tile_free, phase)  # the other warpgroup's P V of the token's last pair has read the tile
         BI = tile.shape[1]
         for c in T.unroll(D2 // BI):
             for h, d in T.Parallel(HB, BI):
                 tile[h, d] = acc_o[h, c * BI + d]
+            if store == "tma":
+                T.fence_proxy_async()  # generic-proxy writes, read by the TMA store (async proxy)
             T.barrier_arrive(bar_own)
             T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
-            if store:  # ablate="no_o_store" (timing only): the chunks go through the tile, not out
-                T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
+            chunk = Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI]
+            if store == "threads":
+                T.copy(tile, chunk)
+            elif store == "tma":  # noqa: SIM102  (TileLang conditions)
+                if t < 32:  # warp 0: one elected lane issues it; the warp waits until the tile has been read
+                    T.tma_copy(tile, chunk, leader_scope_threads=32)
+                    T.tma_store_wait(0)
             T.barrier_arrive(bar_own)
             T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
     elif NS == 1 and io == "staged":
@@ -1546,8 +1564,8 @@ def _ws_paired_consumer(
                 T.barrier_arrive(see.bar_p_free[1 - w])
     args = (see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, None, j)
     if ovl:  # O out through this warpgroup's P tile, once the other's P V of the token's last pair has read it
-        store = nxt.ablate != "no_o_store"
-        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store))
+        store = "" if nxt.ablate == "no_o_store" else nxt.o_store
+        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store, nxt.t))
     else:
         _ws_halves_epilogue(half, *args)
 
@@ -1628,6 +1646,7 @@ class _WsTokens(NamedTuple):
     REP: int  # head blocks per token
     t: Any  # the thread's index in its consumer warpgroup, 0..127
     ablate: str = ""  # paired_halves: "no_q_load" / "no_o_store" cut the next token's Q copy / O's global store (timing)
+    o_store: str = "threads"  # paired_halves: how O goes from each P tile to Out (O_STORES)
 
 
 @T.macro
@@ -2399,6 +2418,7 @@ class CompiledAttention:
                 "fp4_decode",
                 "partials",
                 "unused_rows",
+                "o_store",
             )
             if k in config
         }
@@ -2704,6 +2724,7 @@ SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 BF16_ROW_KEYS = ("unused_rows",)  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
+O_STORES = ("threads", "tma")  # paired_halves with io=overlapped: each O chunk from its P tile by the threads, or by TMA
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -2748,10 +2769,25 @@ ABLATIONS = (
     "half_main",
     "no_q_load",
     "no_o_store",
+    "stagger",
 )
 # the ones that change warpgroups 0 and 1, and of those the ones that cut the staged Q load or O store (one split only)
-_CONSUMER_ABLATIONS = ("consumers_idle", "no_softmax", "uncoupled", "no_q_load", "no_o_store")
-_EDGE_ABLATIONS = ("no_q_load", "no_o_store")
+# or, stagger, shift the token boundaries of every other CTA
+_CONSUMER_ABLATIONS = ("consumers_idle", "no_softmax", "uncoupled", "no_q_load", "no_o_store", "stagger")
+_EDGE_ABLATIONS = ("no_q_load", "no_o_store", "stagger")
+# stagger: the first wave's odd CTAs (one per SM of the H200's 132) spin this many cycles before they start, about half
+# a prefill token (~11 us at ~1.75 GHz), so that their token boundaries (each token's Q load and O store, 64 KiB each,
+# from every SM at once) fall between the even CTAs'. Each SM runs one CTA at a time, so the CTAs that follow on an SM
+# inherit the offset.
+STAGGER_CYCLES = 20000
+STAGGER_CTAS = 132
+_STAGGER_CUDA = r"""
+__device__ __forceinline__ void csa2_spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+"""
 # The parts of the FP4 producer's work each of its ablations leaves out (half_main and producer_idle change which
 # passes or blocks it fills instead): "loads" (the packed words and scale bytes are made from the row index), "decode"
 # (one value per word from its bits), "stores" (no decoded row written), "main" / "window" (those blocks not filled at
@@ -3099,13 +3135,15 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         if c.get("fp4_decode", "fma") != "fma" and (why := _prmt_decode_refusal(c, kv_format)):
             return why
         expands = resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand"
+        io = c.get("io", "direct")
         if c.get("consumers", "wg0_scores") == "paired_halves":
             rows = _kernel_rows(kv_format, "expand" if expands else "gather")
-            io = c.get("io", "direct")
             if io == "auto":  # resolved as per call: kv_staging first (the rows), then io
                 io = resolve_io({**c, "kv_staging": "expand" if expands else "gather"}, s, a, kv_format)[0]
             if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
                 return why
+        if c.get("o_store", "threads") != "threads" and (c.get("consumers", "wg0_scores") != "paired_halves" or io != "overlapped"):
+            return "o_store=tma is paired_halves' O store with io=overlapped (as resolved at this shape)"
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
             return why
@@ -3274,6 +3312,14 @@ class SparseAttnTile(Tile):
                     "copies row 0 by cp.async, or its cp.async reads nothing and zero-fills",
                 )
             )
+            params.append(
+                Param(
+                    "o_store",
+                    O_STORES,
+                    "paired_halves with io=overlapped: each 64-column chunk of O from the warpgroup's P tile to global "
+                    "memory by its 128 threads in 16-byte vectors, or by one TMA store",
+                )
+            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -3329,6 +3375,7 @@ class SparseAttnTile(Tile):
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
                 cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
+                cfg["o_store"] = "threads"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
                 # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
                 # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
@@ -3336,6 +3383,7 @@ class SparseAttnTile(Tile):
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
             cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
+            cfg["o_store"] = "threads"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
