@@ -898,20 +898,21 @@ def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
     assert src.count("csa2_spin(") == 2 and f"csa2_spin({sa.STAGGER_CYCLES})" in src and src.count("wgmma") == counts[""][2]
 
 
-def test_o_store_tma_stores_each_o_chunk_by_one_tma_store():
-    """o_store=tma (paired_halves with io=overlapped; GPU checks in GPU_CASES): each warpgroup's O chunk leaves its P
-    tile by one TMA store (Out by a tensor map), issued by one elected lane of its first warp, which waits until the
-    tile has been read before the chunk barrier; no thread stores O itself. "threads" builds the default's kernel.
-    Refused where the call does not resolve to paired_halves with io=overlapped."""
+def test_o_store_registers_stores_o_from_the_fragment():
+    """o_store=registers (paired_halves with io=overlapped; GPU checks in GPU_CASES): each warpgroup stores its O half
+    straight from the accumulator fragment (bf16 pairs, 4 bytes a store): no 16-byte O stores through the P tile, no
+    chunk barriers. "threads" builds the default's kernel. Refused where the call does not resolve to paired_halves
+    with io=overlapped."""
     for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
         shape = tile.shape("prefill_s4k")
         assert tile.default_config(SM90)["o_store"] == "threads"
-        cfg = tile.with_defaults(SM90, {**extra, "o_store": "tma"})
+        cfg = tile.with_defaults(SM90, {**extra, "o_store": "registers"})
         assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
         src = tile.build(shape, cfg, SM90).main.get_kernel_source()
-        assert "const CUtensorMap Out_desc" in src and "*(uint4*)(Out +" not in src
-        assert src.count("tl::tma_store(Out_desc") == 2 and src.count("tl::tma_store_wait<0, true>()") == 2
-        assert src.count("tl_shuffle_elect<32>()") == 2
+        default = tile.build(shape, tile.with_defaults(SM90, extra), SM90).main.get_kernel_source()
+        assert default.count("*(uint4*)(Out +") == 2 and "*(uint4*)(Out +" not in src
+        assert src.count("*(uint1*)(Out +") == 2  # one fragment store loop per warpgroup
+        assert src.count("bar_own") < default.count("bar_own")
         assert tile.kernel_key(shape, {**extra, "o_store": "threads"}, SM90) == tile.kernel_key(shape, extra, SM90)
         assert tile.kernel_key(shape, cfg, SM90) != tile.kernel_key(shape, extra, SM90)
     for tile, shape_name, extra in (
@@ -920,10 +921,10 @@ def test_o_store_tma_stores_each_o_chunk_by_one_tma_store():
         (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "staged"}),
         (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "gather"}),  # FP4 rows: paired_halves refused
     ):
-        cfg = tile.with_defaults(SM90, {**extra, "o_store": "tma"})
+        cfg = tile.with_defaults(SM90, {**extra, "o_store": "registers"})
         assert any("o_store" in r for r in tile.search_space(SM90).violations(cfg, tile.shape(shape_name), SM90)), extra
     with pytest.raises(ValueError, match="o_store"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", o_store="tma")
+        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", o_store="registers")
     assert "o_store" not in sa.DECODE_TILE.search_space(SM90).names()
 
 
@@ -1141,13 +1142,13 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8}),
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2}),
     (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "kv_staging": "expand"}),
-    # o_store=tma: each O chunk from the P tile by one TMA store (odd shapes: a one-token last CTA, H=128)
-    (sa.BF16_TILE, "prefill_s4k", {"o_store": "tma"}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"o_store": "tma", "kv_staging": "expand"}),
+    # o_store=registers: O from the accumulator fragment (odd shapes: a one-token last CTA, H=128)
+    (sa.BF16_TILE, "prefill_s4k", {"o_store": "registers"}),
+    (sa.PREFILL_TILE, "prefill_s4k", {"o_store": "registers", "kv_staging": "expand"}),
     (
         sa.BF16_TILE,
         "decode_b128_s2",
-        {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2, "o_store": "tma"},
+        {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2, "o_store": "registers"},
     ),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),

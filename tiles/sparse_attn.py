@@ -256,7 +256,7 @@ def sparse_attn_kernel(
     left zero after it).
     ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
     ``ablate`` (timing only, wrong results by design; never in the search space): see :data:`ABLATIONS`.
-    ``o_store`` (O_STORES; paired_halves with io="overlapped" only): how each O chunk goes from its P tile to Out.
+    ``o_store`` (O_STORES; paired_halves with io="overlapped" only): how O goes to Out (through the P tile or from registers).
     """
     if consumers == "auto":
         raise ValueError("consumers='auto' is resolved per call first: resolve_consumers")
@@ -267,7 +267,7 @@ def sparse_attn_kernel(
     if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
     if o_store not in O_STORES or (o_store != "threads" and (consumers != "paired_halves" or io != "overlapped")):
-        raise ValueError(f"o_store {o_store!r}: one of {', '.join(O_STORES)}; 'tma' is paired_halves' O store with io='overlapped'")
+        raise ValueError(f"o_store {o_store!r}: one of {', '.join(O_STORES)}; 'registers' is paired_halves' O store with io='overlapped'")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
@@ -1235,8 +1235,8 @@ def _ws_halves_epilogue(
     CTA's token (the final barrier's phase). ``ptile`` (paired_halves with io="overlapped", where Q already holds the
     next token's and both KV buffers the next pair's rows): (this warpgroup's [HB, BI] P tile, the barrier the other's
     P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup, the O store (O_STORES; "" under
-    the timing ablation no_o_store), the thread's index in the warpgroup): O goes out through the P tile in chunks of BI
-    columns, by the warpgroup's threads in 16-byte vectors ("threads") or by one TMA store a chunk ("tma")."""
+    the timing ablation no_o_store)): O goes out through the P tile in chunks of BI columns in 16-byte vectors
+    ("threads"), or from the accumulator fragment as it is, 4 bytes a store ("registers")."""
     w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
     for h in T.Parallel(HB):
         rowsum_shared[w, h] = sumexp[h]
@@ -1260,25 +1260,23 @@ def _ws_halves_epilogue(
     for h, d in T.Parallel(HB, D2):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
     if ptile is not None:
-        tile, bar_tile_free, phase, bar_own, store, t = ptile
-        T.barrier_wait(bar_tile_free, phase)  # the other warpgroup's P V of the token's last pair has read the tile
-        BI = tile.shape[1]
-        for c in T.unroll(D2 // BI):
-            for h, d in T.Parallel(HB, BI):
-                tile[h, d] = acc_o[h, c * BI + d]
-            if store == "tma":
-                T.fence_proxy_async()  # generic-proxy writes, read by the TMA store (async proxy)
-            T.barrier_arrive(bar_own)
-            T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
-            chunk = Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI]
-            if store == "threads":
-                T.copy(tile, chunk)
-            elif store == "tma":  # noqa: SIM102  (TileLang conditions)
-                if t < 32:  # warp 0: one elected lane issues it; the warp waits until the tile has been read
-                    T.tma_copy(tile, chunk, leader_scope_threads=32)
-                    T.tma_store_wait(0)
-            T.barrier_arrive(bar_own)
-            T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
+        tile, bar_tile_free, phase, bar_own, store = ptile
+        if store == "registers":
+            # straight from the accumulator fragment: no tile, so no wait for the other's P V of it (the next token's
+            # first pair waits for that phase before it writes P) and no chunk barriers
+            T.copy(acc_o, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
+        else:
+            T.barrier_wait(bar_tile_free, phase)  # the other warpgroup's P V of the token's last pair has read the tile
+            BI = tile.shape[1]
+            for c in T.unroll(D2 // BI):
+                for h, d in T.Parallel(HB, BI):
+                    tile[h, d] = acc_o[h, c * BI + d]
+                T.barrier_arrive(bar_own)
+                T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
+                if store:  # ablate="no_o_store" (timing only): the chunks go through the tile, not out
+                    T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
+                T.barrier_arrive(bar_own)
+                T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
     elif NS == 1 and io == "staged":
         T.copy(acc_o, Q_own)
         T.copy(Q_own, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
@@ -1565,7 +1563,7 @@ def _ws_paired_consumer(
     args = (see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, None, j)
     if ovl:  # O out through this warpgroup's P tile, once the other's P V of the token's last pair has read it
         store = "" if nxt.ablate == "no_o_store" else nxt.o_store
-        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store, nxt.t))
+        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store))
     else:
         _ws_halves_epilogue(half, *args)
 
@@ -1646,7 +1644,7 @@ class _WsTokens(NamedTuple):
     REP: int  # head blocks per token
     t: Any  # the thread's index in its consumer warpgroup, 0..127
     ablate: str = ""  # paired_halves: "no_q_load" / "no_o_store" cut the next token's Q copy / O's global store (timing)
-    o_store: str = "threads"  # paired_halves: how O goes from each P tile to Out (O_STORES)
+    o_store: str = "threads"  # paired_halves: how O goes to Out (O_STORES)
 
 
 @T.macro
@@ -2724,7 +2722,9 @@ SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 BF16_ROW_KEYS = ("unused_rows",)  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
-O_STORES = ("threads", "tma")  # paired_halves with io=overlapped: each O chunk from its P tile by the threads, or by TMA
+# paired_halves with io=overlapped: O through the P tile in 16-byte vectors, or from the accumulator fragment (4 bytes a
+# store). A TMA store a chunk from the P tile ("tma", session 24) was right and slower: notes/sparse_attn.md.
+O_STORES = ("threads", "registers")
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -3143,7 +3143,7 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
             if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
                 return why
         if c.get("o_store", "threads") != "threads" and (c.get("consumers", "wg0_scores") != "paired_halves" or io != "overlapped"):
-            return "o_store=tma is paired_halves' O store with io=overlapped (as resolved at this shape)"
+            return "o_store=registers is paired_halves' O store with io=overlapped (as resolved at this shape)"
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
             return why
@@ -3316,8 +3316,8 @@ class SparseAttnTile(Tile):
                 Param(
                     "o_store",
                     O_STORES,
-                    "paired_halves with io=overlapped: each 64-column chunk of O from the warpgroup's P tile to global "
-                    "memory by its 128 threads in 16-byte vectors, or by one TMA store",
+                    "paired_halves with io=overlapped: O through the warpgroup's P tile in 64-column chunks of 16-byte "
+                    "vectors, or straight from the accumulator fragment (no tile, no barriers)",
                 )
             )
         if self.splits:
