@@ -892,40 +892,10 @@ def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
     assert len({c[2:] for c in counts.values()}) == 1
     with pytest.raises(ValueError, match="ablat"):
         sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", ablate="no_softmax", **halves)
-    # stagger: the odd CTAs' spin at the start, nothing else
+    # stagger: the first wave's odd CTAs' spin at the start, nothing else
     kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90, ablate="stagger")
     src = kernel.main.get_kernel_source()
     assert src.count("csa2_spin(") == 2 and f"csa2_spin({sa.STAGGER_CYCLES})" in src and src.count("wgmma") == counts[""][2]
-
-
-def test_o_store_registers_stores_o_from_the_fragment():
-    """o_store=registers (paired_halves with io=overlapped; GPU checks in GPU_CASES): each warpgroup stores its O half
-    straight from the accumulator fragment (bf16 pairs, 4 bytes a store): no 16-byte O stores through the P tile, no
-    chunk barriers. "threads" builds the default's kernel. Refused where the call does not resolve to paired_halves
-    with io=overlapped."""
-    for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
-        shape = tile.shape("prefill_s4k")
-        assert tile.default_config(SM90)["o_store"] == "threads"
-        cfg = tile.with_defaults(SM90, {**extra, "o_store": "registers"})
-        assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
-        src = tile.build(shape, cfg, SM90).main.get_kernel_source()
-        default = tile.build(shape, tile.with_defaults(SM90, extra), SM90).main.get_kernel_source()
-        assert default.count("*(uint4*)(Out +") == 2 and "*(uint4*)(Out +" not in src
-        assert src.count("*(uint1*)(Out +") == 2  # one fragment store loop per warpgroup
-        assert src.count("bar_own") < default.count("bar_own")
-        assert tile.kernel_key(shape, {**extra, "o_store": "threads"}, SM90) == tile.kernel_key(shape, extra, SM90)
-        assert tile.kernel_key(shape, cfg, SM90) != tile.kernel_key(shape, extra, SM90)
-    for tile, shape_name, extra in (
-        (sa.BF16_TILE, "decode_b64_s1", {}),  # consumers=auto resolves to wg0_scores at decode
-        (sa.BF16_TILE, "prefill_s4k", {"consumers": "wg0_scores"}),
-        (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "staged"}),
-        (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "gather"}),  # FP4 rows: paired_halves refused
-    ):
-        cfg = tile.with_defaults(SM90, {**extra, "o_store": "registers"})
-        assert any("o_store" in r for r in tile.search_space(SM90).violations(cfg, tile.shape(shape_name), SM90)), extra
-    with pytest.raises(ValueError, match="o_store"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", o_store="registers")
-    assert "o_store" not in sa.DECODE_TILE.search_space(SM90).names()
 
 
 FUSED = {"combine": "fused", "partials": "fp32"}  # the fused combine merges fp32 partials (the Hopper default is bf16)
@@ -1142,14 +1112,6 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8}),
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2}),
     (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "kv_staging": "expand"}),
-    # o_store=registers: O from the accumulator fragment (odd shapes: a one-token last CTA, H=128)
-    (sa.BF16_TILE, "prefill_s4k", {"o_store": "registers"}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"o_store": "registers", "kv_staging": "expand"}),
-    (
-        sa.BF16_TILE,
-        "decode_b128_s2",
-        {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2, "o_store": "registers"},
-    ),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     # the Ada default's layout (32 heads over 4 warps: the softmax reduces across warps through a shared workspace
