@@ -14,8 +14,6 @@ top-k 512), the default and the fixed alternatives it chooses between:
     ovl2/4/8    io=overlapped with 2, 4 or 8 tokens per CTA
     halves1     consumers=paired_halves, io=staged, one token per CTA
     halves2/4/8 consumers=paired_halves, io=overlapped with 2, 4 or 8 tokens per CTA
-    osync       the default with o_sync="named" (the O chunks ordered by TileLang's bar.sync alone), where it resolves to
-                paired_halves
 
 Every (length, label) is checked against the reference on fresh inputs (NaN-poisoned outputs) before it is timed
 (CUDA-graph replay: device time); a label the constraints refuse at a length is listed as refused. The table marks
@@ -48,8 +46,6 @@ LABELS = {
     "halves2": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 2},
     "halves4": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
     "halves8": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8},
-    # the default with the O chunks through the P tiles ordered by TileLang's bar.sync alone (no mbarrier)
-    "osync": {"o_sync": "named"},
 }
 LENGTHS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 

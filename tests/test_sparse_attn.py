@@ -864,36 +864,6 @@ def test_producer_ablations_cut_what_they_say(ablate):
     assert counts == tuple(2 * n for n in _ABLATION_SOURCE[ablate])
 
 
-def test_o_sync_named_orders_the_o_chunks_by_tilelangs_barriers_alone():
-    """o_sync=named (paired_halves with io=overlapped; GPU checks in GPU_CASES): the O chunks through the P tile lose
-    the warpgroup's mbarrier (two arrive/wait pairs a chunk); TileLang's bar.sync before each chunk's tile writes and
-    before its copy out stay, and the copy out is the default's. "mbarrier" builds the default's kernel. Refused where
-    the call does not resolve to paired_halves with io=overlapped."""
-    for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
-        shape = tile.shape("prefill_s4k")
-        assert tile.default_config(SM90)["o_sync"] == "mbarrier"
-        cfg = tile.with_defaults(SM90, {**extra, "o_sync": "named"})
-        assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
-        src = tile.build(shape, cfg, SM90).main.get_kernel_source()
-        default = tile.build(shape, tile.with_defaults(SM90, extra), SM90).main.get_kernel_source()
-        assert default.count("bar_own") == 16 and "bar_own" not in src  # 2 arrive/wait pairs a chunk, 2 warpgroups
-        assert src.count("__sync_thread_partial") == default.count("__sync_thread_partial")
-        assert src.count("*(uint4*)(Out +") == default.count("*(uint4*)(Out +") == 2
-        assert tile.kernel_key(shape, {**extra, "o_sync": "mbarrier"}, SM90) == tile.kernel_key(shape, extra, SM90)
-        assert tile.kernel_key(shape, cfg, SM90) != tile.kernel_key(shape, extra, SM90)
-    for tile, shape_name, extra in (
-        (sa.BF16_TILE, "decode_b64_s1", {}),  # consumers=auto resolves to wg0_scores at decode
-        (sa.BF16_TILE, "prefill_s4k", {"consumers": "wg0_scores"}),
-        (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "staged"}),
-        (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "gather"}),  # FP4 rows: paired_halves refused
-    ):
-        cfg = tile.with_defaults(SM90, {**extra, "o_sync": "named"})
-        assert any("o_sync" in r for r in tile.search_space(SM90).violations(cfg, tile.shape(shape_name), SM90)), extra
-    with pytest.raises(ValueError, match="o_sync"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", o_sync="named")
-    assert "o_sync" not in sa.DECODE_TILE.search_space(SM90).names()
-
-
 def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
     """gpu/attn_block_scaling.py's no_q_load and no_o_store remove exactly the consumers' 16-byte Q loads or O stores
     from the bf16 prefill kernel (the kernel behind the expansion) and nothing else a timing could see; they are
@@ -1142,14 +1112,6 @@ GPU_CASES = [
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 8}),
     (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2}),
     (sa.PREFILL_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "kv_staging": "expand"}),
-    # o_sync=named: the O chunks through the P tile ordered by TileLang's bar.sync alone (odd shapes: a one-token last CTA, H=128)
-    (sa.BF16_TILE, "prefill_s4k", {"o_sync": "named"}),
-    (sa.PREFILL_TILE, "prefill_s4k", {"o_sync": "named", "kv_staging": "expand"}),
-    (
-        sa.BF16_TILE,
-        "decode_b128_s2",
-        {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2, "o_sync": "named"},
-    ),
     (sa.DECODE_TILE, "decode_b64_s1", {"schedule": "pipelined"}),
     (sa.DECODE_TILE, "decode_b128_s2", {"schedule": "pipelined", "n_split": 4}),
     # the Ada default's layout (32 heads over 4 warps: the softmax reduces across warps through a shared workspace

@@ -239,7 +239,6 @@ def sparse_attn_kernel(
     partials: str = "fp32",
     ablate: str = "",
     unused_rows: str = "row0",
-    o_sync: str = "mbarrier",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -256,7 +255,6 @@ def sparse_attn_kernel(
     left zero after it).
     ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
     ``ablate`` (timing only, wrong results by design; never in the search space): see :data:`ABLATIONS`.
-    ``o_sync`` (O_SYNCS; paired_halves with io="overlapped" only): how the O store's chunks through the P tile are ordered.
     """
     if consumers == "auto":
         raise ValueError("consumers='auto' is resolved per call first: resolve_consumers")
@@ -266,8 +264,6 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
-    if o_sync not in O_SYNCS or (o_sync != "mbarrier" and (consumers != "paired_halves" or io != "overlapped")):
-        raise ValueError(f"o_sync {o_sync!r}: one of {', '.join(O_SYNCS)}; 'named' is paired_halves' O store with io='overlapped'")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
@@ -322,7 +318,6 @@ def sparse_attn_kernel(
             partials,
             ablate,
             unused_rows,
-            o_sync,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -568,7 +563,6 @@ def _sparse_attn_ws(
     partials="fp32",
     ablate="",
     unused_rows="row0",
-    o_sync="mbarrier",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -827,7 +821,7 @@ def _sparse_attn_ws(
             tx = T.get_thread_binding()
             nxt = None
             if io == "overlapped":
-                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128, ablate, o_sync)
+                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128, ablate)
             if stagger:  # noqa: SIM102  (TileLang conditions)
                 if bx % 2 == 1 and bx < STAGGER_CTAS:  # the first wave's odd CTAs start half a token late (timing only)
                     T.call_extern("handle", "csa2_spin", STAGGER_CYCLES)
@@ -1265,16 +1259,12 @@ def _ws_halves_epilogue(
         for c in T.unroll(D2 // BI):
             for h, d in T.Parallel(HB, BI):
                 tile[h, d] = acc_o[h, c * BI + d]
-            # bar_own None (o_sync="named"): TileLang's own warpgroup barriers (bar.sync, inserted for the tile's write
-            # -> read and read -> write hazards, before and after the copy out) are the only ordering
-            if bar_own is not None:
-                T.barrier_arrive(bar_own)
-                T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
+            T.barrier_arrive(bar_own)
+            T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
             if store:  # ablate="no_o_store" (timing only): the chunks go through the tile, not out
                 T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
-            if bar_own is not None:
-                T.barrier_arrive(bar_own)
-                T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
+            T.barrier_arrive(bar_own)
+            T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
     elif NS == 1 and io == "staged":
         T.copy(acc_o, Q_own)
         T.copy(Q_own, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
@@ -1477,7 +1467,9 @@ def _ws_paired_consumer(
     cp.async, arriving on the Q barrier as it lands. Its O half goes out through its own P tile (``bar_own``: its
     128-arrival barrier), so that no KV half waits for O: the producer refills them for the next token's first pair
     as they are freed. (Staging O in two KV halves for the producer to store measured no faster: a token's first pair
-    needs all four halves; session 21.)"""
+    needs all four halves; session 21. Each chunk out of the P tile by one TMA store, O straight from the accumulator
+    fragments, and the chunks without the warpgroup's mbarrier (TileLang's bar.sync alone) all ran right and measured
+    slower or level: session 24, notes/sparse_attn.md.)"""
     w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
     own, other = bufs[w], bufs[1 - w]
     ovl = nxt is not None
@@ -1561,8 +1553,7 @@ def _ws_paired_consumer(
     args = (see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, None, j)
     if ovl:  # O out through this warpgroup's P tile, once the other's P V of the token's last pair has read it
         store = nxt.ablate != "no_o_store"
-        own_sync = bar_own if nxt.o_sync == "mbarrier" else None
-        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, own_sync, store))
+        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store))
     else:
         _ws_halves_epilogue(half, *args)
 
@@ -1643,7 +1634,6 @@ class _WsTokens(NamedTuple):
     REP: int  # head blocks per token
     t: Any  # the thread's index in its consumer warpgroup, 0..127
     ablate: str = ""  # paired_halves: "no_q_load" / "no_o_store" cut the next token's Q copy / O's global store (timing)
-    o_sync: str = "mbarrier"  # paired_halves: how the O chunks through the P tile are ordered (O_SYNCS)
 
 
 @T.macro
@@ -2415,7 +2405,6 @@ class CompiledAttention:
                 "fp4_decode",
                 "partials",
                 "unused_rows",
-                "o_sync",
             )
             if k in config
         }
@@ -2721,9 +2710,6 @@ SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 BF16_ROW_KEYS = ("unused_rows",)  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
-# paired_halves with io=overlapped: each O chunk through the P tile ordered by an mbarrier of the warpgroup around the
-# copy out (besides TileLang's bar.sync), or by TileLang's bar.sync alone
-O_SYNCS = ("mbarrier", "named")
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -3134,15 +3120,13 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
         if c.get("fp4_decode", "fma") != "fma" and (why := _prmt_decode_refusal(c, kv_format)):
             return why
         expands = resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand"
-        io = c.get("io", "direct")
         if c.get("consumers", "wg0_scores") == "paired_halves":
             rows = _kernel_rows(kv_format, "expand" if expands else "gather")
+            io = c.get("io", "direct")
             if io == "auto":  # resolved as per call: kv_staging first (the rows), then io
                 io = resolve_io({**c, "kv_staging": "expand" if expands else "gather"}, s, a, kv_format)[0]
             if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
                 return why
-        if c.get("o_sync", "mbarrier") != "mbarrier" and (c.get("consumers", "wg0_scores") != "paired_halves" or io != "overlapped"):
-            return "o_sync=named is paired_halves' O store with io=overlapped (as resolved at this shape)"
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
             return why
@@ -3311,14 +3295,6 @@ class SparseAttnTile(Tile):
                     "copies row 0 by cp.async, or its cp.async reads nothing and zero-fills",
                 )
             )
-            params.append(
-                Param(
-                    "o_sync",
-                    O_SYNCS,
-                    "paired_halves with io=overlapped: the O chunks through the P tile ordered by an mbarrier of the "
-                    "warpgroup as well as TileLang's bar.sync, or by the bar.sync alone",
-                )
-            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -3374,7 +3350,6 @@ class SparseAttnTile(Tile):
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
                 cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
-                cfg["o_sync"] = "mbarrier"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
                 # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
                 # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
@@ -3382,7 +3357,6 @@ class SparseAttnTile(Tile):
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
             cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
-            cfg["o_sync"] = "mbarrier"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
