@@ -3023,13 +3023,13 @@ def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     return None
 
 
-def _bf16_copy_refusal(c: Config, kv_format: str, what: str = "unused_rows=zeros") -> str | None:
-    """Why ``what`` (unused_rows="zeros") cannot run with config ``c``, or None. It concerns
-    bf16 rows: bf16 KV, or FP4 KV under kv_staging "expand" or "auto" (which may expand); the FP4/FP8 rows the
-    producer decodes have their own path, where the keys do not apply."""
+def _bf16_copy_refusal(c: Config, kv_format: str) -> str | None:
+    """Why unused_rows="zeros" cannot run with config ``c``, or None. It concerns bf16 rows: bf16 KV, or FP4 KV under
+    kv_staging "expand" or "auto" (which may expand); the FP4/FP8 rows the producer decodes have their own path, where
+    the key does not apply."""
     bf16_rows = kv_format == "bf16" or c.get("kv_staging", "gather") != "gather"
     if bf16_rows and (c["schedule"] != "ws" or c.get("produce", "serial") != "batched"):
-        return f"{what} is the ws batched producer's cp.async of bf16 rows: schedule=ws, produce=batched"
+        return "unused_rows=zeros is the ws batched producer's cp.async of bf16 rows: schedule=ws, produce=batched"
     return None
 
 
