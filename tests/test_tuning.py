@@ -221,20 +221,41 @@ def test_spaces_too_large_to_enumerate_still_replace_invalid_proposals(tmp_path,
 
 
 def test_nearby_search_on_the_attention_space_finds_valid_configs():
-    """The prefill attention's space at 4K (8.3M points, 0.17% valid): a random proposal is replaced by a valid config
-    in well under a second on one core."""
+    """The prefill attention's space at 4K (4.1M points) and the FP4 decode's at B=64/S=1 (13.8M): a random proposal
+    is replaced by a valid config in seconds at most on one core, including those whose valid configs lie past the
+    radius search's checks (7 of 30 such decode proposals before the greedy repair, session 23; none since)."""
     from tiles.registry import get_tile
 
-    tile = get_tile("sparse_attn_prefill")
-    space, shape = tile.search_space(SM90), tile.shape("prefill_s4k")
-    assert space.size() > space_mod.MAX_ENUMERATED
-    nearby = NearbyValidConfigs(space, shape, SM90, seed=0, kernel_key=lambda c: tile.kernel_key(shape, c, SM90))
-    rng = np.random.default_rng(3)
-    for _ in range(3):
+    for name, shape_name, proposals in (("sparse_attn_prefill", "prefill_s4k", 3), ("sparse_attn_decode", "decode_b64_s1", 8)):
+        tile = get_tile(name)
+        space, shape = tile.search_space(SM90), tile.shape(shape_name)
+        assert space.size() > space_mod.MAX_ENUMERATED
+        nearby = NearbyValidConfigs(space, shape, SM90, seed=0, kernel_key=lambda c, t=tile, s=shape: t.kernel_key(s, c, SM90))
+        rng = np.random.default_rng(3)
+        for _ in range(proposals):
+            proposal = {p.name: p.choices[int(rng.integers(len(p.choices)))] for p in space.params}
+            t0 = time.monotonic()
+            found = nearby.nearest(proposal, exclude=set())
+            assert found is not None and space.violations(found, shape, SM90) == [] and time.monotonic() - t0 < 10, name
+
+
+def test_greedy_repair_never_adds_a_failing_constraint():
+    """NearbyValidConfigs' fallback: each step of the repair leaves at most as many constraints failing as before, and
+    on the FP4 decode space it ends with fewer than the random proposal had."""
+    from tiles.registry import get_tile
+
+    tile = get_tile("sparse_attn_decode")
+    space, shape = tile.search_space(SM90), tile.shape("decode_b64_s1")
+    nearby = NearbyValidConfigs(space, shape, SM90, seed=0)
+    rng = np.random.default_rng(5)
+    for _ in range(5):
         proposal = {p.name: p.choices[int(rng.integers(len(p.choices)))] for p in space.params}
-        t0 = time.monotonic()
-        found = nearby.nearest(proposal, exclude=set())
-        assert found is not None and space.violations(found, shape, SM90) == [] and time.monotonic() - t0 < 5
+        before = nearby._failing(proposal)
+        repaired = nearby._repair(proposal)
+        assert set(repaired) == set(proposal) and all(repaired[p.name] in p.choices for p in space.params)
+        assert nearby._failing(repaired) <= before
+        if before:
+            assert nearby._failing(repaired) < before
 
 
 def test_valid_configs_survive_a_constraint_that_raises():
