@@ -14,9 +14,6 @@ top-k 512), the default and the fixed alternatives it chooses between:
     ovl2/4/8    io=overlapped with 2, 4 or 8 tokens per CTA
     halves1     consumers=paired_halves, io=staged, one token per CTA
     halves2/4/8 consumers=paired_halves, io=overlapped with 2, 4 or 8 tokens per CTA
-    nqk_half    the default with next_qk="half_under_o" (each token's O stored in the next token's first pair, under
-                its first KV half's QK^T), where it resolves to paired_halves with io=overlapped
-    nqk_both    the same with next_qk="under_o" (under both halves' QK^T)
 
 Every (length, label) is checked against the reference on fresh inputs (NaN-poisoned outputs) before it is timed
 (CUDA-graph replay: device time); a label the constraints refuse at a length is listed as refused. The table marks
@@ -49,9 +46,6 @@ LABELS = {
     "halves2": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 2},
     "halves4": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
     "halves8": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8},
-    # the default with each token's O stored under the next token's first QK^T (paired_halves with io=overlapped only)
-    "nqk_half": {"next_qk": "half_under_o"},
-    "nqk_both": {"next_qk": "under_o"},
 }
 LENGTHS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 

@@ -220,8 +220,7 @@ def test_attention_timing_scripts_refuse_an_unknown_variant_before_asking_for_a_
 def test_prefill_lengths_span_every_choice_of_io_auto(tile_name):
     """gpu/attn_prefill_lengths.py's default lengths cover each choice io="auto" makes on the H200 (staged, overlapped
     with 2, 4 and 8 tokens per CTA: sa._io_cost); the staged wg0_scores labels are valid at every length, the
-    overlapped and paired_halves ones wherever the call's rows are bf16 (the FP4 prefill gathers below 512 tokens), the
-    next_qk ones where the default resolves to paired_halves with io=overlapped."""
+    overlapped and paired_halves ones wherever the call's rows are bf16 (the FP4 prefill gathers below 512 tokens)."""
     import attn_prefill_lengths as apl
 
     tile, sm90 = get_tile(tile_name), get_arch("sm90")
@@ -232,7 +231,5 @@ def test_prefill_lengths_span_every_choice_of_io_auto(tile_name):
         chosen.add((resolved["io"], resolved["tokens_per_cta"]))
         bf16_rows = tile.kv_format == "bf16" or resolved["kv_staging"] == "expand"
         valid = {label for label in apl.LABELS if apl._refusal(tile_name, s, label, "sm90") is None}
-        halves = resolved["consumers"] == "paired_halves" and resolved["io"] == "overlapped"
-        expected = set(apl.LABELS) - (set() if halves else {"nqk_half", "nqk_both"})
-        assert valid == (expected if bf16_rows else {"default", "wg0", "staged1", "staged4"}), s
+        assert valid == (set(apl.LABELS) if bf16_rows else {"default", "wg0", "staged1", "staged4"}), s
     assert chosen == {("staged", 1), ("overlapped", 2), ("overlapped", 4), ("overlapped", 8)}

@@ -864,45 +864,6 @@ def test_producer_ablations_cut_what_they_say(ablate):
     assert counts == tuple(2 * n for n in _ABLATION_SOURCE[ablate])
 
 
-def test_next_qk_defers_the_o_store_under_the_next_tokens_first_qk(tmp_path):
-    """next_qk (paired_halves with io=overlapped; GPU checks below): "after_o" builds the default's kernel; the others
-    leave each token's O in acc_o at its end and store it through the P tile in the next token's first pair, once that
-    pair's first QK^T (half_under_o) or both (under_o) are issued, and the CTA's last token's after the loop. No other
-    O store, the same chunks (two mbarrier waits each, 4 chunks, two warpgroups, in two places), ptxas without spills
-    and without C7515 (a wgmma serialised by the store between issue and wait). Refused where the call does not
-    resolve to paired_halves with io=overlapped."""
-    for tile, extra in ((sa.BF16_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "expand"})):
-        shape = tile.shape("prefill_s4k")
-        assert tile.default_config(SM90)["next_qk"] == "after_o"
-        assert tile.kernel_key(shape, {**extra, "next_qk": "after_o"}, SM90) == tile.kernel_key(shape, extra, SM90)
-        default = tile.build(shape, tile.with_defaults(SM90, extra), SM90).main.get_kernel_source()
-        assert len(re.findall(r"bar_o[01]\[0\]\.wait\(0\)", default)) == 2 and "(kk == 0) & (0 < j" not in default
-        for value in ("half_under_o", "under_o"):
-            cfg = tile.with_defaults(SM90, {**extra, "next_qk": value})
-            assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
-            assert tile.kernel_key(shape, cfg, SM90) != tile.kernel_key(shape, extra, SM90)
-            if tile is not sa.BF16_TILE:
-                continue  # the expansion runs the bf16 tile's kernel
-            src = tile.build(shape, cfg, SM90).main.get_kernel_source()
-            assert len(re.findall(r"bar_o[01]\[0\]\.wait\(0\)", src)) == 4, "per warpgroup: in the first pair, after the loop"
-            assert len(re.findall(r"\*\(uint4\*\)\(Out \+", src)) == 4
-            assert len(re.findall(r"if \(\(kk(_\d+)? == 0\) & \(0 < j", src)) == 2, "the deferred store, per warpgroup"
-            log = ptxas_log(src, tmp_path, ptxas_options=(f"--register-usage-level={cfg['ptxas_level']}",))
-            assert parse_resource_usage(log)[1] == 0, "no spills"
-            assert "C7515" not in log, "the QK^T wgmma stays asynchronous across the deferred store"
-    for tile, shape_name, extra in (
-        (sa.BF16_TILE, "decode_b64_s1", {}),  # consumers=auto resolves to wg0_scores at decode
-        (sa.BF16_TILE, "prefill_s4k", {"consumers": "wg0_scores"}),
-        (sa.BF16_TILE, "prefill_s4k", {"consumers": "paired_halves", "io": "staged"}),
-        (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "gather"}),  # FP4 rows: paired_halves refused
-    ):
-        cfg = tile.with_defaults(SM90, {**extra, "next_qk": "under_o"})
-        assert any("next_qk" in r for r in tile.search_space(SM90).violations(cfg, tile.shape(shape_name), SM90)), extra
-    with pytest.raises(ValueError, match="next_qk"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", next_qk="under_o")
-    assert "next_qk" not in sa.DECODE_TILE.search_space(SM90).names()
-
-
 def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
     """gpu/attn_block_scaling.py's no_q_load and no_o_store remove exactly the consumers' 16-byte Q loads or O stores
     from the bf16 prefill kernel (the kernel behind the expansion) and nothing else a timing could see; they are
@@ -1240,36 +1201,6 @@ def test_prmt_fp4_decode_output_equals_fma_bitwise(tile, shape_name, extra):
     kernel, inputs = _check(tile, shape, {"fp4_decode": "prmt", **extra})
     fma = tile.build(shape, {**tile.default_config(SM90), **extra, "fp4_decode": "fma"}, SM90)
     got, want = tile.run(kernel, inputs)["out"], tile.run(fma, inputs)["out"]
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-
-
-_NEXT_QK_CASES = [
-    (sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k"), {}),  # 8 tokens per CTA (io=auto)
-    (sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k"), {"kv_staging": "expand"}),
-    # a last CTA with fewer tokens; two head blocks per token (consecutive items); two tokens per CTA at decode
-    (sa.BF16_TILE, _shape("s777", "prefill", B=1, S=777, Nc=777, Nw=777), {}),
-    (
-        sa.BF16_TILE,
-        _shape("h128", "prefill", B=1, S=300, Nc=300, Nw=300, H=128),
-        {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
-    ),
-    (
-        sa.BF16_TILE,
-        sa.BF16_TILE.shape("decode_b128_s2"),
-        {"consumers": "paired_halves", "io": "overlapped", "n_split": 1, "tokens_per_cta": 2},
-    ),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("value", ["half_under_o", "under_o"])
-@pytest.mark.parametrize("tile,shape,extra", _NEXT_QK_CASES, ids=lambda x: getattr(x, "name", None) or str(x))
-def test_next_qk_matches_reference_and_after_o_bitwise(tile, shape, extra, value):
-    """next_qk other than after_o only moves each token's O store into the next token's first pair: the output is
-    right (_check: fresh inputs, NaN-poisoned, two runs equal) and equals the after_o kernel's bit for bit."""
-    kernel, inputs = _check(tile, shape, {**extra, "next_qk": value})
-    after_o = tile.build(shape, tile.with_defaults(SM90, {**extra, "next_qk": "after_o"}), SM90)
-    got, want = tile.run(kernel, inputs)["out"], tile.run(after_o, inputs)["out"]
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 

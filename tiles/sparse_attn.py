@@ -239,7 +239,6 @@ def sparse_attn_kernel(
     partials: str = "fp32",
     ablate: str = "",
     unused_rows: str = "row0",
-    next_qk: str = "after_o",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -256,8 +255,6 @@ def sparse_attn_kernel(
     left zero after it).
     ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
     ``ablate`` (timing only, wrong results by design; never in the search space): see :data:`ABLATIONS`.
-    ``next_qk`` (NEXT_QKS; paired_halves with io="overlapped" only): whether a token's O store waits for the next
-    token's first QK^T or runs under it.
     """
     if consumers == "auto":
         raise ValueError("consumers='auto' is resolved per call first: resolve_consumers")
@@ -267,8 +264,6 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
-    if next_qk not in NEXT_QKS or (next_qk != "after_o" and (consumers != "paired_halves" or io != "overlapped")):
-        raise ValueError(f"next_qk {next_qk!r}: one of {', '.join(NEXT_QKS)}; the others are paired_halves' with io='overlapped'")
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
@@ -323,7 +318,6 @@ def sparse_attn_kernel(
             partials,
             ablate,
             unused_rows,
-            next_qk,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -569,7 +563,6 @@ def _sparse_attn_ws(
     partials="fp32",
     ablate="",
     unused_rows="row0",
-    next_qk="after_o",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -828,7 +821,7 @@ def _sparse_attn_ws(
             tx = T.get_thread_binding()
             nxt = None
             if io == "overlapped":
-                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128, ablate, next_qk)
+                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128, ablate)
             if stagger:  # noqa: SIM102  (TileLang conditions)
                 if bx % 2 == 1 and bx < STAGGER_CTAS:  # the first wave's odd CTAs start half a token late (timing only)
                     T.call_extern("handle", "csa2_spin", STAGGER_CYCLES)
@@ -1203,13 +1196,12 @@ def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2,
 
 
 @T.macro
-def _ws_halves_prologue(half, Q, bar_q, b_i, s_i, h0, HB, D2, io, j=0, clear_o=True):
+def _ws_halves_prologue(half, Q, bar_q, b_i, s_i, h0, HB, D2, io, j=0):
     """The start of a token for the consumer schedules of :func:`_ws_halves_epilogue`: with ``io="staged"`` this
     warpgroup's Q half in 16-byte vectors (``io="direct"``: all threads loaded Q before the roles split; ``"overlapped"``
     (paired_halves): the CTA's first token's like staged, later ones' came by cp.async in the token before, their
-    arrivals counting); O (unless ``clear_o`` is False: it still holds the token before's, stored in this token's
-    first pair), the row sum and the running max cleared; then the wait until both Q halves are in (``j``: the CTA's
-    token, the barrier's phase)."""
+    arrivals counting); O, the row sum and the running max cleared; then the wait until both Q halves are in (``j``:
+    the CTA's token, the barrier's phase)."""
     w, Q_own, _, acc_o, sumexp, _, _, m_i, _ = half
     if io == "staged":
         T.copy(Q[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2], Q_own)
@@ -1222,14 +1214,13 @@ def _ws_halves_prologue(half, Q, bar_q, b_i, s_i, h0, HB, D2, io, j=0, clear_o=T
             T.barrier_arrive(bar_q)
     T.fill(sumexp, 0)
     T.fill(m_i, -(2**30))
-    if clear_o:
-        T.fill(acc_o, 0)
+    T.fill(acc_o, 0)
     T.barrier_wait(bar_q, j & 1)
 
 
 @T.macro
 def _ws_halves_epilogue(
-    half, rowsum_shared, bar_final, Sink, Out, LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, fuse=None, j=0, ptile=None, store_o=True
+    half, rowsum_shared, bar_final, Sink, Out, LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, fuse=None, j=0, ptile=None
 ):
     """The end of a token for the consumer schedules whose warpgroups each keep a partial row sum under one shared
     running max (``balanced``, ``seesaw``, ``paired``): the two sums meet (past this barrier both warpgroups' last
@@ -1238,9 +1229,7 @@ def _ws_halves_epilogue(
     CTA's token (the final barrier's phase). ``ptile`` (paired_halves with io="overlapped", where Q already holds the
     next token's and both KV buffers the next pair's rows): (this warpgroup's [HB, BI] P tile, the barrier the other's
     P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup, False under the timing ablation
-    no_o_store): O goes out through the P tile in chunks of BI columns, in 16-byte vectors (:func:`_ws_ptile_store_o`).
-    ``store_o`` False (paired_halves, ``next_qk`` other than after_o): O is left final in the accumulator; the next
-    token's first pair stores it."""
+    no_o_store): O goes out through the P tile in chunks of BI columns, in 16-byte vectors."""
     w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
     for h in T.Parallel(HB):
         rowsum_shared[w, h] = sumexp[h]
@@ -1263,10 +1252,19 @@ def _ws_halves_epilogue(
                 )
     for h, d in T.Parallel(HB, D2):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
-    if not store_o:
-        pass
-    elif ptile is not None:
-        _ws_ptile_store_o(acc_o, *ptile, Out, b_i, s_i, h0, w, HB, D2)
+    if ptile is not None:
+        tile, bar_tile_free, phase, bar_own, store = ptile
+        T.barrier_wait(bar_tile_free, phase)  # the other warpgroup's P V of the token's last pair has read the tile
+        BI = tile.shape[1]
+        for c in T.unroll(D2 // BI):
+            for h, d in T.Parallel(HB, BI):
+                tile[h, d] = acc_o[h, c * BI + d]
+            T.barrier_arrive(bar_own)
+            T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
+            if store:  # ablate="no_o_store" (timing only): the chunks go through the tile, not out
+                T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
+            T.barrier_arrive(bar_own)
+            T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
     elif NS == 1 and io == "staged":
         T.copy(acc_o, Q_own)
         T.copy(Q_own, Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
@@ -1277,26 +1275,6 @@ def _ws_halves_epilogue(
     else:
         T.copy(acc_o, fuse.OPart[b_i, s_i, bz, h0 : h0 + HB, w * D2 : (w + 1) * D2])
         _ws_fused_combine(fuse, w, acc_o, Q_own, b_i, s_i, h0, bz, HB, D2, NS, io)
-
-
-@T.macro
-def _ws_ptile_store_o(acc_o, tile, bar_tile_free, phase, bar_own, store, Out, b_i, s_i, h0, w, HB, D2):
-    """paired_halves with io="overlapped": warpgroup ``w``'s final O half (the [HB, D2] fragment ``acc_o``) to Out[b_i,
-    s_i, h0:h0+HB] through its P tile ``tile``, in chunks of the tile's columns: wait until the other warpgroup's P V
-    has read the tile (``bar_tile_free`` at ``phase``), then per chunk the writes, the warpgroup's 128-arrival barrier
-    ``bar_own``, 16-byte vector stores, ``bar_own`` again. ``store`` False (ablate="no_o_store", timing only): the
-    chunks go through the tile, not out."""
-    T.barrier_wait(bar_tile_free, phase)
-    BI = tile.shape[1]
-    for c in T.unroll(D2 // BI):
-        for h, d in T.Parallel(HB, BI):
-            tile[h, d] = acc_o[h, c * BI + d]
-        T.barrier_arrive(bar_own)
-        T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
-        if store:
-            T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
-        T.barrier_arrive(bar_own)
-        T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
 
 
 @T.macro
@@ -1491,14 +1469,14 @@ def _ws_paired_consumer(
     as they are freed. (Staging O in two KV halves for the producer to store measured no faster: a token's first pair
     needs all four halves; session 21. Each chunk out of the P tile by one TMA store, O straight from the accumulator
     fragments, and the chunks without the warpgroup's mbarrier (TileLang's bar.sync alone) all ran right and measured
-    slower or level: session 24, notes/sparse_attn.md.)"""
+    slower or level: session 24. So did O left in the accumulator and stored in the next token's first pair, under its
+    QK^T: 4K 0.672 -> 0.726 ms, session 25; the store at a token's end overlaps the producer's refill of the next
+    token's first pair, and deferred it held that pair's buffers longer. notes/sparse_attn.md.)"""
     w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
     own, other = bufs[w], bufs[1 - w]
     ovl = nxt is not None
     npairs = (max_blk + 1) // 2  # with io=overlapped: n_blk == max_blk, even
-    # next_qk other than after_o: the token before's O is still in acc_o, stored under this token's first QK^T
-    deferred = ovl and nxt.next_qk != "after_o"
-    _ws_halves_prologue(half, see.Q, see.bar_q, b_i, s_i, h0, HB, D2, io, j, clear_o=not deferred)
+    _ws_halves_prologue(half, see.Q, see.bar_q, b_i, s_i, h0, HB, D2, io, j)
     # A static trip count and a guard, as in _ws_seesaw_consumer (TileLang 0.1.15 unrolls a trip count of 0 or 1).
     for kk in T.serial(npairs):
         k = j * npairs + kk  # the CTA's pair index: barrier phases run on across its tokens
@@ -1511,12 +1489,8 @@ def _ws_paired_consumer(
                     for h, bi in T.Parallel(HB, BI):
                         acc_s[h, bi] = T.if_then_else(own.valid[bi], 0, -T.infinity("float32"))
                     T.wgmma_gemm(first[1], first[2], acc_s, transpose_B=True)
-                    if deferred and nxt.next_qk == "half_under_o":
-                        _ws_paired_deferred_o(half, see, nxt, bar_own, b_i, j, kk, k, HB, D2)
                     T.barrier_wait(second[0], k & 1)
                     T.wgmma_gemm(second[1], second[2], acc_s, transpose_B=True)
-                    if deferred and nxt.next_qk == "under_o":
-                        _ws_paired_deferred_o(half, see, nxt, bar_own, b_i, j, kk, k, HB, D2)
                 else:
                     T.barrier_wait(own.ready, k & 1)
                     for h, bi in T.Parallel(HB, BI):
@@ -1526,9 +1500,6 @@ def _ws_paired_consumer(
                 T.wait_wgmma(0)
             else:
                 T.fill(acc_s, -T.infinity("float32"))
-            if deferred:  # noqa: SIM102  (a Python flag around a TileLang condition)
-                if kk == 0:  # the token before's O is out (or there was none)
-                    T.fill(acc_o, 0)
             T.copy(m_i, m_i_prev)
             if w == 1:  # start from warpgroup 0's new max (>= this warpgroup's old one: both end each pair at m1)
                 T.barrier_wait(see.bar_m[0], k & 1)
@@ -1584,23 +1555,9 @@ def _ws_paired_consumer(
     args = (see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, None, j)
     if ovl:  # O out through this warpgroup's P tile, once the other's P V of the token's last pair has read it
         store = nxt.ablate != "no_o_store"
-        ptile = (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store)
-        _ws_halves_epilogue(half, *args, ptile, store_o=not deferred)
+        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store))
     else:
         _ws_halves_epilogue(half, *args)
-
-
-@T.macro
-def _ws_paired_deferred_o(half, see, nxt, bar_own, b_i, j, kk, k, HB, D2):
-    """paired_halves with ``next_qk`` other than after_o, in pair ``kk`` (the CTA's pair ``k``) of the CTA's token
-    ``j``, this token's QK^T in flight: in the token's first pair, the token before's O (final in acc_o since its
-    epilogue) out through this warpgroup's P tile, whose last reader was the other warpgroup's P V of pair k - 1."""
-    w, acc_o = half.w, half.acc_o
-    if (kk == 0) & (j > 0):
-        item = nxt.first + j - 1
-        s_p, h_p = item // nxt.REP, (item % nxt.REP) * HB
-        store = nxt.ablate != "no_o_store"
-        _ws_ptile_store_o(acc_o, see.P[w], see.bar_p_free[w], (k - 1) & 1, bar_own, store, see.Out, b_i, s_p, h_p, w, HB, D2)
 
 
 @T.macro
@@ -1612,23 +1569,11 @@ def _ws_paired_warpgroup(half, P_own, bar_own, seesaw_args, halves, TPC, bx, S, 
     if TPC == 1:
         _ws_paired_consumer(half, see, P_own, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io, halves)
     else:
-        if nxt is not None and nxt.next_qk != "after_o":
-            # each token's first pair stores the O of the token before from acc_o (none before the first: cleared
-            # there after its QK^T, but written here too, so that no path reads it unwritten)
-            T.fill(half.acc_o, 0)
         for j in T.serial(TPC):
             if bx * TPC + j < S * REP:
                 s_j, h_j = (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB
                 tail = (bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io, True, j, nxt, bar_own)
                 _ws_paired_consumer(half, see, P_own, bufs, b_i, s_j, h_j, *tail)
-        if nxt is not None and nxt.next_qk != "after_o":  # the CTA's last token's O, which no next token stores (_ws_paired_deferred_o)
-            item = nxt.first + nxt.count - 1
-            s_l, h_l = item // REP, (item % REP) * HB
-            phase = (nxt.count * ((max_blk + 1) // 2) - 1) & 1  # the other's P V of the last token's last pair
-            store = nxt.ablate != "no_o_store"
-            _ws_ptile_store_o(
-                half.acc_o, see.P[half.w], see.bar_p_free[half.w], phase, bar_own, store, see.Out, b_i, s_l, h_l, half.w, HB, D2
-            )
 
 
 @T.macro
@@ -1691,7 +1636,6 @@ class _WsTokens(NamedTuple):
     REP: int  # head blocks per token
     t: Any  # the thread's index in its consumer warpgroup, 0..127
     ablate: str = ""  # paired_halves: "no_q_load" / "no_o_store" cut the next token's Q copy / O's global store (timing)
-    next_qk: str = "after_o"  # paired_halves: a token's O stored before the next token's first QK^T, or under it (NEXT_QKS)
 
 
 @T.macro
@@ -2463,7 +2407,6 @@ class CompiledAttention:
                 "fp4_decode",
                 "partials",
                 "unused_rows",
-                "next_qk",
             )
             if k in config
         }
@@ -2769,10 +2712,6 @@ SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 BF16_ROW_KEYS = ("unused_rows",)  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
-# paired_halves with io=overlapped: a token's O stored through the P tiles at its end, before the next token's first
-# QK^T (after_o), or deferred into the next token's first pair, under its QK^T in flight: after the first KV half's
-# QK^T is issued (half_under_o) or after both (under_o)
-NEXT_QKS = ("after_o", "half_under_o", "under_o")
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -3096,19 +3035,6 @@ def _bf16_copy_refusal(c: Config, kv_format: str) -> str | None:
     return None
 
 
-def _next_qk_refusal(c: Config, s: Mapping[str, int], a: Arch, kv_format: str) -> str | None:
-    """Why a ``next_qk`` other than "after_o" cannot run with config ``c`` at shape dims ``s``, or None: it is built into
-    paired_halves with io="overlapped", as the call resolves them (consumers and io "auto" included)."""
-    resolved = resolve_consumers(c, s, a, kv_format) if c.get("consumers") == "auto" else c
-    io = resolved.get("io", "direct")
-    if io == "auto":
-        expands = resolve_kv_staging(resolved.get("kv_staging", "gather"), s) == "expand"
-        io = resolve_io({**resolved, "kv_staging": "expand" if expands else "gather"}, s, a, kv_format)[0]
-    if resolved.get("consumers") != "paired_halves" or io != "overlapped":
-        return "next_qk is the paired_halves consumers' token boundary with io=overlapped (as resolved at this shape)"
-    return None
-
-
 def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
     """Why fp4_decode="prmt" cannot run with config ``c``, or None."""
     if kv_format != "fp4" or c["schedule"] != "ws" or c.get("produce", "serial") not in ("batched", "prefetch"):
@@ -3203,8 +3129,6 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
                 io = resolve_io({**c, "kv_staging": "expand" if expands else "gather"}, s, a, kv_format)[0]
             if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
                 return why
-        if c.get("next_qk", "after_o") != "after_o" and (why := _next_qk_refusal(c, s, a, kv_format)):
-            return why
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
             return why
@@ -3373,14 +3297,6 @@ class SparseAttnTile(Tile):
                     "copies row 0 by cp.async, or its cp.async reads nothing and zero-fills",
                 )
             )
-            params.append(
-                Param(
-                    "next_qk",
-                    NEXT_QKS,
-                    "paired_halves with io=overlapped: a token's O stored before the next token's first QK^T, or under "
-                    "it, once its first KV half's QK^T or both are in flight",
-                )
-            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -3436,7 +3352,6 @@ class SparseAttnTile(Tile):
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
                 cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
-                cfg["next_qk"] = "after_o"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
                 # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
                 # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
@@ -3444,7 +3359,6 @@ class SparseAttnTile(Tile):
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
             cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
-            cfg["next_qk"] = "after_o"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
