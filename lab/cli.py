@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import shlex
 import sys
 
 # (name, one-line help): the order is the order of `lab --help`.
@@ -76,6 +77,9 @@ def tilelang_logs_to_stderr() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # what results files record as the command that made them: the arguments given here, also when main() is called
+    # with a list (tests, scripts) rather than from the shell
+    args.invocation = shlex.join(["lab", *(sys.argv[1:] if argv is None else argv)])
     if args.command is None:
         parser.print_help()
         return 0

@@ -51,6 +51,7 @@ def test_lab_check_compile_only_json(capsys):
     rc = main(["check", "--compile-only", "--arch", "sm90", "--tile", "fp4_quant_index", "--jobs", "1", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and [(c["tile"], c["arch"], c["outcome"]) for c in doc["cells"]] == [("fp4_quant_index", "sm90", "ok")]
+    assert {"date", "python", "torch", "tilelang"} <= set(doc["environment"]) and doc["command"].startswith("lab check")
 
 
 @pytest.mark.parametrize(

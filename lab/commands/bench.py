@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         "tile": tile.name,
         "arch": arch.name,
         "config": configs[0][0] if all(c == configs[0][0] for c, _ in configs) else None,  # per row otherwise
-        "command": " ".join(["lab"] + sys.argv[1:]),
+        "command": args.invocation,
         "environment": describe_environment(),
         "copy_gbps": copy_bw / 1e9,
         "rows": rows,

@@ -19,6 +19,7 @@ from lab.matrix import SKIPPED, UNSUPPORTED, Cell, check_cell, plan, regressions
 from tiles.arch import ArchError, detect, get_arch
 from tiles.contract import TileError
 from tiles.registry import select
+from tiles.timing import describe_environment
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
     regressed = regressions(timed, args.tolerance)
 
     if args.json:
-        doc = {"command": " ".join(["lab"] + sys.argv[1:]), "cells": [c.to_dict() for c in done + timed]}
+        # the machine and versions with the cells, so that a saved JSON is a results file on its own (results/<arch>/)
+        doc = {"command": args.invocation, "environment": describe_environment()}
+        doc["cells"] = [c.to_dict() for c in done + timed]
         doc["regressions"] = [{"tile": c.tile, "shape": c.shape, "why": why} for c, why in regressed]
         print(json.dumps(doc, indent=1))
     else:

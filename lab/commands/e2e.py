@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -97,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         arch = detect()
     except ArchError as exc:
         raise LabError(str(exc)) from None
-    meta = describe_environment() | {"preset": args.preset, "arch": arch.name, "command": "lab e2e " + shlex.join(sys.argv[2:])}
+    meta = describe_environment() | {"preset": args.preset, "arch": arch.name, "command": args.invocation}
     out_dir = Path(args.out) if args.out else results_dir() / arch.name
 
     def document(rows) -> dict:

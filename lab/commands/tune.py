@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             compile_only=args.compile_only,
             seed=args.seed,
             results_root=args.results,
+            command=args.invocation,
         )
         with TuneProgress() as progress:
             summaries = tune(tiles, opts, args.shapes, progress)
