@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from lab.cli import LabError
 from lab.matrix import SKIPPED, UNSUPPORTED, Cell, check_cell, plan, regressions, run_compile, stored_winner_cells
@@ -93,6 +94,16 @@ def run(args: argparse.Namespace) -> int:
         # every shape on the GPU present: that is the point of checking for real
         gpu_cells = plan(tiles, [present], all_shapes=True)
 
+    winner_cells: list[Cell] = []
+    if present is not None:
+        try:
+            winner_cells = stored_winner_cells(tiles, present)
+        except TileError as exc:  # a corrupt or foreign results file
+            raise LabError(str(exc)) from None
+        # every kernel the GPU part runs, compiled first in parallel into TileLang's disk cache (copies: the outcomes
+        # that count are the checks'), so that the checks below load them instead of compiling one at a time
+        run_compile([replace(c) for c in gpu_cells + winner_cells], args.jobs)
+
     progress = None if args.json else _progress
     done = run_compile(compile_cells, args.jobs, on_done=progress)
     for cell in gpu_cells:
@@ -105,15 +116,10 @@ def run(args: argparse.Namespace) -> int:
         if progress:
             progress(done[-1])
     timed: list[Cell] = []
-    if present is not None:
-        try:
-            winner_cells = stored_winner_cells(tiles, present)
-        except TileError as exc:  # a corrupt or foreign results file
-            raise LabError(str(exc)) from None
-        for cell in winner_cells:
-            timed.append(check_cell(cell, seed=args.seed, time_it=True, repeats=args.repeats))
-            if progress:
-                progress(timed[-1])
+    for cell in winner_cells:
+        timed.append(check_cell(cell, seed=args.seed, time_it=True, repeats=args.repeats))
+        if progress:
+            progress(timed[-1])
     regressed = regressions(timed, args.tolerance)
 
     if args.json:
