@@ -155,6 +155,14 @@ def plan(tiles: Iterable[Tile], archs: Iterable[Arch], all_shapes: bool = False,
     return cells
 
 
+def _compile_worker_init() -> None:
+    """A spawned compile worker starts with TileLang's own logging, which writes to stdout; send it to stderr as the
+    parent does (lab.cli.tilelang_logs_to_stderr), so that a ``--json`` document on stdout stays one document."""
+    from lab.cli import tilelang_logs_to_stderr
+
+    tilelang_logs_to_stderr()
+
+
 def run_compile(cells: list[Cell], jobs: int | None = None, on_done: Callable[[Cell], None] | None = None) -> list[Cell]:
     """Compile cells in parallel (spawned processes: TileLang and CUDA state never cross a fork); keeps the input order."""
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells) or 1))
@@ -165,7 +173,8 @@ def run_compile(cells: list[Cell], jobs: int | None = None, on_done: Callable[[C
             if on_done:
                 on_done(done[-1])
         return done
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=spawn, initializer=_compile_worker_init) as pool:
         futures = [pool.submit(compile_cell, c) for c in cells]
         results = []
         for f in futures:

@@ -14,7 +14,7 @@ import pytest
 from lab.cli import main
 from lab.matrix import UNSUPPORTED, Cell, compile_cell, plan, run_compile
 from tiles.arch import parse_arch_list
-from tiles.registry import all_tiles
+from tiles.registry import all_tiles, get_tile
 
 ARCHS = parse_arch_list("sm80,sm89,sm90,sm100")
 
@@ -52,6 +52,16 @@ def test_lab_check_compile_only_json(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and [(c["tile"], c["arch"], c["outcome"]) for c in doc["cells"]] == [("fp4_quant_index", "sm90", "ok")]
     assert {"date", "python", "torch", "tilelang"} <= set(doc["environment"]) and doc["command"].startswith("lab check")
+
+
+def test_lab_check_json_stays_one_document_with_compile_workers(capfd, monkeypatch, tmp_path):
+    """With --jobs > 1 the cells compile in spawned processes, whose TileLang logging started out on stdout (the fd
+    the JSON goes to): it goes to stderr there too. An empty TileLang cache, so that the workers compile and log."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))  # read by the spawned workers' TileLang
+    rc = main(["check", "--compile-only", "--arch", "sm90", "--tile", "fp4_quant_index", "--all-shapes", "--jobs", "2", "--json"])
+    out = capfd.readouterr().out
+    doc = json.loads(out)
+    assert rc == 0 and len(doc["cells"]) == len(get_tile("fp4_quant_index").shapes()) > 1
 
 
 @pytest.mark.parametrize(
