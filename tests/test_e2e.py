@@ -82,6 +82,20 @@ def test_speedups_are_ratios_of_rows_of_the_same_run():
     assert got[("CED vs non-CED (torch)", "prefill")] == pytest.approx(1.9)
 
 
+def test_report_shows_what_the_breakdown_adds_up_to():
+    """The parts come from an eager pass whose own total (pass_ms) they add up to, shown beside the step's latency;
+    rows of runs before pass_ms existed show "-" there."""
+    rows = _rows()
+    rows[1]["breakdown"] = {"attention": 2.5, "rest": 1.0, "pass_ms": 3.5}  # more than the 3.0 ms graph step
+    md = render_markdown({"kind": "csa2-lab/e2e", "meta": {"preset": "tiny"}, "rows": rows})
+    header = next(line for line in md.splitlines() if line.startswith("| phase"))
+    assert "| breakdown pass | attention |" in header
+    tuned = next(line for line in md.splitlines() if "| tiles/tuned |" in line).split(" | ")
+    torch_row = next(line for line in md.splitlines() if "| decode | torch |" in line).split(" | ")
+    col = header.split(" | ").index("breakdown pass")
+    assert (tuned[col], tuned[col + 1], torch_row[col]) == ("3.50", "2.50", "-")
+
+
 def test_report_round_trip_and_corrupt_files(tmp_path):
     doc = {"kind": "csa2-lab/e2e", "meta": {"preset": "tiny", "command": "lab e2e"}, "rows": _rows()}
     written = write_report(doc, tmp_path)
@@ -110,11 +124,20 @@ def test_lab_report_regenerates_markdown(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_lab_e2e_without_gpu_is_a_one_line_error(capsys):
-    assert main(["e2e", "--preset", "tiny"]) == 2
+    assert main(["e2e", "--preset", "tiny", "--ctx", "256"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA GPU" in err and "Traceback" not in err
     assert main(["e2e", "--preset", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+def test_lab_e2e_refuses_a_context_past_the_presets_length_before_any_gpu_work(capsys):
+    """tiny holds 512 tokens: a 1K decode context (or a 1K prompt) is a one-line error, with or without a GPU."""
+    assert main(["e2e", "--preset", "tiny", "--phase", "decode", "--ctx", "1K"]) == 2
+    err = capsys.readouterr().err
+    assert "max_seq_len=512" in err and "--ctx 1024" in err and "Traceback" not in err
+    assert main(["e2e", "--preset", "tiny", "--phase", "prefill_ced", "--ctx", "256", "--prefill-ctx", "1K"]) == 2
+    assert "prompt of 1024 tokens" in capsys.readouterr().err
 
 
 def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
@@ -148,3 +171,20 @@ def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
     assert "| toy | s1 | 0.5000 |" in bench_md and "4.0x" in bench_md and "25%" in bench_md
     tuning_md = (arch / "tuning.md").read_text()
     assert "Geometric mean speedup of the current winners over the defaults: 4.00x over 2 shapes" in tuning_md
+
+
+@pytest.mark.gpu
+def test_lab_e2e_breakdown_adds_up_to_its_pass(tmp_path, capsys):
+    """On a GPU, `lab e2e` on the tiny preset (decode and CED prefill, torch and tiles): every row's parts and rest
+    add up to its breakdown pass's total, none negative, and the report shows that total."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    argv = ["e2e", "--preset", "tiny", "--phase", "decode,prefill_ced", "--ctx", "256", "--batch", "2", "--runs", "3"]
+    assert main([*argv, "--backend", "torch,tiles", "--configs", "default", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    doc = load(tmp_path / "e2e.json")
+    assert {r["phase"] for r in doc["rows"]} == {"decode", "prefill"} and all(r["ms"] for r in doc["rows"])
+    for r in doc["rows"]:
+        parts = r["breakdown"]
+        assert min(parts.values()) >= 0 and parts["pass_ms"] > 0
+        assert sum(v for k, v in parts.items() if k != "pass_ms") == pytest.approx(parts["pass_ms"], rel=1e-3), r
+    assert "breakdown pass" in (tmp_path / "e2e.md").read_text()

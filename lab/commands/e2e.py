@@ -68,18 +68,32 @@ def variants_from(backends: str, configs: str):
     return sorted(out, key=lambda v: v.backend != "torch")
 
 
+def _check_lengths(cfg, phases: list[str], contexts: list[int], prompts: list[int]) -> None:
+    """Refuse, before any GPU work, a context or prompt longer than the preset's ``max_seq_len`` allows."""
+    from lab.e2e.run import DECODE_HEADROOM
+
+    if "decode" in phases and max(contexts) + DECODE_HEADROOM > cfg.max_seq_len:
+        raise LabError(
+            f"--ctx {max(contexts)}: a decode run holds the context and {DECODE_HEADROOM} more tokens, more than "
+            f"max_seq_len={cfg.max_seq_len} of preset {cfg.name!r}"
+        )
+    if any(p != "decode" for p in phases) and max(prompts) > cfg.max_seq_len:
+        raise LabError(f"prompt of {max(prompts)} tokens: more than max_seq_len={cfg.max_seq_len} of preset {cfg.name!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from lab.e2e.report import write_report
     from lab.e2e.run import run_e2e
     from model import ConfigError, preset
+    from model.inputs import InputError
     from tiles.arch import ArchError, detect
     from tiles.results import results_dir
     from tiles.timing import describe_environment
 
     try:
-        preset(args.preset)
+        cfg = preset(args.preset)
     except ConfigError as exc:
         raise LabError(str(exc)) from None
     phases = []
@@ -90,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     variants = variants_from(args.backend, args.configs)
     contexts, batches = parse_tokens(args.ctx), parse_tokens(args.batch)
     prompts = parse_tokens(args.prefill_ctx) if args.prefill_ctx else contexts
+    _check_lengths(cfg, phases, contexts, prompts)
     if not torch.cuda.is_available():
         raise LabError("no CUDA GPU is present: lab e2e times the model on a GPU (run it on a GPU machine)")
     try:
@@ -102,18 +117,21 @@ def run(args: argparse.Namespace) -> int:
     def document(rows) -> dict:
         return {"kind": "csa2-lab/e2e", "meta": meta, "rows": [r.to_dict() for r in rows]}
 
-    rows = run_e2e(
-        args.preset,
-        phases,
-        contexts,
-        batches,
-        variants,
-        args.runs,
-        args.repeats,
-        prompts,
-        log=lambda m: print(m, file=sys.stderr),
-        on_rows=lambda rows: write_report(document(rows), out_dir),
-    )
+    try:
+        rows = run_e2e(
+            args.preset,
+            phases,
+            contexts,
+            batches,
+            variants,
+            args.runs,
+            args.repeats,
+            prompts,
+            log=lambda m: print(m, file=sys.stderr),
+            on_rows=lambda rows: write_report(document(rows), out_dir),
+        )
+    except InputError as exc:  # a length or token check of the model that the checks above did not foresee
+        raise LabError(str(exc)) from None
     doc = document(rows)
     written = write_report(doc, out_dir)
     if args.json:

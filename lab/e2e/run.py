@@ -54,6 +54,10 @@ class Row:
         return asdict(self)
 
 
+# tokens a decode run's cache holds past its context (the steps it times write there)
+DECODE_HEADROOM = 64
+
+
 def make_backend(variant: Variant, device: torch.device):
     if variant.backend == "torch":
         return load_backend("torch", device)
@@ -99,13 +103,13 @@ def run_decode(model, variants: list[Variant], batch: int, context: int, runs: i
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
-            cache = fill_cache(model.new_cache(batch, context + 64), context, seed)
+            cache = fill_cache(model.new_cache(batch, context + DECODE_HEADROOM), context, seed)
             logits = model.decode(tokens, cache)  # the first step after the fill: compared across backends
             if ref_logits is None and variant.backend == "torch":
                 ref_logits = logits
             err = _rel_err(logits, ref_logits) if ref_logits is not None else None
             ms, mode = _time_decode_step(model, cache, tokens, runs)
-            parts = measure_breakdown(model, lambda c=cache: model.decode(tokens, c), ms)
+            parts = measure_breakdown(model, lambda c=cache: model.decode(tokens, c))
             kv = cache.global_bytes_used() * batch / 2**30
             rows.append(Row("decode", variant.label, batch, context, ms, mode, parts, torch.cuda.max_memory_allocated() / 2**30, kv, err))
             cache = None  # free the filled cache before the next variant's
@@ -151,7 +155,7 @@ def run_prefill(model, variants: list[Variant], context: int, ced: bool, repeats
             if ref_logits is None and variant.backend == "torch":
                 ref_logits = logits
             err = _rel_err(logits, ref_logits) if ref_logits is not None else None
-            parts = measure_breakdown(model, lambda: model.prefill(tokens, ced=ced), ms)
+            parts = measure_breakdown(model, lambda: model.prefill(tokens, ced=ced))
             kv = cache.global_bytes_used() / 2**30
             note = "" if len(times) > 1 else "single timed run"
             rows.append(Row(phase, variant.label, 1, context, ms, "eager", parts, torch.cuda.max_memory_allocated() / 2**30, kv, err, note))
