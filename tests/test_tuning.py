@@ -538,3 +538,19 @@ def test_gpu_workers_stay_inside_the_visible_gpus(monkeypatch):
     assert visible_gpus(1) == ["GPU-7468b308"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert visible_gpus(2) == ["0", "1"]
+
+
+def test_closing_a_worker_pool_lets_idle_workers_exit_and_kills_busy_ones():
+    """WorkerPool.close() ends an idle worker by closing its pipe, so it exits normally (exit code 0): a killed worker
+    left the semaphores it held (tqdm's lock, made when TileLang logs a compile) to multiprocessing's resource
+    tracker, which warned about them when `lab tune` exited. A worker still busy past the grace time is killed."""
+    from tuning.workers import IsolatedWorker, WorkerPool
+
+    idle, busy = IsolatedWorker("idle"), IsolatedWorker("busy")
+    assert idle.call("os:getpid", (), 60) > 0
+    busy.call("os:getpid", (), 60)
+    idle_proc, busy_proc = idle._proc, busy._proc
+    busy._conn.send(("time:sleep", (60,)))  # a task the close will not wait for
+    WorkerPool([idle]).close()
+    busy.stop(grace_s=0.5)
+    assert idle_proc.exitcode == 0 and busy_proc.exitcode == -signal.SIGKILL

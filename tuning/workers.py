@@ -162,6 +162,17 @@ class IsolatedWorker:
             self._conn.close()
         self._proc = self._conn = None
 
+    def stop(self, grace_s: float = 3.0) -> None:
+        """End the worker at the close of a run: with its pipe closed it returns from its loop and exits normally,
+        releasing what it holds (a killed worker leaves its semaphores to multiprocessing's resource tracker, which
+        warned about them when `lab tune` exited). Killed if it is still busy after ``grace_s``."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.join(grace_s)
+        self.kill()
+
     def restart(self) -> None:
         self.kill()
         self.restarts += 1
@@ -241,4 +252,4 @@ class WorkerPool:
 
     def close(self) -> None:
         for w in self.workers:
-            w.kill()
+            w.stop()
