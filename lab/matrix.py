@@ -123,6 +123,11 @@ def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Ce
 REGRESSION_FLOOR_MS = 0.0005
 
 
+def _slower(ms: float, than: float, tolerance: float) -> bool:
+    """``ms`` is slower than ``than`` by more than ``tolerance`` and by more than :data:`REGRESSION_FLOOR_MS`."""
+    return ms > than * (1 + tolerance) and ms - than > REGRESSION_FLOOR_MS
+
+
 def regressions(cells: list[Cell], tolerance: float = 0.10) -> list[tuple[Cell, str]]:
     """What regressed among timed stored-winner cells.
 
@@ -142,12 +147,12 @@ def regressions(cells: list[Cell], tolerance: float = 0.10) -> list[tuple[Cell, 
             out.append((c, f"{c.outcome}: {c.message}"))
             continue
         ms, recorded = c.extra.get("ms"), c.extra.get("recorded_ms")
-        if ms is not None and recorded and ms > recorded * (1 + tolerance) and ms - recorded > REGRESSION_FLOOR_MS:
+        if ms is not None and recorded and _slower(ms, recorded, tolerance):
             out.append((c, f"{ms:.4f} ms vs {recorded:.4f} ms recorded ({ms / recorded:.2f}x slower)"))
         dflt = defaults.get((c.tile, c.shape))
         if c.extra.get("stale"):
             continue  # a stale winner no longer runs: losing to a newer default is why, not a regression
-        if ms is not None and dflt is not None and ms > dflt.extra["ms"] * (1 + tolerance) and ms - dflt.extra["ms"] > REGRESSION_FLOOR_MS:
+        if ms is not None and dflt is not None and _slower(ms, dflt.extra["ms"], tolerance):
             out.append((c, f"{ms:.4f} ms vs the default's {dflt.extra['ms']:.4f} ms now: the stored winner lost"))
     return out
 

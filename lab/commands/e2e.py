@@ -69,16 +69,18 @@ def variants_from(backends: str, configs: str):
 
 
 def _check_lengths(cfg, phases: list[str], contexts: list[int], prompts: list[int]) -> None:
-    """Refuse, before any GPU work, a context or prompt longer than the preset's ``max_seq_len`` allows."""
+    """Refuse, before any GPU work, a context or prompt longer than the preset allows (the model's own check)."""
     from lab.e2e.run import DECODE_HEADROOM
+    from model.inputs import InputError, check_length
 
-    if "decode" in phases and max(contexts) + DECODE_HEADROOM > cfg.max_seq_len:
-        raise LabError(
-            f"--ctx {max(contexts)}: a decode run holds the context and {DECODE_HEADROOM} more tokens, more than "
-            f"max_seq_len={cfg.max_seq_len} of preset {cfg.name!r}"
-        )
-    if any(p != "decode" for p in phases) and max(prompts) > cfg.max_seq_len:
-        raise LabError(f"prompt of {max(prompts)} tokens: more than max_seq_len={cfg.max_seq_len} of preset {cfg.name!r}")
+    try:
+        if "decode" in phases:
+            what = f"--ctx {max(contexts)} (a decode run holds the context and {DECODE_HEADROOM} more tokens)"
+            check_length(max(contexts) + DECODE_HEADROOM, cfg, what)
+        if any(p != "decode" for p in phases):
+            check_length(max(prompts), cfg, f"prompt of {max(prompts)} tokens")
+    except InputError as exc:
+        raise LabError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -131,7 +131,7 @@ def render_plots(doc: dict, out_dir: Path) -> list[Path]:
         labels = [f"{r['phase']}\n{r['variant']}\nB{r['batch']} {r['context'] // 1024}K" for r in rows]
         bottom = [0.0] * len(rows)
         for part in PARTS:
-            vals = [r["breakdown"].get(part, 0.0) / _breakdown_total(r) * 100 if _breakdown_total(r) else 0.0 for r in rows]
+            vals = [r["breakdown"].get(part, 0.0) / total * 100 if (total := _breakdown_total(r)) else 0.0 for r in rows]
             ax.bar(range(len(rows)), vals, bottom=bottom, label=part)
             bottom = [a + v for a, v in zip(bottom, vals)]
         ax.set_xticks(range(len(rows)), labels, fontsize=5)
