@@ -46,6 +46,8 @@ LABELS = {
     "halves2": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 2},
     "halves4": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
     "halves8": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8},
+    # the default with the bf16 rows by TMA boxes instead of 16-byte cp.async (row_copy, session 26)
+    "tma": {"row_copy": "tma"},
 }
 LENGTHS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
