@@ -97,6 +97,9 @@ LABELS = {
     # the prefill tile on its default staging
     "tma_io_auto": {"row_copy": "tma", "io": "auto"},
     "tma_auto": {"row_copy": "tma", "io": "auto", "kv_staging": "auto"},
+    # ... only each block's (paired_halves: each half's) first 16 rows by TMA, the rest by cp.async
+    "tma0_io_auto": {"row_copy": "tma_pass0", "io": "auto"},
+    "tma0_auto": {"row_copy": "tma_pass0", "io": "auto", "kv_staging": "auto"},
 }
 
 
@@ -241,6 +244,12 @@ CHECKS = [
     ("sparse_attn_bf16", W37S5, "tma_io_auto"),
     ("sparse_attn_prefill", "prefill_s4k", "tma_auto"),
     ("sparse_attn_prefill", S777, "tma_auto"),
+    ("sparse_attn_bf16", "decode_b128_s2", "tma0_io_auto"),
+    ("sparse_attn_bf16", "decode_b64_s1", "tma0_io_auto"),
+    ("sparse_attn_bf16", "prefill_s4k", "tma0_io_auto"),
+    ("sparse_attn_bf16", H128, "tma0_io_auto"),
+    ("sparse_attn_prefill", "prefill_s4k", "tma0_auto"),
+    ("sparse_attn_prefill", S777, "tma0_auto"),
 ]
 
 

@@ -617,6 +617,12 @@ def test_row_copy_tma_issues_one_box_per_128_bytes_of_a_row():
         assert named == (resolved["io"] == "overlapped" and resolved["consumers"] == "wg0_scores"), (tile.name, shape_name)
         default = tile.build(shape, tile.with_defaults(SM90, extra), SM90).main.get_kernel_source()
         assert "tma_load" not in default and "CUtensorMap" not in default
+    # tma_pass0: each block's (paired_halves: each half's) first 16 rows by TMA, the other 48 by cp.async
+    for tile, shape_name, extra, tx_bytes in ((sa.BF16_TILE, "decode_b128_s2", {}, 128), (sa.BF16_TILE, "prefill_s4k", {}, 64)):
+        shape = tile.shape(shape_name)
+        src = tile.build(shape, tile.with_defaults(SM90, {**extra, "row_copy": "tma_pass0"}), SM90).main.get_kernel_source()
+        assert f"expect_transaction({tx_bytes})" in src and "tl::tma_load(MainA_desc, " in src and "cp_async_gs_conditional" in src
+        assert "mbarrier_cp_async_arrive_noinc" in src and "arrive_and_expect_tx" not in src
     for tile, extra in ((sa.DECODE_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "gather"}), (sa.BF16_TILE, {"schedule": "pipelined"})):
         cfg = tile.with_defaults(SM90, {**extra, "row_copy": "tma"})
         shape = tile.shapes()[0]
@@ -1333,11 +1339,12 @@ def test_seesaw_consumers_odd_shapes(tile, shape, consumers):
     ],
     ids=lambda x: x.name if hasattr(x, "name") else str(x),
 )
-def test_row_copy_tma_equals_cp_async_bitwise(tile, shape, extra):
-    """The rows by TMA boxes land where the cp.async copies put them (the TMA unit's 128-byte swizzle is the KV
+@pytest.mark.parametrize("row_copy", ["tma", "tma_pass0"])
+def test_row_copy_tma_equals_cp_async_bitwise(tile, shape, extra, row_copy):
+    """The rows by TMA boxes (all of them, or each block's first 16) land where the cp.async copies put them (the TMA unit's 128-byte swizzle is the KV
     buffers'), and unused rows (-1: boxes outside the tensor) are zero or row 0 as the cp.async makes them: the output
     matches the reference and equals the cp.async kernel's bit for bit on the same inputs."""
-    kernel, inputs = _check(tile, shape, {**extra, "row_copy": "tma"})
+    kernel, inputs = _check(tile, shape, {**extra, "row_copy": row_copy})
     copied = tile.build(shape, tile.with_defaults(SM90, {**extra, "row_copy": "cp_async"}), SM90)
     got, want = tile.run(kernel, inputs)["out"], tile.run(copied, inputs)["out"]
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

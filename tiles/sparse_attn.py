@@ -965,9 +965,9 @@ def _sparse_attn_ws(
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
                 tma = None
-                if row_copy == "tma":  # the caches' tensor maps (TileLang encodes them on the host at each launch)
+                if row_copy != "cp_async":  # the caches' tensor maps (TileLang encodes them on the host at each launch)
                     tma = (_row_tensor_map(WinA, D, Nw, B), _row_tensor_map(MainA, D, Nc, B))
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows, tma)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows, tma, row_copy)
                 if TPC > 1 and halves:  # io=overlapped (the constraints)
                     pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
                     _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt)
@@ -2029,7 +2029,8 @@ class _WsDims(NamedTuple):
     fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
     ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads, no_stores, ...; see ABLATIONS); "" in every real kernel
     unused_rows: str = "row0"  # bf16 KV: what the batched producer's cp.async puts in an unused slot's row (UNUSED_ROWS)
-    tma: Any = None  # row_copy="tma": the (window, main) caches' tensor maps (_row_tensor_map); None: cp.async copies
+    tma: Any = None  # row_copy "tma"/"tma_pass0": the (window, main) caches' tensor maps (_row_tensor_map); else None
+    row_copy: str = "cp_async"  # bf16 rows: ROW_COPIES
 
 
 def _lane_row(p, lanes):
@@ -2123,7 +2124,7 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
     c = _lane_col(p, lanes)
     for rr in T.unroll(R):
         valid[rr * ROWS + _lane_row(p, lanes)] = rows_cur[rr] >= 0
-    if not fp4 and dims.tma is not None:
+    if not fp4 and dims.row_copy == "tma":
         # row_copy="tma": lane c of a row slot takes box c % 4 of half c // 4 of each of its R rows; the arrival
         # (after the flags, before the boxes) announces the R boxes' bytes
         T.mbarrier_arrive_expect_tx(bar_ready, R * TMA_BOX_COLS * 2)
@@ -2134,7 +2135,14 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
                 _ws_tma_row(dims, KV_r, 1, rr * ROWS + _lane_row(p, lanes), rows_cur[rr], c % 4, b_i, blk, bar_ready)
         _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
     elif not fp4:
-        for rr in T.unroll(R):
+        first_by_tma = dims.row_copy == "tma_pass0"
+        if first_by_tma:  # the first pass's 16 rows by TMA, a box a thread (box c % 4 of half c // 4), 128 bytes each
+            T.mbarrier_expect_tx(bar_ready, TMA_BOX_COLS * 2)
+            if c < 4:
+                _ws_tma_row(dims, KV_l, 0, _lane_row(p, lanes), rows_cur[0], c, b_i, blk, bar_ready)
+            else:
+                _ws_tma_row(dims, KV_r, 1, _lane_row(p, lanes), rows_cur[0], c % 4, b_i, blk, bar_ready)
+        for rr in T.unroll(1, R) if first_by_tma else T.unroll(R):
             r = rr * ROWS + _lane_row(p, lanes)
             row = T.max(rows_cur[rr], 0)
             # unused_rows="zeros": an unused slot's cp.async reads nothing and zero-fills (its predicate); "row0": it
@@ -2205,7 +2213,7 @@ def _ws_fill_half(src, dims, kv_buf, h, rows, b_i, blk, p, flags: bool):
     KV_l, dims 0..D/2; 1: KV_r) for the rows in ``rows``, arriving on that half's ready barrier as they land;
     ``flags``: also write the block's row-valid flags (with the half its owner reads first). By TMA boxes instead
     under row_copy="tma"."""
-    if dims.tma is not None:
+    if dims.row_copy == "tma":
         _ws_fill_half_tma(dims, kv_buf, h, rows, b_i, blk, p, flags)
     else:
         _ws_fill_half_cp_async(src, dims, kv_buf, h, rows, b_i, blk, p, flags)
@@ -2238,7 +2246,14 @@ def _ws_fill_half_cp_async(src, dims, kv_buf, h, rows, b_i, blk, p, flags: bool)
     _, _, BI, NBW, ROWS, D2, _, _, lanes = dims[:9]
     c = _lane_col(p, lanes)
     buf = kv_buf.KV_r if h else kv_buf.KV_l
-    for rr in T.unroll(BI // ROWS):
+    first_by_tma = dims.row_copy == "tma_pass0"
+    if first_by_tma:  # the first pass's 16 rows by TMA: lanes 0-3 of a row slot a box each (64 bytes a thread in all)
+        if flags:
+            kv_buf.valid[_lane_row(p, lanes)] = rows[0] >= 0
+        T.mbarrier_expect_tx(kv_buf.ready_r if h else kv_buf.ready, TMA_BOX_COLS)
+        if c < 4:
+            _ws_tma_row(dims, buf, h, _lane_row(p, lanes), rows[0], c, b_i, blk, kv_buf.ready_r if h else kv_buf.ready)
+    for rr in T.unroll(1, BI // ROWS) if first_by_tma else T.unroll(BI // ROWS):
         r = rr * ROWS + _lane_row(p, lanes)
         if flags:
             kv_buf.valid[r] = rows[rr] >= 0
@@ -2509,7 +2524,7 @@ class CompiledAttention:
             # FP4/FP8 rows: the producer's own unused-row path and loads (these keys are for bf16 rows: BF16_ROW_KEYS)
             for key in BF16_ROW_KEYS:
                 params.pop(key, None)
-        self.tma_rows = params.get("row_copy") == "tma"  # the caches' rows by TMA boxes from tensor maps
+        self.tma_rows = params.get("row_copy", "cp_async") != "cp_async"  # rows by TMA boxes from the caches' tensor maps
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         if ablate:
@@ -2816,7 +2831,7 @@ SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 BF16_ROW_KEYS = ("unused_rows", "row_copy")  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
-ROW_COPIES = ("cp_async", "tma")  # bf16 rows, ws batched producer: 16-byte cp.async per thread, or a TMA box per 128 bytes
+ROW_COPIES = ("cp_async", "tma", "tma_pass0")  # bf16 rows, ws batched producer: 16-byte cp.async, TMA boxes, or both
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -3144,8 +3159,8 @@ def _row_copy_refusal(row_copy: str, kv_format: str, schedule: str, produce: str
     """Why the attention kernel cannot copy its rows by ``row_copy``, or None."""
     if row_copy not in ROW_COPIES:
         return f"unknown row_copy {row_copy!r}: use one of {', '.join(ROW_COPIES)}"
-    if row_copy == "tma" and (kv_format != "bf16" or schedule != "ws" or produce != "batched"):
-        return "row_copy=tma is the ws batched producer's copy of bf16 rows: bf16 KV (or the prefill's expansion), schedule=ws, produce=batched"
+    if row_copy != "cp_async" and (kv_format != "bf16" or schedule != "ws" or produce != "batched"):
+        return f"row_copy={row_copy} is the ws batched producer's copy of bf16 rows: bf16 KV (or the prefill's expansion), schedule=ws, produce=batched"
     return None
 
 
@@ -3153,7 +3168,7 @@ def _tma_rows_refusal(c: Config, kv_format: str, dims: Mapping[str, int]) -> str
     """Why row_copy="tma" cannot run with config ``c`` at ``dims``, or None: it needs bf16 rows (bf16 KV, or FP4 KV
     that kv_staging expands at these dims) and the ws batched producer."""
     rows = _kernel_rows(kv_format, resolve_kv_staging(c.get("kv_staging", "gather"), dims))
-    return _row_copy_refusal("tma", rows, c["schedule"], c.get("produce", "serial"))
+    return _row_copy_refusal(c["row_copy"], rows, c["schedule"], c.get("produce", "serial"))
 
 
 def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
