@@ -46,9 +46,6 @@ LABELS = {
     "halves2": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 2},
     "halves4": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
     "halves8": {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8},
-    # the default with the bf16 rows by TMA boxes instead of 16-byte cp.async (row_copy, session 26)
-    "tma": {"row_copy": "tma"},
-    "tma_pass0": {"row_copy": "tma_pass0"},  # ... each block's first 16 rows by TMA, the rest by cp.async
 }
 LENGTHS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 

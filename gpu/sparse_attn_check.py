@@ -93,13 +93,6 @@ LABELS = {
     "ovl2_auto": {"io": "overlapped", "tokens_per_cta": 2, "kv_staging": "auto"},
     "ovl4_auto": {"io": "overlapped", "tokens_per_cta": 4, "kv_staging": "auto"},
     "ovl8_auto": {"io": "overlapped", "tokens_per_cta": 8, "kv_staging": "auto"},
-    # the default (io, consumers and kv_staging on auto) with the bf16 rows by TMA boxes (row_copy, session 26); _auto:
-    # the prefill tile on its default staging
-    "tma_io_auto": {"row_copy": "tma", "io": "auto"},
-    "tma_auto": {"row_copy": "tma", "io": "auto", "kv_staging": "auto"},
-    # ... only each block's (paired_halves: each half's) first 16 rows by TMA, the rest by cp.async
-    "tma0_io_auto": {"row_copy": "tma_pass0", "io": "auto"},
-    "tma0_auto": {"row_copy": "tma_pass0", "io": "auto", "kv_staging": "auto"},
 }
 
 
@@ -237,19 +230,6 @@ CHECKS = [
     ("sparse_attn_bf16", W37S5, "ovl2"),  # odd blocks per token
     ("sparse_attn_bf16", W37S5, "ovl4"),
     ("sparse_attn_bf16", S777, "ovl8"),
-    ("sparse_attn_bf16", "decode_b128_s2", "tma_io_auto"),
-    ("sparse_attn_bf16", "decode_b64_s1", "tma_io_auto"),
-    ("sparse_attn_bf16", "prefill_s4k", "tma_io_auto"),
-    ("sparse_attn_bf16", H128, "tma_io_auto"),
-    ("sparse_attn_bf16", W37S5, "tma_io_auto"),
-    ("sparse_attn_prefill", "prefill_s4k", "tma_auto"),
-    ("sparse_attn_prefill", S777, "tma_auto"),
-    ("sparse_attn_bf16", "decode_b128_s2", "tma0_io_auto"),
-    ("sparse_attn_bf16", "decode_b64_s1", "tma0_io_auto"),
-    ("sparse_attn_bf16", "prefill_s4k", "tma0_io_auto"),
-    ("sparse_attn_bf16", H128, "tma0_io_auto"),
-    ("sparse_attn_prefill", "prefill_s4k", "tma0_auto"),
-    ("sparse_attn_prefill", S777, "tma0_auto"),
 ]
 
 

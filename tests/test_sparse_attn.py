@@ -591,48 +591,6 @@ def test_kv_staging_expand_refuses_the_fp4_only_producer_choices():
         assert space.violations(cfg, shape, SM90) == [], other
 
 
-def test_row_copy_tma_issues_one_box_per_128_bytes_of_a_row():
-    """row_copy="tma" (GPU checks: test_row_copy_tma_equals_cp_async_bitwise): the ws batched producer's bf16 rows go by
-    TMA boxes from tensor maps of both caches (TileLang passes them as __grid_constant__ CUtensorMap), each producer
-    thread announcing its boxes' bytes on the buffer's barrier, and no row by cp.async. Under io=overlapped with the
-    wg0_scores consumers the producer meets at its own named barrier after a staged O store. Refused where the rows are
-    not bf16 (the FP4 decode tile, the prefill tile's gather) or the producer is not the ws batched one."""
-    cases = [
-        (sa.BF16_TILE, "decode_b128_s2", {}, 512),  # io=auto: overlapped, 2 tokens a CTA, wg0_scores
-        (sa.BF16_TILE, "decode_b64_s1", {}, 512),  # split, io=staged
-        (sa.BF16_TILE, "prefill_s4k", {}, 256),  # paired_halves, io=overlapped
-        (sa.PREFILL_TILE, "prefill_s4k", {"kv_staging": "expand"}, 256),
-    ]
-    for tile, shape_name, extra, box_bytes in cases:
-        shape = tile.shape(shape_name)
-        cfg = tile.with_defaults(SM90, {**extra, "row_copy": "tma"})
-        assert tile.search_space(SM90).violations(cfg, shape, SM90) == [], (tile.name, shape_name)
-        src = tile.build(shape, cfg, SM90).main.get_kernel_source()
-        assert "__grid_constant__ const CUtensorMap WinA_desc" in src and "__grid_constant__ const CUtensorMap MainA_desc" in src
-        assert re.search(r"tl::tma_load\(MainA_desc, ", src) and re.search(r"tl::tma_load\(WinA_desc, ", src)
-        assert f"arrive_and_expect_tx({box_bytes})" in src, (tile.name, shape_name)
-        assert "cp_async_gs_conditional" not in src and not re.search(r"cp_async_gs<16>\(\(&\(\(\(bfloat16_t\*\)KV", src)
-        resolved = tile.resolve_call(cfg, shape, SM90)
-        named = f"__sync_thread_partial({sa.PRODUCER_BARRIER_ID}, 128)" in src
-        assert named == (resolved["io"] == "overlapped" and resolved["consumers"] == "wg0_scores"), (tile.name, shape_name)
-        default = tile.build(shape, tile.with_defaults(SM90, extra), SM90).main.get_kernel_source()
-        assert "tma_load" not in default and "CUtensorMap" not in default
-    # tma_pass0: each block's (paired_halves: each half's) first 16 rows by TMA, the other 48 by cp.async
-    for tile, shape_name, extra, tx_bytes in ((sa.BF16_TILE, "decode_b128_s2", {}, 128), (sa.BF16_TILE, "prefill_s4k", {}, 64)):
-        shape = tile.shape(shape_name)
-        src = tile.build(shape, tile.with_defaults(SM90, {**extra, "row_copy": "tma_pass0"}), SM90).main.get_kernel_source()
-        assert f"expect_transaction({tx_bytes})" in src and "tl::tma_load(MainA_desc, " in src and "cp_async_gs_conditional" in src
-        assert "mbarrier_cp_async_arrive_noinc" in src and "arrive_and_expect_tx" not in src
-    for tile, extra in ((sa.DECODE_TILE, {}), (sa.PREFILL_TILE, {"kv_staging": "gather"}), (sa.BF16_TILE, {"schedule": "pipelined"})):
-        cfg = tile.with_defaults(SM90, {**extra, "row_copy": "tma"})
-        shape = tile.shapes()[0]
-        assert any("row_copy=tma" in v for v in tile.search_space(SM90).violations(cfg, shape, SM90)), (tile.name, extra)
-    empty = torch.zeros(2, 0, 512, dtype=torch.bfloat16)
-    assert sa._one_row_if_empty(empty).shape == (2, 1, 512) and not sa._one_row_if_empty(empty).any()
-    full = torch.ones(2, 3, 512, dtype=torch.bfloat16)
-    assert sa._one_row_if_empty(full) is full
-
-
 def test_unused_rows_zeros_predicates_the_bf16_copies():
     """unused_rows=zeros (GPU checks in GPU_CASES; Hopper's default): every cp.async of the ws batched producer's bf16
     rows carries the slot's used flag as its predicate (zero-fill, no read); row0 copies row 0 unpredicated. Refused
@@ -1322,48 +1280,6 @@ def test_seesaw_consumers_odd_shapes(tile, shape, consumers):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "tile,shape,extra",
-    [
-        (sa.BF16_TILE, sa.BF16_TILE.shape("decode_b128_s2"), {}),  # io=auto: overlapped + wg0_scores, the named barrier
-        (sa.BF16_TILE, sa.BF16_TILE.shape("decode_b128_s2"), {"io": "staged", "tokens_per_cta": 1}),
-        (sa.BF16_TILE, sa.BF16_TILE.shape("decode_b128_s2"), {"consumers": "seesaw"}),
-        (sa.BF16_TILE, sa.BF16_TILE.shape("decode_b128_s2"), {"consumers": "paired"}),
-        (sa.BF16_TILE, sa.BF16_TILE.shape("decode_b64_s1"), {}),  # splits
-        (sa.BF16_TILE, sa.BF16_TILE.shape("decode_b64_s1"), {"unused_rows": "row0", "lanes": "column"}),
-        (sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k"), {}),  # paired_halves, io=overlapped
-        (sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k"), {"kv_staging": "expand"}),
-        *[(sa.BF16_TILE, shape, {}) for shape in ODD_SHAPES],
-        *[(sa.BF16_TILE, shape, {"consumers": "paired_halves"}) for shape in ODD_SHAPES],
-        *[(sa.PREFILL_TILE, shape, {"kv_staging": "expand", "unused_rows": u}) for shape in ODD_SHAPES[3:] for u in sa.UNUSED_ROWS],
-    ],
-    ids=lambda x: x.name if hasattr(x, "name") else str(x),
-)
-@pytest.mark.parametrize("row_copy", ["tma", "tma_pass0"])
-def test_row_copy_tma_equals_cp_async_bitwise(tile, shape, extra, row_copy):
-    """The rows by TMA boxes (all of them, or each block's first 16) land where the cp.async copies put them (the TMA unit's 128-byte swizzle is the KV
-    buffers'), and unused rows (-1: boxes outside the tensor) are zero or row 0 as the cp.async makes them: the output
-    matches the reference and equals the cp.async kernel's bit for bit on the same inputs."""
-    kernel, inputs = _check(tile, shape, {**extra, "row_copy": row_copy})
-    copied = tile.build(shape, tile.with_defaults(SM90, {**extra, "row_copy": "cp_async"}), SM90)
-    got, want = tile.run(kernel, inputs)["out"], tile.run(copied, inputs)["out"]
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-
-
-@pytest.mark.gpu
-def test_row_copy_tma_swa_only_without_sink():
-    """An empty main cache (SWA-only layers) under row_copy="tma": its tensor map is made from one zero row."""
-    q, wc, ws, wi, _, _, ti, _ = _public_inputs(4, 1)
-    wkv = fp8_dequantize(wc, ws).bfloat16()  # [B, Nw, D]
-    no_main, no_topk = torch.zeros(4, 0, 512, dtype=torch.bfloat16, device="cuda"), ti[..., :0].contiguous()
-    wi[0, 0] = -1  # no valid index and no sink: exact zeros
-    out = sa.sparse_attention_bf16(q, wkv, wi, no_main, no_topk, None, SCALE, config={"row_copy": "tma"})
-    ref = ref_attention(q, wkv, wi, no_main, no_topk, None, SCALE)
-    assert (out[0, 0] == 0).all() and torch.isfinite(out).all()
-    assert relative_l2({"out": out}, {"out": ref}, sa.TOLERANCE).ok
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [s for s in ODD_SHAPES if s.phase == "prefill"], ids=lambda s: s.name)
 @pytest.mark.parametrize("unused_rows", ["row0", "zeros"])
 def test_kv_staging_expand_odd_shapes(shape, unused_rows):
@@ -1489,9 +1405,7 @@ def _public_reference(q, wc, ws, wi, mp, ms, ti, sink):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "B,S,config",
-    [(4, 1, None), (1, 300, None), (1, 300, {"kv_staging": "expand"}), (1, 300, {"kv_staging": "expand", "row_copy": "tma"})],
-    ids=["decode", "prefill", "prefill_expand", "prefill_expand_tma"],
+    "B,S,config", [(4, 1, None), (1, 300, None), (1, 300, {"kv_staging": "expand"})], ids=["decode", "prefill", "prefill_expand"]
 )
 def test_sparse_attention_edge_rows(B, S, config):
     q, wc, ws, wi, mp, ms, ti, sink = _public_inputs(B, S)

@@ -239,7 +239,6 @@ def sparse_attn_kernel(
     partials: str = "fp32",
     ablate: str = "",
     unused_rows: str = "row0",
-    row_copy: str = "cp_async",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -265,8 +264,6 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown partials {partials!r}: use one of {', '.join(PARTIALS)}")
     if unused_rows not in UNUSED_ROWS or (unused_rows != "row0" and (kv_format != "bf16" or schedule != "ws" or produce != "batched")):
         raise ValueError(f"unused_rows {unused_rows!r}: one of {', '.join(UNUSED_ROWS)}; 'zeros' is the ws batched producer's bf16 KV copy")
-    if why := _row_copy_refusal(row_copy, kv_format, schedule, produce):
-        raise ValueError(why)
     if partials == "bf16" and (schedule != "ws" or consumers != "wg0_scores" or combine != "separate"):
         raise ValueError("partials='bf16' is built into the ws kernel's wg0_scores consumers with the separate combine")
     if io not in IOS:
@@ -321,7 +318,6 @@ def sparse_attn_kernel(
             partials,
             ablate,
             unused_rows,
-            row_copy,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -567,7 +563,6 @@ def _sparse_attn_ws(
     partials="fp32",
     ablate="",
     unused_rows="row0",
-    row_copy="cp_async",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -676,16 +671,6 @@ def _sparse_attn_ws(
     128 KiB of fp32 partials at about the same moment, 16 MiB in all) and half what the combine reads; each partial is
     staged through the freed Q half and stored in 16-byte vectors like O. One more bf16 rounding of each partial
     before the fp32 merge.
-
-    ``row_copy`` (bf16 rows: the bf16 tile and the prefill tile's expansion; batched producer) is how a gathered row
-    reaches its KV buffer: ``cp_async``, a 16-byte cp.async per thread and chunk (64 a row, 4096 a 64-row block, each
-    through the SM's load/store pipe, which the consumers' wgmma operand reads also use), or ``tma``, one TMA box per
-    128 bytes of a row (64 columns, one swizzle-atom row: 8 a row, 512 a block) from a tensor map of the cache
-    (:func:`_ws_tma_row`). The TMA unit applies the buffers' 128-byte swizzle, writes through the async proxy and
-    counts the bytes on the buffer's ready barrier, where each producer thread announces its boxes' bytes as it
-    arrives. An unused row (-1) is a box outside the tensor, which TMA fills with zeros (``unused_rows="zeros"``), or
-    row 0 (``"row0"``). Under ``io="overlapped"`` with ``wg0_scores`` the producer warpgroup meets at a named barrier
-    after storing a staged O, before its boxes overwrite the buffer (:func:`_ws_ovl_store_o`).
     """
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -964,10 +949,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                tma = None
-                if row_copy != "cp_async":  # the caches' tensor maps (TileLang encodes them on the host at each launch)
-                    tma = (_row_tensor_map(WinA, D, Nw, B), _row_tensor_map(MainA, D, Nc, B))
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows, tma, row_copy)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows)
                 if TPC > 1 and halves:  # io=overlapped (the constraints)
                     pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
                     _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt)
@@ -1700,8 +1682,7 @@ def _ws_ovl_store_o(Out, buf, dims, b_i, nxt, j, it, n_blk, p):
     ``it`` of the CTA's token ``j``: when the buffer's last user was the last block of an earlier token (global block
     index g - 2 for g = j * n_blk + it), it holds that token's O staged by the consumers; store it to Out first. Each
     thread stores the rows and 16-byte chunks it is about to overwrite by cp.async (those of
-    :func:`_ws_produce_batched` for bf16 rows), so no other thread's copy can land on a chunk before it is read. Under
-    row_copy="tma" a box covers eight threads' chunks: the producer warpgroup meets at a named barrier after the store."""
+    :func:`_ws_produce_batched` for bf16 rows), so no other thread's copy can land on a chunk before it is read."""
     ROWS, D2, lanes, BI = dims.ROWS, dims.D2, dims.lanes, dims.BI
     g = j * n_blk + it
     if g >= n_blk + 1:  # noqa: SIM102  (TileLang conditions)
@@ -1717,11 +1698,6 @@ def _ws_ovl_store_o(Out, buf, dims, b_i, nxt, j, it, n_blk, p):
                         Out[b_i, s_o, h_o + r, col + v] = buf.KV_l[r, col + v]
                     for v in T.vectorized(8):
                         Out[b_i, s_o, h_o + r, D2 + col + v] = buf.KV_r[r, col + v]
-            if dims.tma is not None:
-                # a TMA box spans eight threads' chunks: every producer thread's reads of O before any box lands
-                # (generic reads, then async-proxy writes)
-                T.fence_proxy_async()
-                T.sync_threads(PRODUCER_BARRIER_ID, 128)
 
 
 class _WsHelper(NamedTuple):
@@ -2029,8 +2005,6 @@ class _WsDims(NamedTuple):
     fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
     ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads, no_stores, ...; see ABLATIONS); "" in every real kernel
     unused_rows: str = "row0"  # bf16 KV: what the batched producer's cp.async puts in an unused slot's row (UNUSED_ROWS)
-    tma: Any = None  # row_copy "tma"/"tma_pass0": the (window, main) caches' tensor maps (_row_tensor_map); else None
-    row_copy: str = "cp_async"  # bf16 rows: ROW_COPIES
 
 
 def _lane_row(p, lanes):
@@ -2041,35 +2015,6 @@ def _lane_row(p, lanes):
 def _lane_col(p, lanes):
     """32-column slice (0..7, of each half of a row) of producer lane p: see ``lanes`` in :func:`_sparse_attn_ws`."""
     return p % 8 if lanes == "row" else (p // 8) % 8
-
-
-PRODUCER_BARRIER_ID = 8  # a named barrier of the producer warpgroup alone (TileLang's own partial syncs use 3-5)
-TMA_BOX_COLS = 64  # row_copy="tma": bf16 columns per box, 128 bytes: one row of a 128-byte swizzle atom
-_TMA_BF16, _TMA_SWIZZLE_128B, _TMA_L2_PROMOTE_256B = 9, 3, 2  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion
-
-
-def _row_tensor_map(cache, D, N, B):
-    """A TMA descriptor of a bf16 cache [B, N, D] whose box is one row's 64 columns (128 bytes), with the 128-byte
-    swizzle of the ws kernel's KV buffers; coordinates (column, row, sequence), innermost first. Elements outside the
-    tensor (a row of -1) are filled with zeros."""
-    return T.create_tma_descriptor(
-        _TMA_BF16, 3, cache.data, D, N, B, 2, D * 2, N * D * 2, TMA_BOX_COLS, 1, 1, 1, 1, 1, 0, _TMA_SWIZZLE_128B, _TMA_L2_PROMOTE_256B, 0
-    )
-
-
-@T.macro
-def _ws_tma_row(dims, buf, half, r, cache_row, u, b_i, blk, bar):
-    """One TMA box into ``buf`` (KV_l or KV_r, the row half ``half``): of cache row ``cache_row`` (-1: unused), the 64
-    columns from ``64 u`` of that half, into buffer row ``r``, on ``bar``, from the window cache (block ``blk`` < NBW)
-    or the main one. The box lands at the row's unswizzled start in its 64-column atom (the element whose swizzled
-    16-byte chunk is the atom row's first: chunk r % 8); the TMA unit applies the 128-byte swizzle from the shared
-    address, as TileLang's layout does for the wgmma."""
-    row = cache_row if dims.unused_rows == "zeros" else T.max(cache_row, 0)  # -1: outside the tensor, zero-filled
-    ptr = T.access_ptr(buf[r, TMA_BOX_COLS * u + (r % 8) * 8], "w", TMA_BOX_COLS)
-    if blk < dims.NBW:
-        T.tma_load(dims.tma[0], bar[0], ptr, half * dims.D2 + TMA_BOX_COLS * u, row, b_i, 0)
-    else:
-        T.tma_load(dims.tma[1], bar[0], ptr, half * dims.D2 + TMA_BOX_COLS * u, row, b_i, 0)
 
 
 @T.macro
@@ -2124,25 +2069,8 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
     c = _lane_col(p, lanes)
     for rr in T.unroll(R):
         valid[rr * ROWS + _lane_row(p, lanes)] = rows_cur[rr] >= 0
-    if not fp4 and dims.row_copy == "tma":
-        # row_copy="tma": lane c of a row slot takes box c % 4 of half c // 4 of each of its R rows; the arrival
-        # (after the flags, before the boxes) announces the R boxes' bytes
-        T.mbarrier_arrive_expect_tx(bar_ready, R * TMA_BOX_COLS * 2)
+    if not fp4:
         for rr in T.unroll(R):
-            if c < 4:
-                _ws_tma_row(dims, KV_l, 0, rr * ROWS + _lane_row(p, lanes), rows_cur[rr], c % 4, b_i, blk, bar_ready)
-            else:
-                _ws_tma_row(dims, KV_r, 1, rr * ROWS + _lane_row(p, lanes), rows_cur[rr], c % 4, b_i, blk, bar_ready)
-        _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
-    elif not fp4:
-        first_by_tma = dims.row_copy == "tma_pass0"
-        if first_by_tma:  # the first pass's 16 rows by TMA, a box a thread (box c % 4 of half c // 4), 128 bytes each
-            T.mbarrier_expect_tx(bar_ready, TMA_BOX_COLS * 2)
-            if c < 4:
-                _ws_tma_row(dims, KV_l, 0, _lane_row(p, lanes), rows_cur[0], c, b_i, blk, bar_ready)
-            else:
-                _ws_tma_row(dims, KV_r, 1, _lane_row(p, lanes), rows_cur[0], c % 4, b_i, blk, bar_ready)
-        for rr in T.unroll(1, R) if first_by_tma else T.unroll(R):
             r = rr * ROWS + _lane_row(p, lanes)
             row = T.max(rows_cur[rr], 0)
             # unused_rows="zeros": an unused slot's cp.async reads nothing and zero-fills (its predicate); "row0": it
@@ -2211,49 +2139,12 @@ def _ws_copy16(dst, src, used):
 def _ws_fill_half(src, dims, kv_buf, h, rows, b_i, blk, p, flags: bool):
     """consumers="paired_halves" (bf16 rows): producer thread p's cp.async copies of block ``blk``'s half ``h`` (0:
     KV_l, dims 0..D/2; 1: KV_r) for the rows in ``rows``, arriving on that half's ready barrier as they land;
-    ``flags``: also write the block's row-valid flags (with the half its owner reads first). By TMA boxes instead
-    under row_copy="tma"."""
-    if dims.row_copy == "tma":
-        _ws_fill_half_tma(dims, kv_buf, h, rows, b_i, blk, p, flags)
-    else:
-        _ws_fill_half_cp_async(src, dims, kv_buf, h, rows, b_i, blk, p, flags)
-
-
-@T.macro
-def _ws_fill_half_tma(dims, kv_buf, h, rows, b_i, blk, p, flags: bool):
-    """:func:`_ws_fill_half` by TMA (row_copy="tma"): the 8 lanes of a row slot split its half's 4 boxes and the
-    block's 4 passes, lane c taking box c % 4 of passes c // 4 and c // 4 + 2 (2 boxes, 256 bytes a thread). The
-    flags go first: the arrival releases them, and it comes before the boxes so that the barrier expects their bytes
-    before any can land."""
-    ROWS, lanes = dims.ROWS, dims.lanes
-    c = _lane_col(p, lanes)
-    bar = kv_buf.ready_r if h else kv_buf.ready
-    if flags:
-        for rr in T.unroll(dims.BI // ROWS):
-            kv_buf.valid[rr * ROWS + _lane_row(p, lanes)] = rows[rr] >= 0
-    T.mbarrier_arrive_expect_tx(bar, 2 * TMA_BOX_COLS * 2)
-    first = c // 4
-    for j in T.unroll(2):
-        r = (first + 2 * j) * ROWS + _lane_row(p, lanes)
-        cache_row = T.if_then_else(first == 0, rows[2 * j], rows[2 * j + 1])
-        _ws_tma_row(dims, kv_buf.KV_r if h else kv_buf.KV_l, h, r, cache_row, c % 4, b_i, blk, bar)
-
-
-@T.macro
-def _ws_fill_half_cp_async(src, dims, kv_buf, h, rows, b_i, blk, p, flags: bool):
-    """:func:`_ws_fill_half` by 16-byte cp.async (row_copy="cp_async")."""
+    ``flags``: also write the block's row-valid flags (with the half its owner reads first)."""
     WinA, MainA = src.WinA, src.MainA
     _, _, BI, NBW, ROWS, D2, _, _, lanes = dims[:9]
     c = _lane_col(p, lanes)
     buf = kv_buf.KV_r if h else kv_buf.KV_l
-    first_by_tma = dims.row_copy == "tma_pass0"
-    if first_by_tma:  # the first pass's 16 rows by TMA: lanes 0-3 of a row slot a box each (64 bytes a thread in all)
-        if flags:
-            kv_buf.valid[_lane_row(p, lanes)] = rows[0] >= 0
-        T.mbarrier_expect_tx(kv_buf.ready_r if h else kv_buf.ready, TMA_BOX_COLS)
-        if c < 4:
-            _ws_tma_row(dims, buf, h, _lane_row(p, lanes), rows[0], c, b_i, blk, kv_buf.ready_r if h else kv_buf.ready)
-    for rr in T.unroll(1, BI // ROWS) if first_by_tma else T.unroll(BI // ROWS):
+    for rr in T.unroll(BI // ROWS):
         r = rr * ROWS + _lane_row(p, lanes)
         if flags:
             kv_buf.valid[r] = rows[rr] >= 0
@@ -2516,7 +2407,6 @@ class CompiledAttention:
                 "fp4_decode",
                 "partials",
                 "unused_rows",
-                "row_copy",
             )
             if k in config
         }
@@ -2524,7 +2414,6 @@ class CompiledAttention:
             # FP4/FP8 rows: the producer's own unused-row path and loads (these keys are for bf16 rows: BF16_ROW_KEYS)
             for key in BF16_ROW_KEYS:
                 params.pop(key, None)
-        self.tma_rows = params.get("row_copy", "cp_async") != "cp_async"  # rows by TMA boxes from the caches' tensor maps
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         if ablate:
@@ -2546,8 +2435,6 @@ class CompiledAttention:
         B, S, H, D = q.shape
         if self.word_views:
             win_a, main_b = win_a.view(torch.int32), main_b.view(torch.uint8)  # [B, Nw, D/4], [B, Nc, D/16]
-        if self.tma_rows:  # a tensor map needs every dimension >= 1: an empty cache (SWA-only) gets one zero row
-            win_a, main_a = (_one_row_if_empty(t) for t in (win_a, main_a))
         if out is None:
             out = torch.empty(B, S, H, D, dtype=torch.bfloat16, device=q.device)  # [B, S, H, D]
         if self.n_split == 1:
@@ -2600,12 +2487,6 @@ class ExpandedAttention:
         window_kv, main_kv = expand_caches(self.expand, win_a, win_b, main_a, main_b)  # [B, Nw, D], [B, Nc, D] bf16
         dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1], the bf16 kernel has no scale tensors
         return self.attend(q, window_kv, dummy, window_idx, main_kv, dummy, topk_idx, sink, out=out)
-
-
-def _one_row_if_empty(cache: torch.Tensor) -> torch.Tensor:
-    """``cache`` [B, N, D], or zeros [B, 1, D] when N == 0 (no index can point into an empty cache: the row is never
-    used, it only makes the tensor map valid)."""
-    return cache if cache.shape[1] else cache.new_zeros(cache.shape[0], 1, cache.shape[2])
 
 
 def compiled(
@@ -2830,8 +2711,7 @@ def sparse_attention_bf16(
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
-BF16_ROW_KEYS = ("unused_rows", "row_copy")  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
-ROW_COPIES = ("cp_async", "tma", "tma_pass0")  # bf16 rows, ws batched producer: 16-byte cp.async, TMA boxes, or both
+BF16_ROW_KEYS = ("unused_rows",)  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
 # prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
@@ -3155,22 +3035,6 @@ def _bf16_copy_refusal(c: Config, kv_format: str) -> str | None:
     return None
 
 
-def _row_copy_refusal(row_copy: str, kv_format: str, schedule: str, produce: str) -> str | None:
-    """Why the attention kernel cannot copy its rows by ``row_copy``, or None."""
-    if row_copy not in ROW_COPIES:
-        return f"unknown row_copy {row_copy!r}: use one of {', '.join(ROW_COPIES)}"
-    if row_copy != "cp_async" and (kv_format != "bf16" or schedule != "ws" or produce != "batched"):
-        return f"row_copy={row_copy} is the ws batched producer's copy of bf16 rows: bf16 KV (or the prefill's expansion), schedule=ws, produce=batched"
-    return None
-
-
-def _tma_rows_refusal(c: Config, kv_format: str, dims: Mapping[str, int]) -> str | None:
-    """Why row_copy="tma" cannot run with config ``c`` at ``dims``, or None: it needs bf16 rows (bf16 KV, or FP4 KV
-    that kv_staging expands at these dims) and the ws batched producer."""
-    rows = _kernel_rows(kv_format, resolve_kv_staging(c.get("kv_staging", "gather"), dims))
-    return _row_copy_refusal(c["row_copy"], rows, c["schedule"], c.get("produce", "serial"))
-
-
 def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
     """Why fp4_decode="prmt" cannot run with config ``c``, or None."""
     if kv_format != "fp4" or c["schedule"] != "ws" or c.get("produce", "serial") not in ("batched", "prefetch"):
@@ -3267,8 +3131,6 @@ def _constraints(kv_format: str) -> tuple[Constraint, ...]:
                 return why
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
         if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
-            return why
-        if c.get("row_copy", "cp_async") != "cp_async" and (why := _tma_rows_refusal(c, kv_format, s)):
             return why
         if expands and fp4_rows:
             return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
@@ -3435,15 +3297,6 @@ class SparseAttnTile(Tile):
                     "copies row 0 by cp.async, or its cp.async reads nothing and zero-fills",
                 )
             )
-            params.append(
-                Param(
-                    "row_copy",
-                    ROW_COPIES,
-                    "bf16 rows, ws batched producer: 16-byte cp.async per thread and chunk (through the SM's load/store "
-                    "pipe the consumers' operand reads share), or one TMA box per 128 bytes of a row, swizzled by the TMA "
-                    "unit and counted on the buffer's barrier",
-                )
-            )
         if self.splits:
             params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
             params.append(
@@ -3506,8 +3359,6 @@ class SparseAttnTile(Tile):
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
             cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
-        if self.kv_format == "bf16" or not self.splits:
-            cfg["row_copy"] = "cp_async"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
