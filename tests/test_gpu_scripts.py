@@ -219,7 +219,7 @@ def test_attention_timing_scripts_refuse_an_unknown_variant_before_asking_for_a_
 @pytest.mark.parametrize("tile_name", ["sparse_attn_prefill", "sparse_attn_bf16"])
 def test_prefill_lengths_span_every_choice_of_io_auto(tile_name):
     """gpu/attn_prefill_lengths.py's default lengths cover each choice io="auto" makes on the H200 (staged, overlapped
-    with 2, 4 and 8 tokens per CTA: sa._io_cost); the staged wg0_scores labels are valid at every length, the
+    with 2, 4 and 8 tokens per CTA: tiles.sparse_attn.policy._io_cost); the staged wg0_scores labels are valid at every length, the
     overlapped and paired_halves ones wherever the call's rows are bf16 (the FP4 prefill gathers below 512 tokens)."""
     import attn_prefill_lengths as apl
 

@@ -19,6 +19,8 @@ from tiles.compare import relative_l2
 from tiles.contract import Shape, TileError
 from tiles.ptxas import parse_resource_usage, ptxas_log
 from tiles.registry import all_tiles
+from tiles.sparse_attn import dequant
+from tiles.sparse_attn import tile as sa_tile
 
 SM90 = get_arch("sm90")
 SCALE = 512**-0.5
@@ -447,8 +449,8 @@ def _fp4x8_prmt(u, scale2):
 
 
 def test_prmt_emulation_follows_the_cuda_source():
-    """The emulation above is the helper in sa._FP4_PRMT_CUDA: its tables, masks and selectors, in these statements."""
-    src = " ".join(sa._FP4_PRMT_CUDA.split())
+    """The emulation above is the helper in dequant._FP4_PRMT_CUDA: its tables, masks and selectors, in these statements."""
+    src = " ".join(dequant._FP4_PRMT_CUDA.split())
     for stmt in (
         "const unsigned m = u & 0x77777777u;",
         'asm("shr.b32 %0, %1, 16;" : "=r"(mh) : "r"(m));',
@@ -464,7 +466,7 @@ def test_prmt_emulation_follows_the_cuda_source():
         'asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));',
     ):
         assert stmt in src, stmt
-    fma = " ".join(sa._DEQUANT_CUDA.split())  # and the fma path's helpers as _fp4x8_fma / _e4m3_scale2 emulate them
+    fma = " ".join(dequant._DEQUANT_CUDA.split())  # and the fma path's helpers as _fp4x8_fma / _e4m3_scale2 emulate them
     for stmt in (
         "return ((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u);",
         "return ((y << 4) & 0x07F007F0u) | ((y << 8) & 0x80008000u);",
@@ -657,7 +659,7 @@ def test_kv_staging_expand_compiles_everywhere(arch_name):
     kernel = tile.build(shape, cfg, arch)
     assert isinstance(kernel, sa.ExpandedAttention)
     src = kernel.expand.get_kernel_source()
-    fp4_word = sa._FP4X8_FUNCTIONS[cfg["fp4_decode"]]
+    fp4_word = dequant._FP4X8_FUNCTIONS[cfg["fp4_decode"]]
     assert re.search(rf"(?<!void )\b{fp4_word}\(", src) and re.search(r"(?<!void )\bcsa2_e4m3x4_bf16\(", src)
     assert re.search(r"(?<!void )\bcsa2_e4m3_scale2\(", src) and re.search(r"(?<!void )\bcsa2_e8m0_scale2\(", src)
     bf16_cfg = {k: v for k, v in cfg.items() if k not in sa.FP4_ONLY_KEYS}
@@ -719,7 +721,7 @@ def test_overlapped_io_is_refused_where_it_cannot_stage_o():
 def test_io_auto_overlaps_where_the_call_has_bf16_rows_and_the_waves_of_tokens_cost_least():
     """io="auto" (the prefill and bf16 tiles' Hopper default) resolves per call (sa.resolve_io): where the rows are
     bf16, overlapped with 8, 4 or 2 tokens per CTA or staged with one, whichever leaves the busiest SM the least work
-    (sa._io_cost: waves of CTAs x (tokens per CTA + IO_CTA_COST), staged tokens weighing IO_STAGED_TOKEN_COST); else
+    (tiles.sparse_attn.policy._io_cost: waves of CTAs x (tokens per CTA + IO_CTA_COST), staged tokens weighing IO_STAGED_TOKEN_COST); else
     staged with the config's own tokens per CTA (kept whenever it names more than one). The kernel refuses an
     unresolved "auto"."""
 
@@ -791,7 +793,7 @@ def test_constraints_resolve_consumers_auto_once_per_config_and_shape(monkeypatc
     constraints of one config and shape (the tuner enumerates millions of configs), and again for another shape."""
     calls = []
     real = sa.resolve_consumers
-    monkeypatch.setattr(sa, "resolve_consumers", lambda c, s, a, k: calls.append(s["W"]) or real(c, s, a, k))
+    monkeypatch.setattr(sa_tile, "resolve_consumers", lambda c, s, a, k: calls.append(s["W"]) or real(c, s, a, k))
     tile = sa.BF16_TILE
     space, config = tile.search_space(SM90), tile.with_defaults(SM90, {})
     s4k, w37 = tile.shape("prefill_s4k"), _shape("w37", "prefill", B=1, S=4096, Nc=4096, Nw=4096, W=37)
@@ -1303,7 +1305,7 @@ def test_expanded_caches_are_the_reference_dequant_in_bf16():
     want_w = fp8_dequantize(wc, ws).bfloat16().view(torch.int16)
     want_m = fp4_dequantize(mp, ms).bfloat16().view(torch.int16)
     for fp4_decode in ("fma", "prmt"):
-        kernel = expand_kernel(512, sa._decode_helpers_cuda(fp4_decode), sa._FP4X8_FUNCTIONS[fp4_decode], SM90)
+        kernel = expand_kernel(512, dequant._decode_helpers_cuda(fp4_decode), dequant._FP4X8_FUNCTIONS[fp4_decode], SM90)
         window_kv, main_kv = expand_caches(kernel, wc, ws, mp, ms)
         assert torch.equal(window_kv.view(torch.int16), want_w), fp4_decode
         assert torch.equal(main_kv.view(torch.int16), want_m), fp4_decode

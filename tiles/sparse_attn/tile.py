@@ -1,0 +1,655 @@
+"""The three attention tiles the tuner and ``lab`` use (decode, prefill, bf16 KV): search spaces, constraints,
+defaults per arch, inputs and the torch reference."""
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+
+from model.formats import fp4_dequantize, fp8_dequantize
+from model.ops.sparse_attn import sparse_attention as _ref_sparse_attention
+from tiles.arch import Arch
+from tiles.compare import relative_l2
+from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
+from tiles.shapes import attention_shapes
+from tiles.sparse_attn.launch import _DEFAULT_SCALE, CompiledAttention, ExpandedAttention, compiled
+from tiles.sparse_attn.options import (
+    _NARROW_DEFAULTS,
+    _UNUSED_ROWS_DEFAULT,
+    BF16_ROW_KEYS,
+    IOS,
+    KV_STAGINGS,
+    PARTIALS,
+    SPLIT_CHOICES,
+    UNUSED_ROWS,
+    _bf16_copy_refusal,
+    _bf16_partials_refusal,
+    _halves_refusal,
+    _kernel_rows,
+    _overlapped_refusal,
+    _prmt_decode_refusal,
+    blocks_per_token,
+)
+from tiles.sparse_attn.policy import _rereads_rows, resolve_io, resolve_kv_staging, resolve_split, smem_bytes
+
+# Relative L2 vs the fp32 reference on the same dequantised inputs: P is rounded to bf16 before
+# the PV GEMM and the output is bf16, each ~2^-9 relative; measured errors sit near 4e-3.
+TOLERANCE = 1e-2
+
+
+_BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcgen05), not dequant-to-bf16 for wgmma"
+
+
+# consumers="auto" (the Hopper default of the prefill and bf16 tiles): paired_halves where io="auto" takes it to
+# io=overlapped and the call rereads its KV rows (EXPAND_MIN_READS: a prefill), else wg0_scores. H200, one run per tile,
+# every config checked first (results/sm90/attn_prefill_lengths_*_session22.json; ms, prefill tile / bf16 tile, the
+# default of then: wg0_scores with io="auto"): 512 tokens 0.0923 / 0.0904 against 0.1004 / 0.0991, 1024 0.1749 / 0.1723
+# against 0.1885 / 0.1898, 2048 0.3377 / 0.3377 against 0.3645 / 0.3618, 4096 0.6656-0.6908 / 0.7190 against 0.7099 /
+# 0.7178 (the bf16 tile level; another run 0.6806 / 0.6997 against 0.7105 / 0.7176), 16384 2.8064 / 2.8909 against
+# 2.9084 / 3.0002. At bf16 decode B=128/S=2 (rows read about once) paired_halves with io=overlapped lost: 0.0632
+# against wg0_scores' 0.0585 ms at 2 tokens per CTA in the same run.
+
+
+def resolve_consumers(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: str) -> Config:
+    """``config`` with ``consumers="auto"`` resolved for one call of ``dims``: "paired_halves" where ``io`` is "auto"
+    and takes it to "overlapped", the call rereads its KV rows (a prefill) and the constraints allow it; else
+    "wg0_scores". paired_halves runs one split, so bf16 ``partials`` (nothing to store) become fp32. Any other
+    ``consumers`` is returned as it is."""
+    if config.get("consumers") != "auto":
+        return config
+    probe = {**config, "consumers": "paired_halves"}
+    if "partials" in probe:
+        probe["partials"] = "fp32"  # io=overlapped runs one split: no partials, the same kernel
+    staging = resolve_kv_staging(config.get("kv_staging", "gather"), dims)
+    n_split = resolve_split(config.get("n_split", 1), dims["B"], dims["S"], dims["H"], config["heads_per_block"], arch, config["schedule"])
+    resolved = {**probe, "kv_staging": staging, "n_split": n_split}
+    halves = (
+        config.get("io") == "auto"
+        and _rereads_rows(dims)
+        and resolve_io(resolved, dims, arch, kv_format)[0] == "overlapped"
+        and not any(con.check(probe, dims, arch) for con in _constraints(kv_format))
+    )
+    return probe if halves else {**config, "consumers": "wg0_scores"}
+
+
+def _constraints(kv_format: str) -> tuple[Constraint, ...]:
+    def heads(c, s, a):
+        return None if s["H"] % c["heads_per_block"] == 0 else f"{s['H']} heads do not split into blocks of {c['heads_per_block']}"
+
+    def registers(c, s, a):
+        threads = 256 if c["schedule"] == "ws" else c["threads"]
+        per_thread = c["heads_per_block"] * s["D"] // threads
+        return None if per_thread <= 128 else f"the [heads, D] fp32 accumulator needs {per_thread} registers per thread (> 128)"
+
+    def warpgroups(c, s, a):
+        if c["heads_per_block"] == 32 and c["threads"] != 128:
+            return "32 heads per block feed one warpgroup only: use threads=128"
+        return None
+
+    def ws_shape(c, s, a):
+        if c["schedule"] != "ws":
+            return None
+        if not a.wgmma:
+            return f"warp specialisation uses wgmma, mbarriers and setmaxnreg: {a.name} lacks them"
+        if c["heads_per_block"] != 64 or c["threads"] != 256 or c["num_stages"] != 2:
+            return "ws is two 128-thread consumer warpgroups over 64 heads plus a producer, double-buffered: heads_per_block=64, threads=256, num_stages=2"
+        if c.get("dequant", "direct") != "direct":
+            return "ws dequantises in the producer warpgroup: dequant=direct"
+        return None
+
+    def producer(c, s, a):
+        if int(c.get("wg1_rows", 0)) and (
+            c["schedule"] != "ws" or c.get("produce", "serial") != "batched" or c.get("consumers", "wg0_scores") != "wg0_scores"
+        ):
+            return "wg1_rows fills rows in consumer warpgroup 1's wait for P: schedule=ws, produce=batched, consumers=wg0_scores"
+        if int(c.get("tokens_per_cta", 1)) > 1 and (
+            c["schedule"] != "ws"
+            or c.get("produce", "serial") != "batched"
+            or c.get("consumers", "wg0_scores") not in ("wg0_scores", "paired_halves")
+            or int(c.get("wg1_rows", 0))
+            or c.get("io", "direct") not in ("staged", "overlapped", "auto")
+        ):
+            return (
+                "tokens_per_cta > 1 runs the ws kernel's batched producer across tokens: schedule=ws, produce=batched, "
+                "consumers=wg0_scores (or paired_halves with io=overlapped), wg1_rows=0, io=staged, overlapped or auto"
+            )
+        if c.get("io", "direct") == "overlapped":
+            n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
+            rows = _kernel_rows(kv_format, resolve_kv_staging(c.get("kv_staging", "gather"), s))
+            args = (c["schedule"], c.get("produce", "serial"), c.get("consumers", "wg0_scores"), c.get("wg1_rows", 0))
+            blocks = blocks_per_token(s["W"], s["K"], c["block_I"])
+            if why := _overlapped_refusal(*args, c.get("tokens_per_cta", 1), n_split, c["block_I"], rows, blocks=blocks):
+                return why
+        if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
+            return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
+        if c.get("lanes", "row") != "row" and c["schedule"] != "ws":
+            return "lanes=column maps the ws producer warpgroup's lanes: schedule=ws"
+        if c.get("consumers", "wg0_scores") != "wg0_scores" and c["schedule"] != "ws":
+            return "consumers=balanced splits S between the ws consumer warpgroups: schedule=ws"
+        if c.get("consumers", "wg0_scores") in ("seesaw", "paired", "paired_halves") and c.get("produce", "serial") not in (
+            "batched",
+            "prefetch",
+        ):
+            # the serial producer's fixed 80 registers and the seesaw consumers' 2 x SEESAW_NREG are not balanced
+            return f"consumers={c['consumers']} is built with the batched producer: produce=batched or prefetch"
+        if c.get("io", "direct") in ("staged", "auto") and c["schedule"] != "ws":
+            return f"io={c['io']} splits the Q load between the ws consumer warpgroups: schedule=ws"
+        if c.get("produce", "serial") == "prefetch" and kv_format != "fp4":
+            return "produce=prefetch keeps a block of packed FP4 words in registers: FP4 main KV only (bf16 rows go by cp.async)"
+        if c.get("produce", "serial") in ("batched", "prefetch") and c["schedule"] != "ws":
+            return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
+        if c.get("fp4_decode", "fma") != "fma" and (why := _prmt_decode_refusal(c, kv_format)):
+            return why
+        expands = resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand"
+        if c.get("consumers", "wg0_scores") == "paired_halves":
+            rows = _kernel_rows(kv_format, "expand" if expands else "gather")
+            io = c.get("io", "direct")
+            if io == "auto":  # resolved as per call: kv_staging first (the rows), then io
+                io = resolve_io({**c, "kv_staging": "expand" if expands else "gather"}, s, a, kv_format)[0]
+            if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
+                return why
+        fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
+        if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
+            return why
+        if expands and fp4_rows:
+            return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
+        if c.get("produce", "serial") in ("batched", "prefetch") and c["block_I"] % 32:
+            return "the batched producer moves rows in passes of 16, FP8 in two halves: block_I a multiple of 32"
+        return None
+
+    def shared(c, s, a):
+        n = smem_bytes(c, s, kv_format)
+        return None if n <= a.smem_per_block else f"shared memory {n // 1024} KiB > {a.smem_per_block // 1024} KiB"
+
+    def split(c, s, a):
+        if c.get("n_split", 1) == "auto":
+            return None
+        blocks = blocks_per_token(s["W"], s["K"], c["block_I"])
+        return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
+
+    def combine(c, s, a):
+        if c.get("partials", "fp32") == "bf16" and (why := _bf16_partials_refusal(c, kv_format)):
+            return why
+        if c.get("combine", "separate") != "fused":
+            return None
+        if c["schedule"] != "ws" or int(c.get("tokens_per_cta", 1)) != 1:
+            return "combine=fused merges the splits in the ws kernel's last split CTA: schedule=ws, tokens_per_cta=1"
+        if int(c.get("wg1_rows", 0)):
+            # warpgroup 1 then holds producer registers besides its accumulator: ptxas spills ~500 bytes
+            return "combine=fused with wg1_rows spills in consumer warpgroup 1 (ptxas): wg1_rows=0"
+        if c.get("consumers", "wg0_scores") in ("seesaw", "paired", "paired_halves"):
+            return f"combine=fused is not built into the {c['consumers']} consumers: combine=separate"
+        n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
+        return None if n_split > 1 else "combine=fused merges split partials: n_split resolves to 1 here, nothing to combine"
+
+    # the last "auto" config resolved, (key, config), replaced whole: the tuner enumerates a space in a thread
+    last: list = [None]
+
+    def resolved(c, s, a):
+        if c.get("consumers") != "auto":
+            return c
+        key = (tuple(sorted(c.items())), tuple(sorted(getattr(s, "dims", s).items())), a.name)
+        entry = last[0]
+        if entry is None or entry[0] != key:
+            entry = last[0] = (key, resolve_consumers(c, s, a, kv_format))
+        return entry[1]
+
+    def on_resolved_consumers(check):
+        """``check`` of the config with consumers="auto" resolved for the shape (resolve_consumers)."""
+        return lambda c, s, a: check(resolved(c, s, a), s, a)
+
+    # the ones that read ``consumers`` see "auto" resolved (the tuner's enumeration of a space checks millions)
+    reads_consumers = (producer, shared, combine)
+    constraints = (heads, registers, warpgroups, ws_shape, producer, shared, split, combine)
+    return tuple(Constraint(f.__name__, on_resolved_consumers(f) if f in reads_consumers else f) for f in constraints)
+
+
+class SparseAttnTile(Tile):
+    """Shared machinery of the three sparse attention tiles (they differ in shapes, KV format and split)."""
+
+    kv_format = "fp4"
+    phase = "decode"
+    splits = True
+    unsupported: ClassVar[dict[str, str]] = {"sm100": _BLACKWELL, "sm120": _BLACKWELL}
+
+    def shapes(self) -> list[Shape]:
+        return [s for s in attention_shapes() if self.phase == "any" or s.phase == self.phase]
+
+    def search_space(self, arch: Arch) -> SearchSpace:
+        params = [
+            Param(
+                "schedule", ("pipelined", "ws"), "all threads gather+dequant then compute, or a producer warpgroup feeding two consumers"
+            ),
+            Param(
+                "produce",
+                ("serial", "batched", "prefetch"),
+                "ws producer: 16 rows per waited pass; the whole block's loads in flight with packed-integer dequant; or that "
+                "with the next FP4 block's loads issued before its buffer frees",
+            ),
+            Param("block_I", (32, 64), "gathered KV rows per step"),
+            Param("num_stages", (1, 2), "software pipeline depth over index blocks"),
+            Param("threads", (128, 256), "consumer threads (ws adds a 128-thread producer)"),
+            Param("heads_per_block", (32, 64), "heads sharing one gathered block (H=128 runs as two blocks of 64)"),
+            Param(
+                "io",
+                (*IOS, "auto"),
+                "ws Q load / O store: all threads element-wise and O from the fragments, or per consumer warpgroup in "
+                "16-byte vectors with O staged through the freed Q tile, or (overlapped, several tokens per CTA) the "
+                "next token's Q by cp.async under the last block and O staged through the last KV buffer, stored by the "
+                "producer; auto: overlapped per call where its rows are bf16 and it has the tokens (resolve_io), else staged",
+            ),
+            Param(
+                "consumers",
+                ("wg0_scores", "balanced", "balanced_overlap", "seesaw", "paired", "paired_halves", "auto"),
+                "ws consumer split: warpgroup 0 computes all of S and the softmax (both then compute half of O), or each "
+                "warpgroup half of S's rows and its softmax with the row max exchanged through shared memory (overlap: "
+                "P V left in flight under the next block's QK^T), or whole blocks in turn with P, the rescale and the "
+                "running max handed over (seesaw: one warpgroup's QK^T under the other's softmax), or the two blocks "
+                "of a pair at once, the max handed from warpgroup 0 to 1 and back, each warpgroup's own P V from "
+                "registers (paired: FlashMLA's sparse prefill schedule; paired_halves: with each KV buffer handed "
+                "over in halves, bf16 rows); auto: paired_halves where io=auto overlaps a prefill's tokens "
+                "(resolve_consumers), else wg0_scores",
+            ),
+            Param(
+                "tokens_per_cta",
+                (1, 2, 4, 8),
+                "ws (token, head block) items each CTA runs in turn: the producer runs on into the next token while the "
+                "consumers finish this one (one CTA holds an SM, so its prologue and epilogue overlap nothing otherwise)",
+            ),
+            Param(
+                "handoff",
+                ("after_pv", "before_pv"),
+                "ws, wg0_scores: when warpgroup 0 hands P to warpgroup 1, after its own half of P V (the two halves run "
+                "one after the other) or before it (both at once; the KV buffer frees a P V earlier)",
+            ),
+            Param(
+                "lanes",
+                ("row", "column"),
+                "ws producer lanes: a quarter-warp's 8 lanes store one row (4-way bank conflicts on the 128-byte-swizzled "
+                "KV buffer) or the same columns of 8 rows (conflict-free)",
+            ),
+            Param(
+                "ptxas_level",
+                (0, 10),
+                "ptxas --register-usage-level (0: its default, 5); TileLang's sparse_mla_fwd_pipelined example compiles with 10",
+            ),
+        ]
+        if self.kv_format == "fp4":
+            params.append(
+                Param(
+                    "dequant", ("direct", "staged"), "global bytes -> registers -> bf16 smem, or raw bytes -> smem (cp.async) -> bf16 smem"
+                )
+            )
+            params.append(
+                Param(
+                    "wg1_rows",
+                    (0, 16),
+                    "rows of each FP4 main block that consumer warpgroup 1 gathers and dequantises in its wait for P "
+                    "(0: the producer warpgroup fills every row)",
+                )
+            )
+            params.append(
+                Param(
+                    "fp4_decode",
+                    ("fma", "prmt"),
+                    "ws batched producer, packed FP4 word -> 8 bf16: shifts and masks into the bf16 field with two exact "
+                    "bf16x2 multiplies per pair, or byte-permute lookups into constant bf16 byte tables and one exact "
+                    "multiply by the scale pair (the same bits, fewer producer instructions)",
+                )
+            )
+        if self.kv_format == "fp4" and not self.splits:
+            params.append(
+                Param(
+                    "kv_staging",
+                    KV_STAGINGS,
+                    "prefill: the producer decodes each FP4/FP8 row every time a token reads it, or one launch first "
+                    "expands both caches to bf16 (each row once; fp4_decode picks its FP4 decode) and the bf16 kernel "
+                    "gathers them; auto expands from EXPAND_MIN_TOKENS tokens reading each row EXPAND_MIN_READS times or more",
+                )
+            )
+        if self.kv_format == "bf16" or not self.splits:
+            params.append(
+                Param(
+                    "unused_rows",
+                    UNUSED_ROWS,
+                    "bf16 rows (the bf16 tile, the prefill tile's expand), ws batched producer: an unused slot (-1) "
+                    "copies row 0 by cp.async, or its cp.async reads nothing and zero-fills",
+                )
+            )
+        if self.splits:
+            params.append(Param("n_split", SPLIT_CHOICES, "split over the index list with a combine step; auto fills the SMs"))
+            params.append(
+                Param(
+                    "partials",
+                    PARTIALS,
+                    "dtype of the splits' partial O: fp32, or bf16 (ws, wg0_scores, separate combine: half the bytes the "
+                    "split CTAs store at their end and the combine reads, one more bf16 rounding)",
+                )
+            )
+            params.append(
+                Param(
+                    "combine",
+                    ("separate", "fused"),
+                    "merge the splits in a second kernel, or in the ws kernel's last split CTA per token (an arrival "
+                    "counter; no second launch, the partials read back from L2)",
+                )
+            )
+        return SearchSpace(tuple(params), _constraints(self.kv_format))
+
+    def default_config(self, arch: Arch) -> Config:
+        if arch.family == "hopper":
+            # FlashMLA's decode design, TileLang's sparse_mla_fwd_pipelined: a producer warpgroup gathers and
+            # dequantises into two KV buffers while two consumer warpgroups run the GEMMs and the softmax.
+            cfg: Config = {"schedule": "ws", "produce": "batched", "block_I": 64, "num_stages": 2, "threads": 256, "heads_per_block": 64}
+        elif arch.smem_per_block >= 160 * 1024:  # A100: the Hopper tiles, single-buffered to fit 163 KiB
+            cfg = {"schedule": "pipelined", "block_I": 64, "num_stages": 1, "threads": 256, "heads_per_block": 64}
+        else:  # sm86/sm89: 99 KiB per block
+            cfg = {"schedule": "pipelined", "block_I": 32, "num_stages": 1, "threads": 128, "heads_per_block": 32}
+        cfg.setdefault("produce", "serial")
+        cfg["consumers"] = "wg0_scores"
+        cfg["tokens_per_cta"] = 1
+        cfg["handoff"] = "after_pv"
+        cfg["lanes"] = "row"
+        # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json);
+        # the prefill and bf16 tiles: overlapped per call where it applies (io="auto", see IO_AUTO_TOKENS)
+        cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
+        if cfg["schedule"] == "ws" and (not self.splits or self.kv_format == "bf16"):
+            cfg["io"] = "auto"
+            # ... and there FlashMLA's paired consumers with the buffers handed over in halves where io=auto overlaps a
+            # prefill's tokens (consumers="auto", see resolve_consumers): prefill 4K 0.6806 against 0.7105 ms, 1K
+            # 0.1749 against 0.1885 (sparse_attn_run_default_halves*_session22.json, attn_prefill_lengths_*_session22.json)
+            cfg["consumers"] = "auto"
+        # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
+        # (results/sm90/sparse_attn_run4_regs10.json)
+        cfg["ptxas_level"] = 10 if arch.family == "hopper" else 0
+        if self.kv_format == "fp4":
+            cfg["dequant"] = "direct"
+            cfg["wg1_rows"] = 0
+            # Hopper: the producer decodes packed FP4 words by byte-permute lookups of the E2M1 bf16 patterns (the same
+            # bits), H200, one run against fma (results/sm90/sparse_attn_run14_fp4_prmt.json): prefill 4K 1.0247 ->
+            # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
+            cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
+            if not self.splits:
+                cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
+                # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
+                # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
+                # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
+                # 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere not yet run on a GPU.
+                cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
+        if self.kv_format == "bf16":
+            cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
+        if self.splits:
+            cfg["n_split"] = "auto" if self.phase != "prefill" else 1
+            cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
+            # Hopper: bf16 split partials, H200, one run against fp32 (results/sm90/sparse_attn_run16_bf16_partials.json):
+            # decode B=64/S=1 0.0313 -> 0.0273 ms (bf16 KV 0.0291 -> 0.0254), rel L2 2.0e-3 -> 2.5e-3 (bound 1e-2).
+            cfg["partials"] = "bf16" if cfg["schedule"] == "ws" else "fp32"
+        return cfg
+
+    def with_defaults(self, arch: Arch, config: Config) -> Config:
+        """``config`` over the default. The ws-only choices (``produce``, ``io``, ``consumers``, ...) fall back to the plain ones when
+        ``config`` picks another schedule without naming them: {"schedule": "pipelined"} alone is a valid config."""
+        cfg = {**self.default_config(arch), **config}
+        if cfg["schedule"] != "ws":
+            plain_choices = (
+                ("produce", "serial"),
+                ("io", "direct"),
+                ("consumers", "wg0_scores"),
+                ("tokens_per_cta", 1),
+                ("handoff", "after_pv"),
+                ("lanes", "row"),
+            )
+            for key, plain in plain_choices:
+                cfg[key] = config.get(key, plain)
+        # Hopper-default choices built for one path only give way, when not named, to the choice every path has:
+        # {"produce": "serial"} or {"consumers": "seesaw"} alone is valid.
+        for key, narrow, broad, refusal in _NARROW_DEFAULTS:
+            if key not in config and cfg.get(key) == narrow and refusal(cfg, self.kv_format):
+                cfg[key] = broad
+        return cfg
+
+    def build(self, shape: Shape, config: Config, arch: Arch) -> "CompiledAttention | ExpandedAttention":
+        reason = self.support_reason(arch)
+        if reason:
+            raise TileError(f"{self.name} does not support {arch.name}: {reason}")
+        cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
+        return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
+
+    def kernel_key(self, shape: Shape, config: Config, arch: Arch) -> str:
+        """The resolved config's key: a config naming "auto" (consumers, io, n_split, kv_staging) and one naming what it
+        resolves to at ``shape`` build the same kernels (e.g. the prefill default and paired_halves, io=overlapped,
+        8 tokens per CTA at 4K)."""
+        cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
+        if _kernel_rows(self.kv_format, cfg.get("kv_staging", "gather")) != "bf16":
+            for key in BF16_ROW_KEYS:  # as CompiledAttention: FP4/FP8 rows decoded by the producer ignore them
+                cfg.pop(key, None)
+        return canonical_key(cfg)
+
+    def resolve_call(self, config: Config, dims: Mapping[str, int], arch: Arch) -> Config:
+        """``config`` (full) with its per-call choices resolved for one call of ``dims`` (a Shape or its dims), in the
+        order they depend on each other: ``n_split``, then ``kv_staging``, then ``consumers``, then ``io`` and
+        ``tokens_per_cta``."""
+        cfg = dict(config)
+        if self.splits:
+            cfg["n_split"] = resolve_split(cfg["n_split"], dims["B"], dims["S"], dims["H"], cfg["heads_per_block"], arch, cfg["schedule"])
+        if "kv_staging" in cfg:
+            cfg["kv_staging"] = resolve_kv_staging(cfg["kv_staging"], dims)
+        cfg = resolve_consumers(cfg, dims, arch, self.kv_format)
+        cfg["io"], cfg["tokens_per_cta"] = resolve_io(cfg, dims, arch, self.kv_format)
+        return cfg
+
+    def make_inputs(self, shape: Shape, seed: int, device: str | torch.device = "cuda") -> Inputs:
+        return make_attention_inputs(shape, seed, device, self.kv_format)
+
+    def alloc_outputs(self, kernel: CompiledAttention, inputs: Inputs) -> dict[str, torch.Tensor]:
+        return {"out": poisoned(inputs["q"].shape, torch.bfloat16, inputs["q"].device)}  # [B, S, H, D]
+
+    def launch(self, kernel: CompiledAttention, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
+        q, out = inputs["q"], outputs["out"]
+        if self.kv_format == "fp4":
+            f8 = torch.float8_e4m3fn
+            kernel(
+                q,
+                inputs["window_codes"].view(f8),
+                inputs["window_scales"],
+                inputs["window_idx"],
+                inputs["main_packed"].view(torch.int32),
+                inputs["main_scales"].view(f8),
+                inputs["topk_idx"],
+                inputs["sink"],
+                out=out,
+            )
+        else:
+            dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1], the bf16 kernel has no scale tensors
+            kernel(
+                q, inputs["window_kv"], dummy, inputs["window_idx"], inputs["main_kv"], dummy, inputs["topk_idx"], inputs["sink"], out=out
+            )
+
+    def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
+        if self.kv_format == "fp4":
+            window_kv = fp8_dequantize(inputs["window_codes"], inputs["window_scales"])
+            main_kv = fp4_dequantize(inputs["main_packed"], inputs["main_scales"], 16, "e4m3")
+        else:
+            window_kv, main_kv = inputs["window_kv"], inputs["main_kv"]
+        out = _ref_sparse_attention(
+            inputs["q"], window_kv, inputs["window_idx"], main_kv, inputs["topk_idx"], inputs["sink"], _DEFAULT_SCALE
+        )
+        return {"out": out}
+
+    def compare(self, outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> Comparison:
+        return relative_l2(outputs, expected, TOLERANCE)
+
+    def flops(self, shape: Shape) -> float:
+        return 4.0 * shape["B"] * shape["S"] * shape["H"] * (shape["W"] + shape["K"]) * shape["D"]
+
+    def bytes_moved(self, shape: Shape) -> float:
+        B, S, H, D, W, K = (shape[k] for k in ("B", "S", "H", "D", "W", "K"))
+        if self.kv_format == "fp4":
+            kv = W * (D + D // 32) + K * (D // 2 + D // 16)
+        else:
+            kv = (W + K) * D * 2
+        return B * S * (2 * H * D * 2 + kv + (W + K) * 4)
+
+
+class SparseAttnDecode(SparseAttnTile):
+    name = "sparse_attn_decode"
+    description = "sparse gather attention, FP4 main + FP8 window KV + sink, decode (B <= 128, S = 1 or 2), split-KV"
+    phase = "decode"
+
+
+class SparseAttnPrefill(SparseAttnTile):
+    name = "sparse_attn_prefill"
+    description = "sparse gather attention, FP4 main + FP8 window KV + sink, prefill (B = 1, S up to 64K)"
+    phase = "prefill"
+    splits = False
+
+    def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
+        """Hopper: the default's paired_halves at 4 tokens per CTA (io=auto takes 8 at 4K), its wg0_scores consumers
+        (the default before session 22), several tokens per CTA on the expanded caches (the producer runs into the next
+        token), with the next token's Q load and this one's O store off the consumers' path (io=overlapped), the seesaw
+        consumers on them (the fastest chain measured alone), the gathering path beside the expanding default (so a
+        study times both), and the gathering path's best options (within ~1% of it at prefill 4K before the
+        expansion)."""
+        if arch.family != "hopper":
+            return []
+        gather = {"kv_staging": "gather"}
+        return [
+            (
+                {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
+                "prefill 4K 0.6656 against 8 per CTA's 0.6908 ms in one run (attn_prefill_lengths_prefill_session22.json)",
+            ),
+            (
+                {"consumers": "wg0_scores"},
+                "the default before session 22: prefill 4K 0.7099 against paired_halves' 0.6656-0.6908 ms in one run",
+            ),
+            (
+                {"io": "overlapped", "tokens_per_cta": 4},
+                (
+                    "prefill 4K (expanded) 0.7201 against 0.7211 ms with 8 tokens per CTA (what io=auto picks there) in one "
+                    "run (sparse_attn_overlapped_session20.json)"
+                ),
+            ),
+            (
+                {"io": "staged", "tokens_per_cta": 4},
+                (
+                    "the expanded prefill 4K 0.7605 against the default's 0.7768 ms (sparse_attn_io_prefetched_session19.json), "
+                    "763.7 against 766.7 us in session 19's tuning run"
+                ),
+            ),
+            (
+                {"kv_staging": "expand", "consumers": "seesaw"},
+                (
+                    "on bf16 KV at prefill 4K with zero-filled unused rows 0.8350 ms against the default's 0.7840 with the "
+                    "producer, 0.6859 against 0.7405 with the consumers alone (attn_ablation_session19_bf16*.json)"
+                ),
+            ),
+            (gather, "prefill 4K 1.0195 ms against expand's 0.8290 (sparse_attn_kv_staging_session18.json)"),
+            ({**gather, "produce": "prefetch"}, "gathering: prefill 4K 1.01x in the session-5 tuning run (H200)"),
+            (
+                {**gather, "lanes": "column", "handoff": "before_pv"},
+                "gathering: prefill 4K 1.010 vs 1.021 ms (sparse_attn_run12_lanes_column.json)",
+            ),
+        ]
+
+
+class SparseAttnBf16(SparseAttnTile):
+    name = "sparse_attn_bf16"
+    description = "sparse gather attention with bf16 KV (window + main) and sink, decode and prefill"
+    kv_format = "bf16"
+    phase = "any"
+
+    def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
+        """Hopper: handing P over before warpgroup 0's own P V won at bf16 decode B=128/S=2 on the H200; one CTA per
+        sequence (tokens_per_cta) won there in one run and came even or lost in others; with the Q load and O store
+        off the consumers' path (io=overlapped) it won at decode and prefill in one run; the paired consumers with each
+        buffer handed over in halves won at decode B=128/S=2 in two runs."""
+        if arch.family != "hopper":
+            return []
+        overlapped = "{} {} against io=staged's {} ms in one run (sparse_attn_overlapped_session20.json)"
+        halves = (
+            {"consumers": "paired_halves", "io": "staged"},  # io=auto would overlap 2 tokens per CTA: 0.0632 ms
+            "bf16 decode B=128/S=2 0.0606 vs the default's 0.0633 and 0.0634 ms in two runs (sparse_attn_paired_halves*_session21.json)",
+        )
+        if shape.phase != "decode":  # io=auto picks 8 tokens per CTA at prefill 4K: 0.7406 ms in that run
+            return [
+                ({"io": "overlapped", "tokens_per_cta": 4, "n_split": 1}, overlapped.format("bf16 prefill 4K", "0.7517", "0.7739")),
+                (
+                    {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "n_split": 1},
+                    (
+                        "bf16 prefill 4K 0.7239 against 8 per CTA's 0.7190 ms, 0.7013 against 0.6997 in another run; 4 per CTA "
+                        "was 3.8% faster in the FP4 tile (attn_prefill_lengths_*_session22.json)"
+                    ),
+                ),
+                (
+                    {"consumers": "wg0_scores"},
+                    (
+                        "the default before session 22: bf16 prefill 4K 0.7178 against paired_halves' 0.7190 ms in one run, "
+                        "0.7176 against 0.6997 in another"
+                    ),
+                ),
+            ]
+        return [
+            (
+                {"io": "staged"},
+                (
+                    "the default before session 22 (one token per CTA at decode B=128/S=2): 0.0636 against 2 per CTA's 0.0585 ms "
+                    "in one run (sparse_attn_run_default_ovl2_halves_ovl2_session22.json)"
+                ),
+            ),
+            # one wave of 2-token CTAs: what io=auto takes at B=128/S=2 (resolve_io), named for the other decode shapes
+            ({"io": "overlapped", "tokens_per_cta": 2, "n_split": 1}, overlapped.format("bf16 decode B=128/S=2", "0.0583", "0.0636")),
+            (
+                {"io": "staged", "tokens_per_cta": 4},
+                (
+                    "bf16 decode B=128/S=2 0.0603 vs 0.0637 ms (sparse_attn_io_prefetched_session19.json); tuning runs: "
+                    "tokens_per_cta=2 0.0645 against 0.0638 (session 15); the study's best 63.0 us against the default's "
+                    "63.3, not this candidate (session 19)"
+                ),
+            ),
+            ({"handoff": "before_pv"}, "bf16 decode B=128/S=2 0.0599 vs 0.0636 ms (sparse_attn_run11_early_handoff.json)"),
+            halves,
+            (
+                {"handoff": "before_pv", "lanes": "column"},
+                "bf16 decode B=128/S=2 0.0623 vs 0.0644 ms (sparse_attn_run12_lanes_column.json)",
+            ),
+        ]
+
+
+DECODE_TILE, PREFILL_TILE, BF16_TILE = SparseAttnDecode(), SparseAttnPrefill(), SparseAttnBf16()
+TILES = [DECODE_TILE, PREFILL_TILE, BF16_TILE]
+
+
+def make_attention_inputs(shape: Shape, seed: int, device: str | torch.device, kv_format: str = "fp4") -> Inputs:
+    """Random inputs shaped like the model's: unit-scale latents, decode windows over the latest ring
+    entries and distinct top-k over the context, prefill windows/top-k causal (-1 early on, top-k
+    drawn with repeats among the visible entries)."""
+    B, S, H, D, W, K, Nw, Nc = (shape[k] for k in ("B", "S", "H", "D", "W", "K", "Nw", "Nc"))
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=g, device=device).to(torch.bfloat16)  # [B, S, H, D]
+    window_kv = torch.randn(B, Nw, D, generator=g, device=device)  # [B, Nw, D]
+    main_kv = torch.randn(B, Nc, D, generator=g, device=device)  # [B, Nc, D]
+    sink = torch.randn(H, generator=g, device=device)  # [H]
+    if shape.phase == "decode":
+        # token s sees ring slots s+1 .. s+W in a random order; top-k distinct over the whole context
+        order = torch.rand(B, S, W, generator=g, device=device).argsort(dim=-1)
+        window_idx = (order + torch.arange(S, device=device).view(1, S, 1) + Nw - W - S + 1).int()  # [B, S, W]
+        topk_idx = torch.rand(B * S, Nc, generator=g, device=device).topk(K, dim=-1).indices.sort(dim=-1).values
+        topk_idx = topk_idx.view(B, S, K).int()  # [B, S, K]
+    else:
+        t = torch.arange(S, device=device).view(1, S, 1)
+        j = torch.arange(W, device=device).view(1, 1, W)
+        window_idx = torch.where(j <= t, t - j, -1).expand(B, S, W).contiguous().int()  # [B, S, W]
+        draw = (torch.rand(B, S, K, generator=g, device=device) * (t + 1)).long().clamp(max=Nc - 1)
+        draw = torch.where(torch.arange(K, device=device).view(1, 1, K) <= t, draw, -1)
+        topk_idx = torch.where(draw >= 0, draw, Nc).sort(dim=-1).values  # -1 slots last, rows sorted
+        topk_idx = torch.where(topk_idx >= Nc, -1, topk_idx).int().contiguous()  # [B, S, K]
+    inputs: Inputs = {"q": q, "window_idx": window_idx.contiguous(), "topk_idx": topk_idx, "sink": sink}
+    if kv_format == "fp4":
+        from model.formats import fp4_quantize, fp8_quantize
+
+        inputs["window_codes"], inputs["window_scales"] = fp8_quantize(window_kv)  # [B, Nw, D], [B, Nw, D/32]
+        inputs["main_packed"], inputs["main_scales"] = fp4_quantize(main_kv, 16, "e4m3")  # [B, Nc, D/2], [B, Nc, D/16]
+    else:
+        inputs["window_kv"] = window_kv.to(torch.bfloat16)
+        inputs["main_kv"] = main_kv.to(torch.bfloat16)
+    return inputs
