@@ -27,9 +27,11 @@ from lab.cli import main as lab_main
 from tiles import arch as arch_mod
 from tiles.arch import ArchError, get_arch
 from tiles.contract import Constraint, SearchSpace
+from tiles.results import read_results
 from tuning import space as space_mod
 from tuning import study as study_mod
 from tuning.export import export_results
+from tuning.rematch import REMATCH_MARGIN
 from tuning.replay import replay
 from tuning.space import NearbyValidConfigs, ValidConfigs, config_key, seed_configs, similarity_order
 from tuning.study import TuneError, TuneOptions, counts_toward_budget, open_storage, tune, uses_budget
@@ -79,6 +81,44 @@ def test_default_enqueued_first_and_winner_beats_it(tuned):
     # the winner went to results/sm90/toy_scale.yaml with its environment and command
     text = (opts.results_root / "sm90" / "toy_scale.yaml").read_text()
     assert "command: pytest" in text and "decode_n4k" in text
+
+
+def test_a_winner_that_beats_the_default_again_in_its_rematch_is_kept(tuned):
+    """The exhaustive toy study's winner is timed against the default REMATCH rounds more times each (alternating, on
+    fresh seeds) before it is stored; it beats it every time, so it stays, and the file records the rematch."""
+    opts, summary, _ = tuned
+    assert summary.rematch["kept"] and summary.rematch["error"] is None
+    assert summary.rematch["challenger"] == {"block": 256, "schedule": "ws", "stages": 3}
+    assert summary.rematch["challenger_ms"] == [pytest.approx(1.0)] * 3 and summary.rematch["default_ms"] == [pytest.approx(1.5)] * 3
+    entry = read_results(opts.results_root / "sm90" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
+    assert entry["config"] == {"block": 256, "schedule": "ws", "stages": 3} and entry["rematch"]["kept"] is True
+
+
+@pytest.mark.parametrize("rematch", ["slower", "tie", "fails"])
+def test_a_lucky_winner_gives_the_study_back_to_the_default(tmp_path, monkeypatch, rematch):
+    """A config that won its study by luck (the serial schedule, timed 1.2 ms under its cost in its trials) is slower
+    than the default in its rematch, ahead by less than REMATCH_MARGIN, or fails its check there: the default is
+    stored, at its study time, speedup 1, with the rematch that decided it. Without a rematch (--rematch 0) the lucky
+    config would have been stored."""
+    monkeypatch.setenv("TOY_LUCKY", rematch)
+    fails = rematch == "fails"
+    opts = _opts(tmp_path, trials=36, evaluator="test_tuning_toys:lucky_evaluate")
+    [summary] = tune([toys.ScaleToy()], opts, shapes="decode")
+    default = toys.ScaleToy().default_config(SM90)
+    assert summary.rematch["challenger"]["schedule"] == "serial" and not summary.rematch["kept"]
+    assert (summary.rematch["error"] is not None) == fails
+    if rematch == "slower":
+        assert summary.rematch["challenger_ms"] and all(ms > 1.5 for ms in summary.rematch["challenger_ms"])
+    if rematch == "tie":  # ahead of the default, by less than the margin
+        assert all(1.5 * (1 - REMATCH_MARGIN) < ms < 1.5 for ms in summary.rematch["challenger_ms"])
+    assert summary.best.params == default and summary.speedup == pytest.approx(1.0)
+    entry = read_results(opts.results_root / "sm90" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
+    assert entry["config"] == default and entry["speedup"] == 1.0 and entry["rematch"]["kept"] is False
+
+    (tmp_path / "no_rematch").mkdir()
+    unchecked = _opts(tmp_path / "no_rematch", trials=36, evaluator="test_tuning_toys:lucky_evaluate", rematch_rounds=0)
+    [as_measured] = tune([toys.ScaleToy()], unchecked, shapes="decode")
+    assert as_measured.rematch is None and as_measured.best.params["schedule"] == "serial"
 
 
 def test_every_trial_records_outcome_and_metrics(tuned):
@@ -487,6 +527,8 @@ def test_bad_storage_trials_and_replay_errors(tmp_path):
         tune([toys.ScaleToy()], _opts(tmp_path, trials=0))
     with pytest.raises(TuneError, match="--shapes"):
         tune([toys.ScaleToy()], _opts(tmp_path), shapes="huge")
+    with pytest.raises(TuneError, match="--rematch -1"):
+        tune([toys.ScaleToy()], _opts(tmp_path, rematch_rounds=-1))
     with pytest.raises(TuneError, match="no study 'missing'"):
         replay(f"sqlite:///{tmp_path / 'empty.db'}", "missing")
 

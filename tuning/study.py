@@ -20,6 +20,7 @@ import math
 import os
 import shlex
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from tiles import harness
 from tiles.arch import Arch, require_present
 from tiles.contract import Config, Shape, Tile
 from tiles.results import results_dir
+from tuning.rematch import needs_rematch, rematch
 from tuning.space import NearbyValidConfigs, ValidConfigs, config_key, distributions, seed_configs, valid_configs
 from tuning.workers import WorkerDied, WorkerPool, WorkerTimeout, tile_ref
 
@@ -61,6 +63,7 @@ class TuneOptions:
     compile_only: bool = False
     seed: int = 0
     runs: int = 50
+    rematch_rounds: int = 3  # a winner that is not the default, timed again against it this many times each (tuning.rematch)
     results_root: Path | None = None
     evaluator: str = "tuning.workers:evaluate_on_gpu"
     compiler: str = "tuning.workers:compile_task"
@@ -82,6 +85,8 @@ class StudySummary:
     ran: int = 0  # trials this process finished (compiled or timed) in this run
     wall_s: float = 0.0
     default: dict | None = None  # the default config default_ms timed (a winner stops counting when the default changes)
+    default_trial: FrozenTrial | None = None  # the trial that timed it
+    rematch: dict | None = None  # the winner's rematch against the default (tuning.rematch.Rematch.to_dict), if one ran
 
     @property
     def best_ms(self) -> float | None:
@@ -220,9 +225,10 @@ def summarize(study: optuna.Study, tile: Tile, shape: Shape, default: Config, co
     ]
     best = None if compile_only or not ok else min(ok, key=lambda t: t.value)
     dkey = config_key(default)
-    default_ms = next((t.user_attrs.get("ms") for t in ok if t.user_attrs.get("config_key") == dkey), None)
+    default_trial = next((t for t in ok if t.user_attrs.get("config_key") == dkey), None)
+    default_ms = default_trial.user_attrs.get("ms") if default_trial else None
     summary = StudySummary(tile.name, shape.name, study.study_name, len(done), dict(outcomes), best, default_ms, compile_only)
-    summary.default = dict(default)
+    summary.default, summary.default_trial = dict(default), default_trial
     return summary
 
 
@@ -322,8 +328,28 @@ class StudyRunner:
         for t in lanes:
             t.join()
         summary = summarize(self.study, self.tile, self.shape, self.default, self.opts.compile_only)
+        self._rematch(summary)
         summary.ran, summary.wall_s = self._ran, time.monotonic() - t0
         return summary
+
+    def _rematch(self, summary: StudySummary) -> None:
+        """A winner that is not the default stays the study's result only if it beats the default again, timed
+        alternately in the same worker (:mod:`tuning.rematch`); otherwise the default's trial takes its place."""
+        if self.gpu_pool is None or self.opts.rematch_rounds < 1 or summary.best is None:
+            return
+        challenger = trial_config(summary.best)
+        if not needs_rematch(challenger, self.default, summary.default_trial is not None):
+            return
+        result = rematch(challenger, self.default, self.tile, self.shape, self.opts, self.gpu_pool, self.opts.rematch_rounds)
+        summary.rematch = result.to_dict()
+        if not result.kept:
+            summary.best = summary.default_trial
+        if self.progress is not None:
+            verdict = "kept" if result.kept else "the default stays"
+            times = f"winner {_median_text(result.challenger_ms)} vs default {_median_text(result.default_ms)} ms (medians)"
+            self.progress.note(
+                f"{self.tile.name} {self.shape.name}: rematch {times}: {verdict}" + (f" ({result.error})" if result.error else "")
+            )
 
     # -- one trial --
     def _finish(self, trial: optuna.Trial, attrs: dict, state: TrialState, value: float | None = None) -> None:
@@ -473,6 +499,10 @@ class StudyRunner:
         self._finish(trial, attrs, TrialState.COMPLETE if ok else TrialState.FAIL, res.get("ms") if ok else None)
 
 
+def _median_text(times: list[float]) -> str:
+    return f"{statistics.median(times):.4g}" if times else "-"
+
+
 # --- the whole run --------------------------------------------------------------------------
 
 
@@ -498,6 +528,8 @@ def tune(tiles: list[Tile], opts: TuneOptions, shapes: str = "all", progress=Non
         raise TuneError(f"--shapes {shapes!r} selects no shape of these tiles: use decode, prefill, all or names from {', '.join(known)}")
     if opts.workers < 1 or opts.compile_jobs < 1:
         raise TuneError("--workers and --compile-jobs need at least 1")
+    if opts.rematch_rounds < 0:
+        raise TuneError(f"--rematch {opts.rematch_rounds}: give the rounds of a winner's rematch against the default, 0 for none")
     if not opts.compile_only and opts.require_gpu:
         require_present(opts.arch)
         import torch

@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-only", action="store_true", help="compile every config of the search space; no GPU, no timing")
     parser.add_argument("--replay", default=None, metavar="STUDY", help="replay samplers offline against a recorded study")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed")
+    parser.add_argument(
+        "--rematch",
+        type=int,
+        default=3,
+        metavar="N",
+        help="a study's winner that is not the default is timed against the default N more times each, alternating, and "
+        "kept only if its median is faster (0: store the study's best as it is)",
+    )
     parser.add_argument("--results", type=Path, default=None, metavar="DIR", help="results directory (default: results/)")
 
 
@@ -69,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
             compile_jobs=args.compile_jobs,
             compile_only=args.compile_only,
             seed=args.seed,
+            rematch_rounds=args.rematch,
             results_root=args.results,
             command=args.invocation,
         )
