@@ -55,6 +55,17 @@ def _opts(tmp_path: Path, **kw) -> TuneOptions:
     return TuneOptions(**(base | kw))
 
 
+def _table_text(summary) -> str:
+    """``lab tune``'s final table for one study, as text."""
+    from rich.console import Console
+
+    from tuning.progress import TuneProgress
+
+    console = Console(record=True, width=240)
+    console.print(TuneProgress().final_table([summary]))
+    return console.export_text()
+
+
 def _study(opts: TuneOptions, name: str) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=open_storage(opts.storage))
 
@@ -92,6 +103,7 @@ def test_a_winner_that_beats_the_default_again_in_its_rematch_is_kept(tuned):
     assert summary.rematch["challenger_ms"] == [pytest.approx(1.0)] * 3 and summary.rematch["default_ms"] == [pytest.approx(1.5)] * 3
     entry = read_results(opts.results_root / "sm90" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
     assert entry["config"] == {"block": 256, "schedule": "ws", "stages": 3} and entry["rematch"]["kept"] is True
+    assert "1.500x kept" in _table_text(summary)
 
 
 @pytest.mark.parametrize("rematch", ["slower", "tie", "fails"])
@@ -114,6 +126,7 @@ def test_a_lucky_winner_gives_the_study_back_to_the_default(tmp_path, monkeypatc
     assert summary.best.params == default and summary.speedup == pytest.approx(1.0)
     entry = read_results(opts.results_root / "sm90" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
     assert entry["config"] == default and entry["speedup"] == 1.0 and entry["rematch"]["kept"] is False
+    assert ("failed" if fails else "x lost") in _table_text(summary)
 
     (tmp_path / "no_rematch").mkdir()
     unchecked = _opts(tmp_path / "no_rematch", trials=36, evaluator="test_tuning_toys:lucky_evaluate", rematch_rounds=0)

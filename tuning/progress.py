@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections import Counter
 
@@ -89,7 +90,7 @@ class TuneProgress:
         for col in ("tile", "shape", "trials"):
             table.add_column(col, overflow="fold")
         if not compile_only:
-            for col in ("best", "default", "speedup"):
+            for col in ("best", "default", "speedup", "rematch"):
                 table.add_column(col, justify="right", no_wrap=True)
         table.add_column("outcomes", overflow="fold")
         if compile_only:
@@ -99,7 +100,13 @@ class TuneProgress:
             outcomes = " ".join(f"{k}:{v}" for k, v in sorted(s.outcomes.items()))
             row = [s.tile, s.shape, str(s.trials)]
             if not compile_only:
-                row += [_fmt_ms(s.best_ms), _fmt_ms(s.default_ms), f"{s.speedup:.2f}x" if s.speedup else "-", outcomes]
+                row += [
+                    _fmt_ms(s.best_ms),
+                    _fmt_ms(s.default_ms),
+                    f"{s.speedup:.2f}x" if s.speedup else "-",
+                    _rematch_text(s.rematch),
+                    outcomes,
+                ]
                 if s.best:
                     winners.append(f"{s.tile} {s.shape}: " + " ".join(f"{k}={v}" for k, v in sorted(s.best.params.items())) + "\n")
             else:
@@ -126,3 +133,13 @@ def _default_ms(runner) -> float | None:
         if t.user_attrs.get("config_key") == key and t.user_attrs.get("outcome") == harness.OK:
             return t.user_attrs.get("ms")
     return None
+
+
+def _rematch_text(rematch: dict | None) -> str:
+    """The rematch column: the challenger's median speedup over the default's and whether it was kept (tuning.rematch)."""
+    if rematch is None:
+        return "-"
+    if rematch.get("error") or not rematch["challenger_ms"] or not rematch["default_ms"]:
+        return "failed"
+    ratio = statistics.median(rematch["default_ms"]) / statistics.median(rematch["challenger_ms"])
+    return f"{ratio:.3f}x {'kept' if rematch['kept'] else 'lost'}"
