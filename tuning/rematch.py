@@ -53,12 +53,13 @@ class Rematch:
         }
 
 
-def _time_once(gpu_pool: WorkerPool, evaluator: str, tile: Tile, shape: Shape, config: Config, arch_name: str, seed: int, opts) -> float:
-    """One evaluation in the GPU worker (check, then time); raises RuntimeError with the reason when it gives no time."""
+def _time_once(gpu_pool: WorkerPool, tile: Tile, shape: Shape, config: Config, seed: int, opts) -> float:
+    """One evaluation in the GPU worker by ``opts.evaluator`` (check, then time), ``opts.runs`` timed launches; raises
+    RuntimeError with the reason when it gives no time."""
     try:
         res = gpu_pool.call(
-            evaluator,
-            (tile_ref(tile), shape.name, config, arch_name, seed, opts.runs),
+            opts.evaluator,
+            (tile_ref(tile), shape.name, config, opts.arch.name, seed, opts.runs),
             opts.trial_timeout_s,
             restart_if=lambda r: r.get("outcome") == harness.RUNTIME_FAULT,
         )
@@ -70,15 +71,14 @@ def _time_once(gpu_pool: WorkerPool, evaluator: str, tile: Tile, shape: Shape, c
 
 
 def rematch(challenger: Config, default: Config, tile: Tile, shape: Shape, opts, gpu_pool: WorkerPool, rounds: int) -> Rematch:
-    """``challenger`` against ``default`` for ``rounds`` rounds of one evaluation each, alternating which goes first."""
+    """``challenger`` against ``default`` for ``rounds`` rounds of one evaluation each, alternating which goes first
+    (``opts``: the run's ``tuning.study.TuneOptions``)."""
     result = Rematch(dict(challenger))
     for i in range(rounds):
         order = [("challenger", challenger), ("default", default)]
         for who, config in order if i % 2 == 0 else order[::-1]:
             try:
-                ms = _time_once(
-                    gpu_pool, opts.evaluator, tile, shape, config, opts.arch.name, REMATCH_SEED + 2 * i + (who == "default"), opts
-                )
+                ms = _time_once(gpu_pool, tile, shape, config, REMATCH_SEED + 2 * i + (who == "default"), opts)
             except RuntimeError as exc:
                 result.error = f"{who}, round {i + 1}: {exc}"
                 return result
