@@ -73,7 +73,7 @@ def export_results(
             "date": env.get("date"),
             "command": command,
         }
-        if s.rematch is not None:  # the study's winner timed again against the default (tuning.rematch)
+        if getattr(s, "rematch", None) is not None:  # the winner timed again against the default (tuning.rematch)
             shapes[s.shape]["rematch"] = s.rematch
     # Plain scalars only: version objects (torch's TorchVersion) are str subclasses yaml.safe_dump refuses.
     env = {k: v if v is None or type(v) in (int, float, bool) else str(v) for k, v in env.items()}
