@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 from collections import Counter
 
@@ -136,10 +135,10 @@ def _default_ms(runner) -> float | None:
 
 
 def _rematch_text(rematch: dict | None) -> str:
-    """The rematch column: the challenger's median speedup over the default's and whether it was kept (tuning.rematch)."""
+    """The rematch column (``tuning.rematch.Rematch.to_dict``): the challenger's median speedup over the default's and
+    whether it was kept."""
     if rematch is None:
         return "-"
-    if rematch.get("error") or not rematch["challenger_ms"] or not rematch["default_ms"]:
+    if rematch["speedup"] is None:
         return "failed"
-    ratio = statistics.median(rematch["default_ms"]) / statistics.median(rematch["challenger_ms"])
-    return f"{ratio:.3f}x {'kept' if rematch['kept'] else 'lost'}"
+    return f"{rematch['speedup']:.3f}x {'kept' if rematch['kept'] else 'lost'}"

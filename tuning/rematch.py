@@ -37,17 +37,23 @@ class Rematch:
     error: str | None = None
 
     @property
+    def speedup(self) -> float | None:
+        """The default's median over the challenger's; None when the rematch stopped early."""
+        if self.error or not self.challenger_ms or not self.default_ms:
+            return None
+        return statistics.median(self.default_ms) / statistics.median(self.challenger_ms)
+
+    @property
     def kept(self) -> bool:
         """The challenger stays the winner: every round ran and its median beats the default's by REMATCH_MARGIN."""
-        if self.error or not self.challenger_ms or not self.default_ms:
-            return False
-        return statistics.median(self.challenger_ms) < (1 - REMATCH_MARGIN) * statistics.median(self.default_ms)
+        return self.speedup is not None and self.speedup > 1 / (1 - REMATCH_MARGIN)
 
     def to_dict(self) -> dict:
         return {
             "challenger": {k: self.challenger[k] for k in sorted(self.challenger)},
             "challenger_ms": [round(ms, 6) for ms in self.challenger_ms],
             "default_ms": [round(ms, 6) for ms in self.default_ms],
+            "speedup": None if self.speedup is None else round(self.speedup, 4),
             "kept": self.kept,
             "error": self.error,
         }

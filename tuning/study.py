@@ -20,7 +20,6 @@ import math
 import os
 import shlex
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -346,10 +345,8 @@ class StudyRunner:
             summary.best = summary.default_trial
         if self.progress is not None:
             verdict = "kept" if result.kept else "the default stays"
-            times = f"winner {_median_text(result.challenger_ms)} vs default {_median_text(result.default_ms)} ms (medians)"
-            self.progress.note(
-                f"{self.tile.name} {self.shape.name}: rematch {times}: {verdict}" + (f" ({result.error})" if result.error else "")
-            )
+            how = f"stopped: {result.error}" if result.error else f"winner {result.speedup:.3f}x the default (medians)"
+            self.progress.note(f"{self.tile.name} {self.shape.name}: rematch {how}: {verdict}")
 
     # -- one trial --
     def _finish(self, trial: optuna.Trial, attrs: dict, state: TrialState, value: float | None = None) -> None:
@@ -497,10 +494,6 @@ class StudyRunner:
         attrs["compile_s"] = compile_s  # the pool's real compile time; the GPU worker's cache load is load_s
         ok = res["outcome"] == harness.OK and res.get("ms") is not None and math.isfinite(res["ms"])
         self._finish(trial, attrs, TrialState.COMPLETE if ok else TrialState.FAIL, res.get("ms") if ok else None)
-
-
-def _median_text(times: list[float]) -> str:
-    return f"{statistics.median(times):.4g}" if times else "-"
 
 
 # --- the whole run --------------------------------------------------------------------------
