@@ -103,13 +103,14 @@ def test_a_winner_that_beats_the_default_again_in_its_rematch_is_kept(tuned):
     assert summary.rematch["challenger_ms"] == [pytest.approx(1.0)] * 3 and summary.rematch["default_ms"] == [pytest.approx(1.5)] * 3
     entry = read_results(opts.results_root / "sm90" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
     assert entry["config"] == {"block": 256, "schedule": "ws", "stages": 3} and entry["rematch"]["kept"] is True
-    assert "1.500x kept" in _table_text(summary)
+    assert summary.rematch["rounds_won"] == 3 and "1.500x 3/3 kept" in _table_text(summary)
 
 
-@pytest.mark.parametrize("rematch", ["slower", "tie", "fails"])
+@pytest.mark.parametrize("rematch", ["slower", "tie", "split", "fails"])
 def test_a_lucky_winner_gives_the_study_back_to_the_default(tmp_path, monkeypatch, rematch):
     """A config that won its study by luck (the serial schedule, timed 1.2 ms under its cost in its trials) is slower
-    than the default in its rematch, ahead by less than REMATCH_MARGIN, or fails its check there: the default is
+    than the default in its rematch, ahead by less than REMATCH_MARGIN, ahead by its median but behind in one round,
+    or fails its check there: the default is
     stored, at its study time, speedup 1, with the rematch that decided it. Without a rematch (--rematch 0) the lucky
     config would have been stored."""
     monkeypatch.setenv("TOY_LUCKY", rematch)
@@ -123,10 +124,13 @@ def test_a_lucky_winner_gives_the_study_back_to_the_default(tmp_path, monkeypatc
         assert summary.rematch["challenger_ms"] and all(ms > 1.5 for ms in summary.rematch["challenger_ms"])
     if rematch == "tie":  # ahead of the default, by less than the margin
         assert all(1.5 * (1 - REMATCH_MARGIN) < ms < 1.5 for ms in summary.rematch["challenger_ms"])
+    if rematch == "split":  # a median 5% ahead, well past the margin, and round 2 lost
+        assert summary.rematch["speedup"] == pytest.approx(1 / 0.95, rel=1e-3) and summary.rematch["rounds_won"] == 2
+        assert "2/3 lost" in _table_text(summary)
     assert summary.best.params == default and summary.speedup == pytest.approx(1.0)
     entry = read_results(opts.results_root / "sm90" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
     assert entry["config"] == default and entry["speedup"] == 1.0 and entry["rematch"]["kept"] is False
-    assert ("failed" if fails else "x lost") in _table_text(summary)
+    assert ("failed" if fails else "/3 lost") in _table_text(summary)
 
     (tmp_path / "no_rematch").mkdir()
     unchecked = _opts(tmp_path / "no_rematch", trials=36, evaluator="test_tuning_toys:lucky_evaluate", rematch_rounds=0)

@@ -135,10 +135,11 @@ def _default_ms(runner) -> float | None:
 
 
 def _rematch_text(rematch: dict | None) -> str:
-    """The rematch column (``tuning.rematch.Rematch.to_dict``): the challenger's median speedup over the default's and
-    whether it was kept."""
+    """The rematch column (``tuning.rematch.Rematch.to_dict``): the challenger's median speedup over the default's, the
+    rounds it won, and whether it was kept."""
     if rematch is None:
         return "-"
     if rematch["speedup"] is None:
         return "failed"
-    return f"{rematch['speedup']:.3f}x {'kept' if rematch['kept'] else 'lost'}"
+    won = f" {rematch['rounds_won']}/{len(rematch['default_ms'])}" if "rounds_won" in rematch else ""  # absent before session 27
+    return f"{rematch['speedup']:.3f}x{won} {'kept' if rematch['kept'] else 'lost'}"

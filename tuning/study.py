@@ -345,7 +345,11 @@ class StudyRunner:
             summary.best = summary.default_trial
         if self.progress is not None:
             verdict = "kept" if result.kept else "the default stays"
-            how = f"stopped: {result.error}" if result.error else f"winner {result.speedup:.3f}x the default (medians)"
+            how = (
+                f"stopped: {result.error}"
+                if result.error
+                else f"winner {result.speedup:.3f}x the default (medians), faster in {result.rounds_won} of {len(result.default_ms)} rounds"
+            )
             self.progress.note(f"{self.tile.name} {self.shape.name}: rematch {how}: {verdict}")
 
     # -- one trial --

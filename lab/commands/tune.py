@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         metavar="N",
         help="a study's winner that is not the default is timed against the default N more times each, alternating, and "
-        "kept only if its median is faster (0: store the study's best as it is)",
+        "kept only if it is faster in every round and its median at least 1%% faster (0: store the study's best as it is)",
     )
     parser.add_argument("--results", type=Path, default=None, metavar="DIR", help="results directory (default: results/)")
 
