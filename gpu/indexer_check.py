@@ -165,17 +165,18 @@ def _extra_checks(part: str, out: Path, arch) -> None:
     from model.ops.indexer import candidate_blocks, topk_positions
     from tiles import compressor as cp
     from tiles import indexer as ix
+    from tiles.indexer import reference as ix_reference
 
     def emit(name, ok, detail):
         _emit(out, part, {"check": name, "outcome": "ok" if ok else "wrong_result", "detail": detail})
 
     if part == "topk":
         # Heavy ties: 64 distinct keys repeated over the cache, so every score value repeats ~500 times.
-        inputs = ix._indexer_inputs(4, 2, 32768, 5, "cuda", causal=False)
+        inputs = ix_reference._indexer_inputs(4, 2, 32768, 5, "cuda", causal=False)
         inputs["k_packed"] = inputs["k_packed"][:, :64].repeat(1, 512, 1).contiguous()
         inputs["k_scales"] = inputs["k_scales"][:, :64].repeat(1, 512, 1).contiguous()
         out_k, sc = ix.indexer_topk(inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"], 512, True)
-        ref_sc = ix._reference_scores(inputs)
+        ref_sc = ix_reference._reference_scores(inputs)
         ref = topk_positions(ref_sc, 512)
         exact = torch.equal(out_k, ref)
         cmp = ix.compare_topk_sets(out_k, ref, ref_sc)
@@ -187,13 +188,13 @@ def _extra_checks(part: str, out: Path, arch) -> None:
         out32 = ix.indexer_topk(inputs["q"].float(), inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"], 512)
         emit("topk_fp32_queries", torch.equal(out32, out_k), "fp32 q equals bf16 q")
     if part == "pool":
-        inputs = ix._indexer_inputs(4, 1, 20000, 9, "cuda", causal=False)
+        inputs = ix_reference._indexer_inputs(4, 1, 20000, 9, "cuda", causal=False)
         _, sc = ix.indexer_topk(inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"], 512, True)
         pool = ix.candidate_pool(sc, inputs["n_visible"])
         ref = candidate_blocks(sc, inputs["n_visible"], 8, 2048)
         emit("pool_wrapper_on_kernel_scores", torch.equal(pool, ref), f"shape {tuple(pool.shape)}")
     if part == "reindex":
-        inputs = ix._indexer_inputs(2, 2, 50000, 11, "cuda", causal=False)
+        inputs = ix_reference._indexer_inputs(2, 2, 50000, 11, "cuda", causal=False)
         _, sc = ix.indexer_topk(inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"], 512, True)
         pool = ix.candidate_pool(sc, inputs["n_visible"])
         inputs["pool_blocks"] = pool
@@ -314,7 +315,7 @@ def _kernel_only(part: str, kernel, inputs):
     import torch
 
     from tiles import compressor as cp
-    from tiles import indexer as ix
+    from tiles.indexer import launch as ix_launch
 
     if part == "compressor":
         kv, ratio = inputs["kv"], int(inputs["ratio"])
@@ -333,20 +334,20 @@ def _kernel_only(part: str, kernel, inputs):
         nb = -(-N // block)
         bs = torch.empty(B * S, nb, device=scores.device)
         out = torch.empty(B, S, min(max_blocks, nb), dtype=torch.int32, device=scores.device)
-        return lambda: ix._launch_pool(cfg, arch, scores.view(B * S, N), inputs["n_visible"].view(B * S), block, bs, out)
-    words, scales = ix._index_k_words(inputs["k_packed"], inputs["k_scales"])
+        return lambda: ix_launch._launch_pool(cfg, arch, scores.view(B * S, N), inputs["n_visible"].view(B * S), block, bs, out)
+    words, scales = ix_launch._index_k_words(inputs["k_packed"], inputs["k_scales"])
     q, w, nv = inputs["q"], inputs["weights"], inputs["n_visible"]
     B, S = q.shape[:2]
     if part == "topk":
         cfg, arch, k = kernel
         sc = torch.empty(B, S, words.shape[1], device=q.device)
         out = torch.empty(B, S, k, dtype=torch.int32, device=q.device)
-        return lambda: ix._launch_topk(cfg, arch, q, w, words, scales, nv, sc, out)
+        return lambda: ix_launch._launch_topk(cfg, arch, q, w, words, scales, nv, sc, out)
     cfg, arch, k, blk = kernel
     pool = inputs["pool_blocks"]
     sc = torch.empty(B, S, pool.shape[-1] * blk, device=q.device)
     out = torch.empty(B, S, k, dtype=torch.int32, device=q.device)
-    return lambda: ix._launch_reindex(cfg, arch, q, w, words, scales, nv, pool, blk, sc, out)
+    return lambda: ix_launch._launch_reindex(cfg, arch, q, w, words, scales, nv, pool, blk, sc, out)
 
 
 def _torch_fast_path(part: str, sets, n_sets: int):

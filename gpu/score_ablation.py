@@ -44,13 +44,16 @@ _NO_DEQUANT_PAIR = (
 )
 
 
-def _use_pair(ix, ablate: bool, original: str) -> None:
+def _use_pair(ablate: bool, original: str) -> None:
     """Point the score kernel builder at the default pair function or the ablation's (a fresh build: the builder
-    cache is cleared)."""
-    pair = ix._fp4_pair_function("csa2_fp4_pair_bf16", ix._SHR16_SELECTORS)
+    cache is cleared). The builder reads ``_PRMT_PAIR_CUDA`` from its own module's globals
+    (``tiles.indexer.score_kernel``), so that is the name replaced."""
+    from tiles.indexer import dequant, score_kernel
+
+    pair = dequant._fp4_pair_function("csa2_fp4_pair_bf16", dequant._SHR16_SELECTORS)
     assert pair in original, "the default pair function moved: update the ablation"
-    ix._PRMT_PAIR_CUDA = original.replace(pair, _NO_DEQUANT_PAIR) if ablate else original
-    ix._score_kernel.cache_clear()
+    score_kernel._PRMT_PAIR_CUDA = original.replace(pair, _NO_DEQUANT_PAIR) if ablate else original
+    score_kernel._score_kernel.cache_clear()
 
 
 def main() -> int:
@@ -73,29 +76,32 @@ def main() -> int:
     from tiles import indexer as ix
     from tiles.arch import detect
     from tiles.compare import relative_l2
+    from tiles.indexer import dequant as ix_dequant
+    from tiles.indexer import launch as ix_launch
+    from tiles.indexer import reference as ix_reference
     from tiles.timing import describe_environment, time_cuda_graph
 
     arch = detect()
     tile = ix.INDEXER_TOPK
     env = describe_environment()
     cmd = "python3 gpu/score_ablation.py " + " ".join(sys.argv[1:])
-    original = ix._PRMT_PAIR_CUDA
+    original = ix_dequant._PRMT_PAIR_CUDA
     rows = []
     for name in args.shapes.split(","):
         shape = tile.shape(name)
         inputs = tile.make_inputs(shape, seed=17, device="cuda")
-        words, scales = ix._index_k_words(inputs["k_packed"], inputs["k_scales"])
+        words, scales = ix_launch._index_k_words(inputs["k_packed"], inputs["k_scales"])
         q, w, nvis = inputs["q"].to(torch.bfloat16).contiguous(), inputs["weights"].float().contiguous(), inputs["n_visible"]
         B, S = q.shape[:2]
         N = inputs["k_packed"].shape[1]
         pool = torch.empty(B, S, 1, dtype=torch.int32, device="cuda")  # [B, S, 1]: the contiguous kernel reads none
         scores = torch.full((B, S, N), float("nan"), device="cuda")  # [B, S, N] poisoned
-        want = ix._reference_scores(inputs)
+        want = ix_reference._reference_scores(inputs)
         for variant in variants:
             ablate, overrides = VARIANTS[variant]
-            _use_pair(ix, ablate, original)
+            _use_pair(ablate, original)
             cfg = tile.with_defaults(arch, overrides)
-            launch = functools.partial(ix._build_score(arch, cfg, False, 8, B * S, N), q, w, words, scales, nvis, pool, scores)
+            launch = functools.partial(ix_launch._build_score(arch, cfg, False, 8, B * S, N), q, w, words, scales, nvis, pool, scores)
             scores.fill_(float("nan"))
             launch()
             torch.cuda.synchronize()
@@ -111,7 +117,7 @@ def main() -> int:
             rows.append(row)
             us = f"{row['score_us']:8.1f}" if row["score_us"] is not None else f"{'-':>8s}"  # None: the graph did not capture
             print(f"{name:18s} {variant:22s} {us} us  check: {row['check']}", flush=True)
-        _use_pair(ix, False, original)
+        _use_pair(False, original)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "score_ablation.json").write_text(json.dumps({"environment": env, "command": cmd, "rows": rows}, indent=1, default=str))

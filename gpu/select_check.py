@@ -2,7 +2,7 @@
 
 For every label (a radix_select config) and every case of ``tiles.radix_select.CASES`` at the shapes
 below (plus odd ones), the output (poisoned with 12345 first) must equal the torch reference exactly:
-same inputs, so the tie rule leaves no freedom. The existing path (``tiles.indexer._select_in_parts``
+same inputs, so the tie rule leaves no freedom. The existing path (``tiles.indexer.launch._select_in_parts``
 with the indexer tile's default select config and its ``select_split`` rule) is checked the same way.
 Then both are timed per shape: CUDA-graph replay (device time, the scores L2-resident as they are right
 after the score kernel) and, beside it, rotating input sets past L2 (cold) and eager per-call time.
@@ -90,11 +90,13 @@ def _compile_job(job):
 def _old_launcher(R: int, N: int, arch):
     """The indexer's select as ``_launch_topk`` runs it: default select config, ``select_split`` resolved per shape."""
     from tiles import indexer as ix
+    from tiles.indexer import launch as ix_launch
+    from tiles.indexer import select_kernel as ix_select_kernel
 
     cfg = ix.INDEXER_TOPK.default_config(arch)
-    select = ix._select_kernel(arch.nvcc_arch, K, cfg["select_threads"], cfg["radix_bits"], 0)
+    select = ix_select_kernel._select_kernel(arch.nvcc_arch, K, cfg["select_threads"], cfg["radix_bits"], 0)
     parts = ix.resolve_select_split(cfg.get("select_split", 1), R, N, K, arch)
-    return (lambda scores, nvis, out: ix._select_in_parts(select, parts, scores, nvis, out)), parts
+    return (lambda scores, nvis, out: ix_launch._select_in_parts(select, parts, scores, nvis, out)), parts
 
 
 def _dump(out_dir: Path, rows: list[dict], cmd: str, env: dict | None = None) -> None:

@@ -48,7 +48,7 @@ from model.ops.compressor import compressor_entries, index_keys
 from model.ops.rope import RopeConfig, rope_tables
 from tiles.arch import Arch
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
-from tiles.indexer import _device_arch, _pick_config
+from tiles.indexer.api import _device_arch, _pick_config
 from tiles.shapes import compressor_shapes, flash
 
 D, DI, ROPE = 512, 128, 64  # latent dim, index-K dim, rope dims (the last 64 of each)

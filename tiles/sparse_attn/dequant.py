@@ -92,7 +92,7 @@ __device__ __forceinline__ int csa2_fold16(const void* v) {
 }
 """
 
-# fp4_decode="prmt": csa2_fp4x8_bf16's 8 bf16 by byte-permute table lookups (the indexer's prmt dequant, tiles/indexer.py,
+# fp4_decode="prmt": csa2_fp4x8_bf16's 8 bf16 by byte-permute table lookups (the indexer's prmt dequant, tiles/indexer/dequant.py,
 # with constant tables: the scale here is E4M3, not a power of two, so it is applied afterwards by the same exact
 # multiply). The 8 E2M1 magnitudes' bf16 patterns (0, 0.5, 1, 1.5, 2, 3, 4, 6: 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
 # 0x4040, 0x4080, 0x40C0) split into a low-byte table (00 00 80 C0 00 40 80 C0) and a high-byte table (00 3F 3F 3F

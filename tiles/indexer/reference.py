@@ -1,0 +1,104 @@
+"""Random inputs for the indexer tiles and the comparison with the torch reference (scores by tolerance, top-k as
+sets with the tie rule)."""
+
+import torch
+
+from model import formats
+from model.ops.indexer import indexer_scores
+from tiles.contract import Comparison, Inputs
+from tiles.indexer.common import GROUP, HEAD_DIM, HEADS, TIE_RTOL
+
+
+def _random_fp4(shape: tuple[int, ...], gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed FP4 rows with E8M0 scales: uint8 [..., 64] and uint8 [..., 4].
+
+    Every code appears; scale bytes 121..127 (2^-6..1) give the magnitudes of a normalised key.
+    Drawn directly in packed form so a 1M-entry cache costs no fp32 staging.
+    """
+    packed = torch.randint(0, 256, (*shape, HEAD_DIM // 2), generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(121, 128, (*shape, HEAD_DIM // GROUP), generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
+    return packed, scales
+
+
+def _indexer_inputs(B: int, S: int, N: int, seed: int, device, causal: bool) -> Inputs:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    k_packed, k_scales = _random_fp4((B, N), gen, device)  # [B, N, 64], [B, N, 4]
+    q_packed, q_scales = _random_fp4((B, S, HEADS), gen, device)
+    q = formats.fp4_dequantize(q_packed, q_scales, GROUP, "e8m0").to(torch.bfloat16)  # [B, S, Hi, Di], exact
+    weights = torch.randn(B, S, HEADS, generator=gen, device=device) * (HEAD_DIM**-0.5 * HEADS**-0.5)  # [B, S, Hi]
+    if causal:
+        n_visible = (torch.arange(S, device=device) + 1).clamp(max=N).expand(B, S).contiguous()  # ratio-1 prefill
+    else:
+        # Most rows see (nearly) the whole cache; with three rows or more, one sees less than top-k and one nothing
+        # (a single row, as at decode B=1, sees the cache: its timing must be the full score and select).
+        n_visible = N - torch.randint(0, max(1, N // 16), (B, S), generator=gen, device=device)
+        if B * S > 2:
+            n_visible[0, 0] = min(N, 300)
+            n_visible.view(-1)[-1] = 0
+    return {"q": q, "weights": weights, "k_packed": k_packed, "k_scales": k_scales, "n_visible": n_visible.to(torch.int32)}
+
+
+def _reference_scores(inputs: Inputs) -> torch.Tensor:
+    index_k = formats.fp4_dequantize(inputs["k_packed"], inputs["k_scales"], GROUP, "e8m0")  # [B, N, Di]
+    return indexer_scores(inputs["q"], inputs["weights"], index_k, inputs["n_visible"])  # [B, S, N]
+
+
+def compare_topk_sets(out: torch.Tensor, ref: torch.Tensor, ref_scores: torch.Tensor, rtol: float = TIE_RTOL) -> Comparison:
+    """Top-k lists as index sets, with ties allowed to differ.
+
+    ``out``/``ref`` int32 [B, S, K] (ascending, -1 fill), ``ref_scores`` fp32 [B, S, N] the
+    reference scores the lists were chosen from. Both lists must be ascending with the same
+    number of entries; a position in one set but not the other must have a reference score
+    equal to the k-th largest chosen reference score within ``rtol`` (relative).
+    """
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return Comparison(False, "topk-set", 1.0, f"got {tuple(out.shape)} {out.dtype}, want {tuple(ref.shape)} {ref.dtype}")
+    R, K = out.shape[0] * out.shape[1], out.shape[-1]
+    N = ref_scores.shape[-1]
+    o, r, sc = out.reshape(R, K).long(), ref.reshape(R, K).long(), ref_scores.reshape(R, N)
+    n_o, n_r = (o >= 0).sum(-1), (r >= 0).sum(-1)
+    if not torch.equal(n_o, n_r):
+        bad = int((n_o != n_r).sum())
+        return Comparison(False, "topk-set", bad / R, f"{bad} rows choose a different number of entries")
+    valid = o >= 0
+    if bool(((o < -1) | (o >= N)).any()):
+        return Comparison(False, "topk-set", 1.0, "positions out of range")
+    srt = torch.where(valid, o, torch.full_like(o, N))
+    if bool((srt[:, 1:] <= srt[:, :-1])[valid[:, 1:]].any()) or bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        return Comparison(False, "topk-set", 1.0, "positions are not strictly ascending followed by -1 fill")
+    mask_o = torch.zeros(R, N + 1, dtype=torch.bool, device=out.device).scatter_(1, srt, True)[:, :N]
+    mask_r = torch.zeros(R, N + 1, dtype=torch.bool, device=out.device).scatter_(1, torch.where(r >= 0, r, N), True)[:, :N]
+    diff = mask_o ^ mask_r
+    kth = torch.where(mask_r, sc, torch.full_like(sc, float("inf"))).amin(-1, keepdim=True)  # [R, 1]
+    close = (sc - kth).abs() <= rtol * kth.abs().clamp(min=1e-30)
+    bad = diff & ~close
+    n_diff, n_bad = int(diff.sum()), int(bad.sum())
+    total = max(1, int(n_r.sum()))
+    ok = n_bad == 0
+    return Comparison(ok, "topk-set", n_diff / total, f"{n_diff} tie swaps, {n_bad} non-tie differences")
+
+
+def _merge(*comparisons: Comparison) -> Comparison:
+    ok = all(c.ok for c in comparisons)
+    return Comparison(
+        ok, " + ".join(c.metric for c in comparisons), max(c.error for c in comparisons), "; ".join(str(c) for c in comparisons)
+    )
+
+
+def _random_pool(n_visible: torch.Tensor, N: int, P: int, block: int, gen: torch.Generator) -> torch.Tensor:
+    """Random candidate pools: the newest visible block plus random others, ascending, -1 fill."""
+    B, S = n_visible.shape
+    nb = -(-N // block)
+    keys = torch.rand(B, S, nb, generator=gen, device=n_visible.device)  # [B, S, nb]
+    ids = torch.arange(nb, device=n_visible.device)
+    vis_blocks = (n_visible.long() + block - 1) // block
+    keys = torch.where(ids < vis_blocks.unsqueeze(-1), keys, torch.full_like(keys, -1.0))
+    keys = torch.where(ids == (vis_blocks - 1).unsqueeze(-1), torch.full_like(keys, 2.0), keys)
+    take = min(P, nb)
+    top = keys.topk(take, dim=-1)
+    chosen = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, nb))
+    chosen = chosen.sort(-1).values
+    chosen = torch.where(chosen == nb, torch.full_like(chosen, -1), chosen).to(torch.int32)
+    if take < P:
+        chosen = torch.cat([chosen, chosen.new_full((B, S, P - take), -1)], dim=-1)
+    return chosen
