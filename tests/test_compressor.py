@@ -19,6 +19,11 @@ import torch
 from model import formats
 from tiles import compressor as cp
 from tiles.arch import get_arch
+from tiles.compressor import kernel as cp_kernel
+from tiles.compressor import launch as cp_launch
+from tiles.compressor import pool_encode as cp_pool_encode
+from tiles.compressor import projection as cp_projection
+from tiles.compressor import tile as cp_tile
 from tiles.contract import Shape, TileError
 from tiles.harness import OK, evaluate
 from tiles.ptxas import parse_resource_usage, ptxas_log, resource_usage
@@ -146,15 +151,15 @@ def test_compress_prepares_a_layers_wk_once():
         csa2_wk = "fragments"
 
     w = torch.randn(128, 512)
-    first = cp._wk_args(K(), w, cp._prepared_forms(w))
-    again = cp._wk_args(K(), w, cp._prepared_forms(w))
+    first = cp_launch._wk_args(K(), w, cp_launch._prepared_forms(w))
+    again = cp_launch._wk_args(K(), w, cp_launch._prepared_forms(w))
     assert again[0].data_ptr() == first[0].data_ptr()
     assert torch.equal(first[0], cp.wk_fragment_order(w, 16))
     w.mul_(2.0)  # a weight update in place
-    updated = cp._wk_args(K(), w, cp._prepared_forms(w))
+    updated = cp_launch._wk_args(K(), w, cp_launch._prepared_forms(w))
     assert torch.equal(updated[0], cp.wk_fragment_order(w, 16)) and not torch.equal(updated[0], first[0])
     other = torch.randn(128, 512)
-    assert torch.equal(cp._wk_args(K(), other, cp._prepared_forms(other))[0], cp.wk_fragment_order(other, 16))
+    assert torch.equal(cp_launch._wk_args(K(), other, cp_launch._prepared_forms(other))[0], cp.wk_fragment_order(other, 16))
 
 
 @pytest.mark.gpu
@@ -277,7 +282,7 @@ def _specials() -> torch.Tensor:
 
 
 def _code_bounded(x: torch.Tensor, t: list[float], t_neg: float) -> torch.Tensor:
-    """Python mirror of csa2_e2m1_bounded (tiles/compressor.py, _bounds_cuda): the 3-level search."""
+    """Python mirror of csa2_e2m1_bounded (tiles/compressor/pool_encode.py, _bounds_cuda): the 3-level search."""
     a = x.abs()
     tt = torch.tensor(t, dtype=torch.float32)
     ge4 = a >= tt[3]
@@ -306,7 +311,7 @@ def test_threshold_encode_equals_reference_for_every_e4m3_scale():
 
 def test_bounds_cuda_matches_the_model():
     """The generated CUDA spells the same m_k, h_k and rounding directions the Python proof uses."""
-    src = cp._bounds_cuda()
+    src = cp_pool_encode._bounds_cuda()
     for k, (m, h) in enumerate(cp.E2M1_BOUNDS):
         fn, sign = ("__fmaf_rd", "") if k % 2 == 0 else ("__fmaf_ru", "-")
         assert f"t[{k}] = {fn}(s, {m!r}f, s * {sign}{h.hex()}f);" in src
@@ -356,7 +361,7 @@ def test_threshold_encode_compiles_sm90_and_is_in_the_space(ratio):
 
 def test_unknown_encode_is_refused():
     with pytest.raises(TileError, match="unknown encode"):
-        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "bogus")
+        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "bogus")
 
 
 @pytest.mark.gpu
@@ -490,13 +495,13 @@ def test_multi_cta_constraints_refuse():
     assert space.violations(default, shape, arch) == []
     assert cp.COMPRESSOR.default_config(get_arch("sm80"))["ctas_per_sm"] == 1
     with pytest.raises(TileError, match="ctas_per_sm"):
-        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "direct", "thresholds", 2)
+        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "direct", "thresholds", 2)
     one_cta = {**default, **ONE_CTA, "block_g": 32, "proj_operands": "smem"}  # the warp-specialised kernel
     assert space.violations(one_cta, shape, arch) == []
     assert any("wk=fp32" in r for r in space.violations({**one_cta, "wk": "fp32"}, shape, arch))
     assert any("k_chunk 16" in r for r in space.violations({**one_cta, "k_chunk": 16}, shape, arch))
     with pytest.raises(TileError, match="wk="):
-        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "fp32")
+        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "fp32")
 
 
 def test_wk_args():
@@ -507,13 +512,13 @@ def test_wk_args():
         csa2_wk = "fp32"
 
     w = torch.randn(128, 512)
-    hi, lo = cp._wk_args(object(), w)
+    hi, lo = cp_launch._wk_args(object(), w)
     assert torch.equal(hi + lo, w) and torch.equal(hi, cp.split_tf32(w)[0])
-    a, b = cp._wk_args(K(), w)
+    a, b = cp_launch._wk_args(K(), w)
     assert a.data_ptr() == w.data_ptr() and b.data_ptr() == w.data_ptr()
     prepared = {}  # a launcher's per-layer cache: the split is made once
-    first = cp._wk_args(object(), w, prepared)
-    assert cp._wk_args(object(), w, prepared)[0].data_ptr() == first[0].data_ptr() and list(prepared) == ["hi_lo"]
+    first = cp_launch._wk_args(object(), w, prepared)
+    assert cp_launch._wk_args(object(), w, prepared)[0].data_ptr() == first[0].data_ptr() and list(prepared) == ["hi_lo"]
 
 
 @pytest.mark.gpu
@@ -616,7 +621,7 @@ def _assert_flat_build_fits(kernel, src: str, cfg, ratio: int, ctas: int, tmp_pa
     """A flat-kernel build launches with the shared memory the model says, ``ctas`` of them fit an SM, and ptxas keeps
     256 x ``ctas`` threads' registers within the SM without spilling (skipped without nvcc). Returns ptxas's log."""
     smem = _dynamic_smem(kernel, 256)
-    assert smem == cp._smem_flat(cfg, ratio)
+    assert smem == cp_tile._smem_flat(cfg, ratio)
     assert ctas * (smem + 1024) <= SM90.smem_per_sm and smem <= SM90.smem_per_block
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found: registers and spills not checked")
@@ -663,11 +668,11 @@ def test_flat_constraints_refuse():
     assert "flat kernel" in why({**one_cta, "kv_load": "whole"}, r1)
     assert any("Hopper" in r for r in space.violations(_flat_config(64, 1), shape, get_arch("sm80")))
     with pytest.raises(TileError, match="'whole' only at ratio 1"):
-        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "whole")
+        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "whole")
     with pytest.raises(TileError, match="only in the flat kernel"):
-        cp._compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 3)
+        cp_kernel._compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 3)
     with pytest.raises(TileError, match="unknown schedule"):
-        cp._compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "bogus")
+        cp_kernel._compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "bogus")
 
 
 def test_flat_with_defaults():
@@ -687,7 +692,7 @@ def test_flat_with_defaults():
     cfg = tile.with_defaults(SM90, {"pool_math": "ieee"})
     assert (cfg["block_g"], cfg["ctas_per_sm"]) == (32, 2)
     assert space.violations(cfg, tile.shape("prefill_r2_s64k"), SM90) == []
-    assert cp._schedule(tile.default_config(SM90)) == "flat" and cp._schedule(ONE_CTA) == "ws"
+    assert cp_launch._schedule(tile.default_config(SM90)) == "flat" and cp_launch._schedule(ONE_CTA) == "ws"
     # The default names the new keys (the tuner's first trial must be the default); schedule and wk_stages with the
     # values that build exactly the kernel of a config without them (kv_load: "direct" since session 7).
     default = tile.default_config(SM90)
@@ -771,11 +776,11 @@ def test_direct_constraints_refuse():
     assert "flat kernel" in why({**one_cta, "kv_load": "direct"})
     assert any("Hopper" in r for r in space.violations(_flat_config(32, 2, kv_load="direct"), r2, get_arch("sm80")))
     # The gate slabs are gone: ratio 2 needs ratio 1's shared memory.
-    assert cp._smem_flat(_flat_config(32, 2, kv_load="direct"), 2) == cp._smem_flat(_flat_config(32, 2), 1) == 102_912
+    assert cp_tile._smem_flat(_flat_config(32, 2, kv_load="direct"), 2) == cp_tile._smem_flat(_flat_config(32, 2), 1) == 102_912
     with pytest.raises(TileError, match="only in the flat kernel"):
-        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "direct")
+        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "direct")
     with pytest.raises(TileError, match="256 threads"):
-        cp._compress_kernel("sm_90a", 2, 32, 512, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "flat", 2, "direct")
+        cp_kernel._compress_kernel("sm_90a", 2, 32, 512, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "flat", 2, "direct")
 
 
 def test_direct_pools_without_barriers():
@@ -856,13 +861,13 @@ def test_proj_registers_constraints_refuse():
     # the kernel builder: (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load)
     base = ("sm_90a", 2, 32, 256, "tf32x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "direct")
     with pytest.raises(TileError, match="unknown proj_operands"):
-        cp._compress_kernel(*base, "bogus")
+        cp_kernel._compress_kernel(*base, "bogus")
     with pytest.raises(TileError, match="wk=fp32"):
-        cp._compress_kernel(*base[:9], "hi_lo", *base[10:], "registers")
+        cp_kernel._compress_kernel(*base[:9], "hi_lo", *base[10:], "registers")
     with pytest.raises(TileError, match="no Wk stages"):
-        cp._compress_kernel(*base[:11], 3, "direct", "registers")
+        cp_kernel._compress_kernel(*base[:11], 3, "direct", "registers")
     with pytest.raises(TileError, match="flat kernel"):
-        cp._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "slabs", "registers")
+        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "slabs", "registers")
 
 
 def test_wk_fragment_order_is_what_the_kernel_reads():
@@ -880,7 +885,7 @@ def test_wk_fragment_order_is_what_the_kernel_reads():
     class K:
         csa2_wk = "fragments"
 
-    a, b = cp._wk_args(K(), w)
+    a, b = cp_launch._wk_args(K(), w)
     assert torch.equal(a, cp.wk_fragment_order(w)) and b.data_ptr() == a.data_ptr()
 
 
@@ -892,7 +897,7 @@ def test_proj_registers_fragment_reads_are_conflict_free():
         banks = {((g + dr) * rs + t + dc) % 32 for g in range(8) for t in range(4)}
         assert len(banks) == 32
     assert len({(g * 512 + t) % 32 for g in range(8) for t in range(4)}) == 4
-    assert "g * RS + t" in cp._PROJ_REGS_CUDA and "__syncthreads" not in cp._PROJ_REGS_CUDA
+    assert "g * RS + t" in cp_projection._PROJ_REGS_CUDA and "__syncthreads" not in cp_projection._PROJ_REGS_CUDA
 
 
 # Configs run on the GPU: (label, block_g, ctas, kv_load).
@@ -990,7 +995,7 @@ def test_fast_pool_compiles_sm90_without_accurate_exp_or_division(label, over):
         # TileLang's allocator overlaps the gate slabs with the projection's buffers here (12 KiB less than the ieee build,
         # which the model matches exactly): the model stays an upper bound, so the constraint refuses nothing that fits.
         cfg = tile.with_defaults(SM90, over)
-        assert _dynamic_smem(tile.build(r2, cfg, SM90), 256) <= cp._smem_flat(cfg, 2)
+        assert _dynamic_smem(tile.build(r2, cfg, SM90), 256) <= cp_tile._smem_flat(cfg, 2)
 
 
 @pytest.mark.gpu
@@ -1051,7 +1056,7 @@ SPLIT_ACC = [
 def test_split_accumulator_source_is_the_shared_template_with_a_second_accumulator():
     """The split variant is the shared template with only the accumulator lines changed: the same loads, splits and MMA
     operands in the same order, the small products into acc_s, both added at the store."""
-    shared, split = cp._PROJ_REGS_CUDA, cp._split_accumulator_cuda()
+    shared, split = cp_projection._PROJ_REGS_CUDA, cp_projection._split_accumulator_cuda()
     body = shared[shared.index("// rot: fp32") :]
     changed = [(a, b) for a, b in zip(body.splitlines(), split.splitlines()) if a != b]
     assert len(body.splitlines()) == len(split.splitlines())
@@ -1136,7 +1141,7 @@ def test_proj_wgmma_in_the_space_and_refused_where_not_built():
     base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "wgmma", "fast", "shared"]
     for i, value, message in ((2, 32, "block_g 16"), (0, "sm_89", "sm_90a"), (15, "split", "register projection only")):
         with pytest.raises(TileError, match=message):
-            cp._compress_kernel(*base[:i], value, *base[i + 1 :])
+            cp_kernel._compress_kernel(*base[:i], value, *base[i + 1 :])
 
 
 def test_proj_wgmma_split_layout_is_what_the_descriptor_addresses():
@@ -1144,7 +1149,7 @@ def test_proj_wgmma_split_layout_is_what_the_descriptor_addresses():
     K-major core matrices of 8 rows x 16 bytes, rows 16 B apart, 8-row blocks SBO = 128 B apart, k quads LBO = 16 N
     bytes apart, +32 N bytes per k step of 8; every word of the [16, 512] latent lands once."""
     n_groups = 16
-    src = cp._PROJ_WGMMA_CUDA
+    src = cp_projection._PROJ_WGMMA_CUDA
     assert "off = (((i / N) * (N / 8) + n / 8) * 8 + n % 8) * 4" in src and "csa2_wgmma_desc(rot, 16 * N)" in src
     assert "(uint64_t)" not in src and "(unsigned long long)(128 >> 4) << 32" in src
     assert "const unsigned long long step = (unsigned long long)((2 * c + ks) * 2 * N)" in src
@@ -1173,7 +1178,7 @@ def test_proj_wgmma_compiles_sm90_and_fits(ratio, tmp_path):
     assert kernel.csa2_wk == "fragments"
     assert src.count("csa2_proj_tf32x3_wgmma<16, 516, 512>(") == 1
     assert "mma_sync<" not in src and "ldmatrix" not in src
-    assert cp._smem_flat(cfg, ratio) == 68352
+    assert cp_tile._smem_flat(cfg, ratio) == 68352
     log = _assert_flat_build_fits(kernel, src, cfg, ratio, 3, tmp_path)
     assert "Potential Performance Loss" not in log, log  # e.g. "wgmma.mma_async instructions are serialized"
 
@@ -1214,9 +1219,9 @@ def test_norm_in_pool_in_the_space_and_refused_without_direct_loads():
     # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc)
     base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "slabs", "registers", "fast", "shared"]
     with pytest.raises(TileError, match="kv_load='direct'"):
-        cp._compress_kernel(*base, "in_pool")
+        cp_kernel._compress_kernel(*base, "in_pool")
     with pytest.raises(TileError, match="unknown norm_pass"):
-        cp._compress_kernel(*base[:12], "direct", *base[13:], "bogus")
+        cp_kernel._compress_kernel(*base[:12], "direct", *base[13:], "bogus")
 
 
 @pytest.mark.parametrize("label, over", IN_POOL, ids=[c[0] for c in IN_POOL])
@@ -1283,7 +1288,7 @@ def test_proj_k_split_in_the_space_and_refused_outside_the_register_projection()
     # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc, norm)
     base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "split"]
     with pytest.raises(TileError, match="proj_k_split 2"):
-        cp._compress_kernel(*base, "in_pool", 2)
+        cp_kernel._compress_kernel(*base, "in_pool", 2)
 
 
 def test_wk_fragment_order_k_split_is_what_the_kernel_reads():
@@ -1295,13 +1300,13 @@ def test_wk_fragment_order_k_split_is_what_the_kernel_reads():
         g, t = lane // 4, lane % 4
         word = ((cg * 32 + c) * 128 + lane * 4 + n) * 4 + ks * 2 + h
         assert f[word] == w[32 * cg + 8 * n + g, 16 * c + 8 * ks + 4 * h + t]
-    src = cp._PROJ_REGS_K2_CUDA
+    src = cp_projection._PROJ_REGS_K2_CUDA
     assert "wp = reinterpret_cast<const float4*>(wkf) + cg * 32 * 128 + lane * 4" in src and "wp + nc * 128 + n" in src
 
     class K:
         csa2_wk = "fragments_k2"
 
-    a, b = cp._wk_args(K(), w)
+    a, b = cp_launch._wk_args(K(), w)
     assert torch.equal(a, cp.wk_fragment_order(w, 32)) and b.data_ptr() == a.data_ptr()
 
 
@@ -1353,7 +1358,7 @@ def test_main_pass_in_the_space_and_refused_without_the_rows_in_registers():
     #  norm, k_split)
     base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
     with pytest.raises(TileError, match="main_pass"):
-        cp._compress_kernel(*base, "separate", 1, "in_pool")
+        cp_kernel._compress_kernel(*base, "separate", 1, "in_pool")
 
 
 @pytest.mark.parametrize("ratio", [2, 1])
