@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiles import registry
-from tiles.arch import ArchError, get_arch, parse_arch_list
+from tiles.arch import ArchError, device_arch, get_arch, parse_arch_list
 from tiles.compare import bit_exact, relative_l2
 from tiles.contract import Constraint, Param, SearchSpace, Shape, Tile, TileError, poisoned
 
@@ -119,6 +119,20 @@ def test_arch_names():
     assert [a.name for a in parse_arch_list("sm80, sm100")] == ["sm80", "sm100"]
     with pytest.raises(ArchError, match="unknown arch 'sm42'"):
         get_arch("sm42")
+
+
+@pytest.mark.parametrize("capability, arch", [((9, 0), "sm90"), ((8, 9), "sm89"), ((8, 6), "sm86"), ((8, 7), "sm80"), ((10, 0), "sm100")])
+def test_device_arch_takes_the_exact_capability_else_its_family(monkeypatch, capability, arch):
+    """The tiles' entry points pick kernels by the tensors' GPU: its own arch, else its major family's (an sm_87 GPU runs
+    sm80's kernels); a GPU of no known family is refused by name."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert device_arch("cuda:0").name == arch
+
+
+def test_device_arch_refuses_an_unknown_family(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ArchError, match="compute capability 7.5 is not in tiles.arch"):
+        device_arch("cuda:0")
 
 
 # --- comparison rules --------------------------------------------------------------

@@ -82,6 +82,18 @@ def detect() -> Arch:
     raise ArchError(f"GPU {torch.cuda.get_device_name(0)} has compute capability {major}.{minor}, which the lab does not know yet")
 
 
+def device_arch(device) -> Arch:
+    """The arch whose kernels a call on CUDA ``device`` runs: its exact compute capability, else its major family's
+    (an sm_87 GPU runs sm80's kernels); :class:`ArchError` when neither is known."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    for key in (f"sm{major}{minor}", f"sm{major}0"):
+        if key in ARCHS:
+            return ARCHS[key]
+    raise ArchError(f"GPU with compute capability {major}.{minor} is not in tiles.arch: add it there first")
+
+
 def resolve(name: str) -> Arch:
     """``auto`` detects the GPU; anything else is looked up."""
     return detect() if name == "auto" else get_arch(name)

@@ -44,7 +44,7 @@ import tilelang.language as T
 import torch
 import tvm
 
-from tiles.arch import Arch, get_arch
+from tiles.arch import Arch, device_arch, get_arch
 from tiles.contract import Config, TileError
 
 # CUDA body of the select. Template parameters: THREADS per CTA, HB histogram bits per radix digit,
@@ -704,20 +704,10 @@ def _check_inputs(scores: torch.Tensor, n_valid: torch.Tensor, k: int) -> tuple[
     return R, N
 
 
-def _device_arch(device: torch.device) -> Arch:
-    major, minor = torch.cuda.get_device_capability(device)
-    for name in (f"sm{major}{minor}", f"sm{major}0"):
-        try:
-            return get_arch(name)
-        except ValueError:
-            continue
-    raise TileError(f"GPU with compute capability {major}.{minor} is not in tiles.arch: add it there first")
-
-
 def select_launcher(R: int, N: int, k: int, device, *, arch: Arch | str | None = None, config: Config | None = None):
     """A launch function ``fn(scores [R, N] fp32, n_valid [R] int32, out [R, k] int32)`` with the kernels built and
     the merge buffers allocated once: nothing is allocated per call, so it can be captured in a CUDA graph."""
-    arch = get_arch(arch) if isinstance(arch, str) else arch or _device_arch(torch.device(device))
+    arch = get_arch(arch) if isinstance(arch, str) else arch or device_arch(torch.device(device))
     cfg = check_config(config or {}, k)
     if smem_bytes(cfg) > arch.smem_per_block:
         raise TileError(f"radix_select config needs {smem_bytes(cfg)} bytes of shared memory > {arch.smem_per_block} on {arch.name}")

@@ -3,7 +3,7 @@ config for the call (explicit, tuned winner, or default), then the launch."""
 
 import torch
 
-from tiles.arch import Arch, get_arch
+from tiles.arch import Arch, device_arch
 from tiles.contract import Config, Shape, Tile, TileError
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS
 from tiles.indexer.launch import _index_k_words, _launch_pool, _launch_reindex, _launch_topk
@@ -13,13 +13,7 @@ from tiles.indexer.tile import CANDIDATE_POOL, INDEXER_TOPK, REINDEX_TOPK
 def _device_arch(t: torch.Tensor) -> Arch:
     if t.device.type != "cuda":
         raise TileError(f"the indexer kernels run on a CUDA GPU, got tensors on {t.device}: move them with .cuda()")
-    major, minor = torch.cuda.get_device_capability(t.device)
-    for name in (f"sm{major}{minor}", f"sm{major}0"):
-        try:
-            return get_arch(name)
-        except ValueError:
-            continue
-    raise TileError(f"GPU with compute capability {major}.{minor} is not in tiles.arch: add it there first")
+    return device_arch(t.device)
 
 
 def _pick_config(tile: Tile, shape: Shape, arch: Arch, config: Config | None) -> Config:

@@ -3,7 +3,7 @@ with their shape, dtype and index checks and the choice of tile and config."""
 
 import torch
 
-from tiles.arch import Arch, get_arch
+from tiles.arch import Arch, device_arch
 from tiles.contract import Config, Shape, TileError
 from tiles.sparse_attn.launch import _DEFAULT_SCALE, compiled
 from tiles.sparse_attn.tile import BF16_TILE, DECODE_TILE, PREFILL_TILE, SparseAttnTile
@@ -90,11 +90,6 @@ def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], confi
     return tile.resolve_call(cfg, dims, arch)
 
 
-def _arch_of(device: torch.device) -> Arch:
-    major, minor = torch.cuda.get_device_capability(device)
-    return get_arch(f"sm{major}{minor}")
-
-
 def tile_for_tokens(B: int, S: int, bf16: bool) -> "SparseAttnTile":
     """The attention tile a call runs on: the bf16-KV tile, else decode up to DECODE_MAX_TOKENS query tokens, else prefill."""
     if bf16:
@@ -150,7 +145,7 @@ def sparse_attention(
         mscales = torch.zeros(B, 1, D // 16, dtype=torch.uint8, device=q.device)  # [B, 1, D/16]
         nc, K = 1, 1
     tile = tile_for_tokens(B, S, bf16=False)
-    arch = _arch_of(q.device)
+    arch = device_arch(q.device)
     dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
     cfg = _pick_config(tile, arch, dims, config)
     kernel = compiled(H, D, W, K, scale, "fp4", cfg, arch)
@@ -196,7 +191,7 @@ def sparse_attention_bf16(
         main_kv = torch.zeros(B, 1, D, dtype=torch.bfloat16, device=q.device)  # [B, 1, D]
         nc, K = 1, 1
     tile = tile_for_tokens(B, S, bf16=True)
-    arch = _arch_of(q.device)
+    arch = device_arch(q.device)
     dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
     cfg = _pick_config(tile, arch, dims, config)
     dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1], the bf16 kernel has no scale tensors
