@@ -3,11 +3,11 @@ default), then one launch writing both caches."""
 
 import torch
 
+from tiles.calls import pick_config, tensor_arch
 from tiles.compressor.common import DI, INDEX_GROUP, MAIN_GROUP, ROPE, D
 from tiles.compressor.launch import _build, _check_f32, _prepared_forms, _wk_args
 from tiles.compressor.tile import COMPRESSOR
 from tiles.contract import Config, Shape, TileError
-from tiles.indexer.api import _device_arch, _pick_config
 from tiles.shapes import flash
 
 
@@ -82,9 +82,9 @@ def compress(
     )
     if G == 0:
         return outs
-    arch = _device_arch(kv)
+    arch = tensor_arch(kv, "compress")
     shape = Shape("call", "any", {"B": B, "S": G * ratio, "ratio": ratio, "dim": flash().dim, "D": D, "Di": DI})
-    cfg = _pick_config(COMPRESSOR, shape, arch, config)
+    cfg = pick_config(COMPRESSOR, shape, arch, config)
     kv = kv[:, : G * ratio].contiguous()
     gate = kv if ratio == 1 else gate[:, : G * ratio].contiguous()  # ratio 1 reads no gate
     eps_t = torch.full((1,), eps, dtype=torch.float32, device=dev)  # a fill, not a host copy: capturable

@@ -3,33 +3,11 @@ config for the call (explicit, tuned winner, or default), then the launch."""
 
 import torch
 
-from tiles.arch import Arch, device_arch
-from tiles.contract import Config, Shape, Tile, TileError
+from tiles.calls import pick_config, tensor_arch
+from tiles.contract import Config, Shape, TileError
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS
 from tiles.indexer.launch import _index_k_words, _launch_pool, _launch_reindex, _launch_topk
 from tiles.indexer.tile import CANDIDATE_POOL, INDEXER_TOPK, REINDEX_TOPK
-
-
-def _device_arch(t: torch.Tensor) -> Arch:
-    if t.device.type != "cuda":
-        raise TileError(f"the indexer kernels run on a CUDA GPU, got tensors on {t.device}: move them with .cuda()")
-    return device_arch(t.device)
-
-
-def _pick_config(tile: Tile, shape: Shape, arch: Arch, config: Config | None) -> Config:
-    """An explicit config (checked), else the tuned winner from results/, else the tile's default."""
-    if config is None:
-        try:
-            from tiles.results import load_winner
-        except ImportError:
-            config = tile.default_config(arch)
-        else:
-            config, _ = load_winner(tile.name, arch, shape, default=tile.default_config(arch))
-    full = tile.with_defaults(arch, config)
-    reasons = tile.search_space(arch).violations(full, shape, arch)
-    if reasons:
-        raise TileError(f"{tile.name}: config {config} is not usable here: {'; '.join(reasons)}")
-    return full
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -91,9 +69,9 @@ def indexer_topk(
     B, S, N = _check_indexer_inputs(q, weights, k_packed, k_scales, n_visible)
     if topk <= 0:
         raise TileError(f"topk must be positive, got {topk}")
-    arch = _device_arch(q)
+    arch = tensor_arch(q, "indexer_topk")
     shape = Shape("call", "any", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk})
-    cfg = _pick_config(INDEXER_TOPK, shape, arch, config)
+    cfg = pick_config(INDEXER_TOPK, shape, arch, config)
     words, scales = _index_k_words(k_packed, k_scales)
     nvis = n_visible.to(torch.int32).contiguous()
     scores = torch.empty(B, S, N, dtype=torch.float32, device=q.device)  # [B, S, N]
@@ -125,11 +103,11 @@ def candidate_pool(
         raise TileError(f"block and max_blocks must be positive, got {block} and {max_blocks}")
     if N == 0:
         raise TileError("scores have no entries (N = 0)")
-    arch = _device_arch(scores)
+    arch = tensor_arch(scores, "candidate_pool")
     nb = -(-N // block)
     P = min(max_blocks, nb)
     shape = Shape("call", "decode", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": 512, "P": max_blocks, "block": block})
-    cfg = _pick_config(CANDIDATE_POOL, shape, arch, config)
+    cfg = pick_config(CANDIDATE_POOL, shape, arch, config)
     nvis = n_visible.to(torch.int32).contiguous().view(B * S)
     block_scores = torch.empty(B * S, nb, dtype=torch.float32, device=scores.device)  # [B*S, nb]
     out = torch.empty(B, S, P, dtype=torch.int32, device=scores.device)  # [B, S, P]
@@ -172,10 +150,10 @@ def reindex_topk(
     _check(pool_blocks, "pool_blocks", (B, S, None), (torch.int32,))
     if block <= 0 or topk <= 0:
         raise TileError(f"block and topk must be positive, got {block} and {topk}")
-    arch = _device_arch(q)
+    arch = tensor_arch(q, "reindex_topk")
     P = pool_blocks.shape[-1]
     shape = Shape("call", "decode", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk, "P": P, "block": block})
-    cfg = _pick_config(REINDEX_TOPK, shape, arch, config)
+    cfg = pick_config(REINDEX_TOPK, shape, arch, config)
     words, scales = _index_k_words(k_packed, k_scales)
     nvis = n_visible.to(torch.int32).contiguous()
     pool = pool_blocks.contiguous()
