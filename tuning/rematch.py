@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tiles import harness
 from tiles.contract import Config, Shape, Tile
 from tuning.space import config_key
-from tuning.workers import WorkerDied, WorkerPool, WorkerTimeout, tile_ref
+from tuning.workers import WorkerPool, tile_ref
 
 REMATCH_SEED = 1_000_000  # the rematch's input seeds start here, apart from the trials' (their trial numbers)
 # How much faster the winner's median must be. The first rematches on the H200 (session 26, three rounds) put those two
@@ -77,15 +77,7 @@ class Rematch:
 def _time_once(gpu_pool: WorkerPool, tile: Tile, shape: Shape, config: Config, seed: int, opts) -> float:
     """One evaluation in the GPU worker by ``opts.evaluator`` (check, then time), ``opts.runs`` timed launches; raises
     RuntimeError with the reason when it gives no time."""
-    try:
-        res = gpu_pool.call(
-            opts.evaluator,
-            (tile_ref(tile), shape.name, config, opts.arch.name, seed, opts.runs),
-            opts.trial_timeout_s,
-            restart_if=lambda r: r.get("outcome") == harness.RUNTIME_FAULT,
-        )
-    except (WorkerTimeout, WorkerDied, RuntimeError) as exc:
-        raise RuntimeError(f"GPU worker: {exc}") from None
+    res = gpu_pool.evaluate(opts.evaluator, (tile_ref(tile), shape.name, config, opts.arch.name, seed, opts.runs), opts.trial_timeout_s)
     if res.get("outcome") != harness.OK or res.get("ms") is None:
         raise RuntimeError(f"{res.get('outcome')}: {res.get('message') or ''}".strip())
     return float(res["ms"])

@@ -481,19 +481,8 @@ class StudyRunner:
             self._finish(trial, attrs, TrialState.COMPLETE if ok else TrialState.FAIL, compile_s if ok else None)
             return
 
-        try:
-            res = self.gpu_pool.call(
-                self.opts.evaluator,
-                (ref, self.shape.name, config, self.arch.name, trial.number, self.opts.runs),
-                self.opts.trial_timeout_s,
-                restart_if=lambda r: r.get("outcome") == harness.RUNTIME_FAULT,
-            )
-        except WorkerTimeout as exc:
-            res = {"outcome": harness.TIMEOUT, "message": str(exc)}
-        except WorkerDied as exc:
-            res = {"outcome": harness.RUNTIME_FAULT, "message": str(exc)}
-        except RuntimeError as exc:
-            res = {"outcome": harness.RUNTIME_FAULT, "message": f"GPU worker: {exc}"}
+        args = (ref, self.shape.name, config, self.arch.name, trial.number, self.opts.runs)
+        res = self.gpu_pool.evaluate(self.opts.evaluator, args, self.opts.trial_timeout_s)
         attrs = {k: res.get(k) for k in ("outcome", *METRICS)} | (res.get("extra") or {})
         attrs["compile_s"] = compile_s  # the pool's real compile time; the GPU worker's cache load is load_s
         ok = res["outcome"] == harness.OK and res.get("ms") is not None and math.isfinite(res["ms"])

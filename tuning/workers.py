@@ -246,6 +246,21 @@ class WorkerPool:
         finally:
             self._free.put(worker)
 
+    def evaluate(self, evaluator: str, args: tuple, timeout_s: float | None) -> dict:
+        """One GPU evaluation by ``evaluator`` (check, then time; ``args`` as :func:`evaluate_on_gpu` takes them): the
+        worker's Evaluation dict, or an outcome for a worker that hung (TIMEOUT) or died (RUNTIME_FAULT). A worker
+        whose result is a runtime fault is replaced."""
+        from tiles import harness
+
+        try:
+            return self.call(evaluator, args, timeout_s, restart_if=lambda r: r.get("outcome") == harness.RUNTIME_FAULT)
+        except WorkerTimeout as exc:
+            return {"outcome": harness.TIMEOUT, "message": str(exc)}
+        except WorkerDied as exc:
+            return {"outcome": harness.RUNTIME_FAULT, "message": str(exc)}
+        except RuntimeError as exc:
+            return {"outcome": harness.RUNTIME_FAULT, "message": f"GPU worker: {exc}"}
+
     @property
     def restarts(self) -> int:
         return sum(w.restarts for w in self.workers)
