@@ -25,8 +25,12 @@ phase_pytest() {  # every GPU test (PYTEST_ARGS: a subset), 4 workers (compile-b
   # --deadline skips the tests not started 40 s before the limit, so the run ends by itself with its report and junit
   # file; SIGINT at the limit is the backstop (it lost the junit file twice in session 7, in xdist's teardown)
   # PYTEST_K: a -k expression (spaces allowed; PYTEST_ARGS is split on spaces)
+  # PYTEST_IDS: a file of node ids, one per line (ids may hold spaces), e.g. a previous run's unstarted tests from
+  # gpu/unstarted_tests.py; it replaces PYTEST_ARGS
+  local targets=(${PYTEST_ARGS:-tests})
+  [ -n "${PYTEST_IDS:-}" ] && mapfile -t targets < "$PYTEST_IDS"
   timeout -s INT -k 30 "${PYTEST_S:-200}" python3 -m pytest -v -m gpu -n "${PYTEST_N:-4}" -p no:cacheprovider -rfE --tb=short \
-    --deadline $(( ${PYTEST_S:-200} - 40 )) --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-tests} > "$OUT/pytest_gpu.log" 2>&1
+    --deadline $(( ${PYTEST_S:-200} - 40 )) --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_K:+-k "$PYTEST_K"} "${targets[@]}" > "$OUT/pytest_gpu.log" 2>&1
   note "pytest -m gpu rc=$?: $(tail -1 "$OUT/pytest_gpu.log")"
 }
 

@@ -233,3 +233,20 @@ def test_prefill_lengths_span_every_choice_of_io_auto(tile_name):
         valid = {label for label in apl.LABELS if apl._refusal(tile_name, s, label, "sm90") is None}
         assert valid == (set(apl.LABELS) if bf16_rows else {"default", "wg0", "staged1", "staged4"}), s
     assert chosen == {("staged", 1), ("overlapped", 2), ("overlapped", 4), ("overlapped", 8)}
+
+
+def test_unstarted_tests_lists_only_the_deadline_skips(tmp_path):
+    import unstarted_tests  # gpu/ is on the path (above)
+
+    junit = tmp_path / "run.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_sparse_attn" name="test_a[x y-1]">'
+        '<skipped type="pytest.skip" message="--deadline 340 s passed before this test started"/></testcase>'
+        '<testcase classname="tests.test_sparse_attn" name="test_b"><skipped message="needs a CUDA GPU"/></testcase>'
+        '<testcase classname="tests.test_indexer" name="test_c"/>'
+        "</testsuite></testsuites>"
+    )
+    assert unstarted_tests.unstarted_ids(junit) == ["tests/test_sparse_attn.py::test_a[x y-1]"]
+    with pytest.raises(SystemExit, match="cannot read junit"):
+        unstarted_tests.unstarted_ids(tmp_path / "missing.xml")
