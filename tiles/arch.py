@@ -37,7 +37,12 @@ class Arch:
         return "ampere" if major < 9 else "hopper" if major == 9 else "blackwell"
 
     def tilelang_target(self) -> dict:
-        return {"kind": "cuda", "arch": self.nvcc_arch}
+        return cuda_target(self.nvcc_arch)
+
+
+def cuda_target(nvcc_arch: str) -> dict:
+    """The TileLang/TVM target dict of a CUDA arch ("sm_90a", "sm_80", ...), for ``tvm.target.Target``."""
+    return {"kind": "cuda", "arch": nvcc_arch}
 
 
 KIB, MIB = 1024, 1024 * 1024

@@ -78,7 +78,7 @@ from dataclasses import dataclass
 import torch
 
 from model import formats
-from tiles.arch import Arch, detect
+from tiles.arch import Arch, cuda_target, detect
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, poisoned
 from tiles.shapes import fp4_rows
 
@@ -512,7 +512,7 @@ def build_quant(
                             for g in T.vectorized(groups_per_thread):
                                 S[row, col // group + g] = sc[g]
 
-    target = tvm.target.Target({"kind": "cuda", "arch": nvcc_arch})
+    target = tvm.target.Target(cuda_target(nvcc_arch))
     return tilelang.compile(quant, target=target, pass_configs=_PASS_CONFIGS)
 
 
@@ -610,7 +610,7 @@ def build_dequant(
                         for i in T.vectorized(R):
                             Y[row, col + i] = yo[r * R + i]
 
-    target = tvm.target.Target({"kind": "cuda", "arch": nvcc_arch})
+    target = tvm.target.Target(cuda_target(nvcc_arch))
     return tilelang.compile(dequant, target=target, pass_configs=_PASS_CONFIGS)
 
 

@@ -44,7 +44,7 @@ import tilelang.language as T
 import torch
 import tvm
 
-from tiles.arch import Arch, device_arch, get_arch
+from tiles.arch import Arch, cuda_target, device_arch, get_arch
 from tiles.contract import Config, TileError
 
 # CUDA body of the select. Template parameters: THREADS per CTA, HB histogram bits per radix digit,
@@ -491,10 +491,6 @@ PARAMS = {
 MAX_PARTS = 32
 
 
-def _target_dict(target: str) -> dict:
-    return {"kind": "cuda", "arch": target}
-
-
 AUTO_THREADS = (256, 512)  # threads="auto": many CTAs, or as few as one per SM at most (see resolve_threads)
 
 
@@ -626,7 +622,7 @@ def select_kernel(
                 *staged,
             )
 
-    return tilelang.compile(select, target=tvm.target.Target(_target_dict(target)))
+    return tilelang.compile(select, target=tvm.target.Target(cuda_target(target)))
 
 
 # --------------------------------------------------------------------------------------

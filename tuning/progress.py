@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tiles import harness
+from tuning.study import find_default_trial
 
 
 def _fmt_ms(ms: float | None) -> str:
@@ -125,13 +126,9 @@ def trial_line(runner, number: int, attrs: dict, config: dict, source: str | Non
 
 
 def _default_ms(runner) -> float | None:
-    from tuning.space import config_key
-
-    key = config_key(runner.default)
-    for t in runner.study.get_trials(deepcopy=False):
-        if t.user_attrs.get("config_key") == key and t.user_attrs.get("outcome") == harness.OK:
-            return t.user_attrs.get("ms")
-    return None
+    """The default's time so far in the running study (the same trial summarize() will report), or None."""
+    trial = find_default_trial(runner.study.get_trials(deepcopy=False), runner.default)
+    return trial.user_attrs.get("ms") if trial else None
 
 
 def _rematch_text(rematch: dict | None) -> str:

@@ -79,17 +79,20 @@ class StudySummary:
     trials: int  # finished trials that count toward --trials
     outcomes: dict[str, int]
     best: FrozenTrial | None
-    default_ms: float | None
     compile_only: bool = False
     ran: int = 0  # trials this process finished (compiled or timed) in this run
     wall_s: float = 0.0
-    default: dict | None = None  # the default config default_ms timed (a winner stops counting when the default changes)
-    default_trial: FrozenTrial | None = None  # the trial that timed it
+    default: dict | None = None  # the default config (a winner stops counting when the default changes)
+    default_trial: FrozenTrial | None = None  # the trial that timed the default, if one did
     rematch: dict | None = None  # the winner's rematch against the default (tuning.rematch.Rematch.to_dict), if one ran
 
     @property
     def best_ms(self) -> float | None:
         return self.best.user_attrs.get("ms") if self.best else None
+
+    @property
+    def default_ms(self) -> float | None:
+        return self.default_trial.user_attrs.get("ms") if self.default_trial else None
 
     @property
     def speedup(self) -> float | None:
@@ -215,20 +218,35 @@ def recover_interrupted(study: optuna.Study) -> int:
     return n
 
 
+def _timed_ok(t: FrozenTrial) -> bool:
+    """A finished trial that timed a config which passed its checks (a repeat's time is its first trial's)."""
+    return t.state == TrialState.COMPLETE and t.user_attrs.get("outcome") == harness.OK and "repeat_of" not in t.user_attrs
+
+
+def find_default_trial(trials: list[FrozenTrial], default: Config) -> FrozenTrial | None:
+    """The first of ``trials`` that timed ``default`` and passed, or None (the study's baseline for speedups)."""
+    key = config_key(default)
+    return next((t for t in trials if _timed_ok(t) and t.user_attrs.get("config_key") == key), None)
+
+
 def summarize(study: optuna.Study, tile: Tile, shape: Shape, default: Config, compile_only: bool) -> StudySummary:
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if counts_toward_budget(t)]
     outcomes = Counter(t.user_attrs["outcome"] for t in done)
-    ok = [
-        t for t in done if t.state == TrialState.COMPLETE and t.user_attrs.get("outcome") == harness.OK and "repeat_of" not in t.user_attrs
-    ]
+    ok = [t for t in done if _timed_ok(t)]
     best = None if compile_only or not ok else min(ok, key=lambda t: t.value)
-    dkey = config_key(default)
-    default_trial = next((t for t in ok if t.user_attrs.get("config_key") == dkey), None)
-    default_ms = default_trial.user_attrs.get("ms") if default_trial else None
-    summary = StudySummary(tile.name, shape.name, study.study_name, len(done), dict(outcomes), best, default_ms, compile_only)
-    summary.default, summary.default_trial = dict(default), default_trial
-    return summary
+    default_trial = find_default_trial(done, default)
+    return StudySummary(
+        tile.name,
+        shape.name,
+        study.study_name,
+        len(done),
+        dict(outcomes),
+        best,
+        compile_only,
+        default=dict(default),
+        default_trial=default_trial,
+    )
 
 
 # --- running one study ----------------------------------------------------------------------

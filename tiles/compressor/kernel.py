@@ -8,6 +8,7 @@ import tilelang.language as T
 import tvm
 from tilelang.layout import make_linear_layout
 
+from tiles.arch import cuda_target
 from tiles.compressor.common import DI, DIRECT_ROWS, INDEX_GROUP, MAIN_GROUP, MULTI_CTA_CHUNK, MULTI_CTA_STAGES, NORM_LANES, ROPE, D
 from tiles.compressor.options import (
     ENCODES,
@@ -519,7 +520,7 @@ def _compress_kernel(
     # The flat kernel (ctas_per_sm > 1 or schedule=flat): no warp specialisation (no producer warpgroup whose
     # setmaxnreg would assume the whole register file); the staged copies are issued by the same threads, num_stages ahead.
     pass_configs = {"tl.disable_warp_specialized": True} if flat else None
-    kernel = tilelang.compile(compress, target=tvm.target.Target({"kind": "cuda", "arch": target}), pass_configs=pass_configs)
+    kernel = tilelang.compile(compress, target=tvm.target.Target(cuda_target(target)), pass_configs=pass_configs)
     # what the launchers pass as (wk_hi, wk_lo): see _wk_args
     kernel.csa2_wk = ("fragments_k2" if proj_k_split == 2 else "fragments") if regs else wk
     return kernel

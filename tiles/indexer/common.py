@@ -4,7 +4,3 @@ HEADS, HEAD_DIM, GROUP = 32, 128, 32  # indexer heads, dims, FP4 group (E8M0 sca
 SCORE_RTOL = 1e-5  # relative L2 of scores: fp32 sums in another order
 TIE_RTOL = 1e-5  # a top-k set difference is a tie when its scores equal the k-th within this
 NEG_INF = float("-inf")
-
-
-def _target_dict(target: str) -> dict:
-    return {"kind": "cuda", "arch": target}

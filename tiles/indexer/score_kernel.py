@@ -8,7 +8,8 @@ import tilelang
 import tilelang.language as T
 import tvm
 
-from tiles.indexer.common import GROUP, HEAD_DIM, HEADS, _target_dict
+from tiles.arch import cuda_target
+from tiles.indexer.common import GROUP, HEAD_DIM, HEADS
 from tiles.indexer.dequant import (
     _FMA_PAIR_CUDA,
     _FP8_CUDA,
@@ -413,4 +414,4 @@ def _score_kernel(
                     if i >= n_tiles * block_n and bx * span + i < n_out:
                         out[b, s, bx * span + i] = -T.infinity("float32")
 
-    return tilelang.compile(score, target=tvm.target.Target(_target_dict(target)))
+    return tilelang.compile(score, target=tvm.target.Target(cuda_target(target)))

@@ -8,7 +8,7 @@ import tilelang
 import tilelang.language as T
 import tvm
 
-from tiles.indexer.common import _target_dict
+from tiles.arch import cuda_target
 
 LOADS_IN_FLIGHT = 16  # score loads each select thread issues before using the first (memory-level parallelism)
 
@@ -199,7 +199,7 @@ def _select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_blo
                 if (j < k) & (j >= total):
                     out[r, j] = -1
 
-    return tilelang.compile(select, target=tvm.target.Target(_target_dict(target)))
+    return tilelang.compile(select, target=tvm.target.Target(cuda_target(target)))
 
 
 @functools.cache
@@ -224,4 +224,4 @@ def _block_max_kernel(target: str, block: int, threads: int):
                 newest = (n_visible[r] - 1) // block
                 out[r, nb] = T.if_then_else((n_visible[r] > 0) & (nb == newest), T.infinity("float32"), best)
 
-    return tilelang.compile(block_max, target=tvm.target.Target(_target_dict(target)))
+    return tilelang.compile(block_max, target=tvm.target.Target(cuda_target(target)))
