@@ -112,9 +112,25 @@ def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Ce
             missing = stale_params(tile, arch, entry["config"], entry.get("default_config"))
             if missing:  # tuned before these options existed: run time uses the default (tiles.results.load_winner)
                 recorded["stale"] = ", ".join(missing)
+            tie = _unconfirmed_tie(entry)
+            if tie:
+                recorded["unconfirmed"] = tie
             cells.append(Cell(tile.name, arch.name, shape_name, "tuned", dict(entry["config"]), extra=dict(recorded)))
             cells.append(Cell(tile.name, arch.name, shape_name, "default", None, extra=dict(recorded)))
     return cells
+
+
+def _unconfirmed_tie(entry: dict) -> str | None:
+    """For a stored winner (not the default) that no rematch confirmed and whose own record puts it less than
+    tuning.rematch.REMATCH_MARGIN ahead of the default: its recorded speedup ("1.003x"), else None. Such entries were
+    stored before the rematch rule (session 27); a tune now would keep the default."""
+    from tuning.rematch import REMATCH_MARGIN
+
+    ms, default_ms = entry.get("ms"), entry.get("default_ms")
+    if "rematch" in entry or not ms or not default_ms or entry.get("config") == entry.get("default_config"):
+        return None
+    speedup = default_ms / ms
+    return f"{speedup:.3f}x" if speedup <= 1 / (1 - REMATCH_MARGIN) else None
 
 
 # A latency difference this small is within the run-to-run spread of the smallest kernels, whatever the fraction: the

@@ -98,3 +98,29 @@ def test_max_gib_skips_big_cells():
     assert _over_budget(big, None) is None
     assert "--max-gib 4" in _over_budget(big, 4.0)
     assert _over_budget(Cell("fp4_quant_main", "sm90", "decode_b64", "default"), 4.0) is None
+
+
+@pytest.mark.parametrize(
+    ("speedup", "rematch", "unconfirmed"),
+    [(1.003, None, "1.003x"), (1.003, {"kept": True}, None), (1.25, None, None), (1.008, None, "1.008x")],
+)
+def test_a_tie_stored_before_the_rematch_rule_is_unconfirmed(tmp_path, speedup, rematch, unconfirmed):
+    """A stored winner with no rematch record and a recorded lead under tuning.rematch.REMATCH_MARGIN is flagged; a
+    rematched one or a clear lead is not."""
+    tile, arch = get_tile("fp4_quant_main"), get_arch("sm90")
+    shape = tile.shapes()[0]
+    entry = {
+        "phase": shape.phase,
+        "dims": dict(shape.dims),
+        "config": {**tile.default_config(arch), "threads": 128},
+        "ms": round(0.05 / speedup, 6),
+        "default_ms": 0.05,
+        "default_config": tile.default_config(arch),
+    }
+    if rematch is not None:
+        entry["rematch"] = rematch
+    doc = {"schema": SCHEMA, "tile": tile.name, "arch": "sm90", "environment": {}, "shapes": {shape.name: entry}}
+    (tmp_path / "sm90").mkdir()
+    (tmp_path / "sm90" / f"{tile.name}.yaml").write_text(yaml.safe_dump(doc))
+    tuned = stored_winner_cells([tile], arch, root=tmp_path)[0]
+    assert tuned.extra.get("unconfirmed") == unconfirmed

@@ -157,6 +157,8 @@ def _print_winners(cells: list[Cell], regressed: list[tuple[Cell, str]]) -> None
         verdict = f"[red]regressed: {bad[(c.tile, c.shape)]}[/red]" if (c.tile, c.shape) in bad else "[green]ok[/green]"
         if c.extra.get("stale") and (c.tile, c.shape) not in bad:
             verdict = f"[yellow]stale (predates {c.extra['stale']}): the default runs; re-tune[/yellow]"
+        elif c.extra.get("unconfirmed") and (c.tile, c.shape) not in bad:
+            verdict = f"[yellow]unconfirmed: a {c.extra['unconfirmed']} tie stored before the rematch rule; re-tune[/yellow]"
         table.add_row(
             c.tile, c.shape, ms(now), ms(c.extra.get("recorded_ms")), ms(dnow), ms(c.extra.get("recorded_default_ms")), speed, verdict
         )
