@@ -124,13 +124,13 @@ def _unconfirmed_tie(entry: dict) -> str | None:
     """For a stored winner (not the default) that no rematch confirmed and whose own record puts it less than
     tuning.rematch.REMATCH_MARGIN ahead of the default: its recorded speedup ("1.003x"), else None. Such entries were
     stored before the rematch rule (session 27); a tune now would keep the default."""
-    from tuning.rematch import REMATCH_MARGIN
+    from tuning.rematch import clears_margin  # imported here: lab.matrix loads without the tuner's modules
 
     ms, default_ms = entry.get("ms"), entry.get("default_ms")
     if "rematch" in entry or not ms or not default_ms or entry.get("config") == entry.get("default_config"):
         return None
     speedup = default_ms / ms
-    return f"{speedup:.3f}x" if speedup <= 1 / (1 - REMATCH_MARGIN) else None
+    return None if clears_margin(speedup) else f"{speedup:.3f}x"
 
 
 # A latency difference this small is within the run-to-run spread of the smallest kernels, whatever the fraction: the

@@ -33,6 +33,12 @@ REMATCH_SEED = 1_000_000  # the rematch's input seeds start here, apart from the
 REMATCH_MARGIN = 0.01
 
 
+def clears_margin(speedup: float) -> bool:
+    """A challenger ``speedup`` times faster than the default (the default's time over the challenger's) beats it by
+    REMATCH_MARGIN: what a stored winner must show."""
+    return speedup > 1 / (1 - REMATCH_MARGIN)
+
+
 @dataclass
 class Rematch:
     """Times of one rematch, ms per evaluation; ``error``: why it stopped early (the default then wins)."""
@@ -60,7 +66,7 @@ class Rematch:
         default's by REMATCH_MARGIN."""
         if self.speedup is None or self.rounds_won != len(self.default_ms):
             return False
-        return self.speedup > 1 / (1 - REMATCH_MARGIN)
+        return clears_margin(self.speedup)
 
     def to_dict(self) -> dict:
         return {
