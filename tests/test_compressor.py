@@ -1390,3 +1390,131 @@ def test_main_pass_in_pool_matches_reference(label, layout):
     ratios; in the default layout and in the two-CTA k-split one (a tuning candidate)."""
     cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), {**layout, **MAIN_IN_POOL})
     _variant_matches_reference_and_base(cfg, {"main_pass": "separate"}, ("prefill_r2_s64k", "prefill_r1_s64k"))
+
+
+# ---------------------------------------------------------------------------------- proj="f16x3"
+# The register projection's three products in fp16 on m16n8k16 (_PROJ_F16X3_CUDA): the latent split into fp16 pairs in
+# the kernel, Wk scaled by a power of two and split on the host (wk_fragment_order_f16), half the MMAs of tf32x3.
+
+F16X3 = [
+    ("three_ctas_of_16", {"proj": "f16x3"}),
+    ("two_ctas_of_32_k_split_main_in_pool", {"proj": "f16x3", "block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, "main_pass": "in_pool"}),
+    ("two_ctas_of_32_split_accumulators", {"proj": "f16x3", "block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split"}),
+]
+
+
+@pytest.mark.parametrize("columns", [16, 32])
+def test_wk_fragment_order_f16_is_what_the_kernel_reads(columns):
+    """The kernel's Wk addressing, restated: lane 4g + t of column group cg reads uint4s ((cg * 32 + c) * 32 + lane) * NT
+    + n of chunk c, whose halves (part, j, p) must be part (hi, lo) of W[columns cg + 8n + g, 16c + 8j + 2t + p], W = Wk
+    2^e with max |W| in [2^13, 2^14); hi + lo is W to 2^-22; the unscale is 2^-e; the launchers pass both."""
+    w = torch.randn(128, 512) * 3e-3  # small weights: unscaled, their fp16 remainders would be subnormal
+    frags, unscale = cp_projection.wk_fragment_order_f16(w, columns)
+    assert frags.shape == (128, 512) and frags.dtype == torch.float32 and unscale.shape == (128, 512)
+    e = -int(torch.log2(unscale[0, 0]))
+    assert torch.all(unscale == unscale[0, 0]) and 2**13 <= float(w.abs().max()) * 2**e < 2**14
+    halves = frags.reshape(-1).view(torch.float16)
+    nt = columns // 8
+    scaled = w * 2.0**e
+    for cg, c, lane, n, j, p in itertools.product(range(128 // columns), (0, 17, 31), range(32), range(nt), range(2), range(2)):
+        g, t = lane // 4, lane % 4
+        base = (((cg * 32 + c) * 32 + lane) * nt + n) * 8 + j * 2 + p  # part hi; lo is 4 halves further
+        x = scaled[columns * cg + 8 * n + g, 16 * c + 8 * j + 2 * t + p]
+        hi, lo = halves[base], halves[base + 4]
+        assert hi == x.half() and lo == (x - hi.float()).half()
+    recon = (halves.view(-1, 2, 2, 2)[:, 0].float() + halves.view(-1, 2, 2, 2)[:, 1].float()).reshape(-1)
+    assert torch.allclose(recon.sort().values, scaled.reshape(-1).sort().values, rtol=2.0**-21, atol=0)
+    src = cp_projection._PROJ_F16X3_CUDA
+    assert "reinterpret_cast<const uint4*>(wkf) + (cg * 32 * 32 + lane) * NT" in src and "wp + nc * 32 * NT + n" in src
+    zero, u0 = cp_projection.wk_fragment_order_f16(torch.zeros(128, 512), columns)
+    assert torch.all(zero == 0) and float(u0[0, 0]) == 1.0
+
+    class K:
+        csa2_wk = "fragments_f16_k2" if columns == 32 else "fragments_f16"
+
+    a, b = cp_launch._wk_args(K(), w)
+    assert torch.equal(a, frags) and torch.equal(b, unscale)
+
+
+def _emulated_projection(latent: torch.Tensor, wk: torch.Tensor, proj: str) -> torch.Tensor:
+    """latent fp32 [G, 512] @ wk^T fp32 [128, 512] with the operands the tensor cores see, products summed in fp64."""
+    if proj == "tf32x3":
+
+        def tf32(t):  # the 19 bits the tensor core reads
+            return (t.view(torch.int32) & -8192).view(torch.float32)
+
+        ah, bh = tf32(latent), tf32(wk)
+        al, bl = tf32(latent - ah), tf32(wk - bh)
+        unscale = 1.0
+    else:
+        frags, u = cp_projection.wk_fragment_order_f16(wk, 16)
+        unscale = float(u[0, 0])
+        halves = frags.reshape(-1).view(torch.float16).view(128 // 16, 32, 8, 4, 2, 2, 2, 2)  # (cg, c, g, t, n, part, j, p)
+        parts = halves.permute(5, 0, 4, 2, 1, 6, 3, 7).reshape(2, 128, 512)  # (part, cg, n, g, c, j, t, p): W's rows, k
+        bh, bl = parts[0], parts[1]
+        ah = latent.half()
+        al = (latent - ah.float()).half()
+    a_hi, a_lo, b_hi, b_lo = (x.double() for x in (ah, al, bh, bl))
+    return (a_lo @ b_hi.t() + a_hi @ b_lo.t() + a_hi @ b_hi.t()) * unscale
+
+
+@pytest.mark.parametrize("wk_std", [512**-0.5, 1e-3, 30.0])
+def test_f16x3_projection_as_accurate_as_tf32x3(wk_std):
+    """The operands of proj="f16x3" (emulated on the CPU: the fp16 split, the host's scaled Wk fragments read back in
+    the kernel's order) give index keys at least as close to the fp64 product as tf32x3's, at Wk scales where an
+    unscaled fp16 remainder would be subnormal (1e-3) or the high part large (30), and the same index codes."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, 512, generator=gen)
+    latent = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * (1 + 0.1 * torch.randn(512, generator=gen))
+    wk = torch.randn(128, 512, generator=gen) * wk_std
+    exact = latent.double() @ wk.double().t()
+    err = {p: float((_emulated_projection(latent, wk, p) - exact).norm() / exact.norm()) for p in ("tf32x3", "f16x3")}
+    assert err["f16x3"] <= err["tf32x3"] and err["f16x3"] < 2e-7, err
+    codes = {p: formats.fp4_quantize(_emulated_projection(latent, wk, p).float(), 32, "e8m0")[0] for p in ("tf32x3", "f16x3")}
+    ref = formats.fp4_quantize(exact.float(), 32, "e8m0")[0]
+    assert float((codes["f16x3"] != ref).float().mean()) <= max(float((codes["tf32x3"] != ref).float().mean()), 1e-5)
+
+
+def test_f16x3_in_the_space_and_refused_outside_the_register_projection():
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2 = tile.shape("prefill_r2_s64k")
+    assert {p.name: p.choices for p in space.params}["proj"] == ("tf32x3", "f16x3", "simt")
+
+    def why(c):
+        return " | ".join(space.violations(c, r2, SM90))
+
+    for _, over in F16X3:
+        assert why(tile.with_defaults(SM90, over)) == "", over
+    cfg = tile.with_defaults(SM90, {"proj": "f16x3"})
+    assert "proj=f16x3" in why({**cfg, "proj_operands": "smem"}) and "proj=f16x3" in why({**cfg, "proj_operands": "wgmma"})
+    assert "proj=f16x3" in why({**_default(), **ONE_CTA, "proj": "f16x3"})
+    # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands)
+    base = ["sm_90a", 2, 16, 256, "f16x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct"]
+    for operands in ("smem", "wgmma"):
+        with pytest.raises(TileError, match="proj='f16x3'"):
+            cp_kernel._compress_kernel(*base, operands)
+
+
+@pytest.mark.parametrize("label, over", F16X3, ids=[c[0] for c in F16X3])
+def test_f16x3_compiles_sm90_and_fits(label, over, tmp_path):
+    """Both ratios: the f16x3 projection called once with its layout's template arguments, no TF32 MMA left, the Wk in its
+    fp16 fragment order, the shared memory as modelled (rows padded to 520 words), ptxas within the occupancy's
+    registers without spilling."""
+    cfg = cp.COMPRESSOR.with_defaults(SM90, over)
+    k_split, split = cfg["proj_k_split"], "true" if cfg["proj_accumulators"] == "split" else "false"
+    for ratio in (2, 1):
+        kernel, src = _build_without_producer(ratio, cfg, cfg["ctas_per_sm"])
+        assert kernel.csa2_wk == ("fragments_f16_k2" if k_split == 2 else "fragments_f16")
+        assert src.count(f"csa2_proj_f16x3_regs<{cfg['block_g'] // 16}, {512 + cp_projection.ROT_PAD_F16X3}, {k_split}, {split}>(") == 1
+        assert "m16n8k8" not in src and "m16n8k16.row.col.f32.f16.f16.f32" in src
+        _assert_flat_build_fits(kernel, src, cfg, ratio, cfg["ctas_per_sm"], tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, over", F16X3, ids=[c[0] for c in F16X3])
+def test_f16x3_matches_reference(label, over):
+    """Against the torch reference and tf32x3's caches in the same layout (the main cache byte-identical: the projection
+    does not touch it; the index cache within the rule), the decode tail state and two runs bitwise equal at both
+    ratios (:func:`_variant_matches_reference_and_base`)."""
+    cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), over)
+    _variant_matches_reference_and_base(cfg, {"proj": "tf32x3"}, ("prefill_r2_s64k", "prefill_r1_s64k"))

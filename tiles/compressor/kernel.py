@@ -32,11 +32,13 @@ from tiles.compressor.pool_encode import (
     _staged_pool,
 )
 from tiles.compressor.projection import (
+    _PROJ_F16X3_CUDA,
     _PROJ_REGS_CUDA,
     _PROJ_REGS_K2_CUDA,
     _PROJ_WGMMA_CUDA,
     PROJ_WARPS,
     ROT_PAD,
+    ROT_PAD_F16X3,
     _split_accumulator_cuda,
     _split_tf32_tile,
 )
@@ -157,6 +159,9 @@ def _compress_kernel(
     ``proj_k_split`` (register projection, one accumulator): 1, every warp covers all 512 k for 16 output columns; 2, a
     warp covers half of them for 32 columns (:data:`_PROJ_REGS_K2_CUDA`: half the latent reads and splits per warp, Wk in
     ``wk_fragment_order(Wk, 32)``, the two halves added in k_s).
+    ``proj`` "f16x3" (register projection only): the three products in fp16 on m16n8k16 (:data:`_PROJ_F16X3_CUDA`:
+    half the MMAs, the latent split into fp16 pairs, Wk split and scaled on the host by :func:`wk_fragment_order_f16`,
+    its unscale passed in ``wk_lo``), with every ``proj_k_split`` / ``proj_accumulators`` layout of "registers".
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -164,7 +169,10 @@ def _compress_kernel(
         raise TileError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     # The flat kernel: no producer warpgroup. Several CTAs per SM need it; one CTA may pick it (schedule="flat").
     flat = ctas_per_sm > 1 or schedule == "flat"
-    if flat and (load != "staged" or proj != "tf32x3"):
+    f16x3 = proj == "f16x3"
+    if f16x3 and proj_operands != "registers":
+        raise TileError(f"proj='f16x3' is built in the register projection only (proj_operands='registers', got {proj_operands!r})")
+    if flat and (load != "staged" or proj not in ("tf32x3", "f16x3")):
         raise TileError(f"ctas_per_sm {ctas_per_sm}, schedule {schedule} is built for load=staged, proj=tf32x3 (got {load}, {proj})")
     if (wk_stages != 2 or kv_load != "slabs") and not flat:
         raise TileError(f"wk_stages {wk_stages} / kv_load {kv_load!r} exist only in the flat kernel (ctas_per_sm > 1 or schedule=flat)")
@@ -233,7 +241,8 @@ def _compress_kernel(
                 lat = T.alloc_fragment((block_g, D), "float32")
                 sq = T.alloc_fragment((block_g, D), "float32")
             ss = T.alloc_fragment((block_g,), "float32")
-            rot_s = T.alloc_shared((block_g, D + ROT_PAD if regs else D), "float32")
+            rot_pad = ROT_PAD_F16X3 if f16x3 else ROT_PAD
+            rot_s = T.alloc_shared((block_g, D + rot_pad if regs else D), "float32")
             w_s = T.alloc_shared((D,), "float32")
             amax_m = T.alloc_fragment((block_g, D // MAIN_GROUP), "float32")
             scale_m = T.alloc_shared((block_g, D // MAIN_GROUP), "float32")
@@ -291,8 +300,9 @@ def _compress_kernel(
             if encode == "thresholds" or regs:  # one import_source per kernel
                 extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
                 extra += _PROJ_REGS_K2_CUDA if proj_k_split == 2 else ""
+                projection = "" if not regs else (_PROJ_F16X3_CUDA if f16x3 else _PROJ_REGS_CUDA + extra)
                 bounds = (_bounds_cuda() + (_MAIN_FROM_ROWS_CUDA if main_pass == "in_pool" else "")) if encode == "thresholds" else ""
-                T.import_source(bounds + (_PROJ_REGS_CUDA + extra if regs else ""))
+                T.import_source(bounds + projection)
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
@@ -420,6 +430,10 @@ def _compress_kernel(
                 # rot_s, its remainder goes to lo_s) into k_s; rot_s is final (barrier after the main stores).
                 if wgmma:
                     fn, operands = f"csa2_proj_tf32x3_wgmma<{block_g}, {D + ROT_PAD}, {D}>", (rot_s, lo_s, wk_hi, k_s)
+                elif f16x3:  # wk_hi: the fp16 fragments; wk_lo: the unscale 2^-e
+                    split = "true" if proj_accumulators == "split" else "false"
+                    fn = f"csa2_proj_f16x3_regs<{block_g // 16}, {D + rot_pad}, {proj_k_split}, {split}>"
+                    operands = (rot_s, wk_hi, wk_lo, k_s)
                 else:
                     variant = "_split" if proj_accumulators == "split" else ("_k2" if proj_k_split == 2 else "")
                     fn, operands = f"csa2_proj_tf32x3_regs{variant}<{block_g // 16}, {D + ROT_PAD}>", (rot_s, wk_hi, k_s)
@@ -523,4 +537,6 @@ def _compress_kernel(
     kernel = tilelang.compile(compress, target=tvm.target.Target(cuda_target(target)), pass_configs=pass_configs)
     # what the launchers pass as (wk_hi, wk_lo): see _wk_args
     kernel.csa2_wk = ("fragments_k2" if proj_k_split == 2 else "fragments") if regs else wk
+    if f16x3:
+        kernel.csa2_wk = "fragments_f16_k2" if proj_k_split == 2 else "fragments_f16"
     return kernel

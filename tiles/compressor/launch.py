@@ -6,7 +6,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from tiles.arch import Arch
 from tiles.compressor.kernel import _compress_kernel
-from tiles.compressor.projection import wk_fragment_order
+from tiles.compressor.projection import wk_fragment_order, wk_fragment_order_f16
 from tiles.contract import Config, TileError
 
 
@@ -44,15 +44,18 @@ def _schedule(cfg: Config) -> str:
 def _wk_args(kernel, wk: torch.Tensor, prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's (wk_hi, wk_lo) arguments for fp32 ``wk`` [128, 512]: the TF32 split, (``wk="fp32"``) Wk itself in
     the first slot (the kernel splits it; the second slot is not read), or (``proj_operands="registers"``/``"wgmma"``) Wk
-    in :func:`wk_fragment_order` (32 columns per group with ``proj_k_split=2``), also in the first slot. ``prepared``: a dict that keeps the split or the reordered copy
-    of this ``wk`` across calls (a per-layer constant: made once)."""
+    in :func:`wk_fragment_order` (32 columns per group with ``proj_k_split=2``), also in the first slot; or (``proj="f16x3"``)
+    :func:`wk_fragment_order_f16`'s scaled fp16 fragments and the unscale. ``prepared``: a dict that keeps the split or the
+    reordered copy of this ``wk`` across calls (a per-layer constant: made once)."""
     form = getattr(kernel, "csa2_wk", "hi_lo")
     if form == "fp32":
         w = wk.float().contiguous()
         return w, w
     prepared = {} if prepared is None else prepared
     if form not in prepared:
-        if form in ("fragments", "fragments_k2"):
+        if form in ("fragments_f16", "fragments_f16_k2"):
+            prepared[form] = wk_fragment_order_f16(wk, 32 if form == "fragments_f16_k2" else 16)
+        elif form in ("fragments", "fragments_k2"):
             w = wk_fragment_order(wk, 32 if form == "fragments_k2" else 16)
             prepared[form] = (w, w)
         else:

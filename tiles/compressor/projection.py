@@ -359,3 +359,149 @@ def wk_fragment_order(wk: torch.Tensor, columns: int = 16) -> torch.Tensor:
     (``columns / 8`` float4 loads per lane per chunk, a warp reads 1-2 KiB contiguous)."""
     w = wk.float().contiguous().view(DI // columns, columns // 8, 8, D // 16, 2, 2, 4)  # (w, n, g, c, ks, h, t)
     return w.permute(0, 3, 2, 6, 1, 4, 5).contiguous().view(DI, D)  # (w, c, g, t, n, ks, h)
+
+
+# proj="f16x3" (register projection): the same three-product split in fp16 on m16n8k16, half the MMAs of tf32x3 (a k
+# step of 16 instead of 8 for the same issue slot, twice the tensor-core rate) and no Wk splits in the kernel. The latent
+# word x becomes hi = f16(x) and lo = f16(x - hi) (round to nearest: 22 significant bits together, against TF32's
+# truncated 21); Wk is split on the host once per weight, after scaling by 2^e so that max |Wk| 2^e <= 2^14 (its remainders
+# stay normal fp16 for ~|Wk| / 2^10 of the range), and the accumulator is scaled back by 2^-e, exactly, before the store.
+# Limits: the latent must stay below 65504 in magnitude (a normalised row's entries are at most sqrt(512) max |norm_w|,
+# so max |norm_w| < 2896); a latent entry below 2^-3 loses the relative precision of its remainder (absolute error
+# <= 2^-25). An emulation at 64K groups (f16x3 vs tf32x3 vs fp64, notes/indexer.md session 29) gives a relative error of
+# 7.6e-8 against tf32x3's 3.5e-7 and the same index-code differences.
+# Fragments: a0 = latent (g, 2t..2t+1), a1 = (g + 8, ..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..) of the 16 x 16 tile
+# (two adjacent fp32 words per register: one float2 read, rot_s rows ROT_PAD_F16X3 words past 512 so that a half-warp's
+# float2 reads hit distinct bank pairs); b0 = Wk[col g, k 2t..2t+1], b1 = Wk[col g, k 2t + 8..]. Per lane, n tile and
+# 16-wide chunk one uint4 (hi b0, hi b1, lo b0, lo b1), in the order of wk_fragment_order_f16.
+# KH = 1: warp w owns output columns [16w, 16w + 16) over all 32 chunks; KH = 2 (proj_k_split=2): warp w covers the K half
+# w / 4 for columns [32 (w % 4), + 32), the halves summed in `out` (half 1 stores, a barrier, half 0 adds). SPLIT
+# (proj_accumulators="split"): the two small products in their own accumulator, added at the end.
+_PROJ_F16X3_CUDA = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ void csa2_mma_f16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two adjacent latent words -> their fp16 high parts and the fp16 roundings of the remainders (lower k in the low half).
+__device__ __forceinline__ void csa2_split_f16x2(float2 x, unsigned& hi, unsigned& lo) {
+  const __half2 h = __floats2half2_rn(x.x, x.y);
+  const float2 hf = __half22float2(h);
+  const __half2 l = __floats2half2_rn(x.x - hf.x, x.y - hf.y);
+  hi = *reinterpret_cast<const unsigned*>(&h);
+  lo = *reinterpret_cast<const unsigned*>(&l);
+}
+// rot: fp32 [MT * 16, RS] shared; wkf: wk_fragment_order_f16 (global, read as uint4); unscale: 2^-e (global, first
+// word); out: fp32 [MT * 16, 128] shared.
+template <int MT, int RS, int KH, bool SPLIT>
+__device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const float* __restrict__ wkf,
+                                                     const float* __restrict__ unscale, float* out) {
+  constexpr int NT = 2 * KH;   // n tiles of 8 output columns per warp
+  constexpr int NC = 32 / KH;  // 16-wide k chunks per warp
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int kh = KH == 2 ? warp >> 2 : 0, cg = KH == 2 ? warp & 3 : warp;
+  float acc[MT][NT][4], acc_s[MT][NT][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = acc_s[m][n][e] = 0.0f;
+  // Chunk c of column group cg: lane's NT uint4s at ((cg * 32 + c) * 32 + lane) * NT + n (a warp reads NT * 512 B).
+  const uint4* wp = reinterpret_cast<const uint4*>(wkf) + (cg * 32 * 32 + lane) * NT;
+  const int c0 = kh * NC;
+  uint4 raw[2][NT];
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + (c0 + s) * 32 * NT + n);
+  const float* arow = rot + g * RS + 2 * t;
+#pragma unroll 1
+  for (int cc = 0; cc < NC; cc += 2) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int c = c0 + cc + s;
+      uint4 b[NT];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) b[n] = raw[s][n];
+      const int nc = c0 + (cc + s + 2) % NC;  // two chunks ahead (the last two wrap: valid addresses, values unused)
+#pragma unroll
+      for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + nc * 32 * NT + n);
+      unsigned ah[MT][4], al[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          csa2_split_f16x2(*reinterpret_cast<const float2*>(arow + (m * 16 + (e & 1) * 8) * RS + c * 16 + (e >> 1) * 8),
+                           ah[m][e], al[m][e]);
+      // The small products first, then hi x hi (tf32x3's order).
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) csa2_mma_f16(SPLIT ? acc_s[m][n] : acc[m][n], al[m], b[n].x, b[n].y);
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) csa2_mma_f16(SPLIT ? acc_s[m][n] : acc[m][n], ah[m], b[n].z, b[n].w);
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) csa2_mma_f16(acc[m][n], ah[m], b[n].x, b[n].y);
+    }
+  }
+  const float u = __ldg(unscale);
+  // Accumulator (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each 16 x 8 tile, times 2^-e (exact).
+#pragma unroll
+  for (int half = KH - 1; half >= 0; --half) {
+    if (kh == half) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          float r[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) r[e] = (SPLIT ? acc[m][n][e] + acc_s[m][n][e] : acc[m][n][e]) * u;
+          float2* o = reinterpret_cast<float2*>(out + (m * 16 + g) * 128 + cg * 8 * NT + n * 8 + t * 2);
+          float2* o8 = reinterpret_cast<float2*>(out + (m * 16 + g + 8) * 128 + cg * 8 * NT + n * 8 + t * 2);
+          if (half == 0 && KH == 2) {
+            const float2 p = *o, p8 = *o8;
+            r[0] += p.x;
+            r[1] += p.y;
+            r[2] += p8.x;
+            r[3] += p8.y;
+          }
+          *o = make_float2(r[0], r[1]);
+          *o8 = make_float2(r[2], r[3]);
+        }
+    }
+    if (half == 1) __syncthreads();
+  }
+}
+"""
+
+ROT_PAD_F16X3 = 8  # proj="f16x3": rot_s row stride 520 words, so a half-warp's float2 fragment reads hit 16 distinct bank pairs
+F16X3_WK_MAX_EXP = 14  # proj="f16x3": Wk is scaled by 2^e with max |Wk| 2^e < 2^14
+
+
+def wk_fragment_order_f16(wk: torch.Tensor, columns: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 Wk [128, 512] -> (fragments, unscale) for ``proj="f16x3"``, computed on the device without a host sync.
+
+    ``fragments``: fp32-typed [128, 512] holding fp16 pairs: per column group cg (``columns`` output columns: 16, or 32
+    with ``proj_k_split=2``), 16-wide k chunk c and lane 4g + t, ``columns / 8`` uint4s (n tile n), whose words are
+    (hi b0, hi b1, lo b0, lo b1): b0 = W[columns cg + 8n + g, 16c + 2t .. + 1], b1 = the same at k + 8, low half first,
+    W = Wk 2^e, hi = f16(W), lo = f16(W - hi). ``unscale``: fp32 [128, 512], every word 2^-e (the kernel reads the first).
+    e = F16X3_WK_MAX_EXP - the exponent of max |Wk| (frexp's, so max |W| < 2^14); e = 0 for an all-zero Wk.
+    """
+    w = wk.float().contiguous()
+    amax = w.abs().amax()
+    exp = torch.where(amax > 0, F16X3_WK_MAX_EXP - torch.frexp(amax).exponent, 0).to(torch.int32)
+    scaled = torch.ldexp(w, exp.float())
+    hi = scaled.half()
+    lo = (scaled - hi.float()).half()
+    nt = columns // 8
+    parts = torch.stack([hi, lo]).view(2, DI // columns, nt, 8, D // 16, 2, 4, 2)  # (part, cg, n, g, c, j, t, p)
+    frags = parts.permute(1, 4, 3, 6, 2, 0, 5, 7).contiguous()  # (cg, c, g, t, n, part, j, p)
+    unscale = torch.ldexp(torch.ones(DI, D, device=w.device), -exp.float())
+    return frags.view(-1).view(torch.float32).view(DI, D), unscale

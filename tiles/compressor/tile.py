@@ -32,7 +32,7 @@ from tiles.compressor.options import (
     WK_LOADS,
 )
 from tiles.compressor.pool_encode import LOAD_CHUNK
-from tiles.compressor.projection import ROT_PAD
+from tiles.compressor.projection import ROT_PAD, ROT_PAD_F16X3
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, poisoned
 from tiles.shapes import compressor_shapes, flash
 
@@ -89,7 +89,13 @@ class CompressorTile(Tile):
         params = (
             Param("block_g", (16, 32, 64), "groups (cache entries) per CTA"),
             Param("threads", (128, 256, 512), "threads per CTA"),
-            Param("proj", ("tf32x3", "simt"), "index-K projection: three TF32 tensor-core products, or fp32 FMA"),
+            Param(
+                "proj",
+                ("tf32x3", "f16x3", "simt"),
+                "index-K projection: three TF32 tensor-core products (m16n8k8), or (register projection) three fp16 "
+                "products on m16n8k16 with Wk split and scaled on the host (half the MMAs, no Wk splits in the kernel, "
+                "22-bit operands), or fp32 FMA",
+            ),
             Param("k_chunk", (16, 32, 64), "K chunk of the projection staged through shared memory"),
             Param(
                 "load",
@@ -279,7 +285,7 @@ class CompressorTile(Tile):
         With ``schedule="flat"`` named (e.g. {"schedule": "flat", "block_g": 64}) it gets the flat kernel at one CTA per
         SM and keeps the default's k_chunk 16 and wk."""
         cfg = {**self.default_config(arch), **config}
-        multi_cta_ok = cfg["load"] == "staged" and cfg["proj"] == "tf32x3" and cfg["threads"] == 256
+        multi_cta_ok = cfg["load"] == "staged" and cfg["proj"] in ("tf32x3", "f16x3") and cfg["threads"] == 256
         multi_cta_ok = multi_cta_ok and cfg["block_g"] in (16, 32) and cfg["k_chunk"] == MULTI_CTA_CHUNK
         multi_cta_ok = multi_cta_ok and cfg.get("schedule", "flat") == "flat"
         if "ctas_per_sm" not in config and cfg.get("ctas_per_sm", 1) > 1 and not multi_cta_ok:
@@ -431,6 +437,8 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     proj_operands = config.get("proj_operands", "smem")
     if proj_operands not in PROJ_OPERANDS:
         return f"unknown proj_operands {proj_operands!r}: use one of {', '.join(PROJ_OPERANDS)}"
+    if config["proj"] == "f16x3" and (schedule != "flat" or proj_operands != "registers"):
+        return "proj=f16x3 is built in the register projection only (the flat kernel, proj_operands=registers)"
     if proj_operands in ("registers", "wgmma") and (why := _proj_registers_refusal(config, schedule)):
         return why
     if config.get("proj_accumulators", "shared") not in PROJ_ACCUMULATORS:
@@ -467,7 +475,7 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"ctas_per_sm {n} (the flat kernel) is built and checked for Hopper (sm_90a) only"
     # block_g 64 only at one CTA per SM (its rot_s alone is 128 KiB); 16 only at 3 (what was compiled and checked).
     groups = (16, 32) if n > 1 else (32, 64)
-    want = {"load": ("staged",), "proj": ("tf32x3",), "threads": (256,), "k_chunk": (16,), "block_g": groups}
+    want = {"load": ("staged",), "proj": ("tf32x3", "f16x3"), "threads": (256,), "k_chunk": (16,), "block_g": groups}
     wrong = [f"{k}={config[k]!r}" for k, ok in want.items() if config[k] not in ok]
     if wrong:
         g = " or ".join(map(str, groups))
@@ -495,7 +503,8 @@ def _smem_flat(config: Config, ratio: int) -> int:
         n_slabs = 0 if config.get("kv_load", "slabs") != "slabs" else (2 if ratio == 2 else 1)
         slab = MULTI_CTA_STAGES * ratio * bg * MULTI_CTA_CHUNK * 4
         k_s = bg * (D if config["proj_operands"] == "wgmma" else DI) * 4
-        return 2560 + bg * (D + ROT_PAD) * 4 + k_s + n_slabs * slab
+        pad = ROT_PAD_F16X3 if config["proj"] == "f16x3" else ROT_PAD
+        return 2560 + bg * (D + pad) * 4 + k_s + n_slabs * slab
     slabs = ratio == 2 and config.get("kv_load", "slabs") != "direct"
     gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if slabs else 0
     need = bg * D * 4 + gate_slabs + 4 * DI * kc * 4 + 8 * bg * kc + 512
