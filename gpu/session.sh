@@ -74,8 +74,9 @@ phase_bench-indexer() {  # issue 6's tiles at their target shapes, torch in the 
   bench compressor prefill_r2_s64k,prefill_r1_s64k
 }
 
-phase_bench-compressor() {  # the compressor's two 64K shapes, torch in the same run
+phase_bench-compressor() {  # the compressor's two 64K shapes, torch in the same run; then each on its stored winner
   bench compressor prefill_r2_s64k,prefill_r1_s64k
+  BENCH_CONFIG=tuned bench compressor prefill_r2_s64k,prefill_r1_s64k
 }
 
 phase_bench-tuned() {  # the tiles whose stored winners differ from their defaults, each shape on its winner (torch in the same run)

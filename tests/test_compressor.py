@@ -44,8 +44,9 @@ def _default(arch=SM90):
     """The arch's default with the projection's operands through shared memory and the reference's pooling expression:
     the configs these tests vary were written and checked against it (Hopper's default reads the operands from registers
     since session 8, pools by pool_math="fast" and runs three CTAs of 16 groups per SM since session 9, normalises in the
-    pooling (norm_pass="in_pool") since session 10; those have their own tests below, against this one as the base)."""
-    base = {**cp.COMPRESSOR.default_config(arch), "proj_operands": "smem", "pool_math": "ieee", "norm_pass": "separate"}
+    pooling (norm_pass="in_pool") since session 10 and projects in fp16 (proj="f16x3") since session 29; those have
+    their own tests below, against this one as the base)."""
+    base = {**cp.COMPRESSOR.default_config(arch), "proj_operands": "smem", "pool_math": "ieee", "norm_pass": "separate", "proj": "tf32x3"}
     return {**base, "block_g": 32, "ctas_per_sm": 2} if arch.family == "hopper" else base  # three CTAs of 16 since session 9
 
 
@@ -496,7 +497,7 @@ def test_multi_cta_constraints_refuse():
     assert cp.COMPRESSOR.default_config(get_arch("sm80"))["ctas_per_sm"] == 1
     with pytest.raises(TileError, match="ctas_per_sm"):
         cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "direct", "thresholds", 2)
-    one_cta = {**default, **ONE_CTA, "block_g": 32, "proj_operands": "smem"}  # the warp-specialised kernel
+    one_cta = {**default, **ONE_CTA, "block_g": 32, "proj_operands": "smem", "proj": "tf32x3"}  # the warp-specialised kernel
     assert space.violations(one_cta, shape, arch) == []
     assert any("wk=fp32" in r for r in space.violations({**one_cta, "wk": "fp32"}, shape, arch))
     assert any("k_chunk 16" in r for r in space.violations({**one_cta, "k_chunk": 16}, shape, arch))
@@ -1047,9 +1048,9 @@ def test_fast_pool_fits_three_ctas_with_direct_loads(tmp_path):
 # The register projection with the small products (lo*hi, hi*lo) in a second accumulator: two independent MMA chains per
 # output tile (at block_g 16 a warp has two tiles, each a chain of six dependent MMAs per k chunk with one accumulator).
 
-SPLIT_ACC = [
-    ("default", {"proj_accumulators": "split"}),  # three CTAs of 16 groups
-    ("two_ctas", {"proj_accumulators": "split", "block_g": 32, "ctas_per_sm": 2}),
+SPLIT_ACC = [  # the tf32x3 projection's layouts (f16x3's: F16X3 below)
+    ("default", {"proj_accumulators": "split", "proj": "tf32x3"}),  # three CTAs of 16 groups
+    ("two_ctas", {"proj_accumulators": "split", "block_g": 32, "ctas_per_sm": 2, "proj": "tf32x3"}),
 ]
 
 
@@ -1266,9 +1267,9 @@ def test_norm_in_pool_matches_reference(label, over):
 # [256 (w / 4), +256) for output columns [32 (w % 4), +32), reading and splitting half the latent (every warp read all
 # of it), its Wk words in wk_fragment_order(Wk, 32); half 1 stores its sums into k_s, half 0 adds its own.
 
-K_SPLIT = [
-    ("default", {"proj_k_split": 2}),  # three CTAs of 16 groups
-    ("two_ctas", {"proj_k_split": 2, "block_g": 32, "ctas_per_sm": 2}),
+K_SPLIT = [  # the tf32x3 projection's layouts (f16x3's: F16X3 below)
+    ("default", {"proj_k_split": 2, "proj": "tf32x3"}),  # three CTAs of 16 groups
+    ("two_ctas", {"proj_k_split": 2, "block_g": 32, "ctas_per_sm": 2, "proj": "tf32x3"}),
 ]
 
 
@@ -1276,7 +1277,7 @@ def test_proj_k_split_in_the_space_and_refused_outside_the_register_projection()
     tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
     r2 = tile.shape("prefill_r2_s64k")
     assert {p.name: p.choices for p in space.params}["proj_k_split"] == (1, 2)
-    cfg = tile.with_defaults(SM90, {"proj_k_split": 2})
+    cfg = tile.with_defaults(SM90, {"proj_k_split": 2, "proj": "tf32x3"})
 
     def why(c):
         return " | ".join(space.violations(c, r2, SM90))
@@ -1505,7 +1506,9 @@ def test_f16x3_compiles_sm90_and_fits(label, over, tmp_path):
     for ratio in (2, 1):
         kernel, src = _build_without_producer(ratio, cfg, cfg["ctas_per_sm"])
         assert kernel.csa2_wk == ("fragments_f16_k2" if k_split == 2 else "fragments_f16")
-        assert src.count(f"csa2_proj_f16x3_regs<{cfg['block_g'] // 16}, {512 + cp_projection.ROT_PAD_F16X3}, {k_split}, {split}>(") == 1
+        assert (
+            src.count(f"csa2_proj_f16x3_regs<{cfg['block_g'] // 16}, {512 + cp_projection.ROT_PAD_F16X3}, {k_split}, {split}, false>(") == 1
+        )
         assert "m16n8k8" not in src and "m16n8k16.row.col.f32.f16.f16.f32" in src
         _assert_flat_build_fits(kernel, src, cfg, ratio, cfg["ctas_per_sm"], tmp_path)
 
@@ -1518,3 +1521,75 @@ def test_f16x3_matches_reference(label, over):
     ratios (:func:`_variant_matches_reference_and_base`)."""
     cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), over)
     _variant_matches_reference_and_base(cfg, {"proj": "tf32x3"}, ("prefill_r2_s64k", "prefill_r1_s64k"))
+
+
+# ---------------------------------------------------------------------------------- proj_latent="f16_split"
+# The main pass (main_pass="in_pool") stores the final latent once as fp16 high parts and remainders; the f16x3
+# projection reads them by ldmatrix instead of every warp splitting the fp32 words it reads.
+
+F16_SPLIT = {"proj": "f16x3", "proj_latent": "f16_split", "main_pass": "in_pool"}
+F16_SPLIT_LAYOUTS = [
+    ("three_ctas_of_16", {}),
+    ("two_ctas_of_32", {"block_g": 32, "ctas_per_sm": 2}),
+    ("two_ctas_of_32_k_split", {"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2}),
+    ("two_ctas_of_32_split_accumulators", {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split"}),
+]
+
+
+def test_f16_split_in_the_space_and_refused_without_its_prerequisites():
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2 = tile.shape("prefill_r2_s64k")
+    assert {p.name: p.choices for p in space.params}["proj_latent"] == ("fp32", "f16_split")
+    assert tile.default_config(SM90)["proj_latent"] == "fp32"
+
+    def why(c):
+        return " | ".join(space.violations(c, r2, SM90))
+
+    for _, layout in F16_SPLIT_LAYOUTS:
+        assert why(tile.with_defaults(SM90, {**layout, **F16_SPLIT})) == "", layout
+    cfg = tile.with_defaults(SM90, F16_SPLIT)
+    assert "proj_latent=f16_split" in why({**cfg, "main_pass": "separate"})
+    assert "proj_latent=f16_split" in why({**cfg, "proj": "tf32x3"})
+    assert "unknown proj_latent" in why({**cfg, "proj_latent": "bf16"})
+    # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc,
+    #  norm, k_split, main_pass, proj_latent)
+    base = ["sm_90a", 2, 16, 256, "f16x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
+    with pytest.raises(TileError, match="proj_latent"):
+        cp_kernel._compress_kernel(*base, "in_pool", 1, "separate", "f16_split")
+    with pytest.raises(TileError, match="proj_latent"):
+        cp_kernel._compress_kernel(*base[:4], "tf32x3", *base[5:], "in_pool", 1, "in_pool", "f16_split")
+
+
+@pytest.mark.parametrize("label, layout", F16_SPLIT_LAYOUTS, ids=[c[0] for c in F16_SPLIT_LAYOUTS])
+def test_f16_split_compiles_sm90_and_fits(label, layout, tmp_path):
+    """Both ratios: the main pass's split store and the projection's ldmatrix reads (PRESPLIT), no split left in the
+    projection's call, rows of 516 words (1032 halves), the shared memory as modelled, ptxas within the occupancy without
+    spilling."""
+    cfg = cp.COMPRESSOR.with_defaults(SM90, {**layout, **F16_SPLIT})
+    split = "true" if cfg["proj_accumulators"] == "split" else "false"
+    for ratio in (2, 1):
+        kernel, src = _build_without_producer(ratio, cfg, cfg["ctas_per_sm"])
+        assert src.count("csa2_main_from_rows_f16((&(pooled_f[0]))") == 1 and "csa2_main_from_rows((&" not in src
+        assert src.count(f"csa2_proj_f16x3_regs<{cfg['block_g'] // 16}, 516, {cfg['proj_k_split']}, {split}, true>(") == 1
+        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in src
+        _assert_flat_build_fits(kernel, src, cfg, ratio, cfg["ctas_per_sm"], tmp_path)
+    rows = cp_pool_encode.main_from_rows_f16_split_cuda()
+    assert "csa2_store_f16_split(rot_row, 128 * j + 4 * lane" in rows and "float4*>(rot_row" not in rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, layout", F16_SPLIT_LAYOUTS, ids=[c[0] for c in F16_SPLIT_LAYOUTS])
+def test_f16_split_equals_the_per_warp_split(label, layout):
+    """Both caches bit-identical to proj_latent="fp32" in the same layout (the same split of the same words, the same
+    MMAs in the same order), at both ratios' 4K and 64K shapes and the decode shapes; and against the reference."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = tile.with_defaults(arch, {**layout, **F16_SPLIT})
+    for name in ("prefill_r2_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64"):
+        shape = tile.shape(name)
+        ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
+        assert ev.outcome == OK, f"{name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 13, "cuda")
+        base = tile.run(tile.build(shape, {**cfg, "proj_latent": "fp32"}, arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        for out in ("main_packed", "main_scales", "idx_packed", "idx_scales"):
+            assert torch.equal(base[out], new[out]), f"{name}: {out}"

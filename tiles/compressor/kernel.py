@@ -18,6 +18,7 @@ from tiles.compressor.options import (
     POOL_MATHS,
     PROJ_ACCUMULATORS,
     PROJ_K_SPLITS,
+    PROJ_LATENTS,
     PROJ_OPERANDS,
     SCHEDULES,
     WK_LOADS,
@@ -30,12 +31,14 @@ from tiles.compressor.pool_encode import (
     _e2m1_code_search,
     _pool_pair,
     _staged_pool,
+    main_from_rows_f16_split_cuda,
 )
 from tiles.compressor.projection import (
     _PROJ_F16X3_CUDA,
     _PROJ_REGS_CUDA,
     _PROJ_REGS_K2_CUDA,
     _PROJ_WGMMA_CUDA,
+    F16_SPLIT_CUDA,
     PROJ_WARPS,
     ROT_PAD,
     ROT_PAD_F16X3,
@@ -101,6 +104,7 @@ def _compress_kernel(
     norm_pass: str = "separate",
     proj_k_split: int = 1,
     main_pass: str = "separate",
+    proj_latent: str = "fp32",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -162,6 +166,10 @@ def _compress_kernel(
     ``proj`` "f16x3" (register projection only): the three products in fp16 on m16n8k16 (:data:`_PROJ_F16X3_CUDA`:
     half the MMAs, the latent split into fp16 pairs, Wk split and scaled on the host by :func:`wk_fragment_order_f16`,
     its unscale passed in ``wk_lo``), with every ``proj_k_split`` / ``proj_accumulators`` layout of "registers".
+    ``proj_latent`` (proj="f16x3"): "fp32" keeps the final latent in rot_s as fp32 and every projection warp splits the
+    words it reads (8 warps: each latent word split 8 times, or 4 with ``proj_k_split=2``); "f16_split" (main_pass="in_pool")
+    has the main pass store it once as fp16 high parts and remainders (:func:`main_from_rows_f16_split_cuda`), which the
+    projection reads by ldmatrix: the same operands, no splits in the projection.
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -172,6 +180,9 @@ def _compress_kernel(
     f16x3 = proj == "f16x3"
     if f16x3 and proj_operands != "registers":
         raise TileError(f"proj='f16x3' is built in the register projection only (proj_operands='registers', got {proj_operands!r})")
+    if proj_latent not in PROJ_LATENTS or (proj_latent == "f16_split" and (not f16x3 or main_pass != "in_pool")):
+        raise TileError(f"proj_latent {proj_latent!r}: use 'fp32', or 'f16_split' with proj='f16x3' and main_pass='in_pool'")
+    presplit = proj_latent == "f16_split"
     if flat and (load != "staged" or proj not in ("tf32x3", "f16x3")):
         raise TileError(f"ctas_per_sm {ctas_per_sm}, schedule {schedule} is built for load=staged, proj=tf32x3 (got {load}, {proj})")
     if (wk_stages != 2 or kv_load != "slabs") and not flat:
@@ -241,7 +252,8 @@ def _compress_kernel(
                 lat = T.alloc_fragment((block_g, D), "float32")
                 sq = T.alloc_fragment((block_g, D), "float32")
             ss = T.alloc_fragment((block_g,), "float32")
-            rot_pad = ROT_PAD_F16X3 if f16x3 else ROT_PAD
+            # f16_split: each row's fp16 halves (1032 of them, 16 B x 129 a row) in the tf32x3 row of 516 words
+            rot_pad = ROT_PAD_F16X3 if f16x3 and not presplit else ROT_PAD
             rot_s = T.alloc_shared((block_g, D + rot_pad if regs else D), "float32")
             w_s = T.alloc_shared((D,), "float32")
             amax_m = T.alloc_fragment((block_g, D // MAIN_GROUP), "float32")
@@ -301,8 +313,9 @@ def _compress_kernel(
                 extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
                 extra += _PROJ_REGS_K2_CUDA if proj_k_split == 2 else ""
                 projection = "" if not regs else (_PROJ_F16X3_CUDA if f16x3 else _PROJ_REGS_CUDA + extra)
-                bounds = (_bounds_cuda() + (_MAIN_FROM_ROWS_CUDA if main_pass == "in_pool" else "")) if encode == "thresholds" else ""
-                T.import_source(bounds + projection)
+                main_rows = (_MAIN_FROM_ROWS_CUDA + (main_from_rows_f16_split_cuda() if presplit else "")) if main_pass == "in_pool" else ""
+                bounds = (_bounds_cuda() + main_rows) if encode == "thresholds" else ""
+                T.import_source((F16_SPLIT_CUDA if f16x3 else "") + bounds + projection)
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
@@ -347,7 +360,7 @@ def _compress_kernel(
                                 row = r * DIRECT_ROWS + T.get_thread_binding() // 32
                                 T.call_extern(
                                     "handle",
-                                    "csa2_main_from_rows",
+                                    "csa2_main_from_rows_f16" if presplit else "csa2_main_from_rows",
                                     T.address_of(pooled_f[0, 0]),
                                     T.address_of(cos[0, 0]),
                                     T.address_of(sin[0, 0]),
@@ -431,8 +444,8 @@ def _compress_kernel(
                 if wgmma:
                     fn, operands = f"csa2_proj_tf32x3_wgmma<{block_g}, {D + ROT_PAD}, {D}>", (rot_s, lo_s, wk_hi, k_s)
                 elif f16x3:  # wk_hi: the fp16 fragments; wk_lo: the unscale 2^-e
-                    split = "true" if proj_accumulators == "split" else "false"
-                    fn = f"csa2_proj_f16x3_regs<{block_g // 16}, {D + rot_pad}, {proj_k_split}, {split}>"
+                    split, pre = ("true" if flag else "false" for flag in (proj_accumulators == "split", presplit))
+                    fn = f"csa2_proj_f16x3_regs<{block_g // 16}, {D + rot_pad}, {proj_k_split}, {split}, {pre}>"
                     operands = (rot_s, wk_hi, wk_lo, k_s)
                 else:
                     variant = "_split" if proj_accumulators == "split" else ("_k2" if proj_k_split == 2 else "")

@@ -32,6 +32,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("norm_pass", "separate"),
         cfg.get("proj_k_split", 1),
         cfg.get("main_pass", "separate"),
+        cfg.get("proj_latent", "fp32"),
     )
 
 

@@ -159,6 +159,20 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
 """
 
 
+def main_from_rows_f16_split_cuda() -> str:
+    """``proj_latent="f16_split"``: :data:`_MAIN_FROM_ROWS_CUDA` as ``csa2_main_from_rows_f16``, which stores the final
+    latent into its row of rot_s as fp16 high parts and remainders (``csa2_store_f16_split``, once per value) instead of
+    fp32: the split that every projection warp otherwise makes of what it reads. The main cache is the same code."""
+    src = _MAIN_FROM_ROWS_CUDA[_MAIN_FROM_ROWS_CUDA.index("__device__") :]  # the include comes once, from the fp32 variant
+    old = "*reinterpret_cast<float4*>(rot_row + 128 * j + 4 * lane) = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);"
+    new = "csa2_store_f16_split(rot_row, 128 * j + 4 * lane, v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);"
+    for before, after in ((old, new), ("void csa2_main_from_rows(", "void csa2_main_from_rows_f16(")):
+        if src.count(before) != 1:  # the shared source changed under this derivation
+            raise RuntimeError(f"_MAIN_FROM_ROWS_CUDA no longer has exactly one {before!r}: update main_from_rows_f16_split_cuda")
+        src = src.replace(before, after)
+    return src
+
+
 LOAD_CHUNK = 32  # channels per staged kv/gate slab: [2 * block_g, 32] fp32 = 8 KiB per tensor at block_g 32
 
 

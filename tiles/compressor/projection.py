@@ -377,14 +377,10 @@ def wk_fragment_order(wk: torch.Tensor, columns: int = 16) -> torch.Tensor:
 # KH = 1: warp w owns output columns [16w, 16w + 16) over all 32 chunks; KH = 2 (proj_k_split=2): warp w covers the K half
 # w / 4 for columns [32 (w % 4), + 32), the halves summed in `out` (half 1 stores, a barrier, half 0 adds). SPLIT
 # (proj_accumulators="split"): the two small products in their own accumulator, added at the end.
-_PROJ_F16X3_CUDA = r"""
+# The fp16 split of the latent, shared by the projection (proj_latent="fp32": each warp splits what it reads) and the main
+# pass (proj_latent="f16_split": csa2_store_f16_split, once per value); imported before both.
+F16_SPLIT_CUDA = r"""
 #include <cuda_fp16.h>
-__device__ __forceinline__ void csa2_mma_f16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // Two adjacent latent words -> their fp16 high parts and the fp16 roundings of the remainders (lower k in the low half).
 __device__ __forceinline__ void csa2_split_f16x2(float2 x, unsigned& hi, unsigned& lo) {
   const __half2 h = __floats2half2_rn(x.x, x.y);
@@ -393,9 +389,34 @@ __device__ __forceinline__ void csa2_split_f16x2(float2 x, unsigned& hi, unsigne
   hi = *reinterpret_cast<const unsigned*>(&h);
   lo = *reinterpret_cast<const unsigned*>(&l);
 }
-// rot: fp32 [MT * 16, RS] shared; wkf: wk_fragment_order_f16 (global, read as uint4); unscale: 2^-e (global, first
+// proj_latent="f16_split": latent columns col .. col + 3 of a row of rot_s (fp32 [*, 516]) as fp16 high parts in halves
+// [0, 512) of the row and remainders in halves [512, 1024): the row stride of 1032 halves (16 B x 129) keeps
+// ldmatrix's eight row reads in distinct 16-byte bank groups.
+__device__ __forceinline__ void csa2_store_f16_split(float* row, int col, float x0, float x1, float x2, float x3) {
+  unsigned h0, l0, h1, l1;
+  csa2_split_f16x2(make_float2(x0, x1), h0, l0);
+  csa2_split_f16x2(make_float2(x2, x3), h1, l1);
+  unsigned* w = reinterpret_cast<unsigned*>(row);
+  *reinterpret_cast<uint2*>(w + col / 2) = make_uint2(h0, h1);
+  *reinterpret_cast<uint2*>(w + 256 + col / 2) = make_uint2(l0, l1);
+}
+"""
+
+_PROJ_F16X3_CUDA = r"""
+__device__ __forceinline__ void csa2_ldmatrix_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void csa2_mma_f16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// rot: fp32 [MT * 16, RS] shared (PRESPLIT: each row its fp16 high parts, then its remainders, see csa2_store_f16_split); wkf: wk_fragment_order_f16 (global, read as uint4); unscale: 2^-e (global, first
 // word); out: fp32 [MT * 16, 128] shared.
-template <int MT, int RS, int KH, bool SPLIT>
+template <int MT, int RS, int KH, bool SPLIT, bool PRESPLIT>
 __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const float* __restrict__ wkf,
                                                      const float* __restrict__ unscale, float* out) {
   constexpr int NT = 2 * KH;   // n tiles of 8 output columns per warp
@@ -418,6 +439,8 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
 #pragma unroll
     for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + (c0 + s) * 32 * NT + n);
   const float* arow = rot + g * RS + 2 * t;
+  // PRESPLIT: this lane's ldmatrix row of an m tile (rows lane % 16, k half lane / 16), bytes in the shared window
+  const unsigned a_lane = static_cast<unsigned>(__cvta_generic_to_shared(rot)) + (lane & 15) * RS * 4 + (lane >> 4) * 16;
 #pragma unroll 1
   for (int cc = 0; cc < NC; cc += 2) {
 #pragma unroll
@@ -431,11 +454,17 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
       for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + nc * 32 * NT + n);
       unsigned ah[MT][4], al[MT][4];
 #pragma unroll
-      for (int m = 0; m < MT; ++m)
+      for (int m = 0; m < MT; ++m) {
+        if constexpr (PRESPLIT) {  // the 16 x 16 tile's four 8 x 8 matrices = a0..a3, high parts then remainders
+          csa2_ldmatrix_x4(ah[m], a_lane + m * 64 * RS + 32 * c);
+          csa2_ldmatrix_x4(al[m], a_lane + m * 64 * RS + 32 * c + 1024);
+        } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          csa2_split_f16x2(*reinterpret_cast<const float2*>(arow + (m * 16 + (e & 1) * 8) * RS + c * 16 + (e >> 1) * 8),
-                           ah[m][e], al[m][e]);
+          for (int e = 0; e < 4; ++e)
+            csa2_split_f16x2(*reinterpret_cast<const float2*>(arow + (m * 16 + (e & 1) * 8) * RS + c * 16 + (e >> 1) * 8),
+                             ah[m][e], al[m][e]);
+        }
+      }
       // The small products first, then hi x hi (tf32x3's order).
 #pragma unroll
       for (int m = 0; m < MT; ++m)

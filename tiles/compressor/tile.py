@@ -27,6 +27,7 @@ from tiles.compressor.options import (
     POOL_MATHS,
     PROJ_ACCUMULATORS,
     PROJ_K_SPLITS,
+    PROJ_LATENTS,
     PROJ_OPERANDS,
     SCHEDULES,
     WK_LOADS,
@@ -176,6 +177,13 @@ class CompressorTile(Tile):
                 "norm_pass=in_pool, encode=thresholds: RoPE and the main cache's amax, scale and codes as passes over rot_s "
                 "(barriers between), or from the normalised rows in registers (the group max by two shuffles; the same bits)",
             ),
+            Param(
+                "proj_latent",
+                PROJ_LATENTS,
+                "proj=f16x3: the final latent in shared memory as fp32, split into fp16 parts by every projection warp "
+                "that reads it (8 or 4 times a word), or (main_pass=in_pool) split once by the main pass and stored as "
+                "fp16 high parts and remainders, which the projection reads by ldmatrix",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -194,7 +202,11 @@ class CompressorTile(Tile):
             cfg = {
                 "block_g": 32,
                 "threads": 256,
-                "proj": "tf32x3",
+                # The projection's three products in fp16 on m16n8k16 (half the MMAs of tf32x3, Wk split on the host; index
+                # codes closer to the reference's), H200, one run against tf32x3 (session 29,
+                # results/sm90/profile_compressor_f16x3_session29.json): prefill 64K ratio 2 0.1447 -> 0.1296 ms, ratio 1
+                # 0.2293 -> 0.1982 ms, decode B=64 ratio 2 0.0122 -> 0.0103 ms, ratio 1 0.0108 -> 0.0095 ms.
+                "proj": "f16x3",
                 "k_chunk": 16,
                 "load": "staged",
                 "encode": "thresholds",
@@ -222,7 +234,8 @@ class CompressorTile(Tile):
                 # ratio 1 0.0119 -> 0.0109 ms (three CTAs of 16, below).
                 "norm_pass": "in_pool",
                 "proj_k_split": 1,
-                "main_pass": "separate",  # "in_pool": NOT yet run on a GPU (gpu/session.sh queued)
+                "main_pass": "separate",  # "in_pool": slower at decode (session 11); the 64K winners take it
+                "proj_latent": "fp32",
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
             # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
@@ -249,15 +262,21 @@ class CompressorTile(Tile):
         (results/sm90/profile_compressor_k_split_session10.json: 0.1418 vs 0.1443 ms at 64K); not a default (two CTAs of
         32 were 70% slower at decode, session 9). With ``main_pass="in_pool"`` on top: 0.1354 vs 0.1457 ms the default (session
         11, results/sm90/profile_compressor_main_pass_session11.json); main_pass alone was even at ratio 2 and slower
-        at decode there."""
+        at decode there. Since session 29 the default projects in fp16 (proj="f16x3"); the layouts measured before pin
+        tf32x3, and each ratio has its f16x3 layout (results/sm90/profile_compressor_f16x3_session29.json)."""
         if arch.family != "hopper":
             return []
+        tf32 = {"proj": "tf32x3"}  # the layouts measured before f16x3 became the default (session 29)
         if shape.dims.get("ratio") == 2 and shape.phase == "prefill":
             return [
-                ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2}, "r2 64K 0.1418 vs 0.1443 ms (H200, session 10)"),
+                ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, **tf32}, "r2 64K 0.1418 vs 0.1443 ms (H200, session 10)"),
                 (
-                    {"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, "main_pass": "in_pool"},
+                    {"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, "main_pass": "in_pool", **tf32},
                     "r2 64K 0.1354 vs 0.1457 ms the default (H200, session 11)",
+                ),
+                (
+                    {"block_g": 32, "ctas_per_sm": 2, "main_pass": "in_pool"},
+                    "r2 64K 0.1264 vs 0.1296 ms the f16x3 default (H200, session 29)",
                 ),
             ]
         if shape.dims.get("ratio") != 1:
@@ -266,15 +285,19 @@ class CompressorTile(Tile):
             ({"schedule": "flat", "block_g": 64, "kv_load": "whole", "wk_stages": 4}, "r1 64K 0.327 vs 0.377 ms (H200)"),
             ({"block_g": 32, "ctas_per_sm": 2, "kv_load": "whole", "wk_stages": 3}, "r1 64K 0.349 vs 0.377 ms (H200)"),
             (
-                {"block_g": 32, "ctas_per_sm": 2},
+                {"block_g": 32, "ctas_per_sm": 2, **tf32},
                 "r1 64K 0.2251 vs 0.2312 ms at three CTAs of 16, both norm_pass=in_pool (H200, session 10)",
             ),
             (
-                {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split"},
+                {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split", **tf32},
                 "r1 64K 0.2115 vs 0.2251 ms with one accumulator, 0.2312 the default (H200, session 10, norm_pass=in_pool)",
             ),
-            ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2}, "r1 64K 0.2147 vs 0.2292 ms the default (H200, session 10)"),
-            ({"main_pass": "in_pool"}, "r1 64K 0.2260 vs 0.2317 ms the default (H200, session 11)"),
+            ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, **tf32}, "r1 64K 0.2147 vs 0.2292 ms the default (H200, session 10)"),
+            ({"main_pass": "in_pool", **tf32}, "r1 64K 0.2260 vs 0.2317 ms the default (H200, session 11)"),
+            (
+                {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split", "main_pass": "in_pool"},
+                "r1 64K 0.1885 vs 0.1982 ms the f16x3 default (H200, session 29)",
+            ),
         ]
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
@@ -305,6 +328,8 @@ class CompressorTile(Tile):
                 cfg.update(block_g=32, ctas_per_sm=2)
         if "proj_operands" not in config and cfg.get("proj_operands") == "registers" and _proj_registers_refusal(cfg, _schedule(cfg)):
             cfg["proj_operands"] = "smem"  # what the picked choices leave the register operands unable to run with
+        if "proj" not in config and cfg["proj"] == "f16x3" and cfg.get("proj_operands") != "registers":
+            cfg["proj"] = "tf32x3"  # f16x3 is built in the register projection only
         if "norm_pass" not in config and cfg.get("norm_pass") == "in_pool" and cfg.get("kv_load") != "direct":
             cfg["norm_pass"] = "separate"  # the pooled rows are in registers only with the direct loads
         if "main_pass" not in config and cfg.get("main_pass") == "in_pool" and cfg["norm_pass"] != "in_pool":
@@ -458,6 +483,11 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     main_pass = config.get("main_pass", "separate")
     if main_pass not in MAIN_PASSES:
         return f"unknown main_pass {main_pass!r}: use one of {', '.join(MAIN_PASSES)}"
+    proj_latent = config.get("proj_latent", "fp32")
+    if proj_latent not in PROJ_LATENTS:
+        return f"unknown proj_latent {proj_latent!r}: use one of {', '.join(PROJ_LATENTS)}"
+    if proj_latent == "f16_split" and (config["proj"] != "f16x3" or main_pass != "in_pool"):
+        return "proj_latent=f16_split is the main pass's split of the f16x3 operands: it needs proj=f16x3 and main_pass=in_pool"
     if main_pass == "in_pool" and (norm_pass != "in_pool" or config.get("encode", "divide") != "thresholds"):
         return "main_pass=in_pool encodes the normalised rows in registers: it needs norm_pass=in_pool and encode=thresholds"
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2 and config.get("pool_math", "ieee") == "ieee":
@@ -503,7 +533,8 @@ def _smem_flat(config: Config, ratio: int) -> int:
         n_slabs = 0 if config.get("kv_load", "slabs") != "slabs" else (2 if ratio == 2 else 1)
         slab = MULTI_CTA_STAGES * ratio * bg * MULTI_CTA_CHUNK * 4
         k_s = bg * (D if config["proj_operands"] == "wgmma" else DI) * 4
-        pad = ROT_PAD_F16X3 if config["proj"] == "f16x3" else ROT_PAD
+        f16_fp32_latent = config["proj"] == "f16x3" and config.get("proj_latent", "fp32") == "fp32"
+        pad = ROT_PAD_F16X3 if f16_fp32_latent else ROT_PAD
         return 2560 + bg * (D + pad) * 4 + k_s + n_slabs * slab
     slabs = ratio == 2 and config.get("kv_load", "slabs") != "direct"
     gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if slabs else 0
