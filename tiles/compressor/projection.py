@@ -361,22 +361,6 @@ def wk_fragment_order(wk: torch.Tensor, columns: int = 16) -> torch.Tensor:
     return w.permute(0, 3, 2, 6, 1, 4, 5).contiguous().view(DI, D)  # (w, c, g, t, n, ks, h)
 
 
-# proj="f16x3" (register projection): the same three-product split in fp16 on m16n8k16, half the MMAs of tf32x3 (a k
-# step of 16 instead of 8 for the same issue slot, twice the tensor-core rate) and no Wk splits in the kernel. The latent
-# word x becomes hi = f16(x) and lo = f16(x - hi) (round to nearest: 22 significant bits together, against TF32's
-# truncated 21); Wk is split on the host once per weight, after scaling by 2^e so that max |Wk| 2^e <= 2^14 (its remainders
-# stay normal fp16 for ~|Wk| / 2^10 of the range), and the accumulator is scaled back by 2^-e, exactly, before the store.
-# Limits: the latent must stay below 65504 in magnitude (a normalised row's entries are at most sqrt(512) max |norm_w|,
-# so max |norm_w| < 2896); a latent entry below 2^-3 loses the relative precision of its remainder (absolute error
-# <= 2^-25). An emulation at 64K groups (f16x3 vs tf32x3 vs fp64, notes/indexer.md session 29) gives a relative error of
-# 7.6e-8 against tf32x3's 3.5e-7 and the same index-code differences.
-# Fragments: a0 = latent (g, 2t..2t+1), a1 = (g + 8, ..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..) of the 16 x 16 tile
-# (two adjacent fp32 words per register: one float2 read, rot_s rows ROT_PAD_F16X3 words past 512 so that a half-warp's
-# float2 reads hit distinct bank pairs); b0 = Wk[col g, k 2t..2t+1], b1 = Wk[col g, k 2t + 8..]. Per lane, n tile and
-# 16-wide chunk one uint4 (hi b0, hi b1, lo b0, lo b1), in the order of wk_fragment_order_f16.
-# KH = 1: warp w owns output columns [16w, 16w + 16) over all 32 chunks; KH = 2 (proj_k_split=2): warp w covers the K half
-# w / 4 for columns [32 (w % 4), + 32), the halves summed in `out` (half 1 stores, a barrier, half 0 adds). SPLIT
-# (proj_accumulators="split"): the two small products in their own accumulator, added at the end.
 # The fp16 split of the latent, shared by the projection (proj_latent="fp32": each warp splits what it reads) and the main
 # pass (proj_latent="f16_split": csa2_store_f16_split, once per value); imported before both.
 F16_SPLIT_CUDA = r"""
@@ -402,6 +386,25 @@ __device__ __forceinline__ void csa2_store_f16_split(float* row, int col, float 
 }
 """
 
+# proj="f16x3" (register projection): the same three-product split in fp16 on m16n8k16, half the MMAs of tf32x3 (a k
+# step of 16 instead of 8 for the same issue slot, twice the tensor-core rate) and no Wk splits in the kernel. The latent
+# word x becomes hi = f16(x) and lo = f16(x - hi) (round to nearest: 22 significant bits together, against TF32's
+# truncated 21); Wk is split on the host once per weight, after scaling by 2^e so that max |Wk| 2^e < 2^14 (the remainders of all but the
+# smallest weights then stay normal fp16, not subnormal), and the accumulator is scaled back by 2^-e, exactly, before the store.
+# Limits: the latent must stay below 65504 in magnitude (a normalised row's entries are at most sqrt(512) max |norm_w|,
+# so max |norm_w| < 2896); a latent entry below 2^-3 loses the relative precision of its remainder (absolute error
+# <= 2^-25). An emulation at 64K groups (f16x3 vs tf32x3 vs fp64, notes/indexer.md session 29) gives a relative error of
+# 7.6e-8 against tf32x3's 3.5e-7 and the same index-code differences.
+# Fragments: a0 = latent (g, 2t..2t+1), a1 = (g + 8, ..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..) of the 16 x 16 tile
+# (two adjacent fp32 words per register: one float2 read, rot_s rows ROT_PAD_F16X3 words past 512 so that a half-warp's
+# float2 reads hit distinct bank pairs); b0 = Wk[col g, k 2t..2t+1], b1 = Wk[col g, k 2t + 8..]. Per lane, n tile and
+# 16-wide chunk one uint4 (hi b0, hi b1, lo b0, lo b1), in the order of wk_fragment_order_f16.
+# KH = 1: warp w owns output columns [16w, 16w + 16) over all 32 chunks; KH = 2 (proj_k_split=2): warp w covers the K half
+# w / 4 for columns [32 (w % 4), + 32), the halves summed in `out` (half 1 stores, a barrier, half 0 adds). SPLIT
+# (proj_accumulators="split"): the two small products in their own accumulator, added at the end.
+# PRESPLIT (proj_latent="f16_split"): the latent is already in rot_s as fp16 high parts and remainders
+# (csa2_store_f16_split, written by the main pass); each 16 x 16 A tile is two ldmatrix.x4 instead of four float2 reads
+# and their splits.
 _PROJ_F16X3_CUDA = r"""
 __device__ __forceinline__ void csa2_ldmatrix_x4(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

@@ -81,7 +81,7 @@ class CompressorTile(Tile):
     """Pooling + RMSNorm + RoPE + FP4 main cache + index-K projection/norm/RoPE + FP4 index cache, one pass."""
 
     name = "compressor"
-    description = "gated pooling, RMSNorm, RoPE, FP4 E4M3/16 main cache and fused 512->128 index-K (tf32x3 MMA) into FP4 E8M0/32"
+    description = "gated pooling, RMSNorm, RoPE, FP4 E4M3/16 main cache and fused 512->128 index-K (tf32x3 or f16x3 MMA) into FP4 E8M0/32"
 
     def shapes(self) -> list[Shape]:
         return compressor_shapes()
