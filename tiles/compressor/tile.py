@@ -248,7 +248,7 @@ class CompressorTile(Tile):
         for block_g, k_chunk in ((32, 64), (16, 64), (16, 32)):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
-            cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1, main_pass="separate")
+            cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1, main_pass="separate", proj_latent="fp32")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
