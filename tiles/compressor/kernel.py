@@ -14,6 +14,7 @@ from tiles.compressor.options import (
     ENCODES,
     KV_LOADS,
     MAIN_PASSES,
+    MMA_PROJS,
     NORM_PASSES,
     POOL_MATHS,
     PROJ_ACCUMULATORS,
@@ -40,10 +41,9 @@ from tiles.compressor.projection import (
     _PROJ_WGMMA_CUDA,
     F16_SPLIT_CUDA,
     PROJ_WARPS,
-    ROT_PAD,
-    ROT_PAD_F16X3,
     _split_accumulator_cuda,
     _split_tf32_tile,
+    rot_pad,
 )
 from tiles.contract import TileError
 
@@ -183,7 +183,7 @@ def _compress_kernel(
     if proj_latent not in PROJ_LATENTS or (proj_latent == "f16_split" and (not f16x3 or main_pass != "in_pool")):
         raise TileError(f"proj_latent {proj_latent!r}: use 'fp32', or 'f16_split' with proj='f16x3' and main_pass='in_pool'")
     presplit = proj_latent == "f16_split"
-    if flat and (load != "staged" or proj not in ("tf32x3", "f16x3")):
+    if flat and (load != "staged" or proj not in MMA_PROJS):
         raise TileError(f"ctas_per_sm {ctas_per_sm}, schedule {schedule} is built for load=staged, proj=tf32x3 (got {load}, {proj})")
     if (wk_stages != 2 or kv_load != "slabs") and not flat:
         raise TileError(f"wk_stages {wk_stages} / kv_load {kv_load!r} exist only in the flat kernel (ctas_per_sm > 1 or schedule=flat)")
@@ -252,9 +252,8 @@ def _compress_kernel(
                 lat = T.alloc_fragment((block_g, D), "float32")
                 sq = T.alloc_fragment((block_g, D), "float32")
             ss = T.alloc_fragment((block_g,), "float32")
-            # f16_split: each row's fp16 halves (1032 of them, 16 B x 129 a row) in the tf32x3 row of 516 words
-            rot_pad = ROT_PAD_F16X3 if f16x3 and not presplit else ROT_PAD
-            rot_s = T.alloc_shared((block_g, D + rot_pad if regs else D), "float32")
+            row_pad = rot_pad(proj, proj_latent)
+            rot_s = T.alloc_shared((block_g, D + row_pad if regs else D), "float32")
             w_s = T.alloc_shared((D,), "float32")
             amax_m = T.alloc_fragment((block_g, D // MAIN_GROUP), "float32")
             scale_m = T.alloc_shared((block_g, D // MAIN_GROUP), "float32")
@@ -442,14 +441,14 @@ def _compress_kernel(
                 # Out of registers (see _PROJ_REGS_CUDA) or on wgmma (_PROJ_WGMMA_CUDA: the latent's high part overwrites
                 # rot_s, its remainder goes to lo_s) into k_s; rot_s is final (barrier after the main stores).
                 if wgmma:
-                    fn, operands = f"csa2_proj_tf32x3_wgmma<{block_g}, {D + ROT_PAD}, {D}>", (rot_s, lo_s, wk_hi, k_s)
+                    fn, operands = f"csa2_proj_tf32x3_wgmma<{block_g}, {D + row_pad}, {D}>", (rot_s, lo_s, wk_hi, k_s)
                 elif f16x3:  # wk_hi: the fp16 fragments; wk_lo: the unscale 2^-e
                     split, pre = ("true" if flag else "false" for flag in (proj_accumulators == "split", presplit))
-                    fn = f"csa2_proj_f16x3_regs<{block_g // 16}, {D + rot_pad}, {proj_k_split}, {split}, {pre}>"
+                    fn = f"csa2_proj_f16x3_regs<{block_g // 16}, {D + row_pad}, {proj_k_split}, {split}, {pre}>"
                     operands = (rot_s, wk_hi, wk_lo, k_s)
                 else:
                     variant = "_split" if proj_accumulators == "split" else ("_k2" if proj_k_split == 2 else "")
-                    fn, operands = f"csa2_proj_tf32x3_regs{variant}<{block_g // 16}, {D + ROT_PAD}>", (rot_s, wk_hi, k_s)
+                    fn, operands = f"csa2_proj_tf32x3_regs{variant}<{block_g // 16}, {D + row_pad}>", (rot_s, wk_hi, k_s)
                 T.call_extern("handle", fn, *[T.address_of(buf[0, 0]) for buf in operands])
                 T.sync_threads()
             elif wk == "fp32":

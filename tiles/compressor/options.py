@@ -16,4 +16,5 @@ MAIN_PASSES = ("separate", "in_pool")  # RoPE + main cache as passes over rot_s,
 
 PROJ_OPERANDS = ("smem", "registers", "wgmma")  # where the tf32x3 projection's operands live (see _compress_kernel)
 PROJ_ACCUMULATORS = ("shared", "split")  # register projection: one accumulator per output tile, or the small products apart
+MMA_PROJS = ("tf32x3", "f16x3")  # the tensor-core projections (the others: "simt")
 PROJ_LATENTS = ("fp32", "f16_split")  # proj=f16x3: the latent in rot_s as fp32 (split per warp) or split once by the main pass

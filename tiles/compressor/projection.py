@@ -514,6 +514,14 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
 """
 
 ROT_PAD_F16X3 = 8  # proj="f16x3": rot_s row stride 520 words, so a half-warp's float2 fragment reads hit 16 distinct bank pairs
+
+
+def rot_pad(proj: str, proj_latent: str) -> int:
+    """Words past 512 in a row of rot_s for the register projections: ROT_PAD_F16X3 where f16x3 reads the fp32 latent as
+    float2s, else ROT_PAD (tf32x3's word reads; f16_split's rows of 1032 fp16 halves, 16 B x 129 a row, for ldmatrix)."""
+    return ROT_PAD_F16X3 if proj == "f16x3" and proj_latent == "fp32" else ROT_PAD
+
+
 F16X3_WK_MAX_EXP = 14  # proj="f16x3": Wk is scaled by 2^e with max |Wk| 2^e < 2^14
 
 

@@ -23,6 +23,7 @@ from tiles.compressor.options import (
     ENCODES,
     KV_LOADS,
     MAIN_PASSES,
+    MMA_PROJS,
     NORM_PASSES,
     POOL_MATHS,
     PROJ_ACCUMULATORS,
@@ -33,7 +34,7 @@ from tiles.compressor.options import (
     WK_LOADS,
 )
 from tiles.compressor.pool_encode import LOAD_CHUNK
-from tiles.compressor.projection import ROT_PAD, ROT_PAD_F16X3
+from tiles.compressor.projection import rot_pad
 from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, poisoned
 from tiles.shapes import compressor_shapes, flash
 
@@ -318,7 +319,7 @@ class CompressorTile(Tile):
         With ``schedule="flat"`` named (e.g. {"schedule": "flat", "block_g": 64}) it gets the flat kernel at one CTA per
         SM and keeps the default's k_chunk 16 and wk."""
         cfg = {**self.default_config(arch), **config}
-        multi_cta_ok = cfg["load"] == "staged" and cfg["proj"] in ("tf32x3", "f16x3") and cfg["threads"] == 256
+        multi_cta_ok = cfg["load"] == "staged" and cfg["proj"] in MMA_PROJS and cfg["threads"] == 256
         multi_cta_ok = multi_cta_ok and cfg["block_g"] in (16, 32) and cfg["k_chunk"] == MULTI_CTA_CHUNK
         multi_cta_ok = multi_cta_ok and cfg.get("schedule", "flat") == "flat"
         if "ctas_per_sm" not in config and cfg.get("ctas_per_sm", 1) > 1 and not multi_cta_ok:
@@ -515,7 +516,7 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"ctas_per_sm {n} (the flat kernel) is built and checked for Hopper (sm_90a) only"
     # block_g 64 only at one CTA per SM (its rot_s alone is 128 KiB); 16 only at 3 (what was compiled and checked).
     groups = (16, 32) if n > 1 else (32, 64)
-    want = {"load": ("staged",), "proj": ("tf32x3", "f16x3"), "threads": (256,), "k_chunk": (16,), "block_g": groups}
+    want = {"load": ("staged",), "proj": MMA_PROJS, "threads": (256,), "k_chunk": (16,), "block_g": groups}
     wrong = [f"{k}={config[k]!r}" for k, ok in want.items() if config[k] not in ok]
     if wrong:
         g = " or ".join(map(str, groups))
@@ -543,8 +544,7 @@ def _smem_flat(config: Config, ratio: int) -> int:
         n_slabs = 0 if config.get("kv_load", "slabs") != "slabs" else (2 if ratio == 2 else 1)
         slab = MULTI_CTA_STAGES * ratio * bg * MULTI_CTA_CHUNK * 4
         k_s = bg * (D if config["proj_operands"] == "wgmma" else DI) * 4
-        f16_fp32_latent = config["proj"] == "f16x3" and config.get("proj_latent", "fp32") == "fp32"
-        pad = ROT_PAD_F16X3 if f16_fp32_latent else ROT_PAD
+        pad = rot_pad(config["proj"], config.get("proj_latent", "fp32"))
         return 2560 + bg * (D + pad) * 4 + k_s + n_slabs * slab
     slabs = ratio == 2 and config.get("kv_load", "slabs") != "direct"
     gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if slabs else 0
