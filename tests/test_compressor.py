@@ -1593,3 +1593,80 @@ def test_f16_split_equals_the_per_warp_split(label, layout):
         new = tile.run(tile.build(shape, cfg, arch), inputs)
         for out in ("main_packed", "main_scales", "idx_packed", "idx_scales"):
             assert torch.equal(base[out], new[out]), f"{name}: {out}"
+
+
+# ---------------------------------------------------------------------------------- proj_out / main_store
+# proj_out="rot_s": the f16x3 projection writes the index keys over rot_s's first 128 columns after a barrier (no k_s);
+# main_store="registers": the main pass writes the main cache's bytes and scales from registers into the caches (no
+# bytes_m / sbyte_m, no bulk stores). Together they fit three CTAs of 32 groups an SM.
+
+COMPACT = {"proj_out": "rot_s", "main_store": "registers"}
+COMPACT_LAYOUTS = [
+    ("three_ctas_of_32", {"block_g": 32, "ctas_per_sm": 3, **F16_SPLIT, **COMPACT}),
+    ("three_ctas_of_32_fp32_latent", {"block_g": 32, "ctas_per_sm": 3, "main_pass": "in_pool", **COMPACT}),
+    ("two_ctas_of_32_main_store", {"block_g": 32, "ctas_per_sm": 2, **F16_SPLIT, "main_store": "registers"}),
+    ("two_ctas_of_32_proj_out", {"block_g": 32, "ctas_per_sm": 2, **F16_SPLIT, "proj_out": "rot_s"}),
+    ("three_ctas_of_16", {**F16_SPLIT, **COMPACT}),
+]
+
+
+def test_compact_options_in_the_space_and_refused_without_their_prerequisites():
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2 = tile.shape("prefill_r2_s64k")
+    choices = {p.name: p.choices for p in space.params}
+    assert choices["proj_out"] == ("k_s", "rot_s") and choices["main_store"] == ("bulk", "registers")
+    assert {k: tile.default_config(SM90)[k] for k in COMPACT} == {"proj_out": "k_s", "main_store": "bulk"}
+
+    def why(c):
+        return " | ".join(space.violations(c, r2, SM90))
+
+    for _, layout in COMPACT_LAYOUTS:
+        assert why(tile.with_defaults(SM90, layout)) == "", layout
+    three = tile.with_defaults(SM90, COMPACT_LAYOUTS[0][1])
+    # Either saving alone leaves three CTAs of 32 over the shared memory of an SM.
+    assert "shared memory" in why({**three, "proj_out": "k_s"}) and "shared memory" in why({**three, "main_store": "bulk"})
+    assert "proj_out=rot_s" in why({**three, "proj": "tf32x3", "proj_latent": "fp32"})
+    assert "spill" in why({**three, "proj_accumulators": "split"}) and "spill" in why({**three, "proj_k_split": 2})
+    assert "main_store=registers" in why(tile.with_defaults(SM90, {"main_store": "registers"}))
+    assert "unknown proj_out" in why({**three, "proj_out": "k"}) and "unknown main_store" in why({**three, "main_store": "tma"})
+    base = ["sm_90a", 2, 32, 256, "f16x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
+    with pytest.raises(TileError, match="main_store"):
+        cp_kernel._compress_kernel(*base, "in_pool", 1, "separate", "fp32", "k_s", "registers")
+    with pytest.raises(TileError, match="proj_out"):
+        cp_kernel._compress_kernel(*base[:4], "tf32x3", *base[5:], "in_pool", 1, "in_pool", "fp32", "rot_s", "bulk")
+
+
+@pytest.mark.parametrize("label, layout", COMPACT_LAYOUTS, ids=[c[0] for c in COMPACT_LAYOUTS])
+def test_compact_options_compile_sm90_and_fit(label, layout, tmp_path):
+    """Both ratios: the projection's OVER_ROT argument exactly when proj_out=rot_s; with main_store=registers the main
+    pass's rows go to the caches (no bulk store of the main cache left) and the shared memory is as modelled; ptxas
+    within the occupancy's registers (80 at three CTAs of 32) without spilling."""
+    cfg = cp.COMPRESSOR.with_defaults(SM90, layout)
+    for ratio in (2, 1):
+        kernel, src = _build_without_producer(ratio, cfg, cfg["ctas_per_sm"])
+        call = src[src.index("csa2_proj_f16x3_regs<") :].split(">(", 1)[0]
+        assert call.count(",") == (5 if cfg["proj_out"] == "rot_s" else 4) and call.endswith("true"), call  # OVER_ROT last
+        direct = cfg["main_store"] == "registers"
+        assert ("(&(main_packed[" in src) == direct and ("(&(main_scales[" in src) == direct
+        assert ("bytes_m" in src) != direct
+        _assert_flat_build_fits(kernel, src, cfg, ratio, cfg["ctas_per_sm"], tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, layout", COMPACT_LAYOUTS, ids=[c[0] for c in COMPACT_LAYOUTS])
+def test_compact_options_equal_the_shared_buffers(label, layout):
+    """Both caches bit-identical to proj_out=k_s / main_store=bulk in the same layout at two CTAs per SM (the same
+    arithmetic; only where the keys and the main bytes are kept differs), at both ratios' 4K and 64K shapes and the
+    decode shapes (a last CTA with rows past G: none of them may be stored); and against the reference."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = tile.with_defaults(arch, layout)
+    base_cfg = {**cfg, "proj_out": "k_s", "main_store": "bulk", "ctas_per_sm": 2 if cfg["block_g"] == 32 else 3}
+    for name in ("prefill_r2_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64"):
+        shape = tile.shape(name)
+        ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
+        assert ev.outcome == OK, f"{name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 13, "cuda")
+        base = tile.run(tile.build(shape, base_cfg, arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        for out in ("main_packed", "main_scales", "idx_packed", "idx_scales"):
+            assert torch.equal(base[out], new[out]), f"{name}: {out}"

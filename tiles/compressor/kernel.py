@@ -14,6 +14,7 @@ from tiles.compressor.options import (
     ENCODES,
     KV_LOADS,
     MAIN_PASSES,
+    MAIN_STORES,
     MMA_PROJS,
     NORM_PASSES,
     POOL_MATHS,
@@ -21,6 +22,7 @@ from tiles.compressor.options import (
     PROJ_K_SPLITS,
     PROJ_LATENTS,
     PROJ_OPERANDS,
+    PROJ_OUTS,
     SCHEDULES,
     WK_LOADS,
 )
@@ -105,6 +107,8 @@ def _compress_kernel(
     proj_k_split: int = 1,
     main_pass: str = "separate",
     proj_latent: str = "fp32",
+    proj_out: str = "k_s",
+    main_store: str = "bulk",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -170,6 +174,12 @@ def _compress_kernel(
     words it reads (8 warps: each latent word split 8 times, or 4 with ``proj_k_split=2``); "f16_split" (main_pass="in_pool")
     has the main pass store it once as fp16 high parts and remainders (:func:`main_from_rows_f16_split_cuda`), which the
     projection reads by ldmatrix: the same operands, no splits in the projection.
+    ``proj_out`` (proj="f16x3"): "k_s" writes the keys into their own [block_g, 128] buffer; "rot_s" writes them over
+    rot_s's first 128 columns once every warp has read the latent (a barrier): block_g x 512 B less shared memory.
+    ``main_store`` (main_pass="in_pool"): "bulk" writes the main cache's bytes and scales into shared memory and copies
+    them out with bulk stores (and a barrier); "registers" writes them from the main pass's registers into the caches
+    (a warp's row: 64 contiguous bytes per store instruction): block_g x 288 B less shared memory. Both together let three
+    CTAs of 32 groups share an SM (24 warps an SM instead of 16; ptxas: 80 registers, no spills).
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -183,6 +193,10 @@ def _compress_kernel(
     if proj_latent not in PROJ_LATENTS or (proj_latent == "f16_split" and (not f16x3 or main_pass != "in_pool")):
         raise TileError(f"proj_latent {proj_latent!r}: use 'fp32', or 'f16_split' with proj='f16x3' and main_pass='in_pool'")
     presplit = proj_latent == "f16_split"
+    if proj_out not in PROJ_OUTS or (proj_out == "rot_s" and not f16x3):
+        raise TileError(f"proj_out {proj_out!r}: use 'k_s', or 'rot_s' with proj='f16x3'")
+    if main_store not in MAIN_STORES or (main_store == "registers" and main_pass != "in_pool"):
+        raise TileError(f"main_store {main_store!r}: use 'bulk', or 'registers' with main_pass='in_pool'")
     if flat and (load != "staged" or proj not in MMA_PROJS):
         raise TileError(f"ctas_per_sm {ctas_per_sm}, schedule {schedule} is built for load=staged, proj=tf32x3 (got {load}, {proj})")
     if (wk_stages != 2 or kv_load != "slabs") and not flat:
@@ -267,6 +281,8 @@ def _compress_kernel(
                 # (after a barrier): k_s is its first DI columns, rows D words apart. Keeps three CTAs per SM.
                 lo_s = T.alloc_shared((block_g, D), "float32")
                 k_s = lo_s
+            elif proj_out == "rot_s":
+                k_s = rot_s  # the keys over the latent's first DI columns, rows D + row_pad words apart (see proj_out)
             else:
                 k_s = T.alloc_shared((block_g, DI), "float32")
             kw_s = T.alloc_shared((DI,), "float32")
@@ -357,17 +373,34 @@ def _compress_kernel(
                                     inv = T.rsqrt(ss_f[i] / D + eps[0])
                                     pooled_f[i, d] = pooled_f[i, d] * inv * w_s[d]
                                 row = r * DIRECT_ROWS + T.get_thread_binding() // 32
-                                T.call_extern(
-                                    "handle",
-                                    "csa2_main_from_rows_f16" if presplit else "csa2_main_from_rows",
-                                    T.address_of(pooled_f[0, 0]),
-                                    T.address_of(cos[0, 0]),
-                                    T.address_of(sin[0, 0]),
-                                    T.max(T.min(g0 + row, G - 1), 0),
-                                    T.address_of(rot_s[row, 0]),
-                                    T.address_of(bytes_m[row, 0]),
-                                    T.address_of(sbyte_m[row, 0]),
-                                )
+                                grow = T.max(T.min(g0 + row, G - 1), 0)
+                                fn = "csa2_main_from_rows_f16" if presplit else "csa2_main_from_rows"
+                                if main_store == "registers":  # straight into the caches; a row past G stores nothing
+                                    T.call_extern(
+                                        "handle",
+                                        fn,
+                                        T.address_of(pooled_f[0, 0]),
+                                        T.address_of(cos[0, 0]),
+                                        T.address_of(sin[0, 0]),
+                                        grow,
+                                        T.address_of(rot_s[row, 0]),
+                                        T.address_of(main_packed[b, grow, 0]),
+                                        T.address_of(main_scales[b, grow, 0]),
+                                        g0 + row < G,
+                                    )
+                                else:
+                                    T.call_extern(
+                                        "handle",
+                                        fn,
+                                        T.address_of(pooled_f[0, 0]),
+                                        T.address_of(cos[0, 0]),
+                                        T.address_of(sin[0, 0]),
+                                        grow,
+                                        T.address_of(rot_s[row, 0]),
+                                        T.address_of(bytes_m[row, 0]),
+                                        T.address_of(sbyte_m[row, 0]),
+                                        T.bool(True),
+                                    )
                             else:
                                 for i, d in T.Parallel(DIRECT_ROWS, D):
                                     inv = T.rsqrt(ss_f[i] / D + eps[0])
@@ -427,7 +460,7 @@ def _compress_kernel(
                         lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
                         hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                         bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
-            if flat:
+            if flat and main_store == "bulk":
                 # Stored now, not at the end: bytes_m's shared memory is then free for the Wk stages.
                 T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
                 T.copy(sbyte_m, main_scales[b, g0 : g0 + block_g, :])
@@ -444,7 +477,8 @@ def _compress_kernel(
                     fn, operands = f"csa2_proj_tf32x3_wgmma<{block_g}, {D + row_pad}, {D}>", (rot_s, lo_s, wk_hi, k_s)
                 elif f16x3:  # wk_hi: the fp16 fragments; wk_lo: the unscale 2^-e
                     split, pre = ("true" if flag else "false" for flag in (proj_accumulators == "split", presplit))
-                    fn = f"csa2_proj_f16x3_regs<{block_g // 16}, {D + row_pad}, {proj_k_split}, {split}, {pre}>"
+                    over = ", true" if proj_out == "rot_s" else ""  # OVER_ROT (false by default)
+                    fn = f"csa2_proj_f16x3_regs<{block_g // 16}, {D + row_pad}, {proj_k_split}, {split}, {pre}{over}>"
                     operands = (rot_s, wk_hi, wk_lo, k_s)
                 else:
                     variant = "_split" if proj_accumulators == "split" else ("_k2" if proj_k_split == 2 else "")

@@ -33,6 +33,8 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("proj_k_split", 1),
         cfg.get("main_pass", "separate"),
         cfg.get("proj_latent", "fp32"),
+        cfg.get("proj_out", "k_s"),
+        cfg.get("main_store", "bulk"),
     )
 
 

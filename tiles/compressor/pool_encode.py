@@ -116,11 +116,14 @@ def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
 # the final latent into rot (the projection reads it), takes each 16-value group's |x| max over the group's four lanes
 # (two xor shuffles), its E4M3 scale (the separate pass's expression, the same fp8 cast), and writes its two packed
 # bytes per j; the group's first lane writes the scale byte. The separate RoPE, amax, scale and encode passes (each a
-# sweep of rot_s, with barriers between) are gone; the arithmetic is theirs, expression for expression.
+# sweep of rot_s, with barriers between) are gone; the arithmetic is theirs, expression for expression. bytes_row and
+# sbyte_row: the row in shared memory (bulk stores copy it out) or in the cache itself (main_store="registers");
+# ``store`` false (a row past the last group, which the bulk stores mask) writes neither.
 _MAIN_FROM_ROWS_CUDA = r"""
 #include <tl_templates/cuda/cuda_fp8.h>  // fp8_e4_t, the type TileLang's own scale cast uses (imported sources come first)
 __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const float* __restrict__ cs, const float* __restrict__ sn,
-                                                    int grow, float* rot_row, unsigned char* bytes_row, unsigned char* sbyte_row) {
+                                                    int grow, float* rot_row, unsigned char* bytes_row, unsigned char* sbyte_row,
+                                                    bool store) {
   const int lane = threadIdx.x & 31;
   float v[16];
 #pragma unroll
@@ -150,10 +153,10 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
     const float raw = min((max(a, 0x1.8p-7f) / 0x1.8p+2f), 0x1.cp+8f);
     fp8_e4_t code8 = (fp8_e4_t)raw;
     const float s = (float)code8;
-    if ((lane & 3) == 0) sbyte_row[8 * j + (lane >> 2)] = *(unsigned char*)(&code8);
+    if (store && (lane & 3) == 0) sbyte_row[8 * j + (lane >> 2)] = *(unsigned char*)(&code8);
     const unsigned lo = csa2_e2m1_pair_bounded(v[4 * j], v[4 * j + 1], s) & 0xFFu;
     const unsigned hi = csa2_e2m1_pair_bounded(v[4 * j + 2], v[4 * j + 3], s) & 0xFFu;
-    *reinterpret_cast<unsigned short*>(bytes_row + 64 * j + 2 * lane) = static_cast<unsigned short>(lo | (hi << 8));
+    if (store) *reinterpret_cast<unsigned short*>(bytes_row + 64 * j + 2 * lane) = static_cast<unsigned short>(lo | (hi << 8));
   }
 }
 """

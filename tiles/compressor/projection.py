@@ -418,8 +418,9 @@ __device__ __forceinline__ void csa2_mma_f16(float* d, const unsigned* a, unsign
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // rot: fp32 [MT * 16, RS] shared (PRESPLIT: each row its fp16 high parts, then its remainders, see csa2_store_f16_split); wkf: wk_fragment_order_f16 (global, read as uint4); unscale: 2^-e (global, first
-// word); out: fp32 [MT * 16, 128] shared.
-template <int MT, int RS, int KH, bool SPLIT, bool PRESPLIT>
+// word); out: fp32 [MT * 16, 128] shared, or (OVER_ROT, proj_out="rot_s") rot itself: the first 128 words of each row,
+// written after a barrier, once every warp has read its latent.
+template <int MT, int RS, int KH, bool SPLIT, bool PRESPLIT, bool OVER_ROT = false>
 __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const float* __restrict__ wkf,
                                                      const float* __restrict__ unscale, float* out) {
   constexpr int NT = 2 * KH;   // n tiles of 8 output columns per warp
@@ -484,6 +485,8 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
     }
   }
   const float u = __ldg(unscale);
+  constexpr int OS = OVER_ROT ? RS : 128;  // out's row stride (words)
+  if constexpr (OVER_ROT) __syncthreads();
   // Accumulator (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each 16 x 8 tile, times 2^-e (exact).
 #pragma unroll
   for (int half = KH - 1; half >= 0; --half) {
@@ -495,8 +498,8 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
           float r[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) r[e] = (SPLIT ? acc[m][n][e] + acc_s[m][n][e] : acc[m][n][e]) * u;
-          float2* o = reinterpret_cast<float2*>(out + (m * 16 + g) * 128 + cg * 8 * NT + n * 8 + t * 2);
-          float2* o8 = reinterpret_cast<float2*>(out + (m * 16 + g + 8) * 128 + cg * 8 * NT + n * 8 + t * 2);
+          float2* o = reinterpret_cast<float2*>(out + (m * 16 + g) * OS + cg * 8 * NT + n * 8 + t * 2);
+          float2* o8 = reinterpret_cast<float2*>(out + (m * 16 + g + 8) * OS + cg * 8 * NT + n * 8 + t * 2);
           if (half == 0 && KH == 2) {
             const float2 p = *o, p8 = *o8;
             r[0] += p.x;

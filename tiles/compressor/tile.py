@@ -23,6 +23,7 @@ from tiles.compressor.options import (
     ENCODES,
     KV_LOADS,
     MAIN_PASSES,
+    MAIN_STORES,
     MMA_PROJS,
     NORM_PASSES,
     POOL_MATHS,
@@ -30,6 +31,7 @@ from tiles.compressor.options import (
     PROJ_K_SPLITS,
     PROJ_LATENTS,
     PROJ_OPERANDS,
+    PROJ_OUTS,
     SCHEDULES,
     WK_LOADS,
 )
@@ -185,6 +187,19 @@ class CompressorTile(Tile):
                 "that reads it (8 or 4 times a word), or (main_pass=in_pool) split once by the main pass and stored as "
                 "fp16 high parts and remainders, which the projection reads by ldmatrix",
             ),
+            Param(
+                "proj_out",
+                PROJ_OUTS,
+                "proj=f16x3: the index keys into their own shared buffer, or over the latent's first 128 columns once "
+                "every warp has read it (a barrier; block_g x 512 B less shared memory)",
+            ),
+            Param(
+                "main_store",
+                MAIN_STORES,
+                "main_pass=in_pool: the main cache through shared memory and bulk stores, or from the main pass's "
+                "registers straight into the cache (block_g x 288 B less shared memory; with proj_out=rot_s three CTAs "
+                "of 32 groups fit an SM)",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -237,6 +252,8 @@ class CompressorTile(Tile):
                 "proj_k_split": 1,
                 "main_pass": "separate",  # "in_pool": slower at decode (session 11); the 64K winners take it
                 "proj_latent": "fp32",
+                "proj_out": "k_s",
+                "main_store": "bulk",
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
             # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
@@ -250,6 +267,7 @@ class CompressorTile(Tile):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
             cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1, main_pass="separate", proj_latent="fp32")
+            cfg.update(proj_out="k_s", main_store="bulk")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
@@ -456,7 +474,8 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
     projection are the code it was cut from, and k_chunk 16 is what makes the Wk stages small enough (k_chunk 32 asked
     for 154,112 B at block_g 32, ratio 2). The shared memory itself is judged by :func:`_smem_compress`.
     ``proj_operands="registers"`` (ptxas, no spills): 117 / 109 registers at block_g 32, 2 CTAs (ratio 2 / 1, direct),
-    79-80 at block_g 16, 3 CTAs (slabs; direct at ratio 1), 118-146 at block_g 64, one CTA.
+    79-80 at block_g 16, 3 CTAs (slabs; direct at ratio 1), 118-146 at block_g 64, one CTA. ``proj="f16x3"`` at
+    block_g 32, 3 CTAs (the shared memory of ``proj_out="rot_s"`` with ``main_store="registers"``): 80, no spills.
     """
     config = {"block_g": 32, "threads": 256, "proj": "tf32x3", "k_chunk": 64, "load": "direct", **config}  # partial: judged with defaults
     n = config.get("ctas_per_sm", 1)
@@ -499,6 +518,19 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"unknown proj_latent {proj_latent!r}: use one of {', '.join(PROJ_LATENTS)}"
     if proj_latent == "f16_split" and (config["proj"] != "f16x3" or main_pass != "in_pool"):
         return "proj_latent=f16_split is the main pass's split of the f16x3 operands: it needs proj=f16x3 and main_pass=in_pool"
+    proj_out, main_store = config.get("proj_out", "k_s"), config.get("main_store", "bulk")
+    if proj_out not in PROJ_OUTS:
+        return f"unknown proj_out {proj_out!r}: use one of {', '.join(PROJ_OUTS)}"
+    if proj_out == "rot_s" and config["proj"] != "f16x3":
+        return "proj_out=rot_s is built in the f16x3 projection only (proj=f16x3)"
+    if main_store not in MAIN_STORES:
+        return f"unknown main_store {main_store!r}: use one of {', '.join(MAIN_STORES)}"
+    if main_store == "registers" and main_pass != "in_pool":
+        return "main_store=registers writes the main cache from main_pass=in_pool's rows: it needs main_pass=in_pool"
+    if n == 3 and config.get("block_g") == 32 and (k_split != 1 or config.get("proj_accumulators", "shared") != "shared"):
+        # ptxas at 80 registers (f16x3): 8-64 B of spills with split accumulators or the k-split (200-216 B without
+        # f16_split); one accumulator and all 512 k per warp: none.
+        return "three CTAs of 32 groups fit 80 registers with one accumulator and proj_k_split=1 only (the others spill)"
     if main_pass == "in_pool" and (norm_pass != "in_pool" or config.get("encode", "divide") != "thresholds"):
         return "main_pass=in_pool encodes the normalised rows in registers: it needs norm_pass=in_pool and encode=thresholds"
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2 and config.get("pool_math", "ieee") == "ieee":
@@ -545,6 +577,10 @@ def _smem_flat(config: Config, ratio: int) -> int:
         slab = MULTI_CTA_STAGES * ratio * bg * MULTI_CTA_CHUNK * 4
         k_s = bg * (D if config["proj_operands"] == "wgmma" else DI) * 4
         pad = rot_pad(config["proj"], config.get("proj_latent", "fp32"))
+        if config.get("proj_out", "k_s") == "rot_s":
+            # No k_s. main_store="bulk": bytes_m and sbyte_m (288 B a group), which bytes_i shares; "registers": bytes_i
+            # (64 B a group) alone, in the bytes w_s has left at block_g 16 (fitted: exact at block_g 16/32/64).
+            k_s = bg * 288 if config.get("main_store", "bulk") == "bulk" else (0 if bg == 16 else bg * 64)
         return 2560 + bg * (D + pad) * 4 + k_s + n_slabs * slab
     slabs = ratio == 2 and config.get("kv_load", "slabs") != "direct"
     gate_slabs = MULTI_CTA_STAGES * 2 * bg * MULTI_CTA_CHUNK * 4 if slabs else 0
