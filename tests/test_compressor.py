@@ -1406,8 +1406,8 @@ F16X3 = [
 
 @pytest.mark.parametrize("columns", [16, 32])
 def test_wk_fragment_order_f16_is_what_the_kernel_reads(columns):
-    """The kernel's Wk addressing, restated: lane 4g + t of column group cg reads uint4s ((cg * 32 + c) * 32 + lane) * NT
-    + n of chunk c, whose halves (part, j, p) must be part (hi, lo) of W[columns cg + 8n + g, 16c + 8j + 2t + p], W = Wk
+    """The kernel's Wk addressing, restated: lane 4g + t of column group cg reads uint4 ((cg * 32 + c) * NT + n) * 32 +
+    lane of chunk c and n tile n, whose halves (part, j, p) must be part (hi, lo) of W[columns cg + 8n + g, 16c + 8j + 2t + p], W = Wk
     2^e with max |W| in [2^13, 2^14); hi + lo is W to 2^-22; the unscale is 2^-e; the launchers pass both."""
     w = torch.randn(128, 512) * 3e-3  # small weights: unscaled, their fp16 remainders would be subnormal
     frags, unscale = cp_projection.wk_fragment_order_f16(w, columns)
@@ -1419,14 +1419,14 @@ def test_wk_fragment_order_f16_is_what_the_kernel_reads(columns):
     scaled = w * 2.0**e
     for cg, c, lane, n, j, p in itertools.product(range(128 // columns), (0, 17, 31), range(32), range(nt), range(2), range(2)):
         g, t = lane // 4, lane % 4
-        base = (((cg * 32 + c) * 32 + lane) * nt + n) * 8 + j * 2 + p  # part hi; lo is 4 halves further
+        base = (((cg * 32 + c) * nt + n) * 32 + lane) * 8 + j * 2 + p  # part hi; lo is 4 halves further
         x = scaled[columns * cg + 8 * n + g, 16 * c + 8 * j + 2 * t + p]
         hi, lo = halves[base], halves[base + 4]
         assert hi == x.half() and lo == (x - hi.float()).half()
     recon = (halves.view(-1, 2, 2, 2)[:, 0].float() + halves.view(-1, 2, 2, 2)[:, 1].float()).reshape(-1)
     assert torch.allclose(recon.sort().values, scaled.reshape(-1).sort().values, rtol=2.0**-21, atol=0)
     src = cp_projection._PROJ_F16X3_CUDA
-    assert "reinterpret_cast<const uint4*>(wkf) + (cg * 32 * 32 + lane) * NT" in src and "wp + nc * 32 * NT + n" in src
+    assert "reinterpret_cast<const uint4*>(wkf) + cg * 32 * NT * 32 + lane;" in src and "wp + (nc * NT + n) * 32" in src
     zero, u0 = cp_projection.wk_fragment_order_f16(torch.zeros(128, 512), columns)
     assert torch.all(zero == 0) and float(u0[0, 0]) == 1.0
 
@@ -1450,8 +1450,8 @@ def _emulated_projection(latent: torch.Tensor, wk: torch.Tensor, proj: str) -> t
     else:
         frags, u = cp_projection.wk_fragment_order_f16(wk, 16)
         unscale = float(u[0, 0])
-        halves = frags.reshape(-1).view(torch.float16).view(128 // 16, 32, 8, 4, 2, 2, 2, 2)  # (cg, c, g, t, n, part, j, p)
-        parts = halves.permute(5, 0, 4, 2, 1, 6, 3, 7).reshape(2, 128, 512)  # (part, cg, n, g, c, j, t, p): W's rows, k
+        halves = frags.reshape(-1).view(torch.float16).view(128 // 16, 32, 2, 8, 4, 2, 2, 2)  # (cg, c, n, g, t, part, j, p)
+        parts = halves.permute(5, 0, 2, 3, 1, 6, 4, 7).reshape(2, 128, 512)  # (part, cg, n, g, c, j, t, p): W's rows, k
         bh, bl = parts[0], parts[1]
         ah = latent.half()
         al = (latent - ah.float()).half()

@@ -434,14 +434,16 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][n][e] = acc_s[m][n][e] = 0.0f;
-  // Chunk c of column group cg: lane's NT uint4s at ((cg * 32 + c) * 32 + lane) * NT + n (a warp reads NT * 512 B).
-  const uint4* wp = reinterpret_cast<const uint4*>(wkf) + (cg * 32 * 32 + lane) * NT;
+  // Chunk c of column group cg: lane's uint4 of n tile n at ((cg * 32 + c) * NT + n) * 32 + lane, so each load
+  // instruction reads 512 contiguous bytes a warp (lane-major in n, the order of session 29, put the lanes 16 * NT B
+  // apart: each instruction touched twice the sectors it used).
+  const uint4* wp = reinterpret_cast<const uint4*>(wkf) + cg * 32 * NT * 32 + lane;
   const int c0 = kh * NC;
   uint4 raw[2][NT];
 #pragma unroll
   for (int s = 0; s < 2; ++s)
 #pragma unroll
-    for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + (c0 + s) * 32 * NT + n);
+    for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + ((c0 + s) * NT + n) * 32);
   const float* arow = rot + g * RS + 2 * t;
   // PRESPLIT: this lane's ldmatrix row of an m tile (rows lane % 16, k half lane / 16), bytes in the shared window
   const unsigned a_lane = static_cast<unsigned>(__cvta_generic_to_shared(rot)) + (lane & 15) * RS * 4 + (lane >> 4) * 16;
@@ -455,7 +457,7 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
       for (int n = 0; n < NT; ++n) b[n] = raw[s][n];
       const int nc = c0 + (cc + s + 2) % NC;  // two chunks ahead (the last two wrap: valid addresses, values unused)
 #pragma unroll
-      for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + nc * 32 * NT + n);
+      for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + (nc * NT + n) * 32);
       unsigned ah[MT][4], al[MT][4];
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
@@ -532,7 +534,8 @@ def wk_fragment_order_f16(wk: torch.Tensor, columns: int = 16) -> tuple[torch.Te
     """fp32 Wk [128, 512] -> (fragments, unscale) for ``proj="f16x3"``, computed on the device without a host sync.
 
     ``fragments``: fp32-typed [128, 512] holding fp16 pairs: per column group cg (``columns`` output columns: 16, or 32
-    with ``proj_k_split=2``), 16-wide k chunk c and lane 4g + t, ``columns / 8`` uint4s (n tile n), whose words are
+    with ``proj_k_split=2``), 16-wide k chunk c, n tile n (``columns / 8`` of them) and lane 4g + t, one uint4 (the 32
+    lanes of an n tile contiguous: a warp's load instruction reads 512 B in a row), whose words are
     (hi b0, hi b1, lo b0, lo b1): b0 = W[columns cg + 8n + g, 16c + 2t .. + 1], b1 = the same at k + 8, low half first,
     W = Wk 2^e, hi = f16(W), lo = f16(W - hi). ``unscale``: fp32 [128, 512], every word 2^-e (the kernel reads the first).
     e = F16X3_WK_MAX_EXP - the exponent of max |Wk| (frexp's, so max |W| < 2^14); e = 0 for an all-zero Wk.
@@ -545,6 +548,6 @@ def wk_fragment_order_f16(wk: torch.Tensor, columns: int = 16) -> tuple[torch.Te
     lo = (scaled - hi.float()).half()
     nt = columns // 8
     parts = torch.stack([hi, lo]).view(2, DI // columns, nt, 8, D // 16, 2, 4, 2)  # (part, cg, n, g, c, j, t, p)
-    frags = parts.permute(1, 4, 3, 6, 2, 0, 5, 7).contiguous()  # (cg, c, g, t, n, part, j, p)
+    frags = parts.permute(1, 4, 2, 3, 6, 0, 5, 7).contiguous()  # (cg, c, n, g, t, part, j, p)
     unscale = torch.ldexp(torch.ones(DI, D, device=w.device), -exp.float())
     return frags.view(-1).view(torch.float32).view(DI, D), unscale
