@@ -282,11 +282,13 @@ class CompressorTile(Tile):
         32 were 70% slower at decode, session 9). With ``main_pass="in_pool"`` on top: 0.1354 vs 0.1457 ms the default (session
         11, results/sm90/profile_compressor_main_pass_session11.json); main_pass alone was even at ratio 2 and slower
         at decode there. Since session 29 the default projects in fp16 (proj="f16x3"); the layouts measured before pin
-        tf32x3, and each ratio has its f16x3 layout (results/sm90/profile_compressor_f16x3_session29.json)."""
+        tf32x3, and each ratio has its f16x3 layout (results/sm90/profile_compressor_f16x3_session29.json). Three CTAs of
+        32 (proj_out="rot_s", main_store="registers"): results/sm90/profile_compressor_three_ctas_of_32_session30.json."""
         if arch.family != "hopper":
             return []
         tf32 = {"proj": "tf32x3"}  # the layouts measured before f16x3 became the default (session 29)
         split_once = {"proj_latent": "f16_split"}  # f16x3's latent split by the main pass, not by every projection warp
+        compact = {"proj_out": "rot_s", "main_store": "registers"}  # what lets three CTAs of 32 share an SM
         if shape.dims.get("ratio") == 2 and shape.phase == "prefill":
             return [
                 ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, **tf32}, "r2 64K 0.1418 vs 0.1443 ms (H200, session 10)"),
@@ -303,6 +305,10 @@ class CompressorTile(Tile):
                     "r2 64K 0.1223 vs 0.1273 ms split per warp (H200, session 29)",
                 ),
                 ({"main_pass": "in_pool", **split_once}, "r2 64K 0.1403 vs 0.1308 ms the default (H200, session 29): slower"),
+                (
+                    {"block_g": 32, "ctas_per_sm": 3, "main_pass": "in_pool", **split_once, **compact},
+                    "r2 64K 0.1188 vs 0.1161 ms two CTAs of 32 (H200, session 30): slower",
+                ),
             ]
         if shape.dims.get("ratio") != 1:
             return []
@@ -326,6 +332,10 @@ class CompressorTile(Tile):
             (
                 {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split", "main_pass": "in_pool", **split_once},
                 "r1 64K 0.1729 vs 0.1907 ms split per warp (H200, session 29)",
+            ),
+            (
+                {"block_g": 32, "ctas_per_sm": 3, "main_pass": "in_pool", **split_once, **compact},
+                "r1 64K 0.1501 vs 0.1605 ms two CTAs of 32 with split accumulators (H200, session 30)",
             ),
         ]
 
