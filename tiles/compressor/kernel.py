@@ -313,6 +313,7 @@ def _compress_kernel(
                     pooled_f = T.alloc_fragment((DIRECT_ROWS, D), "float32")
                     sq_f = T.alloc_fragment((DIRECT_ROWS, D), "float32")
                     ss_f = T.alloc_fragment((DIRECT_ROWS,), "float32")
+                    rope_c = T.alloc_local((4,), "float32")  # main_pass=in_pool: csa2_rope_coeffs
                     # One warp per row (lane l holds columns 128 j + 4 l .. + 3): the row sums are shuffle reductions
                     # inside a warp. TileLang's own choice spreads a row over 128 threads (a barrier-synchronised
                     # all-reduce through shared memory per row).
@@ -348,6 +349,17 @@ def _compress_kernel(
                     # softmax (the same expressions as _staged_pool, so the same latent bits). Rows past G read row G - 1
                     # (their results are never stored).
                     for r in T.serial(block_g // DIRECT_ROWS):
+                        row = r * DIRECT_ROWS + T.get_thread_binding() // 32  # main_pass=in_pool: this warp's row
+                        grow = T.max(T.min(g0 + row, G - 1), 0)
+                        if main_pass == "in_pool":  # its RoPE coefficients in flight with the kv/gate loads
+                            T.call_extern(
+                                "handle",
+                                "csa2_rope_coeffs",
+                                T.address_of(cos[0, 0]),
+                                T.address_of(sin[0, 0]),
+                                grow,
+                                T.address_of(rope_c[0]),
+                            )
                         for i, d in T.Parallel(DIRECT_ROWS, D):
                             g = T.max(T.min(g0 + r * DIRECT_ROWS + i, G - 1), 0)
                             kv_f[0][i, d] = kv[b, g * ratio, d]
@@ -372,17 +384,13 @@ def _compress_kernel(
                                 for i, d in T.Parallel(DIRECT_ROWS, D):
                                     inv = T.rsqrt(ss_f[i] / D + eps[0])
                                     pooled_f[i, d] = pooled_f[i, d] * inv * w_s[d]
-                                row = r * DIRECT_ROWS + T.get_thread_binding() // 32
-                                grow = T.max(T.min(g0 + row, G - 1), 0)
                                 fn = "csa2_main_from_rows_f16" if presplit else "csa2_main_from_rows"
                                 if main_store == "registers":  # straight into the caches; a row past G stores nothing
                                     T.call_extern(
                                         "handle",
                                         fn,
                                         T.address_of(pooled_f[0, 0]),
-                                        T.address_of(cos[0, 0]),
-                                        T.address_of(sin[0, 0]),
-                                        grow,
+                                        T.address_of(rope_c[0]),
                                         T.address_of(rot_s[row, 0]),
                                         T.address_of(main_packed[b, grow, 0]),
                                         T.address_of(main_scales[b, grow, 0]),
@@ -393,9 +401,7 @@ def _compress_kernel(
                                         "handle",
                                         fn,
                                         T.address_of(pooled_f[0, 0]),
-                                        T.address_of(cos[0, 0]),
-                                        T.address_of(sin[0, 0]),
-                                        grow,
+                                        T.address_of(rope_c[0]),
                                         T.address_of(rot_s[row, 0]),
                                         T.address_of(bytes_m[row, 0]),
                                         T.address_of(sbyte_m[row, 0]),

@@ -118,19 +118,31 @@ def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
 # bytes per j; the group's first lane writes the scale byte. The separate RoPE, amax, scale and encode passes (each a
 # sweep of rot_s, with barriers between) are gone; the arithmetic is theirs, expression for expression. bytes_row and
 # sbyte_row: the row in shared memory (bulk stores copy it out) or in the cache itself (main_store="registers");
-# ``store`` false (a row past the last group, which the bulk stores mask) writes neither.
+# ``store`` false (a row past the last group, which the bulk stores mask) writes neither. The RoPE coefficients come from
+# csa2_rope_coeffs, called before the batch's kv/gate loads: loaded here, right before their use, their latency was 9%
+# of the pooling phase's stall samples (Nsight, session 30).
 _MAIN_FROM_ROWS_CUDA = r"""
 #include <tl_templates/cuda/cuda_fp8.h>  // fp8_e4_t, the type TileLang's own scale cast uses (imported sources come first)
-__device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const float* __restrict__ cs, const float* __restrict__ sn,
-                                                    int grow, float* rot_row, unsigned char* bytes_row, unsigned char* sbyte_row,
-                                                    bool store) {
+// Lanes 16-31 of the warp of row grow: (cos, sin) of pairs p = 2 (lane - 16) and p + 1 (cos/sin [G, 32]) into rc[0..3].
+__device__ __forceinline__ void csa2_rope_coeffs(const float* __restrict__ cs, const float* __restrict__ sn, int grow, float* rc) {
+  const int lane = threadIdx.x & 31;
+  if (lane >= 16) {
+    const int p = 2 * (lane - 16);
+    const float2 c = *reinterpret_cast<const float2*>(cs + grow * 32 + p), s = *reinterpret_cast<const float2*>(sn + grow * 32 + p);
+    rc[0] = c.x;
+    rc[1] = s.x;
+    rc[2] = c.y;
+    rc[3] = s.y;
+  }
+}
+__device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const float* rc, float* rot_row, unsigned char* bytes_row,
+                                                    unsigned char* sbyte_row, bool store) {
   const int lane = threadIdx.x & 31;
   float v[16];
 #pragma unroll
   for (int k = 0; k < 16; ++k) v[k] = v_in[k];
-  if (lane >= 16) {  // RoPE of pairs p and p + 1 at the group's first position (cos/sin [G, 32])
-    const int p = 2 * (lane - 16);
-    const float c0 = cs[grow * 32 + p], s0 = sn[grow * 32 + p], c1 = cs[grow * 32 + p + 1], s1 = sn[grow * 32 + p + 1];
+  if (lane >= 16) {  // RoPE of pairs p and p + 1 at the group's first position (rc: csa2_rope_coeffs)
+    const float c0 = rc[0], s0 = rc[1], c1 = rc[2], s1 = rc[3];
     // Rounded as TileLang's separate RoPE pass compiles (its SASS, nvcc 13: ev * c fused onto the rounded od * s,
     // od * c onto the rounded ev * s), so the main cache is byte-identical to it; left to nvcc, the products fused
     // here differed (session 11 on the H200: rare code differences at 64K).
@@ -166,7 +178,8 @@ def main_from_rows_f16_split_cuda() -> str:
     """``proj_latent="f16_split"``: :data:`_MAIN_FROM_ROWS_CUDA` as ``csa2_main_from_rows_f16``, which stores the final
     latent into its row of rot_s as fp16 high parts and remainders (``csa2_store_f16_split``, once per value) instead of
     fp32: the split that every projection warp otherwise makes of what it reads. The main cache is the same code."""
-    src = _MAIN_FROM_ROWS_CUDA[_MAIN_FROM_ROWS_CUDA.index("__device__") :]  # the include comes once, from the fp32 variant
+    # the include and csa2_rope_coeffs come once, from the fp32 variant
+    src = _MAIN_FROM_ROWS_CUDA[_MAIN_FROM_ROWS_CUDA.index("__device__ __forceinline__ void csa2_main_from_rows(") :]
     old = "*reinterpret_cast<float4*>(rot_row + 128 * j + 4 * lane) = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);"
     new = "csa2_store_f16_split(rot_row, 128 * j + 4 * lane, v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);"
     for before, after in ((old, new), ("void csa2_main_from_rows(", "void csa2_main_from_rows_f16(")):
