@@ -1670,3 +1670,67 @@ def test_compact_options_equal_the_shared_buffers(label, layout):
         new = tile.run(tile.build(shape, cfg, arch), inputs)
         for out in ("main_packed", "main_scales", "idx_packed", "idx_scales"):
             assert torch.equal(base[out], new[out]), f"{name}: {out}"
+
+
+# ---------------------------------------------------------------------------------- proj_pipeline="deep"
+# The f16x3 projection over the split-once latent with Wk four chunks ahead in a ring and the latent one chunk ahead
+# (_PROJ_F16X3_DEEP_CUDA): the same MMAs in the same order as the default schedule.
+
+DEEP = {**F16_SPLIT, "proj_pipeline": "deep"}
+DEEP_LAYOUTS = [
+    ("two_ctas_of_32", {"block_g": 32, "ctas_per_sm": 2, **DEEP}),
+    ("two_ctas_of_32_split_accumulators", {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split", **DEEP}),
+    ("three_ctas_of_32", {"block_g": 32, "ctas_per_sm": 3, **COMPACT, **DEEP}),
+    ("three_ctas_of_16", {**COMPACT, **DEEP}),
+]
+
+
+def test_deep_pipeline_in_the_space_and_refused_without_its_prerequisites():
+    tile, space = cp.COMPRESSOR, cp.COMPRESSOR.search_space(SM90)
+    r2 = tile.shape("prefill_r2_s64k")
+    assert {p.name: p.choices for p in space.params}["proj_pipeline"] == ("near", "deep")
+    assert tile.default_config(SM90)["proj_pipeline"] == "near"
+
+    def why(c):
+        return " | ".join(space.violations(c, r2, SM90))
+
+    for _, layout in DEEP_LAYOUTS:
+        assert why(tile.with_defaults(SM90, layout)) == "", layout
+    cfg = tile.with_defaults(SM90, DEEP_LAYOUTS[0][1])
+    assert "proj_pipeline=deep" in why({**cfg, "proj_latent": "fp32"}) and "proj_pipeline=deep" in why({**cfg, "proj_k_split": 2})
+    assert "unknown proj_pipeline" in why({**cfg, "proj_pipeline": "far"})
+    base = ["sm_90a", 2, 32, 256, "f16x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
+    with pytest.raises(TileError, match="proj_pipeline"):
+        cp_kernel._compress_kernel(*base, "in_pool", 1, "in_pool", "fp32", "k_s", "bulk", "deep")
+
+
+@pytest.mark.parametrize("label, layout", DEEP_LAYOUTS, ids=[c[0] for c in DEEP_LAYOUTS])
+def test_deep_pipeline_compiles_sm90_and_fits(label, layout, tmp_path):
+    """Both ratios: the deep projection called once in place of the default one, the shared memory as modelled (the same
+    buffers), ptxas within the occupancy's registers without spilling (three CTAs included)."""
+    cfg = cp.COMPRESSOR.with_defaults(SM90, layout)
+    for ratio in (2, 1):
+        kernel, src = _build_without_producer(ratio, cfg, cfg["ctas_per_sm"])
+        assert (
+            src.count(f"csa2_proj_f16x3_regs_deep<{cfg['block_g'] // 16}, 516, ") == 1
+            and "csa2_proj_f16x3_regs<" not in src.split("extern")[-1]
+        )
+        _assert_flat_build_fits(kernel, src, cfg, ratio, cfg["ctas_per_sm"], tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label, layout", DEEP_LAYOUTS, ids=[c[0] for c in DEEP_LAYOUTS])
+def test_deep_pipeline_equals_the_near_one(label, layout):
+    """Both caches bit-identical to proj_pipeline="near" in the same layout (the same MMAs on the same operands in the
+    same order), at both ratios' 4K and 64K shapes and the decode shapes; and against the reference."""
+    arch, tile = get_arch("sm90"), cp.COMPRESSOR
+    cfg = tile.with_defaults(arch, layout)
+    for name in ("prefill_r2_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64"):
+        shape = tile.shape(name)
+        ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
+        assert ev.outcome == OK, f"{name}: {ev.message}"
+        inputs = tile.make_inputs(shape, 13, "cuda")
+        base = tile.run(tile.build(shape, {**cfg, "proj_pipeline": "near"}, arch), inputs)
+        new = tile.run(tile.build(shape, cfg, arch), inputs)
+        for out in ("main_packed", "main_scales", "idx_packed", "idx_scales"):
+            assert torch.equal(base[out], new[out]), f"{name}: {out}"

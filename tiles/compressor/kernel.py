@@ -23,6 +23,7 @@ from tiles.compressor.options import (
     PROJ_LATENTS,
     PROJ_OPERANDS,
     PROJ_OUTS,
+    PROJ_PIPELINES,
     SCHEDULES,
     WK_LOADS,
 )
@@ -38,6 +39,7 @@ from tiles.compressor.pool_encode import (
 )
 from tiles.compressor.projection import (
     _PROJ_F16X3_CUDA,
+    _PROJ_F16X3_DEEP_CUDA,
     _PROJ_REGS_CUDA,
     _PROJ_REGS_K2_CUDA,
     _PROJ_WGMMA_CUDA,
@@ -109,6 +111,7 @@ def _compress_kernel(
     proj_latent: str = "fp32",
     proj_out: str = "k_s",
     main_store: str = "bulk",
+    proj_pipeline: str = "near",
 ):
     """Build the one-pass compressor for ``ratio`` (1 or 2); dims B and G are dynamic.
 
@@ -180,6 +183,10 @@ def _compress_kernel(
     them out with bulk stores (and a barrier); "registers" writes them from the main pass's registers into the caches
     (a warp's row: 64 contiguous bytes per store instruction): block_g x 288 B less shared memory. Both together let three
     CTAs of 32 groups share an SM (24 warps an SM instead of 16; ptxas: 80 registers, no spills).
+    ``proj_pipeline`` (proj_latent="f16_split", proj_k_split=1): "near" loads each chunk's Wk fragments two chunks ahead
+    and copies them into the MMA registers, the latent fragments right before their MMAs; "deep" keeps four chunks of Wk
+    in flight in a ring the MMAs read in place and loads the latent one chunk ahead (:data:`_PROJ_F16X3_DEEP_CUDA`: the
+    same MMAs in the same order, 24 more registers).
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")
@@ -195,6 +202,8 @@ def _compress_kernel(
     presplit = proj_latent == "f16_split"
     if proj_out not in PROJ_OUTS or (proj_out == "rot_s" and not f16x3):
         raise TileError(f"proj_out {proj_out!r}: use 'k_s', or 'rot_s' with proj='f16x3'")
+    if proj_pipeline not in PROJ_PIPELINES or (proj_pipeline == "deep" and (not presplit or proj_k_split != 1)):
+        raise TileError(f"proj_pipeline {proj_pipeline!r}: use 'near', or 'deep' with proj_latent='f16_split' and proj_k_split=1")
     if main_store not in MAIN_STORES or (main_store == "registers" and main_pass != "in_pool"):
         raise TileError(f"main_store {main_store!r}: use 'bulk', or 'registers' with main_pass='in_pool'")
     if flat and (load != "staged" or proj not in MMA_PROJS):
@@ -328,7 +337,8 @@ def _compress_kernel(
             if encode == "thresholds" or regs:  # one import_source per kernel
                 extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
                 extra += _PROJ_REGS_K2_CUDA if proj_k_split == 2 else ""
-                projection = "" if not regs else (_PROJ_F16X3_CUDA if f16x3 else _PROJ_REGS_CUDA + extra)
+                deep = _PROJ_F16X3_DEEP_CUDA if proj_pipeline == "deep" else ""
+                projection = "" if not regs else (_PROJ_F16X3_CUDA + deep if f16x3 else _PROJ_REGS_CUDA + extra)
                 main_rows = (_MAIN_FROM_ROWS_CUDA + (main_from_rows_f16_split_cuda() if presplit else "")) if main_pass == "in_pool" else ""
                 bounds = (_bounds_cuda() + main_rows) if encode == "thresholds" else ""
                 T.import_source((F16_SPLIT_CUDA if f16x3 else "") + bounds + projection)
@@ -485,6 +495,8 @@ def _compress_kernel(
                     split, pre = ("true" if flag else "false" for flag in (proj_accumulators == "split", presplit))
                     over = ", true" if proj_out == "rot_s" else ""  # OVER_ROT (false by default)
                     fn = f"csa2_proj_f16x3_regs<{block_g // 16}, {D + row_pad}, {proj_k_split}, {split}, {pre}{over}>"
+                    if proj_pipeline == "deep":
+                        fn = f"csa2_proj_f16x3_regs_deep<{block_g // 16}, {D + row_pad}, {split}{over}>"
                     operands = (rot_s, wk_hi, wk_lo, k_s)
                 else:
                     variant = "_split" if proj_accumulators == "split" else ("_k2" if proj_k_split == 2 else "")

@@ -35,6 +35,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("proj_latent", "fp32"),
         cfg.get("proj_out", "k_s"),
         cfg.get("main_store", "bulk"),
+        cfg.get("proj_pipeline", "near"),
     )
 
 

@@ -20,3 +20,4 @@ MMA_PROJS = ("tf32x3", "f16x3")  # the tensor-core projections (the others: "sim
 PROJ_LATENTS = ("fp32", "f16_split")  # proj=f16x3: the latent in rot_s as fp32 (split per warp) or split once by the main pass
 PROJ_OUTS = ("k_s", "rot_s")  # proj=f16x3: the keys into their own shared buffer, or over rot_s's first 128 columns
 MAIN_STORES = ("bulk", "registers")  # main_pass=in_pool: main cache via shared memory and bulk stores, or from registers
+PROJ_PIPELINES = ("near", "deep")  # proj=f16x3 with f16_split: Wk two chunks ahead, latent at use; or four / one ahead

@@ -518,6 +518,83 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
 }
 """
 
+# proj_pipeline="deep" (proj_latent="f16_split", proj_k_split=1): csa2_proj_f16x3_regs's MMAs in the same order on the
+# same operands, scheduled further ahead. Nsight of the two-CTA ratio-2 winner (session 30): the first HMMA of each chunk
+# held 11% of the kernel's stall samples, waiting on the Wk fragments (loaded two chunks ahead, then copied into the MMA
+# registers: 16 moves an iteration) and on the ldmatrix of its own chunk. Here chunk c's Wk fragments are loaded four
+# chunks ahead into a ring the MMAs read in place (no copies), and its latent fragments by ldmatrix one chunk ahead into
+# two alternating buffers. 24 more registers than the default schedule: two CTAs per SM only.
+_PROJ_F16X3_DEEP_CUDA = r"""
+template <int MT, int RS, bool SPLIT, bool OVER_ROT = false>
+__device__ __forceinline__ void csa2_proj_f16x3_regs_deep(const float* rot, const float* __restrict__ wkf,
+                                                          const float* __restrict__ unscale, float* out) {
+  constexpr int NT = 2, NC = 32, WKD = 4;  // n tiles per warp, 16-wide k chunks, Wk chunks in flight
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float acc[MT][NT][4], acc_s[MT][NT][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = acc_s[m][n][e] = 0.0f;
+  const uint4* wp = reinterpret_cast<const uint4*>(wkf) + warp * 32 * NT * 32 + lane;  // the n-major fragment order
+  uint4 raw[WKD][NT];
+#pragma unroll
+  for (int s = 0; s < WKD; ++s)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + (s * NT + n) * 32);
+  const unsigned a_lane = static_cast<unsigned>(__cvta_generic_to_shared(rot)) + (lane & 15) * RS * 4 + (lane >> 4) * 16;
+  unsigned ah[2][MT][4], al[2][MT][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    csa2_ldmatrix_x4(ah[0][m], a_lane + m * 64 * RS);
+    csa2_ldmatrix_x4(al[0][m], a_lane + m * 64 * RS + 1024);
+  }
+#pragma unroll 1
+  for (int cc = 0; cc < NC; cc += WKD) {
+#pragma unroll
+    for (int s = 0; s < WKD; ++s) {
+      const int c = cc + s, cur = s & 1, nxt = cur ^ 1;
+      const int cn = (c + 1) % NC;  // the last chunk's next wraps: a valid address, values unused
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        csa2_ldmatrix_x4(ah[nxt][m], a_lane + m * 64 * RS + 32 * cn);
+        csa2_ldmatrix_x4(al[nxt][m], a_lane + m * 64 * RS + 32 * cn + 1024);
+      }
+      // The small products first, then hi x hi (csa2_proj_f16x3_regs's order).
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) csa2_mma_f16(SPLIT ? acc_s[m][n] : acc[m][n], al[cur][m], raw[s][n].x, raw[s][n].y);
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) csa2_mma_f16(SPLIT ? acc_s[m][n] : acc[m][n], ah[cur][m], raw[s][n].z, raw[s][n].w);
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) csa2_mma_f16(acc[m][n], ah[cur][m], raw[s][n].x, raw[s][n].y);
+      const int cw = (c + WKD) % NC;  // the last WKD chunks wrap likewise
+#pragma unroll
+      for (int n = 0; n < NT; ++n) raw[s][n] = __ldg(wp + (cw * NT + n) * 32);
+    }
+  }
+  const float u = __ldg(unscale);
+  constexpr int OS = OVER_ROT ? RS : 128;
+  if constexpr (OVER_ROT) __syncthreads();
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      float r[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) r[e] = (SPLIT ? acc[m][n][e] + acc_s[m][n][e] : acc[m][n][e]) * u;
+      *reinterpret_cast<float2*>(out + (m * 16 + g) * OS + warp * 16 + n * 8 + t * 2) = make_float2(r[0], r[1]);
+      *reinterpret_cast<float2*>(out + (m * 16 + g + 8) * OS + warp * 16 + n * 8 + t * 2) = make_float2(r[2], r[3]);
+    }
+}
+"""
+
 ROT_PAD_F16X3 = 8  # proj="f16x3": rot_s row stride 520 words, so a half-warp's float2 fragment reads hit 16 distinct bank pairs
 
 

@@ -32,6 +32,7 @@ from tiles.compressor.options import (
     PROJ_LATENTS,
     PROJ_OPERANDS,
     PROJ_OUTS,
+    PROJ_PIPELINES,
     SCHEDULES,
     WK_LOADS,
 )
@@ -200,6 +201,13 @@ class CompressorTile(Tile):
                 "registers straight into the cache (block_g x 288 B less shared memory; with proj_out=rot_s three CTAs "
                 "of 32 groups fit an SM)",
             ),
+            Param(
+                "proj_pipeline",
+                PROJ_PIPELINES,
+                "proj_latent=f16_split, proj_k_split=1: each chunk's Wk fragments two chunks ahead, copied into the MMA "
+                "registers, and its latent fragments right before the MMAs; or Wk four chunks ahead in a ring the MMAs "
+                "read in place and the latent one chunk ahead (the same MMAs in the same order)",
+            ),
         )
         return SearchSpace(params, (Constraint("smem", _smem_compress), Constraint("occupancy", _occupancy_compress)))
 
@@ -254,6 +262,7 @@ class CompressorTile(Tile):
                 "proj_latent": "fp32",
                 "proj_out": "k_s",
                 "main_store": "bulk",
+                "proj_pipeline": "near",
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
             # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
@@ -267,7 +276,7 @@ class CompressorTile(Tile):
             cfg = {"block_g": block_g, "threads": 256, "proj": "tf32x3", "k_chunk": k_chunk, "load": "direct", "encode": "divide"}
             cfg.update(ctas_per_sm=1, wk="hi_lo", schedule="ws", wk_stages=2, kv_load="slabs", proj_operands="smem", pool_math="ieee")
             cfg.update(proj_accumulators="shared", norm_pass="separate", proj_k_split=1, main_pass="separate", proj_latent="fp32")
-            cfg.update(proj_out="k_s", main_store="bulk")
+            cfg.update(proj_out="k_s", main_store="bulk", proj_pipeline="near")
             if _smem_compress(cfg, Shape("default", "any", {}), arch) is None:
                 return cfg
         return cfg
@@ -533,6 +542,11 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return f"unknown proj_out {proj_out!r}: use one of {', '.join(PROJ_OUTS)}"
     if proj_out == "rot_s" and config["proj"] != "f16x3":
         return "proj_out=rot_s is built in the f16x3 projection only (proj=f16x3)"
+    proj_pipeline = config.get("proj_pipeline", "near")
+    if proj_pipeline not in PROJ_PIPELINES:
+        return f"unknown proj_pipeline {proj_pipeline!r}: use one of {', '.join(PROJ_PIPELINES)}"
+    if proj_pipeline == "deep" and (proj_latent != "f16_split" or k_split != 1):
+        return "proj_pipeline=deep is built for the split-once latent (proj_latent=f16_split) and proj_k_split=1"
     if main_store not in MAIN_STORES:
         return f"unknown main_store {main_store!r}: use one of {', '.join(MAIN_STORES)}"
     if main_store == "registers" and main_pass != "in_pool":
