@@ -292,12 +292,14 @@ class CompressorTile(Tile):
         11, results/sm90/profile_compressor_main_pass_session11.json); main_pass alone was even at ratio 2 and slower
         at decode there. Since session 29 the default projects in fp16 (proj="f16x3"); the layouts measured before pin
         tf32x3, and each ratio has its f16x3 layout (results/sm90/profile_compressor_f16x3_session29.json). Three CTAs of
-        32 (proj_out="rot_s", main_store="registers"): results/sm90/profile_compressor_three_ctas_of_32_session30.json."""
+        32 (proj_out="rot_s", main_store="registers"): results/sm90/profile_compressor_three_ctas_of_32_session30.json; with
+        the RoPE coefficients prefetched and proj_pipeline="deep": profile_compressor_rope_prefetch_deep_session30.json."""
         if arch.family != "hopper":
             return []
         tf32 = {"proj": "tf32x3"}  # the layouts measured before f16x3 became the default (session 29)
         split_once = {"proj_latent": "f16_split"}  # f16x3's latent split by the main pass, not by every projection warp
         compact = {"proj_out": "rot_s", "main_store": "registers"}  # what lets three CTAs of 32 share an SM
+        deep = {"proj_pipeline": "deep"}  # Wk four chunks ahead, the latent one
         if shape.dims.get("ratio") == 2 and shape.phase == "prefill":
             return [
                 ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, **tf32}, "r2 64K 0.1418 vs 0.1443 ms (H200, session 10)"),
@@ -316,8 +318,19 @@ class CompressorTile(Tile):
                 ({"main_pass": "in_pool", **split_once}, "r2 64K 0.1403 vs 0.1308 ms the default (H200, session 29): slower"),
                 (
                     {"block_g": 32, "ctas_per_sm": 3, "main_pass": "in_pool", **split_once, **compact},
-                    "r2 64K 0.1188 vs 0.1161 ms two CTAs of 32 (H200, session 30): slower",
+                    "r2 64K 0.1144 vs 0.1158 ms two CTAs of 32 (H200, session 30, RoPE coefficients prefetched)",
                 ),
+                (
+                    {"block_g": 32, "ctas_per_sm": 2, "main_pass": "in_pool", **split_once, **deep},
+                    "r2 64K 0.1151 / 0.1154 vs 0.1158 ms proj_pipeline=near (H200, session 30)",
+                ),
+            ]
+        if shape.dims.get("ratio") == 2:  # decode
+            return [
+                (
+                    {"main_pass": "in_pool", **split_once, **compact, **deep},
+                    "r2 decode B=64 0.00901 vs 0.00928 ms proj_pipeline=near, 0.01025 the default (H200, session 30)",
+                )
             ]
         if shape.dims.get("ratio") != 1:
             return []
@@ -345,6 +358,10 @@ class CompressorTile(Tile):
             (
                 {"block_g": 32, "ctas_per_sm": 3, "main_pass": "in_pool", **split_once, **compact},
                 "r1 64K 0.1501 vs 0.1605 ms two CTAs of 32 with split accumulators (H200, session 30)",
+            ),
+            (
+                {"main_pass": "in_pool", **split_once, **compact, **deep},
+                "r1 decode B=64 0.00841 vs 0.00884 ms proj_pipeline=near, 0.00938 the default (H200, session 30)",
             ),
         ]
 
