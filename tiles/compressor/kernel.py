@@ -186,7 +186,7 @@ def _compress_kernel(
     ``proj_pipeline`` (proj_latent="f16_split", proj_k_split=1): "near" loads each chunk's Wk fragments two chunks ahead
     and copies them into the MMA registers, the latent fragments right before their MMAs; "deep" keeps four chunks of Wk
     in flight in a ring the MMAs read in place and loads the latent one chunk ahead (:data:`_PROJ_F16X3_DEEP_CUDA`: the
-    same MMAs in the same order, 24 more registers).
+    same MMAs in the same order; ptxas: no more registers than "near", the pooling sets the peak).
     """
     if encode not in ENCODES:
         raise TileError(f"unknown encode {encode!r}: use one of {', '.join(ENCODES)}")

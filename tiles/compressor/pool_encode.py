@@ -119,8 +119,8 @@ def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
 # sweep of rot_s, with barriers between) are gone; the arithmetic is theirs, expression for expression. bytes_row and
 # sbyte_row: the row in shared memory (bulk stores copy it out) or in the cache itself (main_store="registers");
 # ``store`` false (a row past the last group, which the bulk stores mask) writes neither. The RoPE coefficients come from
-# csa2_rope_coeffs, called before the batch's kv/gate loads: loaded here, right before their use, their latency was 9%
-# of the pooling phase's stall samples (Nsight, session 30).
+# csa2_rope_coeffs, called before the batch's kv/gate loads: when this function loaded them itself, right before their
+# use, the wait held 9% of the pooling phase's stall samples (Nsight, session 30).
 _MAIN_FROM_ROWS_CUDA = r"""
 #include <tl_templates/cuda/cuda_fp8.h>  // fp8_e4_t, the type TileLang's own scale cast uses (imported sources come first)
 // Lanes 16-31 of the warp of row grow: (cos, sin) of pairs p = 2 (lane - 16) and p + 1 (cos/sin [G, 32]) into rc[0..3].
