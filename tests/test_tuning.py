@@ -331,11 +331,17 @@ def test_valid_configs_match_the_constraints_on_a_real_space():
     from tiles.registry import get_tile
 
     tile = get_tile("compressor")
-    space, shape = tile.search_space(SM90), tile.shape("decode_r2_b64")
+    full, shape = tile.search_space(SM90), tile.shape("decode_r2_b64")
+    # The compressor's grid without its four newest parameters (left at their defaults): all_configs() holds every point
+    # as a dict, and the whole grid (53.7 M points since session 30) needs more than a CI machine's 24 GiB.
+    newest = {"proj_latent", "proj_out", "main_store", "proj_pipeline"}
+    space = SearchSpace(tuple(p for p in full.params if p.name not in newest), full.constraints)
+    assert 1_000_000 < space.size() < full.size() // 10
     brute = [c for c in space.all_configs() if not space.violations(c, shape, SM90)]
     valid = ValidConfigs(space, shape, SM90)
     assert 0 < len(valid) == len(brute) < space.size() // 100  # the sparse case the replacement exists for
-    assert valid.nearest(tile.default_config(SM90), exclude=set()) == dict(tile.default_config(SM90))
+    default = {k: v for k, v in tile.default_config(SM90).items() if k not in newest}
+    assert valid.nearest(default, exclude=set()) == default
 
 
 def test_similarity_order():
