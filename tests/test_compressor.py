@@ -1582,14 +1582,20 @@ def test_f16_split_compiles_sm90_and_fits(label, layout, tmp_path):
 def test_f16_split_equals_the_per_warp_split(label, layout):
     """Both caches bit-identical to proj_latent="fp32" in the same layout (the same split of the same words, the same
     MMAs in the same order), at both ratios' 4K and 64K shapes and the decode shapes; and against the reference."""
+    cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), {**layout, **F16_SPLIT})
+    _assert_caches_equal_to(cfg, {**cfg, "proj_latent": "fp32"})
+
+
+def _assert_caches_equal_to(cfg: dict, base_cfg: dict) -> None:
+    """``cfg`` right against the reference and its four caches bit-identical to ``base_cfg``'s on the same inputs, at both
+    ratios' 4K and 64K prefill shapes and the decode shapes (whose last CTA has rows past G)."""
     arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    cfg = tile.with_defaults(arch, {**layout, **F16_SPLIT})
     for name in ("prefill_r2_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64"):
         shape = tile.shape(name)
         ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
         assert ev.outcome == OK, f"{name}: {ev.message}"
         inputs = tile.make_inputs(shape, 13, "cuda")
-        base = tile.run(tile.build(shape, {**cfg, "proj_latent": "fp32"}, arch), inputs)
+        base = tile.run(tile.build(shape, base_cfg, arch), inputs)
         new = tile.run(tile.build(shape, cfg, arch), inputs)
         for out in ("main_packed", "main_scales", "idx_packed", "idx_scales"):
             assert torch.equal(base[out], new[out]), f"{name}: {out}"
@@ -1658,18 +1664,8 @@ def test_compact_options_equal_the_shared_buffers(label, layout):
     """Both caches bit-identical to proj_out=k_s / main_store=bulk in the same layout at two CTAs per SM (the same
     arithmetic; only where the keys and the main bytes are kept differs), at both ratios' 4K and 64K shapes and the
     decode shapes (a last CTA with rows past G: none of them may be stored); and against the reference."""
-    arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    cfg = tile.with_defaults(arch, layout)
-    base_cfg = {**cfg, "proj_out": "k_s", "main_store": "bulk", "ctas_per_sm": 2 if cfg["block_g"] == 32 else 3}
-    for name in ("prefill_r2_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64"):
-        shape = tile.shape(name)
-        ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
-        assert ev.outcome == OK, f"{name}: {ev.message}"
-        inputs = tile.make_inputs(shape, 13, "cuda")
-        base = tile.run(tile.build(shape, base_cfg, arch), inputs)
-        new = tile.run(tile.build(shape, cfg, arch), inputs)
-        for out in ("main_packed", "main_scales", "idx_packed", "idx_scales"):
-            assert torch.equal(base[out], new[out]), f"{name}: {out}"
+    cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), layout)
+    _assert_caches_equal_to(cfg, {**cfg, "proj_out": "k_s", "main_store": "bulk", "ctas_per_sm": 2 if cfg["block_g"] == 32 else 3})
 
 
 # ---------------------------------------------------------------------------------- proj_pipeline="deep"
@@ -1723,14 +1719,5 @@ def test_deep_pipeline_compiles_sm90_and_fits(label, layout, tmp_path):
 def test_deep_pipeline_equals_the_near_one(label, layout):
     """Both caches bit-identical to proj_pipeline="near" in the same layout (the same MMAs on the same operands in the
     same order), at both ratios' 4K and 64K shapes and the decode shapes; and against the reference."""
-    arch, tile = get_arch("sm90"), cp.COMPRESSOR
-    cfg = tile.with_defaults(arch, layout)
-    for name in ("prefill_r2_s4k", "prefill_r2_s64k", "prefill_r1_s64k", "decode_r2_b64", "decode_r1_b64"):
-        shape = tile.shape(name)
-        ev = evaluate(tile, shape, cfg, arch, seed=5, time_it=False)
-        assert ev.outcome == OK, f"{name}: {ev.message}"
-        inputs = tile.make_inputs(shape, 13, "cuda")
-        base = tile.run(tile.build(shape, {**cfg, "proj_pipeline": "near"}, arch), inputs)
-        new = tile.run(tile.build(shape, cfg, arch), inputs)
-        for out in ("main_packed", "main_scales", "idx_packed", "idx_scales"):
-            assert torch.equal(base[out], new[out]), f"{name}: {out}"
+    cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), layout)
+    _assert_caches_equal_to(cfg, {**cfg, "proj_pipeline": "near"})

@@ -394,29 +394,19 @@ def _compress_kernel(
                                 for i, d in T.Parallel(DIRECT_ROWS, D):
                                     inv = T.rsqrt(ss_f[i] / D + eps[0])
                                     pooled_f[i, d] = pooled_f[i, d] * inv * w_s[d]
-                                fn = "csa2_main_from_rows_f16" if presplit else "csa2_main_from_rows"
-                                if main_store == "registers":  # straight into the caches; a row past G stores nothing
-                                    T.call_extern(
-                                        "handle",
-                                        fn,
-                                        T.address_of(pooled_f[0, 0]),
-                                        T.address_of(rope_c[0]),
-                                        T.address_of(rot_s[row, 0]),
-                                        T.address_of(main_packed[b, grow, 0]),
-                                        T.address_of(main_scales[b, grow, 0]),
-                                        g0 + row < G,
-                                    )
-                                else:
-                                    T.call_extern(
-                                        "handle",
-                                        fn,
-                                        T.address_of(pooled_f[0, 0]),
-                                        T.address_of(rope_c[0]),
-                                        T.address_of(rot_s[row, 0]),
-                                        T.address_of(bytes_m[row, 0]),
-                                        T.address_of(sbyte_m[row, 0]),
-                                        T.bool(True),
-                                    )
+                                # The main cache's row: in the caches themselves (main_store="registers"; a row past G
+                                # stores nothing) or in bytes_m / sbyte_m for the bulk stores.
+                                direct = main_store == "registers"
+                                T.call_extern(
+                                    "handle",
+                                    "csa2_main_from_rows_f16" if presplit else "csa2_main_from_rows",
+                                    T.address_of(pooled_f[0, 0]),
+                                    T.address_of(rope_c[0]),
+                                    T.address_of(rot_s[row, 0]),
+                                    T.address_of(main_packed[b, grow, 0] if direct else bytes_m[row, 0]),
+                                    T.address_of(main_scales[b, grow, 0] if direct else sbyte_m[row, 0]),
+                                    g0 + row < G if direct else T.bool(True),
+                                )
                             else:
                                 for i, d in T.Parallel(DIRECT_ROWS, D):
                                     inv = T.rsqrt(ss_f[i] / D + eps[0])
