@@ -234,6 +234,22 @@ phase_e2e-prefill64k() {  # the 64K prefill: CED on torch and tiles (vs torch), 
   E2E_NAME=e2e_ced_vs_full E2E_PHASES=prefill E2E_CTX=64K E2E_PROMPTS=64K E2E_BATCH=1 E2E_BACKENDS=tiles E2E_CONFIGS=default phase_e2e
 }
 
+phase_compressor-waves() {  # the compressor's time against the number of CTA waves (gpu/compressor_waves.py; WAVES_CONFIGS: JSON per line)
+  local cfgs=()
+  mapfile -t cfgs <<< "${WAVES_CONFIGS:-{\}}"
+  timeout "${WAVES_S:-200}" python3 gpu/compressor_waves.py --ratio "${WAVES_RATIO:-2}" --waves "${WAVES:-1,2,2.59,3,3.88,4}" "${cfgs[@]}" \
+    --json "$OUT/${WAVES_NAME:-compressor_waves}.json" > "$OUT/${WAVES_NAME:-compressor_waves}.log" 2>&1
+  note "compressor-waves rc=$?"
+}
+
+phase_compressor-ablation() {  # the compressor with pieces of its pooling made cheaper (gpu/compressor_ablation.py; ABLATION_CONFIGS: JSON per line)
+  local cfgs=()
+  mapfile -t cfgs <<< "${ABLATION_CONFIGS:-{\}}"
+  timeout "${ABLATION_S:-200}" python3 gpu/compressor_ablation.py "${ABLATION_SHAPE:-prefill_r2_s64k}" "${cfgs[@]}" \
+    ${ABLATION_VARIANTS:+--variants "$ABLATION_VARIANTS"} --json "$OUT/${ABLATION_NAME:-compressor_ablation}.json" > "$OUT/${ABLATION_NAME:-compressor_ablation}.log" 2>&1
+  note "compressor-ablation rc=$?"
+}
+
 phase_e2e() {
   timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --prefill-ctx "${E2E_PROMPTS:-16K}" --batch "${E2E_BATCH:-1,64}" \
     --backend "${E2E_BACKENDS:-torch,tiles}" --configs "${E2E_CONFIGS:-tuned,default}" --runs 10 --repeats "${E2E_REPEATS:-1}" \

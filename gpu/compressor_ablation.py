@@ -1,0 +1,139 @@
+"""The compressor with one piece of its pooling phase made cheaper or removed: how much could each piece still give?
+
+    python3 gpu/compressor_ablation.py prefill_r2_s64k '{"block_g": 32, "ctas_per_sm": 2, ...}' [more configs] \\
+        --variants base,ex2_ftz,scale_mul,encode_cheap,all --json $OUT/ablation.json
+
+Variants (each patches the CUDA the kernel imports, then builds a fresh kernel):
+
+- ``base``: the kernel as it is.
+- ``ex2_ftz``: the fast pooling's ``__expf`` as ``ex2.approx.ftz`` of ``x * log2(e)``: the same values except where the
+  smaller gate's weight would be subnormal (gate gaps past 87), without the non-ftz range fix-ups.
+- ``scale_mul``: the main cache's E4M3 scale ``amax / 6`` by one multiply by ``RN(1/6)`` instead of the IEEE division (a
+  bound: a few scales change by one ulp before the fp8 cast).
+- ``encode_cheap``: the E2M1 codes of the main cache from four bits of each float, not the threshold search (wrong
+  codes: an upper bound on what a cheaper exact encode could save).
+- ``all``: the three together.
+
+Only ``base`` and ``ex2_ftz`` are checked against the reference (the others write wrong bytes on purpose); every variant
+is timed the way ``lab bench`` times (CUDA-graph replay over rotating input sets), base first, in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+EX2_FTZ_CUDA = r"""
+__device__ __forceinline__ float csa2_exp_ftz(float x) {  // __expf's arithmetic with ex2.approx.ftz
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+"""
+
+ENCODE_CHEAP_CUDA = r"""
+__device__ __forceinline__ unsigned csa2_e2m1_pair_bounded(float x0, float x1, float s) {
+  return ((__float_as_uint(x0) >> 28) & 0xFu) | ((__float_as_uint(x1) >> 24) & 0xF0u);
+}
+"""
+
+VARIANTS = ("base", "ex2_ftz", "scale_mul", "encode_cheap", "all")
+CHECKED = ("base", "ex2_ftz")
+
+
+def _patch(variant: str) -> None:
+    """Point the compressor's CUDA sources and pooling at ``variant``'s (``base`` restores them)."""
+    import tilelang.language as T
+
+    import tiles.compressor.kernel as kernel_mod
+    import tiles.compressor.pool_encode as pe
+
+    parts = {"ex2_ftz", "scale_mul", "encode_cheap"} if variant == "all" else {variant}
+    main_rows = _ORIG["main_rows"]
+    if "scale_mul" in parts:
+        main_rows = main_rows.replace("/ 0x1.8p+2f)", "* 0x1.555556p-3f)")
+    bounds = _ORIG["bounds"]()
+    if "encode_cheap" in parts:
+        bounds = bounds[: bounds.index("// Values 2j and 2j + 1")] + ENCODE_CHEAP_CUDA
+    if "ex2_ftz" in parts:
+        bounds = EX2_FTZ_CUDA + bounds
+
+    def pool_pair(x0, x1, kv0, kv1, pool_math):
+        if pool_math != "fast" or "ex2_ftz" not in parts:
+            return _ORIG["pool_pair"](x0, x1, kv0, kv1, pool_math)
+        first_larger = x0 >= x1
+        t = T.call_extern("float32", "csa2_exp_ftz", T.min(x0, x1) - T.max(x0, x1))
+        inv = T.call_extern("float32", "__fdividef", T.float32(1.0), t + T.float32(1.0))
+        w_small = t * inv
+        return T.if_then_else(first_larger, inv, w_small) * kv0 + T.if_then_else(first_larger, w_small, inv) * kv1
+
+    kernel_mod._bounds_cuda = lambda: bounds
+    kernel_mod._MAIN_FROM_ROWS_CUDA = main_rows
+    pe._MAIN_FROM_ROWS_CUDA = main_rows  # main_from_rows_f16_split_cuda derives from it
+    kernel_mod._pool_pair = pool_pair
+    kernel_mod._compress_kernel.cache_clear()  # its cache is keyed by the config alone
+
+
+_ORIG: dict = {}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", help="a compressor shape, e.g. prefill_r2_s64k")
+    parser.add_argument("configs", nargs="+", help="JSON overrides of the tile's default, one per config")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU: this script times kernels", file=sys.stderr)
+        return 2
+    import tiles.compressor.kernel as kernel_mod
+    from tiles.arch import detect
+    from tiles.compressor import COMPRESSOR
+    from tiles.timing import input_sets_for_l2, time_cuda_graph
+
+    _ORIG.update(bounds=kernel_mod._bounds_cuda, main_rows=kernel_mod._MAIN_FROM_ROWS_CUDA, pool_pair=kernel_mod._pool_pair)
+    arch = detect()
+    shape = COMPRESSOR.shape(args.shape)
+    n_sets = input_sets_for_l2(COMPRESSOR.bytes_moved(shape), arch.l2_bytes, max_sets=4)
+    sets = [COMPRESSOR.make_inputs(shape, 11 + i) for i in range(n_sets)]
+    expected = COMPRESSOR.reference(sets[0])
+    rows = []
+    for raw in args.configs:
+        cfg = COMPRESSOR.with_defaults(arch, json.loads(raw))
+        base_ms = None
+        for variant in args.variants.split(","):
+            if variant not in VARIANTS:
+                raise SystemExit(f"error: unknown variant {variant!r}: use one of {', '.join(VARIANTS)}")
+            _patch(variant)
+            try:
+                kernel = COMPRESSOR.build(shape, cfg, arch)
+            except Exception as exc:  # noqa: BLE001 -- a variant that does not build is reported, the rest run
+                print(f"{raw[:70]:<70} {variant:<13} build failed: {str(exc)[:200]}")
+                continue
+            outs = [COMPRESSOR.alloc_outputs(kernel, s) for s in sets]
+            check = "-"
+            if variant in CHECKED:
+                COMPRESSOR.launch(kernel, sets[0], outs[0])
+                check = str(COMPRESSOR.compare(outs[0], expected))[:60]
+            t = time_cuda_graph(lambda i, k=kernel, o=outs: COMPRESSOR.launch(k, sets[i], o[i]), n_sets=n_sets, launches=8, replays=30)
+            ms = t.median_ms if t else float("nan")
+            base_ms = ms if variant == "base" else base_ms
+            rel = f"{ms / base_ms:6.3f}x" if base_ms else "-"
+            print(f"{raw[:70]:<70} {variant:<13} {ms:9.5f} ms {rel}  check: {check}", flush=True)
+            rows.append({"config": json.loads(raw), "variant": variant, "ms": ms, "check": check})
+    _patch("base")
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "shape": args.shape, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
