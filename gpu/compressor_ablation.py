@@ -13,6 +13,11 @@ Variants (each patches the CUDA the kernel imports, then builds a fresh kernel):
 - ``encode_cheap``: the E2M1 codes of the main cache from four bits of each float, not the threshold search (wrong
   codes: an upper bound on what a cheaper exact encode could save).
 - ``all``: the three together.
+- ``ld_cs`` / ``ld_na`` / ``ld_lu``: the kv/gate loads of ``kv_load="direct"`` as ``ld.global.cs`` (streaming: evict
+  first), ``ld.global.nc.L1::no_allocate`` or ``ld.global.lu`` (last use), by rewriting the generated CUDA (TileLang's
+  post-processing hook; its kernel cache is off for these builds). The same values: checked like ``base``.
+- ``wk_l1``: every warp of the f16x3 projection reads column group 0's Wk fragments (32 KB a CTA instead of 256 KB:
+  L1 hits after the first warp) -- wrong keys; what the projection's Wk traffic through L2 costs.
 
 Only ``base`` and ``ex2_ftz`` are checked against the reference (the others write wrong bytes on purpose); every variant
 is timed the way ``lab bench`` times (CUDA-graph replay over rotating input sets), base first, in one process.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -41,8 +47,34 @@ __device__ __forceinline__ unsigned csa2_e2m1_pair_bounded(float x0, float x1, f
 }
 """
 
-VARIANTS = ("base", "ex2_ftz", "scale_mul", "encode_cheap", "all")
-CHECKED = ("base", "ex2_ftz")
+VARIANTS = ("base", "ex2_ftz", "scale_mul", "encode_cheap", "all", "wk_l1", "ld_cs", "ld_na", "ld_lu")
+CHECKED = ("base", "ex2_ftz", "ld_cs", "ld_na", "ld_lu")
+LOAD_HINTS = {
+    "ld_cs": "__ldcs",
+    "ld_lu": "__ldlu",
+    "ld_na": "csa2_ld_na",
+}
+LD_NA_CUDA = r"""
+__device__ __forceinline__ float4 csa2_ld_na(const float4* p) {
+  float4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+"""
+_KV_LOAD = re.compile(r"= \*\(float4\*\)\(((?:kv|gate) \+ .*?)\);\n")
+
+
+def _load_hint_postproc(fn: str):
+    """A CUDA post-processing hook: each kv/gate float4 load through ``fn`` (and csa2_ld_na defined up front)."""
+
+    def postproc(code, _target):
+        out, n = _KV_LOAD.subn(lambda m: f"= {fn}((const float4*)({m.group(1)}));\n", code)
+        if n == 0:
+            raise RuntimeError("no kv/gate float4 load found in the generated CUDA: the pattern is out of date")
+        at = out.index('extern "C" __global__')
+        return out[:at] + LD_NA_CUDA + out[at:]
+
+    return postproc
 
 
 def _patch(variant: str) -> None:
@@ -71,6 +103,24 @@ def _patch(variant: str) -> None:
         w_small = t * inv
         return T.if_then_else(first_larger, inv, w_small) * kv0 + T.if_then_else(first_larger, w_small, inv) * kv1
 
+    if "wk_l1" in parts:
+        for name in ("_PROJ_F16X3_CUDA", "_PROJ_F16X3_DEEP_CUDA"):
+            src = _ORIG[name]
+            for per_warp in ("cg * 32 * NT * 32 + lane", "warp * 32 * NT * 32 + lane"):
+                src = src.replace(per_warp, "lane")
+            setattr(kernel_mod, name, src)
+    else:
+        for name in ("_PROJ_F16X3_CUDA", "_PROJ_F16X3_DEEP_CUDA"):
+            setattr(kernel_mod, name, _ORIG[name])
+    import tilelang
+    from tilelang.engine.callback import register_cuda_postproc
+
+    if variant in LOAD_HINTS:
+        register_cuda_postproc(_load_hint_postproc(LOAD_HINTS[variant]))
+        tilelang.disable_cache()  # the cache key does not see the post-processing
+    else:
+        register_cuda_postproc(lambda code, _target: code)
+        tilelang.enable_cache()
     kernel_mod._bounds_cuda = lambda: bounds
     kernel_mod._MAIN_FROM_ROWS_CUDA = main_rows
     pe._MAIN_FROM_ROWS_CUDA = main_rows  # main_from_rows_f16_split_cuda derives from it
@@ -100,6 +150,7 @@ def main() -> int:
     from tiles.timing import input_sets_for_l2, time_cuda_graph
 
     _ORIG.update(bounds=kernel_mod._bounds_cuda, main_rows=kernel_mod._MAIN_FROM_ROWS_CUDA, pool_pair=kernel_mod._pool_pair)
+    _ORIG.update({name: getattr(kernel_mod, name) for name in ("_PROJ_F16X3_CUDA", "_PROJ_F16X3_DEEP_CUDA")})
     arch = detect()
     shape = COMPRESSOR.shape(args.shape)
     n_sets = input_sets_for_l2(COMPRESSOR.bytes_moved(shape), arch.l2_bytes, max_sets=4)

@@ -1721,3 +1721,28 @@ def test_deep_pipeline_equals_the_near_one(label, layout):
     same order), at both ratios' 4K and 64K shapes and the decode shapes; and against the reference."""
     cfg = cp.COMPRESSOR.with_defaults(get_arch("sm90"), layout)
     _assert_caches_equal_to(cfg, {**cfg, "proj_pipeline": "near"})
+
+
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_direct_rows_stream_past_l1_at_two_ctas_an_sm_only(ratio):
+    """kv_load="direct" with norm_pass="in_pool": at two CTAs an SM every kv/gate row loads through
+    csa2_load_row_stream (ld.global.nc.L1::no_allocate; none of TileLang's plain float4 loads of kv or gate is left);
+    at three CTAs an SM the plain loads stay (the helper made ptxas spill within 80 registers at ratio 2, H200 session
+    31). The registers and spills of these builds are checked by the compile-and-fit tests above."""
+    tile = cp.COMPRESSOR
+    shape = tile.shape(f"prefill_r{ratio}_s64k")
+    two = tile.with_defaults(SM90, {"block_g": 32, "ctas_per_sm": 2, "main_pass": "in_pool", "proj_latent": "f16_split"})
+    three = tile.with_defaults(SM90, {})
+    assert (two["kv_load"], two["norm_pass"], three["kv_load"], three["norm_pass"], three["ctas_per_sm"]) == (
+        "direct",
+        "in_pool",
+        "direct",
+        "in_pool",
+        3,
+    )
+    rows = 4 if ratio == 2 else 1  # a lane's loads a batch: kv and gate of the group's two tokens; ratio 1 its one kv row
+    plain_load = re.compile(r"\*\(float4\*\)\((kv|gate) \+")
+    streamed = tile.build(shape, two, SM90).get_kernel_source().split("extern")[-1]
+    assert streamed.count("csa2_load_row_stream(") == rows and not plain_load.search(streamed)
+    plain = tile.build(shape, three, SM90).get_kernel_source()
+    assert "csa2_load_row_stream" not in plain and len(plain_load.findall(plain)) == rows

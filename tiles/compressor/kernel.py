@@ -29,6 +29,7 @@ from tiles.compressor.options import (
 )
 from tiles.compressor.pool_encode import (
     _MAIN_FROM_ROWS_CUDA,
+    _ROW_LOAD_CUDA,
     LOAD_CHUNK,
     _bounds_cuda,
     _e2m1_code,
@@ -334,14 +335,17 @@ def _compress_kernel(
                     T.annotate_layout({buf: row_per_warp for buf in (*kv_f, *gate_f, pooled_f, sq_f)})
                     if main_pass == "in_pool":  # the helper writes plain rows (the TMA stores read them unswizzled)
                         T.annotate_layout({bytes_m: make_linear_layout(bytes_m), sbyte_m: make_linear_layout(sbyte_m)})
-            if encode == "thresholds" or regs:  # one import_source per kernel
+            # The one-warp-per-row layout above, loaded past L1 at two CTAs an SM or fewer (see _ROW_LOAD_CUDA)
+            stream_rows = kv_load == "direct" and norm_pass == "in_pool" and ctas_per_sm <= 2
+            if encode == "thresholds" or regs or stream_rows:  # one import_source per kernel
                 extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
                 extra += _PROJ_REGS_K2_CUDA if proj_k_split == 2 else ""
                 deep = _PROJ_F16X3_DEEP_CUDA if proj_pipeline == "deep" else ""
                 projection = "" if not regs else (_PROJ_F16X3_CUDA + deep if f16x3 else _PROJ_REGS_CUDA + extra)
                 main_rows = (_MAIN_FROM_ROWS_CUDA + (main_from_rows_f16_split_cuda() if presplit else "")) if main_pass == "in_pool" else ""
                 bounds = (_bounds_cuda() + main_rows) if encode == "thresholds" else ""
-                T.import_source((F16_SPLIT_CUDA if f16x3 else "") + bounds + projection)
+                row_load = _ROW_LOAD_CUDA if stream_rows else ""
+                T.import_source(row_load + (F16_SPLIT_CUDA if f16x3 else "") + bounds + projection)
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
 
@@ -370,13 +374,21 @@ def _compress_kernel(
                                 grow,
                                 T.address_of(rope_c[0]),
                             )
-                        for i, d in T.Parallel(DIRECT_ROWS, D):
-                            g = T.max(T.min(g0 + r * DIRECT_ROWS + i, G - 1), 0)
-                            kv_f[0][i, d] = kv[b, g * ratio, d]
+                        if stream_rows:  # this warp's row of each token, streamed past L1 (csa2_load_row_stream)
+                            load_row = "csa2_load_row_stream"
+                            T.call_extern("handle", load_row, T.address_of(kv[b, grow * ratio, 0]), T.address_of(kv_f[0][0, 0]))
                             if ratio == 2:
-                                kv_f[1][i, d] = kv[b, g * 2 + 1, d]
-                                gate_f[0][i, d] = gate[b, g * 2, d]
-                                gate_f[1][i, d] = gate[b, g * 2 + 1, d]
+                                T.call_extern("handle", load_row, T.address_of(kv[b, grow * 2 + 1, 0]), T.address_of(kv_f[1][0, 0]))
+                                T.call_extern("handle", load_row, T.address_of(gate[b, grow * 2, 0]), T.address_of(gate_f[0][0, 0]))
+                                T.call_extern("handle", load_row, T.address_of(gate[b, grow * 2 + 1, 0]), T.address_of(gate_f[1][0, 0]))
+                        else:
+                            for i, d in T.Parallel(DIRECT_ROWS, D):
+                                g = T.max(T.min(g0 + r * DIRECT_ROWS + i, G - 1), 0)
+                                kv_f[0][i, d] = kv[b, g * ratio, d]
+                                if ratio == 2:
+                                    kv_f[1][i, d] = kv[b, g * 2 + 1, d]
+                                    gate_f[0][i, d] = gate[b, g * 2, d]
+                                    gate_f[1][i, d] = gate[b, g * 2 + 1, d]
                         if norm_pass == "in_pool":
                             # The pooled rows stay in registers: their squares summed per row (the lanes of a row share
                             # one warp: a shuffle reduction), then written once, normalised.

@@ -110,6 +110,25 @@ def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
     raise TileError(f"unknown pool_math {pool_math!r}: use one of {', '.join(POOL_MATHS)}")
 
 
+# kv_load="direct" with norm_pass="in_pool" at two CTAs an SM or fewer: one token's row of kv or gate into the registers
+# of the warp that pools it (lane l: columns 128 j + 4 l .. + 3 into v[4 j ..], the one-warp-per-row layout), by
+# ld.global.nc.L1::no_allocate. Each byte is read once, by one lane, so caching the stream in L1 only evicts what is
+# reused there (Wk's fragments, the norm weights). H200, session 31, the same call: ratio 2 at 64K, two CTAs of 32
+# 0.1161 -> 0.1104 ms. Not at three CTAs an SM: within their 80 registers ptxas spilled 152-196 B at ratio 2 (0.1146 ->
+# 0.1387 ms, decode 0.0091 -> 0.0114), and decode ratio 1 ran 3% slower.
+_ROW_LOAD_CUDA = r"""
+__device__ __forceinline__ void csa2_load_row_stream(const float* __restrict__ row, float* v) {
+  const float4* p = reinterpret_cast<const float4*>(row) + (threadIdx.x & 31);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+        : "=f"(v[4 * j]), "=f"(v[4 * j + 1]), "=f"(v[4 * j + 2]), "=f"(v[4 * j + 3])
+        : "l"(p + 32 * j));
+  }
+}
+"""
+
+
 # main_pass="in_pool" (with norm_pass="in_pool"): the main cache from the normalised rows while they are in registers.
 # Lane l of warp w holds row w of the 8-row batch at columns 128 j + 4 l .. + 3 (j = 0..3: v[4 j ..], the annotated
 # one-warp-per-row layout). It applies the RoPE to its pairs (lanes 16-31 at j = 3: columns 448 + 4 (l - 16) ..), stores
