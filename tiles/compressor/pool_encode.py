@@ -112,10 +112,11 @@ def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
 
 # kv_load="direct" with norm_pass="in_pool" at two CTAs an SM or fewer: one token's row of kv or gate into the registers
 # of the warp that pools it (lane l: columns 128 j + 4 l .. + 3 into v[4 j ..], the one-warp-per-row layout), by
-# ld.global.nc.L1::no_allocate. Each byte is read once, by one lane, so caching the stream in L1 only evicts what is
-# reused there (Wk's fragments, the norm weights). H200, session 31, the same call: ratio 2 at 64K, two CTAs of 32
-# 0.1161 -> 0.1104 ms. Not at three CTAs an SM: within their 80 registers ptxas spilled 152-196 B at ratio 2 (0.1146 ->
-# 0.1387 ms, decode 0.0091 -> 0.0114), and decode ratio 1 ran 3% slower.
+# ld.global.nc.L1::no_allocate (the non-coherent path is valid: the kernel never writes kv or gate). Each byte is read
+# once, by one lane, so caching the stream in L1 only evicts what is reused there (Wk's fragments, the norm weights).
+# H200, session 31, the same call: ratio 2 at 64K, two CTAs of 32 0.1164 -> 0.1094 ms. Not at three CTAs an SM: within
+# their 80 registers ptxas spilled 152-196 B at ratio 2 (0.1146 -> 0.1387 ms, decode 0.0091 -> 0.0114), and decode
+# ratio 1 ran 3% slower.
 _ROW_LOAD_CUDA = r"""
 __device__ __forceinline__ void csa2_load_row_stream(const float* __restrict__ row, float* v) {
   const float4* p = reinterpret_cast<const float4*>(row) + (threadIdx.x & 31);
