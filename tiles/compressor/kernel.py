@@ -144,7 +144,8 @@ def _compress_kernel(
     nothing), all in flight at once: one round trip, and no slab buffers. "direct" (flat kernel, both ratios): no slabs and
     no barriers in the pooling: each thread reads its kv/gate float4s from global memory straight into the softmax and
     writes the pooled latent to rot_s (the arithmetic of :func:`_staged_pool`, expression for expression); the loads of
-    one thread's 16 float4 outputs are independent, so many more bytes are in flight than the slabs' two stages.
+    one thread's 16 float4 outputs are independent, so many more bytes are in flight than the slabs' two stages. With
+    norm_pass="in_pool" at two CTAs an SM or fewer they load past L1 (:data:`_ROW_LOAD_CUDA`).
     ``proj_operands`` (flat kernel, wk=fp32): "smem" splits each 16-wide chunk of the latent and of Wk into TF32 high
     and low tiles in shared memory (cp.async Wk stages, three barriers per chunk) and T.gemm reads them by ldmatrix;
     "registers" runs the projection out of registers (_PROJ_REGS_CUDA): each warp owns 16 output columns, reads its
