@@ -1733,14 +1733,9 @@ def test_direct_rows_stream_past_l1_at_two_ctas_an_sm_only(ratio):
     shape = tile.shape(f"prefill_r{ratio}_s64k")
     two = tile.with_defaults(SM90, {"block_g": 32, "ctas_per_sm": 2, "main_pass": "in_pool", "proj_latent": "f16_split"})
     three = tile.with_defaults(SM90, {})
-    assert (two["kv_load"], two["norm_pass"], three["kv_load"], three["norm_pass"], three["ctas_per_sm"]) == (
-        "direct",
-        "in_pool",
-        "direct",
-        "in_pool",
-        3,
-    )
-    rows = 4 if ratio == 2 else 1  # a lane's loads a batch: kv and gate of the group's two tokens; ratio 1 its one kv row
+    assert two["kv_load"] == three["kv_load"] == "direct" and two["norm_pass"] == three["norm_pass"] == "in_pool"
+    assert (two["ctas_per_sm"], three["ctas_per_sm"]) == (2, 3)
+    rows = 4 if ratio == 2 else 1  # row loads per warp and batch: kv and gate of the group's two tokens; ratio 1: one kv row
     plain_load = re.compile(r"\*\(float4\*\)\((kv|gate) \+")
     streamed = tile.build(shape, two, SM90).get_kernel_source().split("extern")[-1]
     assert streamed.count("csa2_load_row_stream(") == rows and not plain_load.search(streamed)
