@@ -15,12 +15,15 @@ Variants (each patches the CUDA the kernel imports, then builds a fresh kernel):
 - ``all``: the three together.
 - ``ld_cs`` / ``ld_na`` / ``ld_lu``: the kv/gate loads of ``kv_load="direct"`` as ``ld.global.cs`` (streaming: evict
   first), ``ld.global.nc.L1::no_allocate`` or ``ld.global.lu`` (last use), by rewriting the generated CUDA (TileLang's
-  post-processing hook; its kernel cache is off for these builds). The same values: checked like ``base``.
+  post-processing hook; its kernel cache is off for these builds). The same values: checked like ``base``. Only builds
+  with TileLang's plain kv/gate loads have them to rewrite: since session 31 those at two CTAs an SM stream their rows
+  already (``csa2_load_row_stream``), and the variant reports that it found no load.
 - ``wk_l1``: every warp of the f16x3 projection reads column group 0's Wk fragments (32 KB a CTA instead of 256 KB:
   L1 hits after the first warp) -- wrong keys; what the projection's Wk traffic through L2 costs.
 
-Only ``base`` and ``ex2_ftz`` are checked against the reference (the others write wrong bytes on purpose); every variant
-is timed the way ``lab bench`` times (CUDA-graph replay over rotating input sets), base first, in one process.
+The variants that keep the values (``base``, ``ex2_ftz``, ``ld_*``) are checked against the reference; the others write
+wrong bytes on purpose. Every variant is timed the way ``lab bench`` times (CUDA-graph replay over rotating input sets),
+base first, in one process. The JSON carries the environment (``tiles.timing.describe_environment``) and the command.
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ def _load_hint_postproc(fn: str):
     return postproc
 
 
+_ORIG: dict = {}  # the sources and functions as imported, filled by main()
+PROJ_SOURCES = ("_PROJ_F16X3_CUDA", "_PROJ_F16X3_DEEP_CUDA")
+
+
 def _patch(variant: str) -> None:
     """Point the compressor's CUDA sources and pooling at ``variant``'s (``base`` restores them)."""
     import tilelang.language as T
@@ -103,15 +110,12 @@ def _patch(variant: str) -> None:
         w_small = t * inv
         return T.if_then_else(first_larger, inv, w_small) * kv0 + T.if_then_else(first_larger, w_small, inv) * kv1
 
-    if "wk_l1" in parts:
-        for name in ("_PROJ_F16X3_CUDA", "_PROJ_F16X3_DEEP_CUDA"):
-            src = _ORIG[name]
+    for name in PROJ_SOURCES:
+        src = _ORIG[name]
+        if "wk_l1" in parts:
             for per_warp in ("cg * 32 * NT * 32 + lane", "warp * 32 * NT * 32 + lane"):
                 src = src.replace(per_warp, "lane")
-            setattr(kernel_mod, name, src)
-    else:
-        for name in ("_PROJ_F16X3_CUDA", "_PROJ_F16X3_DEEP_CUDA"):
-            setattr(kernel_mod, name, _ORIG[name])
+        setattr(kernel_mod, name, src)
     import tilelang
     from tilelang.engine.callback import register_cuda_postproc
 
@@ -128,9 +132,6 @@ def _patch(variant: str) -> None:
     kernel_mod._compress_kernel.cache_clear()  # its cache is keyed by the config alone
 
 
-_ORIG: dict = {}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shape", help="a compressor shape, e.g. prefill_r2_s64k")
@@ -138,6 +139,10 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:  # before asking for a GPU
+        parser.error(f"unknown variants {unknown}: use some of {', '.join(VARIANTS)}")
 
     import torch
 
@@ -147,10 +152,10 @@ def main() -> int:
     import tiles.compressor.kernel as kernel_mod
     from tiles.arch import detect
     from tiles.compressor import COMPRESSOR
-    from tiles.timing import input_sets_for_l2, time_cuda_graph
+    from tiles.timing import describe_environment, input_sets_for_l2, time_cuda_graph
 
     _ORIG.update(bounds=kernel_mod._bounds_cuda, main_rows=kernel_mod._MAIN_FROM_ROWS_CUDA, pool_pair=kernel_mod._pool_pair)
-    _ORIG.update({name: getattr(kernel_mod, name) for name in ("_PROJ_F16X3_CUDA", "_PROJ_F16X3_DEEP_CUDA")})
+    _ORIG.update({name: getattr(kernel_mod, name) for name in PROJ_SOURCES})
     arch = detect()
     shape = COMPRESSOR.shape(args.shape)
     n_sets = input_sets_for_l2(COMPRESSOR.bytes_moved(shape), arch.l2_bytes, max_sets=4)
@@ -160,9 +165,7 @@ def main() -> int:
     for raw in args.configs:
         cfg = COMPRESSOR.with_defaults(arch, json.loads(raw))
         base_ms = None
-        for variant in args.variants.split(","):
-            if variant not in VARIANTS:
-                raise SystemExit(f"error: unknown variant {variant!r}: use one of {', '.join(VARIANTS)}")
+        for variant in variants:
             _patch(variant)
             try:
                 kernel = COMPRESSOR.build(shape, cfg, arch)
@@ -182,7 +185,9 @@ def main() -> int:
             rows.append({"config": json.loads(raw), "variant": variant, "ms": ms, "check": check})
     _patch("base")
     if args.json:
-        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "shape": args.shape, "rows": rows}, indent=1))
+        command = " ".join(["python3", *sys.argv])
+        doc = {"environment": describe_environment(), "command": command, "shape": args.shape, "rows": rows}
+        args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 

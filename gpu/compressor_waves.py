@@ -6,7 +6,7 @@
 For each config (the tile's default for this GPU with the JSON's keys over it) and each wave count w, the prefill
 length S is chosen so that the grid holds ``w * SMs * ctas_per_sm`` CTAs (rounded to whole CTAs). Each point is
 checked against the torch reference on fresh inputs and timed like ``lab bench`` (``tiles.harness.evaluate``: CUDA-graph
-replay). The table gives ms, ms per wave and the rate in groups per microsecond: on a schedule with no tail cost the rate
+replay); the JSON carries the environment and the command. The table gives ms, ms per wave and the rate in groups per microsecond: on a schedule with no tail cost the rate
 is flat in S; a tail shows as a lower rate at fractional waves than at the whole wave counts around them.
 """
 
@@ -38,10 +38,11 @@ def main() -> int:
     from tiles.compressor import COMPRESSOR
     from tiles.contract import Shape
     from tiles.harness import evaluate
+    from tiles.timing import describe_environment
 
     arch = detect()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    base = next(s for s in COMPRESSOR.shapes() if s.name == f"prefill_r{args.ratio}_s64k")
+    base = COMPRESSOR.shape(f"prefill_r{args.ratio}_s64k")
     rows = []
     print(f"{'config':<60} {'waves':>6} {'CTAs':>6} {'S':>7} {'ms':>9} {'ms/wave':>8} {'groups/us':>9}  check")
     for raw in args.configs:
@@ -64,7 +65,9 @@ def main() -> int:
             else:
                 print(f"{json.dumps(override)[:60]:<60} {ctas / resident:6.2f} {ctas:6d} {S:7d}  {ev.outcome}: {ev.message[:120]}")
     if args.json:
-        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "sms": sms, "ratio": args.ratio, "rows": rows}, indent=1))
+        command = " ".join(["python3", *sys.argv])
+        doc = {"environment": describe_environment(), "command": command, "sms": sms, "ratio": args.ratio, "rows": rows}
+        args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 

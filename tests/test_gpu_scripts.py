@@ -250,3 +250,16 @@ def test_unstarted_tests_lists_only_the_deadline_skips(tmp_path):
     assert unstarted_tests.unstarted_ids(junit) == ["tests/test_sparse_attn.py::test_a[x y-1]"]
     with pytest.raises(SystemExit, match="cannot read junit"):
         unstarted_tests.unstarted_ids(tmp_path / "missing.xml")
+
+
+def test_compressor_ablation_refuses_an_unknown_variant_before_asking_for_a_gpu():
+    import subprocess
+
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "gpu" / "compressor_ablation.py"), "prefill_r2_s64k", "{}", "--variants", "base,no_such_cut"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert res.returncode == 2 and "unknown variants ['no_such_cut']" in res.stderr
