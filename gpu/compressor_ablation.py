@@ -18,6 +18,9 @@ Variants (each patches the CUDA the kernel imports, then builds a fresh kernel):
   post-processing hook; its kernel cache is off for these builds). The same values: checked like ``base``. Only builds
   with TileLang's plain kv/gate loads have them to rewrite: since session 31 those at two CTAs an SM stream their rows
   already (``csa2_load_row_stream``), and the variant reports that it found no load.
+- ``proj_x1`` / ``proj_none``: the f16x3 projection with only its hi x hi product (the two correction products
+  removed) / with none of its three (wrong index keys): what the three-product emulation, and the projection's tensor
+  work as a whole, cost. The fragment loads stay where their results are still read.
 - ``wk_l1``: every warp of the f16x3 projection reads column group 0's Wk fragments (32 KB a CTA instead of 256 KB:
   L1 hits after the first warp) -- wrong keys; what the projection's Wk traffic through L2 costs.
 
@@ -50,7 +53,7 @@ __device__ __forceinline__ unsigned csa2_e2m1_pair_bounded(float x0, float x1, f
 }
 """
 
-VARIANTS = ("base", "ex2_ftz", "scale_mul", "encode_cheap", "all", "wk_l1", "ld_cs", "ld_na", "ld_lu")
+VARIANTS = ("base", "ex2_ftz", "scale_mul", "encode_cheap", "all", "wk_l1", "proj_x1", "proj_none", "ld_cs", "ld_na", "ld_lu")
 CHECKED = ("base", "ex2_ftz", "ld_cs", "ld_na", "ld_lu")
 LOAD_HINTS = {
     "ld_cs": "__ldcs",
@@ -64,6 +67,9 @@ __device__ __forceinline__ float4 csa2_ld_na(const float4* p) {
   return v;
 }
 """
+# one f16 MMA line of the projection's k-step loop; the SPLIT ones are the two correction products (lo x hi, hi x lo)
+# (an emptied line keeps its loop with an empty body: the enclosing m loop has no braces)
+_PROJ_MMA_LINE = re.compile(r"(\n[^\n]*for \(int n = 0; n < NT; \+\+n\) )csa2_mma_f16\((SPLIT)?[^\n]*")
 _KV_LOAD = re.compile(r"= \*\(float4\*\)\(((?:kv|gate) \+ .*?)\);\n")
 
 
@@ -115,6 +121,11 @@ def _patch(variant: str) -> None:
         if "wk_l1" in parts:
             for per_warp in ("cg * 32 * NT * 32 + lane", "warp * 32 * NT * 32 + lane"):
                 src = src.replace(per_warp, "lane")
+        if parts & {"proj_x1", "proj_none"}:
+            keep_hi = "proj_x1" in parts
+            src, n = _PROJ_MMA_LINE.subn(lambda m, keep_hi=keep_hi: m.group(1) + "{}" if not keep_hi or m.group(2) else m.group(0), src)
+            if n != 3:
+                raise RuntimeError(f"{name}: found {n} MMA lines, not 3: the projection's loop changed, update the pattern")
         setattr(kernel_mod, name, src)
     import tilelang
     from tilelang.engine.callback import register_cuda_postproc

@@ -5,7 +5,9 @@ taken out (a timing ablation; its scores are wrong by design), and the dequant o
 ``csa2_fp4_pair_bf16`` replaced by one integer add: each wgmma A register is the packed word plus the register index,
 so the loads, the shared-memory words, the wgmma, the epilogue and the stores are the default's and only the
 lookups, sign merges and interleaves are gone (the scale tables go too, unused). The time the kernel loses is what any
-cheaper conversion (FP8 operands, integer MMA) could at most win back. Every variant is checked against the reference
+cheaper conversion (FP8 operands, integer MMA) could at most win back. ``no_store`` keeps the scores' computation and
+drops their stores (see ``_NO_STORE_GUARD``): what a kernel that selects in place of writing the scores could at most
+save; ``no_dequant_no_store`` drops both, the bound of such a kernel with a free conversion. Every variant is checked against the reference
 (scores rel L2 <= 1e-5; the ablation fails it by design) and timed by CUDA-graph replay in the same process: the
 ``fp8_rs`` rows are that option at several layouts (``tiles.indexer``, dequant="fp8_rs").
 
@@ -25,17 +27,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name -> (the dequant taken out, config over the tile's default): the ablation, and the dequant options timed beside it
+# name -> (the dequant taken out, the score stores taken out, config over the tile's default): the ablations, and the
+# dequant options timed beside them
 VARIANTS = {
-    "default": (False, {}),
-    "no_dequant": (True, {}),
-    "hidden_skip": (False, {"hidden_tiles": "skip"}),  # the Hopper default since 78c058d: "default" is this kernel there
-    "hidden_score": (False, {"hidden_tiles": "score"}),  # the indexer's Hopper default before 78c058d
-    "fp8_rs_bn128_mc2_st1": (False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 1}),
-    "fp8_rs_bn128_mc2_st2": (False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 2}),
-    "fp8_rs_bn64_mc2_st2": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 2, "stages": 2}),
-    "fp8_rs_bn64_mc3_st3": (False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 3, "stages": 3}),
+    "default": (False, False, {}),
+    "no_dequant": (True, False, {}),
+    "no_store": (False, True, {}),
+    "no_dequant_no_store": (True, True, {}),
+    "hidden_skip": (False, False, {"hidden_tiles": "skip"}),  # the Hopper default since 78c058d: "default" is this kernel there
+    "hidden_score": (False, False, {"hidden_tiles": "score"}),  # the indexer's Hopper default before 78c058d
+    "fp8_rs_bn128_mc2_st1": (False, False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 1}),
+    "fp8_rs_bn128_mc2_st2": (False, False, {"dequant": "fp8_rs", "block_n": 128, "min_ctas": 2, "stages": 2}),
+    "fp8_rs_bn64_mc2_st2": (False, False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 2, "stages": 2}),
+    "fp8_rs_bn64_mc3_st3": (False, False, {"dequant": "fp8_rs", "block_n": 64, "min_ctas": 3, "stages": 3}),
 }
+# no_store: the fused epilogue's two score stores made conditional on a value no score takes, so the head sums are still
+# computed (the compiler cannot drop them) but nothing is written: what a score kernel that hands its scores to an
+# in-kernel select instead of HBM could at most save (33.5 MB of the 604 MB a decode B=64 x 128K call moves)
+_STORE_GUARDS = ("if (off + row < n_left) out[off + row] =", "if (!c && off + row < n_left) out[off + row] =")
+_NO_STORE_GUARD = "&& z == 0x1.5p-120f"  # a value the head sum of a ReLU'd, weighted wgmma never lands on here
 _NO_DEQUANT_PAIR = (
     "__device__ __forceinline__ void csa2_fp4_pair_bf16(void* dst, int w_, unsigned lo0, unsigned lo1, unsigned hi0,\n"
     "                                                   unsigned hi1, int k) {\n"
@@ -44,15 +54,21 @@ _NO_DEQUANT_PAIR = (
 )
 
 
-def _use_pair(ablate: bool, original: str) -> None:
-    """Point the score kernel builder at the default pair function or the ablation's (a fresh build: the builder
-    cache is cleared). The builder reads ``_PRMT_PAIR_CUDA`` from its own module's globals
-    (``tiles.indexer.score_kernel``), so that is the name replaced."""
+def _use_kernel(ablate_dequant: bool, ablate_store: bool, original_pair: str, original_epi: str) -> None:
+    """Point the score kernel builder at the default pair function and epilogue or the ablations' (a fresh build: the
+    builder cache is cleared). The builder reads ``_PRMT_PAIR_CUDA`` and ``_FUSED_EPI_CUDA`` from its own module's
+    globals (``tiles.indexer.score_kernel``), so those are the names replaced."""
     from tiles.indexer import dequant, score_kernel
 
     pair = dequant._fp4_pair_function("csa2_fp4_pair_bf16", dequant._SHR16_SELECTORS)
-    assert pair in original, "the default pair function moved: update the ablation"
-    score_kernel._PRMT_PAIR_CUDA = original.replace(pair, _NO_DEQUANT_PAIR) if ablate else original
+    assert pair in original_pair, "the default pair function moved: update the ablation"
+    score_kernel._PRMT_PAIR_CUDA = original_pair.replace(pair, _NO_DEQUANT_PAIR) if ablate_dequant else original_pair
+    epi = original_epi
+    if ablate_store:
+        for guard in _STORE_GUARDS:
+            assert epi.count(guard) == 1, f"the fused epilogue's store {guard!r} moved: update the ablation"
+            epi = epi.replace(guard, guard.replace(") out[", f" {_NO_STORE_GUARD}) out["))
+    score_kernel._FUSED_EPI_CUDA = epi
     score_kernel._score_kernel.cache_clear()
 
 
@@ -85,7 +101,9 @@ def main() -> int:
     tile = ix.INDEXER_TOPK
     env = describe_environment()
     cmd = "python3 gpu/score_ablation.py " + " ".join(sys.argv[1:])
-    original = ix_dequant._PRMT_PAIR_CUDA
+    from tiles.indexer import score_kernel as ix_score_kernel
+
+    original_pair, original_epi = ix_dequant._PRMT_PAIR_CUDA, ix_score_kernel._FUSED_EPI_CUDA
     rows = []
     for name in args.shapes.split(","):
         shape = tile.shape(name)
@@ -98,8 +116,8 @@ def main() -> int:
         scores = torch.full((B, S, N), float("nan"), device="cuda")  # [B, S, N] poisoned
         want = ix_reference._reference_scores(inputs)
         for variant in variants:
-            ablate, overrides = VARIANTS[variant]
-            _use_pair(ablate, original)
+            ablate_dequant, ablate_store, overrides = VARIANTS[variant]
+            _use_kernel(ablate_dequant, ablate_store, original_pair, original_epi)
             cfg = tile.with_defaults(arch, overrides)
             launch = functools.partial(ix_launch._build_score(arch, cfg, False, 8, B * S, N), q, w, words, scales, nvis, pool, scores)
             scores.fill_(float("nan"))
@@ -112,12 +130,12 @@ def main() -> int:
                 "variant": variant,
                 "config": cfg,
                 "score_us": timing.median_ms * 1e3 if timing else None,
-                "check": "ok" if check.ok else str(check),  # no_dequant is wrong by design
+                "check": "ok" if check.ok else str(check),  # no_dequant and no_store are wrong by design
             }
             rows.append(row)
             us = f"{row['score_us']:8.1f}" if row["score_us"] is not None else f"{'-':>8s}"  # None: the graph did not capture
             print(f"{name:18s} {variant:22s} {us} us  check: {row['check']}", flush=True)
-        _use_pair(False, original)
+        _use_kernel(False, False, original_pair, original_epi)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "score_ablation.json").write_text(json.dumps({"environment": env, "command": cmd, "rows": rows}, indent=1, default=str))

@@ -250,6 +250,14 @@ phase_compressor-ablation() {  # the compressor with pieces of its pooling made 
   note "compressor-ablation rc=$?"
 }
 
+phase_score-ablation() {  # the indexer's score kernel with its dequant and/or its score stores taken out (gpu/score_ablation.py)
+  mkdir -p "$OUT/${SCORE_ABLATION_NAME:-score_ablation}"
+  timeout "${SCORE_ABLATION_S:-200}" python3 gpu/score_ablation.py --out "$OUT/${SCORE_ABLATION_NAME:-score_ablation}" \
+    --shapes "${SCORE_ABLATION_SHAPES:-decode_b64_n128k}" --variants "${SCORE_ABLATION_VARIANTS:-default,no_dequant,no_store,no_dequant_no_store}" \
+    > "$OUT/${SCORE_ABLATION_NAME:-score_ablation}.log" 2>&1
+  note "score-ablation rc=$?"
+}
+
 phase_e2e() {
   timeout "${E2E_S:-300}" $LAB e2e --preset v4.1-flash --phase "${E2E_PHASES:-decode,prefill}" --ctx "${E2E_CTX:-8K,64K}" --prefill-ctx "${E2E_PROMPTS:-16K}" --batch "${E2E_BATCH:-1,64}" \
     --backend "${E2E_BACKENDS:-torch,tiles}" --configs "${E2E_CONFIGS:-tuned,default}" --runs 10 --repeats "${E2E_REPEATS:-1}" \

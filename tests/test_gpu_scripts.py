@@ -263,3 +263,38 @@ def test_compressor_ablation_refuses_an_unknown_variant_before_asking_for_a_gpu(
         check=False,
     )
     assert res.returncode == 2 and "unknown variants ['no_such_cut']" in res.stderr
+
+
+def test_the_projection_ablations_find_the_three_products_they_cut():
+    """gpu/compressor_ablation.py's proj_x1 / proj_none rewrite the f16x3 projection's three MMA lines: each source
+    still has exactly three, proj_x1 keeps only the hi x hi one, and an emptied line keeps its loop (the enclosing m
+    loop has no braces, so deleting the line would hand it the next statement)."""
+    import compressor_ablation as ca
+
+    import tiles.compressor.kernel as kernel_mod
+
+    for name in ca.PROJ_SOURCES:
+        src = getattr(kernel_mod, name)
+        calls = src.count(") csa2_mma_f16(")
+        x1, n = ca._PROJ_MMA_LINE.subn(lambda m: m.group(1) + "{}" if m.group(2) else m.group(0), src)
+        assert n == 3 and calls == 3
+        assert x1.count(") csa2_mma_f16(") == 1 and x1.count("for (int n = 0; n < NT; ++n) {}") == 2
+        assert "csa2_mma_f16(acc[m][n], ah[" in x1  # the hi x hi product is the one kept
+
+
+def test_the_score_store_ablation_guards_both_stores_of_the_fused_epilogue():
+    """gpu/score_ablation.py's no_store guards each of the fused epilogue's two score stores, and only those."""
+    import score_ablation as sa
+
+    from tiles.indexer import dequant, score_kernel
+
+    original_pair, original_epi = dequant._PRMT_PAIR_CUDA, score_kernel._FUSED_EPI_CUDA
+    try:
+        sa._use_kernel(False, True, original_pair, original_epi)
+        epi = score_kernel._FUSED_EPI_CUDA
+        assert epi.count(sa._NO_STORE_GUARD) == 2 and epi.count("out[off + row] =") == 2
+        assert all(epi.count(g) == 0 for g in sa._STORE_GUARDS)
+        assert score_kernel._PRMT_PAIR_CUDA == original_pair
+    finally:
+        sa._use_kernel(False, False, original_pair, original_epi)
+    assert score_kernel._FUSED_EPI_CUDA == original_epi
