@@ -90,6 +90,15 @@ _ORIG: dict = {}  # the sources and functions as imported, filled by main()
 PROJ_SOURCES = ("_PROJ_F16X3_CUDA", "_PROJ_F16X3_DEEP_CUDA")
 
 
+def cut_projection_products(src: str, keep_hi: bool, name: str = "projection") -> str:
+    """``src`` (an f16x3 projection's CUDA) with its two correction MMAs emptied, and its hi x hi one too unless
+    ``keep_hi``. Refuses a source whose k-step loop no longer has exactly three MMA lines."""
+    out, n = _PROJ_MMA_LINE.subn(lambda m: m.group(1) + "{}" if not keep_hi or m.group(2) else m.group(0), src)
+    if n != 3:
+        raise RuntimeError(f"{name}: found {n} MMA lines, not 3: the projection's loop changed, update the pattern")
+    return out
+
+
 def _patch(variant: str) -> None:
     """Point the compressor's CUDA sources and pooling at ``variant``'s (``base`` restores them)."""
     import tilelang.language as T
@@ -122,10 +131,7 @@ def _patch(variant: str) -> None:
             for per_warp in ("cg * 32 * NT * 32 + lane", "warp * 32 * NT * 32 + lane"):
                 src = src.replace(per_warp, "lane")
         if parts & {"proj_x1", "proj_none"}:
-            keep_hi = "proj_x1" in parts
-            src, n = _PROJ_MMA_LINE.subn(lambda m, keep_hi=keep_hi: m.group(1) + "{}" if not keep_hi or m.group(2) else m.group(0), src)
-            if n != 3:
-                raise RuntimeError(f"{name}: found {n} MMA lines, not 3: the projection's loop changed, update the pattern")
+            src = cut_projection_products(src, keep_hi="proj_x1" in parts, name=name)
         setattr(kernel_mod, name, src)
     import tilelang
     from tilelang.engine.callback import register_cuda_postproc

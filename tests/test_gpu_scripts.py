@@ -252,6 +252,32 @@ def test_unstarted_tests_lists_only_the_deadline_skips(tmp_path):
         unstarted_tests.unstarted_ids(tmp_path / "missing.xml")
 
 
+def test_unstarted_tests_adds_the_collected_ids_a_cut_off_run_never_reported(tmp_path, capsys):
+    """A run interrupted at its limit has no junit entry for the tests still queued: --collected names them too,
+    after the deadline skips, and leaves out what the file reports (run, or skipped for another reason)."""
+    import unstarted_tests
+
+    junit = tmp_path / "run.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_compressor" name="test_a[x]">'
+        '<skipped message="--deadline 250 s passed before this test started"/></testcase>'
+        '<testcase classname="tests.test_compressor" name="test_b"/>'
+        '<testcase classname="tests.test_compressor" name="test_c"><skipped message="needs sm_90a"/></testcase>'
+        '<testcase classname="" name="internal"><error message="KeyboardInterrupt"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    collected = tmp_path / "collected.txt"
+    ids = ["tests/test_compressor.py::" + n for n in ("test_b", "test_a[x]", "test_c", "test_d[one two]")]
+    collected.write_text("\n".join(ids) + "\n\n4/9 tests collected (5 deselected) in 1.0s\n")
+    assert unstarted_tests.main([str(junit), "--collected", str(collected)]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["tests/test_compressor.py::test_a[x]", "tests/test_compressor.py::test_d[one two]"]
+    assert "1 collected and not reported at all" in out.err
+    with pytest.raises(SystemExit, match="cannot read the collected ids"):
+        unstarted_tests.main([str(junit), "--collected", str(tmp_path / "missing.txt")])
+
+
 def test_compressor_ablation_refuses_an_unknown_variant_before_asking_for_a_gpu():
     import subprocess
 
@@ -266,20 +292,23 @@ def test_compressor_ablation_refuses_an_unknown_variant_before_asking_for_a_gpu(
 
 
 def test_the_projection_ablations_find_the_three_products_they_cut():
-    """gpu/compressor_ablation.py's proj_x1 / proj_none rewrite the f16x3 projection's three MMA lines: each source
-    still has exactly three, proj_x1 keeps only the hi x hi one, and an emptied line keeps its loop (the enclosing m
-    loop has no braces, so deleting the line would hand it the next statement)."""
+    """gpu/compressor_ablation.py's proj_x1 / proj_none rewrite the f16x3 projection's three MMA lines: proj_x1 keeps
+    only the hi x hi one, proj_none none, and an emptied line keeps its loop (the enclosing m loop has no braces, so
+    deleting the line would hand it the next statement). A source without exactly three is refused."""
     import compressor_ablation as ca
 
     import tiles.compressor.kernel as kernel_mod
 
     for name in ca.PROJ_SOURCES:
         src = getattr(kernel_mod, name)
-        calls = src.count(") csa2_mma_f16(")
-        x1, n = ca._PROJ_MMA_LINE.subn(lambda m: m.group(1) + "{}" if m.group(2) else m.group(0), src)
-        assert n == 3 and calls == 3
+        assert src.count(") csa2_mma_f16(") == 3
+        x1 = ca.cut_projection_products(src, keep_hi=True, name=name)
         assert x1.count(") csa2_mma_f16(") == 1 and x1.count("for (int n = 0; n < NT; ++n) {}") == 2
         assert "csa2_mma_f16(acc[m][n], ah[" in x1  # the hi x hi product is the one kept
+        none = ca.cut_projection_products(src, keep_hi=False, name=name)
+        assert none.count(") csa2_mma_f16(") == 0 and none.count("for (int n = 0; n < NT; ++n) {}") == 3
+    with pytest.raises(RuntimeError, match="found 0 MMA lines"):
+        ca.cut_projection_products("no projection here", keep_hi=True)
 
 
 def test_the_score_store_ablation_guards_both_stores_of_the_fused_epilogue():
