@@ -156,7 +156,12 @@ class Attention(nn.Module):
             glob.append(*entries)
 
     def _topk(self, qr: torch.Tensor, x: torch.Tensor, step: Step, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Run this layer's indexer (Full: full scan, plus the pool at the pool source; Reindex: inside the pool); publish top-k."""
+        """Run this layer's indexer (Full: full scan, plus the pool at the pool source; Reindex: inside the pool); publish top-k.
+
+        The keys are always those of the layer's own KV group (``plan.kv_source``), also at a ratio-2 decode step whose
+        group is still filling. Deliberate: the official code then scores against the index cache that the last source
+        layer to publish keys left in a module-global, which belongs to another group.
+        """
         cfg, plan, backend = self.cfg, self.plan, step.backend
         B, S = x.shape[:2]
         q_idx, weights = self.indexer(qr, x)  # [B, S, Hi, Di], [B, S, Hi]

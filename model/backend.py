@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from model import formats
-from model.ops.compressor import compressor_entries, index_keys
+from model.ops.compressor import compressor_latents, index_keys, main_entries
 from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_positions
 from model.ops.rope import RopeConfig
 from model.ops.sparse_attn import sparse_attention_quantized
@@ -160,10 +160,11 @@ class TorchBackend:
         rope: RopeConfig,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Complete groups -> cache entries: pool, RMSNorm, RoPE, FP4 main KV; index K projection, FP4.
+        """Complete groups -> cache entries: pool, RMSNorm (the pre-RoPE latent); RoPE, FP4 main KV; index K, FP4.
 
         Entry ``g`` (0-based in this call) is compressed entry ``first_group + g`` of the group's
-        cache; its RoPE position is ``(first_group + g) * ratio``.
+        cache; its RoPE position is ``(first_group + g) * ratio``. The index key is projected from
+        the latent *before* RoPE (``rope(k_norm(Wk latent))``), as in the official V4.1 code.
 
         Args:
             kv: float32 [B, G * ratio, D] ``Wkv(x)`` of the groups' tokens, in order.
@@ -177,9 +178,9 @@ class TorchBackend:
             main_packed uint8 [B, G, D/2], main_scales uint8 [B, G, D/16] (E4M3),
             index_packed uint8 [B, G, Di/2], index_scales uint8 [B, G, Di/32] (E8M0).
         """
-        latent = compressor_entries(kv, gate, ratio, norm_weight, first_group, rope, eps)  # [B, G, D]
+        latent = compressor_latents(kv, gate, ratio, norm_weight, eps)  # [B, G, D] before RoPE
         k = index_keys(latent, wk, k_norm_weight, first_group, ratio, rope, eps)  # [B, G, Di]
-        main_packed, main_scales = self.fp4_quantize(latent, MAIN_GROUP, MAIN_SCALE)
+        main_packed, main_scales = self.fp4_quantize(main_entries(latent, first_group, ratio, rope), MAIN_GROUP, MAIN_SCALE)
         index_packed, index_scales = self.fp4_quantize(k, INDEX_GROUP, INDEX_SCALE)
         return main_packed, main_scales, index_packed, index_scales
 
@@ -264,7 +265,9 @@ class TorchBackend:
         """Reindex: top-k among the visible entries inside the candidate pool only.
 
         The reference scores every entry and masks (as the public reference does); a kernel
-        should gather the pool's blocks first and score only those.
+        should gather the pool's blocks first and score only those. When the pool holds fewer
+        than ``k`` visible entries the rest of the row is -1 (deliberate: the official code fills
+        it with arbitrary visible entries outside the pool, the tie order of -inf scores).
 
         Args:
             pool_blocks: int32 [B, S, P] from :meth:`candidate_pool` (-1 fill).

@@ -73,7 +73,7 @@ class ModelConfig:
     yarn_original_seq_len: int = 65536
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-20  # every RMSNorm; the official V4.1 configuration's value
     main_fp4_group: int = 16
     index_fp4_group: int = 32
     n_routed_experts: int = 0  # 0 = dense SwiGLU FFN; > 0 = small MoE option

@@ -12,8 +12,12 @@ index K and Q   32     E8M0    ``s = 2^ceil(log2(max(amax, 6*2^-126) / 6))``
 
 Values: ``code = e2m1_rne(clamp(x / s, -6, 6))`` with ``s`` the *stored* scale, ties to
 the even code. The SWA window KV uses FP8 E4M3 values with one E8M0 scale per 32:
-``s = 2^ceil(log2(max(amax, 448*2^-126) / 448))`` (our choice, the FP4 index rule with the
-E4M3 maximum), ``code = e4m3_rne(x / s)`` (saturating at 448).
+``s = 2^ceil(log2(max(amax, 1e-4) / 448))``, ``code = e4m3_rne(x / s)`` (saturating at 448),
+the official V4.1 activation quantiser's rule (its amax floor 1e-4 as float32).
+
+Both E8M0 rules divide by the maximum where the official kernels multiply by its float32
+reciprocal (``amax * fp32(1/6)``, ``amax * fp32(1/448)``); the two give the same scale byte for
+every float32 amax (tests/test_conformance.py checks every significand at several exponents).
 
 Special values, the same in every kernel that claims bit-exactness:
 
@@ -176,6 +180,7 @@ def fp4_fake_quantize(x: torch.Tensor, group_size: int = 16, scale_format: str =
 
 
 FP8_GROUP = 32
+FP8_AMAX_FLOOR = 1e-4  # the official activation quantiser's clamp of a group's amax (float32), before its E8M0 scale
 
 
 def fp8_quantize(x: torch.Tensor, group_size: int = FP8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +195,7 @@ def fp8_quantize(x: torch.Tensor, group_size: int = FP8_GROUP) -> tuple[torch.Te
         raise ValueError(f"last dim {x.shape[-1]} must be a multiple of group_size={group_size}")
     xg = x.float().reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
     amax = _nan_ignoring_amax(xg)
-    scale_code = e8m0_encode_ceil(torch.clamp(amax, min=E4M3_MAX * 2.0**-126) / E4M3_MAX)
+    scale_code = e8m0_encode_ceil(torch.clamp(amax, min=FP8_AMAX_FLOOR) / E4M3_MAX)
     codes = e4m3_encode(xg / e8m0_decode(scale_code).unsqueeze(-1))
     return codes.reshape(x.shape), scale_code
 

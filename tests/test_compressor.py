@@ -27,8 +27,10 @@ from tiles.compressor import tile as cp_tile
 from tiles.contract import Shape, TileError
 from tiles.harness import OK, evaluate
 from tiles.ptxas import parse_resource_usage, ptxas_log, resource_usage
+from tiles.shapes import flash
 
 SM90 = get_arch("sm90")
+EPS = flash().norm_eps  # the RMSNorm epsilon the tile's reference uses
 # The one-CTA-per-SM kernel (Hopper's default until ctas_per_sm 2): the base of the tests that vary load, proj or encode
 ONE_CTA = {
     "ctas_per_sm": 1,
@@ -53,7 +55,7 @@ def _default(arch=SM90):
 def _args(B=2, S=4, G=2, device="cpu"):
     kv = torch.randn(B, S, 512, device=device)
     gate = torch.randn(B, S, 512, device=device)
-    rest = (torch.ones(512), torch.ones(G, 32), torch.zeros(G, 32), torch.randn(128, 512), torch.ones(128), 1e-6)
+    rest = (torch.ones(512), torch.ones(G, 32), torch.zeros(G, 32), torch.randn(128, 512), torch.ones(128), EPS)
     return kv, gate, rest
 
 
@@ -207,7 +209,7 @@ def test_staged_equals_direct_bitwise(shape_name, block_g, k_chunk):
 def test_decode_tail_state():
     tile = cp.COMPRESSOR
     inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
-    rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], 1e-6)
+    rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], EPS)
     full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest)
     tail = cp.compress(inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0])
     assert all(torch.equal(a, b) for a, b in zip(full, tail))
@@ -541,7 +543,7 @@ def _decode_tail_entries_equal(cfg) -> tuple:
     asserts the same entries, returns (the caches, the inputs)."""
     tile = cp.COMPRESSOR
     inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
-    rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], 1e-6)
+    rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], EPS)
     full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest, config=cfg)
     tail = cp.compress(
         inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, config=cfg, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0]
@@ -1362,10 +1364,21 @@ def test_main_pass_in_the_space_and_refused_without_the_rows_in_registers():
         cp_kernel._compress_kernel(*base, "separate", 1, "in_pool")
 
 
+def test_main_pass_in_pool_stores_the_latent_before_rope():
+    """The index-K projection reads rot_s: csa2_main_from_rows (and its f16-split form) must store the row there before it
+    rotates the RoPE pairs for the main cache (the official order: index keys from the unrotated latent)."""
+    for src, store in (
+        (cp_pool_encode._MAIN_FROM_ROWS_CUDA, "*reinterpret_cast<float4*>(rot_row"),
+        (cp_pool_encode.main_from_rows_f16_split_cuda(), "csa2_store_f16_split(rot_row"),
+    ):
+        body = src[src.index("void csa2_main_from_rows") :]
+        assert body.count(store) == 1 and body.index(store) < body.index("__fmaf_rn(ev, c0")
+
+
 @pytest.mark.parametrize("ratio", [2, 1])
 def test_main_pass_in_pool_compiles_sm90_and_fits(ratio, tmp_path):
-    """One call of csa2_main_from_rows per 8-row batch, the RoPE and encode passes gone (three barriers fewer than the
-    separate passes), bytes_m stored unswizzled in one TMA store, the build within the default's shared memory and 80
+    """One call of csa2_main_from_rows per 8-row batch, the RoPE and encode passes gone (four barriers fewer than the
+    separate passes: three between them, one before they restore the pre-RoPE dims), bytes_m stored unswizzled in one TMA store, the build within the default's shared memory and 80
     registers, no spills."""
     tile = cp.COMPRESSOR
     cfg = tile.with_defaults(SM90, MAIN_IN_POOL)
@@ -1375,7 +1388,7 @@ def test_main_pass_in_pool_compiles_sm90_and_fits(ratio, tmp_path):
     # the RoPE rounded as the separate pass's compiles (left to nvcc it fused the other product: rare code differences)
     assert "__fmaf_rn(od, c0, __fmul_rn(ev, s0))" in src and "__fmaf_rn(ev, c0, -__fmul_rn(od, s0))" in src
     assert "csa2_e2m1_pair_bounded(((float*)rot_s)" in separate and "csa2_e2m1_pair_bounded(((float*)rot_s)" not in src
-    assert src.count("__syncthreads()") == separate.count("__syncthreads()") - 3
+    assert src.count("__syncthreads()") == separate.count("__syncthreads()") - 4
     assert src.count("tl::tma_store(main_packed_desc") == 1
     _assert_flat_build_fits(kernel, src, cfg, ratio, 3, tmp_path)
 

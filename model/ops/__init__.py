@@ -5,7 +5,7 @@ test and the baseline of every speed comparison. Each takes explicit tensors (no
 state) and documents its shapes.
 """
 
-from model.ops.compressor import compress_groups, compressor_entries, index_keys
+from model.ops.compressor import compress_groups, compressor_latents, group_rope, index_keys, main_entries
 from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_positions, visible_entries
 from model.ops.norm import rms_norm
 from model.ops.rope import RopeConfig, apply_rope, rope_tables
@@ -16,9 +16,11 @@ __all__ = [
     "apply_rope",
     "candidate_blocks",
     "compress_groups",
-    "compressor_entries",
+    "compressor_latents",
+    "group_rope",
     "index_keys",
     "indexer_scores",
+    "main_entries",
     "pool_mask",
     "rms_norm",
     "rope_tables",

@@ -1,10 +1,15 @@
 """The compressor of Full layers (spec section 2), the torch reference.
 
 Ratio 2: per-channel softmax pooling of ``kv`` over groups of 2 consecutive tokens with
-weights from ``gate``; ratio 1: the token itself. Then RMSNorm and RoPE on the last 64
-dims at the position of the group's first token (``j * ratio``). The index key is
-``rope(k_norm(latent @ Wk^T))``. Quantising into the caches is the caller's step
-(:func:`model.formats.fp4_quantize`), so the same latent feeds both paths.
+weights from ``gate``; ratio 1: the token itself. Then RMSNorm: the **pre-RoPE latent**. Two
+things are made from it, both rotated on their last 64 dims at the position of the group's
+first token (``j * ratio``):
+
+* the main KV entry ``rope(latent)``;
+* the index key ``rope(k_norm(latent @ Wk^T))``, projected from the *unrotated* latent, as
+  the official V4.1 inference code does ("the indexer needs the unrotated form").
+
+Quantising into the caches is the caller's step (:func:`model.formats.fp4_quantize`).
 """
 
 from __future__ import annotations
@@ -39,29 +44,44 @@ def compress_groups(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int) -> 
     return (w * kv.to(dt).view(B, N // ratio, ratio, D)).sum(dim=2)
 
 
-def compressor_entries(
-    kv: torch.Tensor,
-    gate: torch.Tensor | None,
-    ratio: int,
-    norm_weight: torch.Tensor,
-    first_group: int,
-    rope: RopeConfig,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Latents of complete groups: pool, RMSNorm, RoPE at ``(first_group + g) * ratio``.
+def compressor_latents(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Latents of complete groups, **before RoPE**: ``RMSNorm(pool(kv, gate))``.
+
+    The index keys are projected from this unrotated form (:func:`index_keys`); the main KV entry is
+    its rotation (:func:`main_entries`). The official V4.1 compressor returns the same pre-RoPE latent
+    and rotates it only after the indexer has read it.
 
     Args:
-        kv, gate: [B, G * ratio, D] projections of the tokens of groups first_group..first_group+G-1.
+        kv, gate: [B, G * ratio, D] projections of the groups' tokens, in order (gate None for ratio 1).
         norm_weight: [D].
+    Returns:
+        float32 [B, G, D] (float64 for float64 kv).
+    """
+    return rms_norm(compress_groups(kv, gate, ratio), norm_weight, eps)
+
+
+def group_rope(x: torch.Tensor, first_group: int, ratio: int, rope: RopeConfig) -> torch.Tensor:
+    """RoPE on the last ``rope_dim`` dims of entry ``g`` at its group's first position ``(first_group + g) * ratio``.
+
+    Args:
+        x: [B, G, N] one row per compressed entry.
+    Returns:
+        float32 [B, G, N] (float64 for float64 x).
+    """
+    positions = (torch.arange(x.shape[1], device=x.device) + first_group) * ratio
+    cos, sin = rope_tables(rope, positions)  # [G, rope_dim/2]
+    return apply_rope(x, cos, sin)
+
+
+def main_entries(latent: torch.Tensor, first_group: int, ratio: int, rope: RopeConfig) -> torch.Tensor:
+    """Main KV entries (before FP4): the pre-RoPE latent rotated at each group's first position.
+
+    Args:
+        latent: [B, G, D] from :func:`compressor_latents`.
     Returns:
         float32 [B, G, D].
     """
-    pooled = compress_groups(kv, gate, ratio)
-    latent = rms_norm(pooled, norm_weight, eps)
-    G = latent.shape[1]
-    positions = (torch.arange(G, device=kv.device) + first_group) * ratio
-    cos, sin = rope_tables(rope, positions)  # [G, rope_dim/2]
-    return apply_rope(latent, cos, sin)
+    return group_rope(latent, first_group, ratio, rope)
 
 
 def index_keys(
@@ -71,18 +91,17 @@ def index_keys(
     first_group: int,
     ratio: int,
     rope: RopeConfig,
-    eps: float = 1e-6,
+    eps: float,
 ) -> torch.Tensor:
-    """Indexer keys of compressed entries: ``rope(k_norm(latent @ wk^T))``.
+    """Indexer keys of compressed entries: ``rope(k_norm(latent @ wk^T))``, projected from the latent **before RoPE**.
 
     Args:
-        latent: float32 [B, G, D] from :func:`compressor_entries`.
+        latent: float32 [B, G, D] from :func:`compressor_latents` (unrotated: the rotated main entry would
+            give other keys, and other top-k rows).
         wk: [Di, D] (128 x 512 in v4.1-flash); k_norm_weight: [Di].
     Returns:
-        float32 [B, G, Di].
+        float32 [B, G, Di], RoPE'd on the last ``rope_dim`` dims at the group's first position.
     """
     dt = compute_dtype(latent)
     k = rms_norm(latent.to(dt) @ wk.to(dt).t(), k_norm_weight, eps)
-    positions = (torch.arange(latent.shape[1], device=latent.device) + first_group) * ratio
-    cos, sin = rope_tables(rope, positions)
-    return apply_rope(k, cos, sin)
+    return group_rope(k, first_group, ratio, rope)

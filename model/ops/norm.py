@@ -7,7 +7,7 @@ import torch
 from model.ops.precision import compute_dtype
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 (float64 for float64 x): x [..., D], weight [D] -> [..., D]."""
     dt = compute_dtype(x)
     xf = x.to(dt)

@@ -2,9 +2,10 @@
 projections to both FP4 caches.
 
 Per CTA, ``block_g`` groups: per-channel softmax pooling over the 2 tokens of a group
-(ratio 1: the token itself), RMSNorm, RoPE on the last 64 dims at the group's first
-position, FP4 (E4M3 per 16) into the main cache; then the index-K projection 512 -> 128 of
-the same rotated latent, its RMSNorm and RoPE, FP4 (E8M0 per 32) into the index cache. The
+(ratio 1: the token itself), RMSNorm (the pre-RoPE latent), RoPE on the last 64 dims at the
+group's first position, FP4 (E4M3 per 16) into the main cache; then the index-K projection
+512 -> 128 of the latent *before* RoPE (as the official V4.1 code: the indexer needs the
+unrotated form), its RMSNorm and RoPE, FP4 (E8M0 per 32) into the index cache. The
 latent never leaves the chip: memory traffic is the kv/gate read plus 356 B written per
 entry. The Wkv/Wgate matmuls stay in cuBLAS (the inputs here are their fp32 outputs).
 

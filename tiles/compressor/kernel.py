@@ -77,15 +77,29 @@ def _rmsnorm_in_smem(rot_s, w_s, part, ss, inv_s, eps, block_g: int):
 
 
 @T.macro
-def _rope_last_dims(buf, width: int, block_g: int, g0, G, cos, sin):
+def _rope_last_dims(buf, width: int, block_g: int, g0, G, cos, sin, kept_ev=None, kept_od=None):
     """RoPE on the last 64 of the ``width`` columns of ``buf`` [block_g, *] at each row's group position (``cos``/``sin``
-    [G, 32]), interleaved pairs; each pair is read and written by one thread."""
+    [G, 32]), interleaved pairs; each pair is read and written by one thread. ``kept_ev``/``kept_od`` (fragments
+    [block_g, 32]): the pairs before the rotation, for :func:`_restore_rope_dims`."""
     for i, p in T.Parallel(block_g, ROPE // 2):
         g = T.min(g0 + i, G - 1)
         ev, od = buf[i, width - ROPE + 2 * p], buf[i, width - ROPE + 2 * p + 1]
+        if kept_ev is not None:
+            kept_ev[i, p] = ev
+            kept_od[i, p] = od
         c, s = cos[g, p], sin[g, p]
         buf[i, width - ROPE + 2 * p] = ev * c - od * s
         buf[i, width - ROPE + 2 * p + 1] = ev * s + od * c
+
+
+@T.macro
+def _restore_rope_dims(buf, width: int, block_g: int, kept_ev, kept_od):
+    """Write back the pre-RoPE pairs that :func:`_rope_last_dims` kept (fragments [block_g, 32], the same loop shape, so
+    each thread writes what it read): the separate main pass encodes the main cache from the rotated latent, then the
+    index-K projection reads the unrotated one."""
+    for i, p in T.Parallel(block_g, ROPE // 2):
+        buf[i, width - ROPE + 2 * p] = kept_ev[i, p]
+        buf[i, width - ROPE + 2 * p + 1] = kept_od[i, p]
 
 
 @functools.cache
@@ -168,14 +182,14 @@ def _compress_kernel(
     ``main_pass`` (norm_pass="in_pool", encode="thresholds"): "separate" applies the RoPE and encodes the main cache in
     passes over rot_s (RoPE; amax; scale; codes, with barriers between); "in_pool" does all of it from the normalised
     rows in registers (:data:`_MAIN_FROM_ROWS_CUDA`: the same arithmetic, the group max by two shuffles) and writes
-    rot_s the final latent; bytes_m and sbyte_m get plain layouts (the TMA stores read them unswizzled).
+    rot_s the pre-RoPE latent; bytes_m and sbyte_m get plain layouts (the TMA stores read them unswizzled).
     ``proj_k_split`` (register projection, one accumulator): 1, every warp covers all 512 k for 16 output columns; 2, a
     warp covers half of them for 32 columns (:data:`_PROJ_REGS_K2_CUDA`: half the latent reads and splits per warp, Wk in
     ``wk_fragment_order(Wk, 32)``, the two halves added in k_s).
     ``proj`` "f16x3" (register projection only): the three products in fp16 on m16n8k16 (:data:`_PROJ_F16X3_CUDA`:
     half the MMAs, the latent split into fp16 pairs, Wk split and scaled on the host by :func:`wk_fragment_order_f16`,
     its unscale passed in ``wk_lo``), with every ``proj_k_split`` / ``proj_accumulators`` layout of "registers".
-    ``proj_latent`` (proj="f16x3"): "fp32" keeps the final latent in rot_s as fp32 and every projection warp splits the
+    ``proj_latent`` (proj="f16x3"): "fp32" keeps the pre-RoPE latent in rot_s as fp32 and every projection warp splits the
     words it reads (8 warps: each latent word split 8 times, or 4 with ``proj_k_split=2``); "f16_split" (main_pass="in_pool")
     has the main pass store it once as fp16 high parts and remainders (:func:`main_from_rows_f16_split_cuda`), which the
     projection reads by ldmatrix: the same operands, no splits in the projection.
@@ -280,6 +294,10 @@ def _compress_kernel(
             row_pad = rot_pad(proj, proj_latent)
             rot_s = T.alloc_shared((block_g, D + row_pad if regs else D), "float32")
             w_s = T.alloc_shared((D,), "float32")
+            if main_pass == "separate":
+                # the latent's last 64 dims before RoPE (even and odd elements of each pair)
+                kept_ev = T.alloc_fragment((block_g, ROPE // 2), "float32")
+                kept_od = T.alloc_fragment((block_g, ROPE // 2), "float32")
             amax_m = T.alloc_fragment((block_g, D // MAIN_GROUP), "float32")
             scale_m = T.alloc_shared((block_g, D // MAIN_GROUP), "float32")
             sbyte_m = T.alloc_shared((block_g, D // MAIN_GROUP), "uint8")
@@ -456,8 +474,9 @@ def _compress_kernel(
             if main_pass == "in_pool":
                 T.sync_threads()  # the rows' bytes (written by csa2_main_from_rows, unseen by TileLang) before the stores
             else:
-                # 3. RoPE on the last 64 dims (main_pass="in_pool": done with 4. from the rows in registers).
-                _rope_last_dims(rot_s, D, block_g, g0, G, cos, sin)
+                # 3. RoPE on the last 64 dims (main_pass="in_pool": done with 4. from the rows in registers), the
+                # unrotated values kept for the projection.
+                _rope_last_dims(rot_s, D, block_g, g0, G, cos, sin, kept_ev, kept_od)
                 # 4. FP4 into the main cache: E4M3 scale per 16 (the stored scale divides).
                 for i, q in T.Parallel(block_g, D // MAIN_GROUP):
                     amax_m[i, q] = 0.0
@@ -479,6 +498,7 @@ def _compress_kernel(
                         lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
                         hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                         bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
+                _restore_rope_dims(rot_s, D, block_g, kept_ev, kept_od)  # the pre-RoPE latent back for the projection
             if flat and main_store == "bulk":
                 # Stored now, not at the end: bytes_m's shared memory is then free for the Wk stages.
                 T.copy(bytes_m, main_packed[b, g0 : g0 + block_g, :])
@@ -486,7 +506,7 @@ def _compress_kernel(
                 # The allocator reuses bytes_m/sbyte_m for b_lo/a_hi right after these bulk stores, but only
                 # the electing thread waits for the stores to have read shared memory: everyone waits for it.
                 T.sync_threads()
-            # 5. Index-K projection of the rotated latent (fp32 accuracy, see module docstring).
+            # 5. Index-K projection of the latent before RoPE (fp32 accuracy, see module docstring).
             if not regs:
                 T.clear(kacc)
             if regs:

@@ -132,8 +132,9 @@ __device__ __forceinline__ void csa2_load_row_stream(const float* __restrict__ r
 
 # main_pass="in_pool" (with norm_pass="in_pool"): the main cache from the normalised rows while they are in registers.
 # Lane l of warp w holds row w of the 8-row batch at columns 128 j + 4 l .. + 3 (j = 0..3: v[4 j ..], the annotated
-# one-warp-per-row layout). It applies the RoPE to its pairs (lanes 16-31 at j = 3: columns 448 + 4 (l - 16) ..), stores
-# the final latent into rot (the projection reads it), takes each 16-value group's |x| max over the group's four lanes
+# one-warp-per-row layout). It stores the latent into rot *before* RoPE (the index-K projection reads the unrotated
+# latent), applies the RoPE to its pairs (lanes 16-31 at j = 3: columns 448 + 4 (l - 16) ..), takes each 16-value group's
+# |x| max over the group's four lanes
 # (two xor shuffles), its E4M3 scale (the separate pass's expression, the same fp8 cast), and writes its two packed
 # bytes per j; the group's first lane writes the scale byte. The separate RoPE, amax, scale and encode passes (each a
 # sweep of rot_s, with barriers between) are gone; the arithmetic is theirs, expression for expression. bytes_row and
@@ -161,6 +162,9 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
   float v[16];
 #pragma unroll
   for (int k = 0; k < 16; ++k) v[k] = v_in[k];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)  // the pre-RoPE latent, for the index-K projection
+    *reinterpret_cast<float4*>(rot_row + 128 * j + 4 * lane) = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
   if (lane >= 16) {  // RoPE of pairs p and p + 1 at the group's first position (rc: csa2_rope_coeffs)
     const float c0 = rc[0], s0 = rc[1], c1 = rc[2], s1 = rc[3];
     // Rounded as TileLang's separate RoPE pass compiles (its SASS, nvcc 13: ev * c fused onto the rounded od * s,
@@ -176,7 +180,6 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    *reinterpret_cast<float4*>(rot_row + 128 * j + 4 * lane) = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
     float a = 0.0f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) a = max(a, fabsf(v[4 * j + e]));
@@ -195,7 +198,7 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
 
 
 def main_from_rows_f16_split_cuda() -> str:
-    """``proj_latent="f16_split"``: :data:`_MAIN_FROM_ROWS_CUDA` as ``csa2_main_from_rows_f16``, which stores the final
+    """``proj_latent="f16_split"``: :data:`_MAIN_FROM_ROWS_CUDA` as ``csa2_main_from_rows_f16``, which stores the pre-RoPE
     latent into its row of rot_s as fp16 high parts and remainders (``csa2_store_f16_split``, once per value) instead of
     fp32: the split that every projection warp otherwise makes of what it reads. The main cache is the same code."""
     # the include and csa2_rope_coeffs come once, from the fp32 variant

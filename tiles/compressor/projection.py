@@ -268,7 +268,7 @@ __device__ __forceinline__ void csa2_wgmma_tf32<16>(float* d, const unsigned* a,
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));  // p true: D += A B
 }
-// rot: fp32 [N, RS] shared (in: the rotated latent; out: its TF32 high part, wgmma layout); lo: fp32 [N * 512] shared;
+// rot: fp32 [N, RS] shared (in: the latent before RoPE; out: its TF32 high part, wgmma layout); lo: fp32 [N * 512] shared;
 // wkf: Wk [128, 512] fp32 in fragment order (global); out: fp32 [N, OS] shared.
 template <int N, int RS, int OS>
 __device__ __forceinline__ void csa2_proj_tf32x3_wgmma(float* rot, float* lo, const float* __restrict__ wkf, float* out) {

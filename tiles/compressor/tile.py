@@ -4,7 +4,7 @@ reference and the FP4 cache comparison."""
 import torch
 
 from model import formats
-from model.ops.compressor import compressor_entries, index_keys
+from model.ops.compressor import compressor_latents, index_keys, main_entries
 from model.ops.rope import RopeConfig, rope_tables
 from tiles.arch import Arch
 from tiles.compressor.common import (
@@ -184,7 +184,7 @@ class CompressorTile(Tile):
             Param(
                 "proj_latent",
                 PROJ_LATENTS,
-                "proj=f16x3: the final latent in shared memory as fp32, split into fp16 parts by every projection warp "
+                "proj=f16x3: the pre-RoPE latent in shared memory as fp32, split into fp16 parts by every projection warp "
                 "that reads it (8 or 4 times a word), or (main_pass=in_pool) split once by the main pass and stored as "
                 "fp16 high parts and remainders, which the projection reads by ldmatrix",
             ),
@@ -457,9 +457,9 @@ class CompressorTile(Tile):
         ratio, first = int(inputs["ratio"]), int(inputs["first_group"])
         gate = inputs["gate"] if ratio == 2 else None
         eps = flash().norm_eps
-        latent = compressor_entries(inputs["kv"], gate, ratio, inputs["norm_weight"], first, _rope(), eps)  # [B, G, D]
+        latent = compressor_latents(inputs["kv"], gate, ratio, inputs["norm_weight"], eps)  # [B, G, D] before RoPE
         k = index_keys(latent, inputs["wk"], inputs["k_norm_weight"], first, ratio, _rope(), eps)  # [B, G, Di]
-        mp, ms = formats.fp4_quantize(latent, MAIN_GROUP, "e4m3")
+        mp, ms = formats.fp4_quantize(main_entries(latent, first, ratio, _rope()), MAIN_GROUP, "e4m3")
         ip, is_ = formats.fp4_quantize(k, INDEX_GROUP, "e8m0")
         return {"main_packed": mp, "main_scales": ms, "idx_packed": ip, "idx_scales": is_}
 
