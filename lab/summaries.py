@@ -6,7 +6,6 @@ every figure in a summary is read from a file a real run produced.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,35 +17,44 @@ def _f(x, spec: str) -> str:
 
 
 def bench_markdown(paths: list[Path]) -> str:
-    """One table over every ``lab bench --json`` document in ``paths``."""
+    """One table over the bench files in ``paths`` (:mod:`lab.results_store`): a row per tile x shape x GPU x config
+    kind, the latest run of each."""
+    from lab.results_store import read_bench
+
     lines = [
         "# Tile benchmarks",
         "",
-        "Each row: one `lab bench` shape (kernel time, CUDA events, median over rotating input sets; the torch reference timed",
-        "in the same run; `of copy` = GB/s over the device copy bandwidth measured at the start of that run). `timing`:",
-        "`cuda-graph` = device time per launch replayed from a CUDA graph (kernel and torch reference alike), `eager` = each",
-        "launch between its own events, the host's launch overhead included; `per-call ms` is the eager time beside it.",
+        "Each row: the latest `lab bench` of one tile at one shape on one GPU model, with the tile's default config or the",
+        "shape's stored winner (`tuned`). Kernel time by CUDA events, median over rotating input sets; the torch reference",
+        "timed in the same run; `of copy` = GB/s over the device copy bandwidth measured at the start of that run.",
+        "`timing`: `cuda-graph` = device time per launch replayed from a CUDA graph (kernel and torch reference alike),",
+        "`eager` = each launch between its own events, the host's launch overhead included; `per-call ms` is the eager",
+        "time beside it. A row whose check failed has no speed.",
         "",
-        "| tile | shape | ms | timing | per-call ms | TFLOPS | GB/s | of copy | torch ms | vs torch | check | config | date | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tile | shape | GPU | config | ms | timing | per-call ms | TFLOPS | GB/s | of copy | torch ms | vs torch | check | date | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    environments = {}
     for path in sorted(paths):
-        doc = json.loads(path.read_text())
-        env = doc.get("environment", {})
-        for r in doc.get("rows", []):
-            cfg = ", ".join(f"{k}={v}" for k, v in sorted((r.get("config") or doc.get("config") or {}).items()))
+        doc = read_bench(path)
+        kind = "tuned" if path.stem.endswith("_tuned") else "default"
+        for r in doc["rows"]:
+            env = r["environment"]
+            if str(env.get("date")) >= (environments.get(env.get("gpu"), {}).get("date") or ""):
+                environments[env.get("gpu")] = env
+            speed = r.get("outcome") == "ok"
             lines.append(
-                f"| {doc.get('tile')} | {r['shape']} | {_f(r.get('ms'), '.4f')} | {r.get('timing') or 'eager'} | {_f(r.get('eager_ms'), '.4f')}"
-                f" | {_f(r.get('tflops'), '.1f')} | {_f(r.get('gbps'), '.0f')}"
-                f" | {_f(r.get('copy_fraction'), '.0%')} | {_f(r.get('ref_ms'), '.3f')} | {_f(r.get('speedup'), '.1f')}x | {r.get('check')}"
-                f" | {cfg} | {env.get('date')} | `{doc.get('command')}` |"
+                f"| {doc.get('tile')} | {r['shape']} | {env.get('gpu')} | {kind} | {_f(r.get('ms') if speed else None, '.4f')}"
+                f" | {r.get('timing') or '-'} | {_f(r.get('eager_ms') if speed else None, '.4f')} | {_f(r.get('tflops'), '.1f')}"
+                f" | {_f(r.get('gbps'), '.0f')} | {_f(r.get('copy_fraction'), '.0%')} | {_f(r.get('ref_ms'), '.3f')}"
+                f" | {_f(r.get('speedup'), '.1f')}x | {r.get('check')} | {env.get('date')} | `{r.get('command')}` |"
             )
-    if paths:
-        env = json.loads(min(paths).read_text()).get("environment", {})
-        lines += [
-            "",
-            f"GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}, tilelang {env.get('tilelang')}.",
-        ]
+    lines.append("")
+    for gpu, env in sorted(environments.items(), key=lambda kv: str(kv[0])):
+        lines.append(
+            f"{gpu}: driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}, tilelang {env.get('tilelang')}"
+            " (the latest row's environment; every row's own is in its bench file)."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -112,14 +112,20 @@ def test_report_round_trip_and_corrupt_files(tmp_path):
 
 
 def test_lab_report_regenerates_markdown(tmp_path, capsys):
-    doc = {"kind": "csa2-lab/e2e", "meta": {"preset": "tiny"}, "rows": _rows()}
-    (tmp_path / "sm90").mkdir()
-    (tmp_path / "sm90" / "e2e.json").write_text(json.dumps(doc))
+    """results/<arch>/e2e/<gpu>.json -> e2e.md, one section per GPU model; a corrupt document is a one-line error that
+    names it and leaves the old e2e.md in place."""
+    doc = {"kind": "csa2-lab/e2e", "meta": {"preset": "tiny", "gpu": "NVIDIA H200"}, "rows": _rows()}
+    (tmp_path / "sm90" / "e2e").mkdir(parents=True)
+    (tmp_path / "sm90" / "e2e" / "h200.json").write_text(json.dumps(doc))
+    (tmp_path / "sm90" / "e2e" / "h100.json").write_text(json.dumps({**doc, "meta": {"preset": "tiny", "gpu": "NVIDIA H100"}}))
     assert main(["report", "--results", str(tmp_path)]) == 0
-    assert "tiles/tuned" in (tmp_path / "sm90" / "e2e.md").read_text()
-    (tmp_path / "sm90" / "e2e.json").write_text("[]")
+    md = (tmp_path / "sm90" / "e2e.md").read_text()
+    assert md.count("tiles/tuned vs torch") == 2 and md.startswith("# End-to-end latency")
+    (tmp_path / "sm90" / "e2e" / "h100.json").write_text("[]")
     assert main(["report", "--results", str(tmp_path)]) == 2
-    assert "e2e.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "h100.json" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "sm90" / "e2e.md").read_text() == md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
@@ -145,14 +151,12 @@ def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
 
     arch = tmp_path / "sm90"
     (arch / "bench").mkdir(parents=True)
+    env = {"date": "d", "gpu": "G"}
+    row = {"shape": "s1", "outcome": "ok", "ms": 0.5, "tflops": None, "gbps": 100.0, "copy_fraction": 0.25, "ref_ms": 2.0, "speedup": 4.0}
     bench = {
+        "schema": "csa2-lab/bench/v2",
         "tile": "toy",
-        "config": {"threads": 128},
-        "command": "lab bench --tile toy --json",
-        "environment": {"date": "d", "gpu": "G"},
-        "rows": [
-            {"shape": "s1", "ms": 0.5, "tflops": None, "gbps": 100.0, "copy_fraction": 0.25, "ref_ms": 2.0, "speedup": 4.0, "check": "ok"}
-        ],
+        "rows": [{**row, "check": "ok", "environment": env, "command": "lab bench --tile toy"}],
     }
     (arch / "bench" / "toy.json").write_text(json.dumps(bench))
     tuned = {
@@ -168,7 +172,7 @@ def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
     (arch / "toy.yaml").write_text(yaml.safe_dump(tuned))
     assert main(["report", "--results", str(tmp_path)]) == 0
     bench_md = (arch / "bench.md").read_text()
-    assert "| toy | s1 | 0.5000 |" in bench_md and "4.0x" in bench_md and "25%" in bench_md
+    assert "| toy | s1 | G | default | 0.5000 |" in bench_md and "4.0x" in bench_md and "25%" in bench_md
     tuning_md = (arch / "tuning.md").read_text()
     assert "Geometric mean speedup of the current winners over the defaults: 4.00x over 2 shapes" in tuning_md
 

@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=50, help="timed runs per shape (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the check and timing inputs")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of a table")
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="merge the rows into results/<arch>/bench/<tile>[_tuned].json (one row per shape and GPU model: the "
+        "latest) and render bench.md again; with the default config or --config tuned only",
+    )
 
 
 def parse_config(text: str | None) -> Config:
@@ -102,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
     except TileError as exc:
         raise LabError(str(exc)) from None
     shapes = _shapes(tile, args.shape)
-    if (args.config or "").strip() != "tuned":
-        parse_config(args.config)  # a malformed --config is reported before the GPU is looked for
+    tuned = (args.config or "").strip() == "tuned"
+    if not tuned and parse_config(args.config) and args.save:  # a malformed --config is reported before the GPU is looked for
+        raise LabError("--save stores the default config's or the stored winners' figures (--config tuned), not an experiment's")
     if args.runs < 1:
         raise LabError(f"--runs must be at least 1, got {args.runs}")
     try:
@@ -162,7 +169,22 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=1))
     else:
         _print_table(doc)
+    if args.save:
+        _save(doc, arch, tuned)
     return 0 if all(r["outcome"] == "ok" for r in rows) else 1
+
+
+def _save(doc: dict, arch, tuned: bool) -> None:
+    """Merge the run into the results tree and render its bench.md again (lab.results_store)."""
+    from lab.results_store import merge_bench
+    from lab.summaries import bench_markdown
+    from tiles.results import results_dir
+    from tuning.export import write_atomic
+
+    arch_dir = results_dir() / arch.name
+    path = merge_bench(doc, arch_dir, tuned)
+    write_atomic(arch_dir / "bench.md", bench_markdown(sorted(arch_dir.glob("bench/*.json"))))
+    print(f"saved {path} and {arch_dir / 'bench.md'}", file=sys.stderr)
 
 
 def _print_table(doc: dict) -> None:

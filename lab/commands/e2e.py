@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="tuned,default", help="tiles configs: tuned, default or both")
     parser.add_argument("--runs", type=int, default=20, help="timed decode steps (median)")
     parser.add_argument("--repeats", type=int, default=2, help="timed prefill runs (best of), after an untimed warm-up at a short prompt")
-    parser.add_argument("--out", default=None, help="directory for e2e.json/.md/.png (default results/<arch>)")
+    parser.add_argument(
+        "--out", default=None, help="directory for e2e.json/.md/.png (default: the results tree, results/<arch>/e2e/<gpu>.json and e2e.md)"
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON document")
 
 
@@ -86,7 +88,7 @@ def _check_lengths(cfg, phases: list[str], contexts: list[int], prompts: list[in
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from lab.e2e.report import write_report
+    from lab.e2e.report import render_markdown, write_report, write_to_results
     from lab.e2e.run import run_e2e
     from model import ConfigError, preset
     from model.inputs import InputError
@@ -114,7 +116,16 @@ def run(args: argparse.Namespace) -> int:
     except ArchError as exc:
         raise LabError(str(exc)) from None
     meta = describe_environment() | {"preset": args.preset, "arch": arch.name, "command": args.invocation}
-    out_dir = Path(args.out) if args.out else results_dir() / arch.name
+    if args.out:
+        out_dir = Path(args.out)
+
+        def save(doc: dict) -> list[Path]:
+            return write_report(doc, out_dir)
+    else:  # the lab's results tree: e2e/<gpu>.json, its plots, and e2e.md over every GPU model (lab.results_store)
+        arch_dir = results_dir() / arch.name
+
+        def save(doc: dict) -> list[Path]:
+            return write_to_results(doc, arch_dir)
 
     def document(rows) -> dict:
         return {"kind": "csa2-lab/e2e", "meta": meta, "rows": [r.to_dict() for r in rows]}
@@ -130,18 +141,18 @@ def run(args: argparse.Namespace) -> int:
             args.repeats,
             prompts,
             log=lambda m: print(m, file=sys.stderr),
-            on_rows=lambda rows: write_report(document(rows), out_dir),
+            on_rows=lambda rows: save(document(rows)),
         )
     except InputError as exc:  # a length or token check of the model that the checks above did not foresee
         raise LabError(str(exc)) from None
     doc = document(rows)
-    written = write_report(doc, out_dir)
+    written = save(doc)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
         from rich.console import Console
         from rich.markdown import Markdown
 
-        Console().print(Markdown((out_dir / "e2e.md").read_text()))
+        Console().print(Markdown(render_markdown(doc)))
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0

@@ -1,4 +1,4 @@
-"""`lab report`: regenerate markdown and plots from what is stored under results/."""
+"""`lab report`: regenerate the reports of every ``results/<arch>/`` from the data stored there (lab.results_store)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lab.e2e.report import load, render_markdown, render_plots
+    from lab.e2e.report import load, render_plots, results_markdown
+    from lab.results_store import e2e_plot_prefix, unaccounted
     from lab.summaries import bench_markdown, tuning_markdown
     from tiles.results import results_dir
     from tuning.export import write_atomic
@@ -22,24 +23,29 @@ def run(args: argparse.Namespace) -> int:
     if not root.is_dir():
         raise LabError(f"{root} is not a directory: pass --results DIR")
     for arch_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        # every input read and rendered before any report is written: a bad file leaves the old reports in place
+        reports = {}
         bench = sorted(arch_dir.glob("bench/*.json"))
         if bench:
-            write_atomic(arch_dir / "bench.md", bench_markdown(bench))
-            print(f"{arch_dir}: bench.md from {len(bench)} bench documents")
+            reports["bench.md"] = bench_markdown(bench)
         tuned = sorted(arch_dir.glob("*.yaml"))
         if tuned:
-            write_atomic(arch_dir / "tuning.md", tuning_markdown(tuned))
-            print(f"{arch_dir}: tuning.md from {len(tuned)} tuned-config files")
-    found = sorted(root.glob("**/e2e.json"))
-    if not found:
-        print(f"no e2e results under {root}/ (run `lab e2e` on a GPU first)")
-        return 0
-    for path in found:
-        try:
-            doc = load(path)
-        except ValueError as exc:
-            raise LabError(str(exc)) from None
-        write_atomic(path.with_suffix(".md"), render_markdown(doc))
-        plots = render_plots(doc, path.parent)
-        print(f"{path.parent}: e2e.md" + "".join(f", {p.name}" for p in plots))
+            reports["tuning.md"] = tuning_markdown(tuned)
+        e2e = sorted(arch_dir.glob("e2e/*.json"))
+        if e2e:
+            try:
+                reports["e2e.md"] = results_markdown(e2e)
+            except ValueError as exc:
+                raise LabError(str(exc)) from None
+        for name, text in reports.items():
+            write_atomic(arch_dir / name, text)
+        for path in e2e:
+            render_plots(load(path), path.parent, prefix=e2e_plot_prefix(path))  # load() checked each one above
+        print(f"{arch_dir}: {', '.join(reports) or 'nothing to render'}")
+    extra = unaccounted(root)
+    if extra:
+        listing = "".join(f"\n  {p}" for p in extra[:20]) + (f"\n  ... {len(extra) - 20} more" if len(extra) > 20 else "")
+        print(
+            f"{len(extra)} file(s) under {root} that no report renders and no run reads (results/ holds reports and their data only):{listing}"
+        )
     return 0

@@ -1,4 +1,5 @@
-"""e2e results as files: ``results/<arch>/e2e.json`` (the data), ``e2e.md`` and PNG plots.
+"""e2e results as files: a run's JSON document (the data), its markdown and PNG plots (``results/<arch>/e2e/``, see
+:mod:`lab.results_store`).
 
 ``lab report`` re-renders the markdown and plots from the JSON, so a report never holds a
 number that is not in a results file produced by a real run.
@@ -97,8 +98,9 @@ def _breakdown_total(row: dict) -> float | None:
     return row["breakdown"].get(PASS) or row["ms"]
 
 
-def render_plots(doc: dict, out_dir: Path) -> list[Path]:
-    """latency vs context per backend (one panel per phase and batch) and breakdown bars; [] without matplotlib."""
+def render_plots(doc: dict, out_dir: Path, prefix: str = "e2e_") -> list[Path]:
+    """latency vs context per backend (one panel per phase and batch) and breakdown bars, ``<prefix>latency.png`` and
+    ``<prefix>breakdown.png`` in ``out_dir``; [] without matplotlib."""
     try:
         import matplotlib
 
@@ -122,7 +124,7 @@ def render_plots(doc: dict, out_dir: Path) -> list[Path]:
             ax.set(title=f"{phase}, B={b}", xlabel="context (tokens)", ylabel="ms", xscale="log", yscale="log")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / "e2e_latency.png"
+        path = out_dir / f"{prefix}latency.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -138,7 +140,7 @@ def render_plots(doc: dict, out_dir: Path) -> list[Path]:
         ax.set(ylabel="% of the breakdown pass", title="where the time goes")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / "e2e_breakdown.png"
+        path = out_dir / f"{prefix}breakdown.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -150,3 +152,29 @@ def write_report(doc: dict, out_dir: Path) -> list[Path]:
     write_atomic(out_dir / "e2e.json", json.dumps(doc, indent=1))
     write_atomic(out_dir / "e2e.md", render_markdown(doc))
     return [out_dir / "e2e.json", out_dir / "e2e.md", *render_plots(doc, out_dir)]
+
+
+def results_markdown(paths: list[Path]) -> str:
+    """``results/<arch>/e2e.md`` from the ``e2e/<gpu>.json`` documents in ``paths``: one section per GPU model, each with
+    its plots. A :class:`ValueError` names a file that is not an e2e document."""
+    from lab.results_store import PLOTS, e2e_plot_prefix
+
+    lines = ["# End-to-end latency", "", "The latest `lab e2e` run on each GPU model.", ""]
+    for path in paths:
+        doc = load(path)
+        lines += ["#" + line if line.startswith("#") else line for line in render_markdown(doc).splitlines()]
+        plots = [f"{e2e_plot_prefix(path)}{plot}.png" for plot in PLOTS]
+        lines += ["", *(f"![{name}](e2e/{name})" for name in plots if path.with_name(name).exists()), ""]
+    return "\n".join(lines) + "\n"
+
+
+def write_to_results(doc: dict, arch_dir: Path) -> list[Path]:
+    """Store a run as ``arch_dir/e2e/<gpu>.json`` with its plots (replacing that GPU model's previous run) and render
+    ``arch_dir/e2e.md`` again from every GPU's document; returns the paths written."""
+    from lab.results_store import e2e_path, e2e_plot_prefix
+
+    path = e2e_path(arch_dir, doc["meta"].get("gpu"))
+    write_atomic(path, json.dumps(doc, indent=1))
+    plots = render_plots(doc, path.parent, prefix=e2e_plot_prefix(path))
+    write_atomic(arch_dir / "e2e.md", results_markdown(sorted(arch_dir.glob("e2e/*.json"))))
+    return [path, *plots, arch_dir / "e2e.md"]
