@@ -1,6 +1,6 @@
 """One tuning run across every local GPU against the same run on one GPU (issue 8).
 
-    python3 gpu/multi_gpu_tune.py OUT [--tile all] [--shapes decode_b64_n128k,...] [--trials 8] [--run-timeout 280]
+    python3 tools/multi_gpu_tune.py OUT [--tile all] [--shapes decode_b64_n128k,...] [--trials 8] [--run-timeout 280]
 
 Runs ``lab tune --workers N`` (N = the GPUs present) into a fresh SQLite storage, then ``--workers 1`` with the same
 tiles, shapes, trials and seed into another; each run gets its own empty TileLang cache, so both compile every config
@@ -127,7 +127,7 @@ def main() -> int:
     n_gpus = torch.cuda.device_count()
     runs = [tune(out, n_gpus, args), tune(out, 1, args)]
     doc = {"environment": describe_environment(), "gpus": n_gpus, "runs": runs,
-           "command": f"python3 gpu/multi_gpu_tune.py OUT --tile {args.tile} --shapes {args.shapes} --trials {args.trials} "
+           "command": f"python3 tools/multi_gpu_tune.py OUT --tile {args.tile} --shapes {args.shapes} --trials {args.trials} "
                       f"--run-timeout {args.run_timeout}"}  # fmt: skip
     (out / "multi_gpu_tune.json").write_text(json.dumps(doc, indent=1, default=str))
     for r in runs:

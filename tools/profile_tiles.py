@@ -1,6 +1,6 @@
 """Profile tiles kernel by kernel with torch.profiler: where does a tile's time go?
 
-    python3 gpu/profile_tiles.py indexer_topk:decode_b64_n128k compressor:prefill_r2_s64k \\
+    python3 tools/profile_tiles.py indexer_topk:decode_b64_n128k compressor:prefill_r2_s64k \\
         'indexer_topk:decode_b64_n128k:{"dequant": "lut"}' --json $OUT/profile.json
 
 Each ``TILE:SHAPE[:CONFIG_JSON]`` is built through the tile registry (the tile's default config
@@ -108,7 +108,7 @@ def require_gpu() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        print("error: no CUDA GPU is present: gpu/profile_tiles.py profiles kernels on the GPU machine (run it there)", file=sys.stderr)
+        print("error: no CUDA GPU is present: tools/profile_tiles.py profiles kernels on the GPU machine (run it there)", file=sys.stderr)
         raise SystemExit(2)
 
 

@@ -1,9 +1,9 @@
 """The tests a deadline-bound GPU run did not start, as pytest node ids, one per line: the next call's test list.
 
-    python3 gpu/unstarted_tests.py results/sm90/pytest_gpu_run92.xml > /tmp/ids.txt
-    PYTEST_IDS=/tmp/ids.txt OUT=$OUT bash gpu/session.sh pytest
+    python3 tools/unstarted_tests.py pytest_gpu.xml > /tmp/ids.txt
+    PYTEST_IDS=/tmp/ids.txt OUT=$OUT bash tools/gpu_session.sh pytest
 
-``gpu/session.sh pytest`` runs under ``--deadline`` (tests/conftest.py): a test not started before it is reported as
+``tools/gpu_session.sh pytest`` runs under ``--deadline`` (tests/conftest.py): a test not started before it is reported as
 skipped with the message "--deadline N s passed before this test started", and the junit file keeps its class and
 name. This script turns exactly those entries (no other skip: a test skipped for a missing GPU or arch is not
 "unstarted") back into node ids ``tests/test_x.py::name[params]``. Ids may contain spaces, so ``PYTEST_IDS`` is read
@@ -14,7 +14,7 @@ cannot name them. ``--collected FILE`` (the run's ids, e.g. ``pytest --collect-o
 without ``::`` ignored) adds every collected id the file does not report at all:
 
     python3 -m pytest --collect-only -q -m gpu tests/test_compressor.py > /tmp/collected.txt
-    python3 gpu/unstarted_tests.py results/sm90/pytest_gpu_run101.xml --collected /tmp/collected.txt > /tmp/ids.txt
+    python3 tools/unstarted_tests.py pytest_gpu.xml --collected /tmp/collected.txt > /tmp/ids.txt
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def unreported_ids(junit_xml: Path, collected: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("junit_xml", type=Path, help="the --junitxml file of a gpu/session.sh pytest phase")
+    parser.add_argument("junit_xml", type=Path, help="the --junitxml file of a tools/gpu_session.sh pytest phase")
     parser.add_argument("--collected", type=Path, help="the run's collected node ids, one per line (pytest --collect-only -q)")
     args = parser.parse_args(argv)
     ids = unstarted_ids(args.junit_xml)

@@ -1,9 +1,9 @@
 """Stall samples of a warp-specialised kernel per warp role, from an Nsight Compute SASS export.
 
-    python3 gpu/ncu_roles.py results/sm90/ncu_source_sparse_attn_prefill_s4k_io_staged.csv.gz [--top 8]
+    python3 tools/ncu_roles.py ncu_sass.csv[.gz] [--top 8]
 
-Input: ``ncu -i REPORT --page source --csv --print-source sass`` (gpu/session.sh phase ncu-source writes it as
-ncu_source_sass.csv; the results folder keeps it gzipped). Each role of a ws kernel starts with its own
+Input: ``ncu -i REPORT --page source --csv --print-source sass`` (tools/gpu_session.sh phase ncu writes it as
+ncu_sass.csv; gzipped files are read too). Each role of a ws kernel starts with its own
 ``setmaxnreg`` (SASS ``USETMAXREG``), and ptxas lays the role branches out one after another, so cutting the
 address-sorted SASS at those instructions splits the samples by role: prologue, then one segment per role
 in code order (for the sparse attention kernel: producer, consumer warpgroup 1, consumer warpgroup 0).
@@ -13,21 +13,20 @@ and within a role the stall reasons say what its warps were waiting for. Prints 
 top stall reasons, and the instructions with the most samples (with the two instructions before each, which
 name the barrier or load it waits on). Runs anywhere (no GPU needed).
 
-``--against OTHER`` compares two exports of the same kernel built two ways (the default and a timing ablation of
-gpu/attn_ablation.py, such as the producer alone): per role, both sample counts and each stall reason's change, largest
-first. Samples come at one fixed interval per warp in both runs, so the counts are warp time in the same unit: what a
-role waits on longer in the first profile is what the other roles' work costs it (session 16: the attention producer's
-block cycle stretched by the consumers, notes/sparse_attn.md):
+``--against OTHER`` compares two exports of the same kernel built two ways (two configs, or a build with one role's
+work cut out from outside the kernel): per role, both sample counts and each stall reason's change, largest first.
+Samples come at one fixed interval per warp in both runs, so the counts are warp time in the same unit: what a role
+waits on longer in the first profile is what the other roles' work costs it (how the attention producer's block cycle
+was found stretched by the consumers, notes/sparse_attn.md):
 
-    python3 gpu/ncu_roles.py results/sm90/ncu_source_session16/ncu_src_prefill_s4k_default_sass.csv.gz \
-        --against results/sm90/ncu_source_session16/ncu_src_prefill_s4k_consumers_idle_sass.csv.gz
+    python3 tools/ncu_roles.py default_sass.csv.gz --against other_sass.csv.gz
 
 ``--cut barrier`` splits a kernel without roles (the compressor's flat kernel) into its phases instead: the code
 between block-wide barriers (SASS ``BAR``), and also prints each phase's share of the executed instructions and
 its commonest opcodes (weighted by executions), which name the phase (MUFU/FFMA: the pooling, HMMA: the projection,
 FSETP/SEL: an FP4 encode):
 
-    python3 gpu/ncu_roles.py results/sm90/ncu_source_compressor_prefill_r2_s64k_three_ctas.csv.gz --cut barrier --top 0
+    python3 tools/ncu_roles.py compressor_sass.csv.gz --cut barrier --top 0
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Launch one attention tile config a few times, for a profiler to attach to (gpu/session.sh phase ncu).
+"""Launch one tile config a few times, for a profiler (Nsight Compute) to attach to (tools/gpu_session.sh phase ncu).
 
-python3 gpu/attn_probe.py TILE SHAPE ['{"ptxas_level": 10}']
+python3 tools/profile_launch.py TILE SHAPE ['{"ptxas_level": 10}']
 
-An ``"ablate"`` key (one of tiles.sparse_attn.ABLATIONS) builds that timing ablation of the config instead (see
-gpu/attn_ablation.py): wrong results by design, for comparing where the time goes.
+The config is the JSON override over the tile's default at that shape; the first launch compiles and warms up, the
+profiler is told to skip it.
 """
 
 from __future__ import annotations
@@ -25,14 +25,7 @@ def main() -> int:
     override = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     arch, tile = detect(), get_tile(tile_name)
     shape = tile.shape(shape_name)
-    ablate = override.pop("ablate", "")
-    if ablate:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from attn_ablation import _kernel
-
-        kernel = _kernel(tile, shape, arch, ablate, override)
-    else:
-        kernel = tile.build(shape, tile.with_defaults(arch, override), arch)
+    kernel = tile.build(shape, tile.with_defaults(arch, override), arch)
     inputs = tile.make_inputs(shape, seed=3)
     outputs = tile.alloc_outputs(kernel, inputs)
     for _ in range(3):

@@ -1,6 +1,6 @@
 """Run a (tile, shape, config) many times on the same inputs: does it give the same bits every time?
 
-    python3 gpu/determinism_probe.py --json $OUT/determinism.json \
+    python3 tools/determinism_probe.py --json $OUT/determinism.json \
         --case 'sparse_attn_bf16:decode_b64_s1:{"schedule": "pipelined", "heads_per_block": 32, "threads": 128}' ...
 
 The lab's gate (tiles.harness) runs a kernel twice and calls it nondeterministic when the two outputs differ; a race
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
-        cmd = "python3 gpu/determinism_probe.py --json $OUT/determinism.json" + "".join(f" --case '{c}'" for c in args.case)
+        cmd = "python3 tools/determinism_probe.py --json $OUT/determinism.json" + "".join(f" --case '{c}'" for c in args.case)
         cmd += f" --runs {args.runs}" + (f" --seed {args.seed}" if args.seed else "")
         Path(args.json).write_text(json.dumps({"environment": describe_environment(), "command": cmd, "rows": rows}, indent=1, default=str))
     return 0
