@@ -213,7 +213,7 @@ def test_paired_halves_hand_each_buffer_over_in_halves():
     """consumers=paired_halves: four more barriers (each buffer's right half ready and free, one warpgroup freeing
     each half); the producer fills the halves in FlashMLA's order (buffer 0 left, buffer 1 right, buffer 0 right,
     buffer 1 left) and each warpgroup's QK^T waits first for its own half; refused on FP4 rows, with the serial
-    producer, several tokens per CTA and the timing ablations (which hand whole buffers over)."""
+    producer and several tokens per CTA unless io=overlapped."""
     tile, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
     config = tile.with_defaults(SM90, {"consumers": "paired_halves"})
     space = tile.search_space(SM90)
@@ -239,7 +239,7 @@ def test_paired_halves_hand_each_buffer_over_in_halves():
         assert why, over
     with pytest.raises(ValueError, match="paired_halves"):
         sa.sparse_attn_kernel(
-            64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", consumers="paired_halves", ablate="producer_idle"
+            64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", consumers="paired_halves", tokens_per_cta=2
         )
 
 
@@ -809,20 +809,6 @@ def test_constraints_resolve_consumers_auto_once_per_config_and_shape(monkeypatc
     assert any("whole pairs" in r for r in space.violations(named, odd, SM90))
 
 
-def test_timing_ablations_build_outside_the_search_space():
-    """gpu/attn_ablation.py's variants (wrong results by design) compile for sm90, are refused outside the default ws
-    schedule they cut into, and can never be proposed by the tuner or named in a config."""
-    tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
-    assert "ablate" not in tile.search_space(SM90).names()
-    cfg = tile.resolve_call(tile.with_defaults(SM90, {"kv_staging": "gather", "io": "staged"}), shape, SM90)
-    kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate="producer_idle")
-    src = kernel.main.get_kernel_source()
-    assert "csa2_fp4x8_bf16_prmt((&(vals[0]))" not in src  # the producer decodes nothing (the default: 16 calls)
-    for bad in ({"ablate": "faster"}, {"ablate": "no_softmax", "consumers": "seesaw"}, {"ablate": "producer_idle", "tokens_per_cta": 2}):
-        with pytest.raises(ValueError, match="ablate"):
-            sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, schedule="ws", produce="batched", **bad)
-
-
 def test_pipelined_softmax_workspace_is_fenced_before_p_is_stored():
     """With 32 heads over 4 warps the pipelined schedule's row max and sum cross warps through a shared workspace that
     TileLang places on S_shared's bytes (checked here too): every store of P into S_shared must come after a barrier,
@@ -837,67 +823,24 @@ def test_pipelined_softmax_workspace_is_fenced_before_p_is_stored():
     assert stores and all(lines[i - 1] == "__syncthreads();" for i in stores)
 
 
-# What each producer-side ablation leaves in the default prefill kernel's source, per buffer-parity copy of the producer
-# (x2): FP4 main-word decodes, FP8 window-word decodes, folds of decoded bytes, 16-byte stores of decoded rows.
-_ABLATION_SOURCE = {
-    "": (8, 4, 0, 10),
-    "no_stores": (8, 4, 8, 2),
-    "stores_only": (0, 4, 0, 10),
-    "skeleton": (0, 4, 0, 2),
-    "no_window": (8, 0, 0, 8),
-    "half_main": (4, 4, 0, 6),
-}
-
-
-@pytest.mark.parametrize("ablate", list(_ABLATION_SOURCE))
-def test_producer_ablations_cut_what_they_say(ablate):
-    """gpu/attn_ablation.py's producer-side variants remove exactly the work they name from the FP4 producer (counted in
-    the generated CUDA), so a timing run measures what its label says."""
+def test_the_prefill_kernels_producer_and_consumers_move_what_they_should():
+    """The default FP4 prefill kernel's producer, in the generated CUDA (two buffer-parity copies): 8 FP4 main-word
+    decodes, 4 FP8 window-word decodes and 10 16-byte row stores each; the bf16 kernel's consumers (wg0_scores, staged
+    Q/O) one 16-byte Q loop and one O loop per warpgroup, and with paired_halves + io=overlapped the next token's Q by
+    cp.async and O out in 16-byte stores."""
     tile, shape = sa.PREFILL_TILE, sa.PREFILL_TILE.shape("prefill_s4k")
     cfg = tile.resolve_call(tile.with_defaults(SM90, {"kv_staging": "gather", "io": "staged"}), shape, SM90)
-    kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90, ablate=ablate)
-    src = kernel.main.get_kernel_source()
-    counts = (
-        src.count("csa2_fp4x8_bf16_prmt((&(vals[0]))"),
-        src.count("csa2_e4m3x4_bf16((&"),
-        src.count("= csa2_fold16("),
-        src.count("*(uint4*)(((bfloat16_t*)buf"),
-    )
-    assert counts == tuple(2 * n for n in _ABLATION_SOURCE[ablate])
-
-
-def test_edge_ablations_cut_only_the_q_load_or_the_o_store():
-    """gpu/attn_block_scaling.py's no_q_load and no_o_store remove exactly the consumers' 16-byte Q loads or O stores
-    from the bf16 prefill kernel (the kernel behind the expansion) and nothing else a timing could see; they are
-    refused where there is no staged Q or one-split O to cut."""
+    src = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "fp4", cfg, SM90).main.get_kernel_source()
+    counts = (src.count("csa2_fp4x8_bf16_prmt((&(vals[0]))"), src.count("csa2_e4m3x4_bf16((&"), src.count("*(uint4*)(((bfloat16_t*)buf"))
+    assert counts == (16, 8, 20)
     tile, shape = sa.BF16_TILE, sa.BF16_TILE.shape("prefill_s4k")
     cfg = tile.resolve_call(tile.with_defaults(SM90, {"n_split": 1, "io": "staged"}), shape, SM90)  # wg0_scores
-    counts = {}
-    for ablate in ("", "no_q_load", "no_o_store"):
-        kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90, ablate=ablate)
-        src = kernel.main.get_kernel_source()
-        counts[ablate] = (src.count("*(uint4*)(Q +"), src.count("*(uint4*)(Out +"), src.count("wgmma"), src.count("fence_proxy_async"))
-    assert counts[""] == (2, 2, 27, 4)  # one 16-byte loop per warpgroup and direction
-    assert counts["no_q_load"] == (0, 2, 27, 4) and counts["no_o_store"] == (2, 0, 27, 4)
-    for bad in ({"io": "direct"}, {"n_split": 2}):
-        with pytest.raises(ValueError, match="ablate"):
-            sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", ablate="no_q_load", **bad)
-    # paired_halves with io=overlapped (the prefill default): the next token's Q copies, and O's stores from the P tile
+    src = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90).main.get_kernel_source()
+    assert (src.count("*(uint4*)(Q +"), src.count("*(uint4*)(Out +"), src.count("wgmma"), src.count("fence_proxy_async")) == (2, 2, 27, 4)
     halves = {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 8}
     cfg = tile.resolve_call(tile.with_defaults(SM90, halves), shape, SM90)
-    counts = {}
-    for ablate in ("", "no_q_load", "no_o_store"):
-        kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90, ablate=ablate)
-        src = kernel.main.get_kernel_source()
-        counts[ablate] = (src.count("cp_async_gs<16>"), src.count("*(uint4*)(Out +"), src.count("wgmma"), "ablate" in src)
-    assert counts[""][:2] == (2, 2) and counts["no_q_load"][:2] == (0, 2) and counts["no_o_store"][:2] == (2, 0)
-    assert len({c[2:] for c in counts.values()}) == 1
-    with pytest.raises(ValueError, match="ablat"):
-        sa.sparse_attn_kernel(64, 512, 128, 512, 0.04, kv_format="bf16", schedule="ws", produce="batched", ablate="no_softmax", **halves)
-    # stagger: the first wave's odd CTAs' spin at the start, nothing else
-    kernel = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90, ablate="stagger")
-    src = kernel.main.get_kernel_source()
-    assert src.count("csa2_spin(") == 2 and f"csa2_spin({sa.STAGGER_CYCLES})" in src and src.count("wgmma") == counts[""][2]
+    src = sa.CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], 0.04, "bf16", cfg, SM90).main.get_kernel_source()
+    assert (src.count("cp_async_gs<16>"), src.count("*(uint4*)(Out +")) == (2, 2)
 
 
 FUSED = {"combine": "fused", "partials": "fp32"}  # the fused combine merges fp32 partials (the Hopper default is bf16)

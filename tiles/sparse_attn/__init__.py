@@ -52,24 +52,22 @@ The package, in the order a reader meets the kernel:
 * :mod:`.ws_consumers`, :mod:`.ws_producer`: the consumer schedules (wg0_scores, balanced, seesaw, paired) and the
   producer's fills (serial, batched, prefetch, halves), as TileLang macros.
 * :mod:`.dequant` (E2M1/E8M0 decode and the packed-integer CUDA), :mod:`.online_softmax`.
-* :mod:`.options` (the option vocabulary and the rules the kernel and the search space share), :mod:`.ablations`
-  (timing-only cuts), :mod:`.policy` (per-call resolution of the "auto" choices).
+* :mod:`.options` (the option vocabulary and the rules the kernel and the search space share), :mod:`.policy`
+  (per-call resolution of the "auto" choices).
 * :mod:`.launch`: the compiled kernels and their launch (``CompiledAttention``, ``ExpandedAttention``, ``compiled``).
 * :mod:`.api`: the public functions ``sparse_attention`` and ``sparse_attention_bf16`` (checks, config choice).
 * :mod:`.tile`: the three tiles (search spaces, constraints, defaults) the tuner and ``lab`` use.
 """
 
-from tiles.sparse_attn.ablations import ABLATIONS, STAGGER_CYCLES
 from tiles.sparse_attn.api import sparse_attention, sparse_attention_bf16, tile_for_tokens
 from tiles.sparse_attn.kernels import sparse_attn_kernel
-from tiles.sparse_attn.launch import FP4_ONLY_KEYS, CompiledAttention, ExpandedAttention, compiled, timing_ablation
+from tiles.sparse_attn.launch import FP4_ONLY_KEYS, CompiledAttention, ExpandedAttention, compiled
 from tiles.sparse_attn.options import UNUSED_ROWS
 from tiles.sparse_attn.policy import resolve_io, resolve_kv_staging, resolve_split
 from tiles.sparse_attn.tile import BF16_TILE, DECODE_TILE, PREFILL_TILE, TILES, TOLERANCE, resolve_consumers
 from tiles.sparse_attn.ws_consumers import PAIRED_NREG, PAIRED_OVL_NREG, SEESAW_NREG
 
 __all__ = [
-    "ABLATIONS",
     "BF16_TILE",
     "DECODE_TILE",
     "FP4_ONLY_KEYS",
@@ -77,7 +75,6 @@ __all__ = [
     "PAIRED_OVL_NREG",
     "PREFILL_TILE",
     "SEESAW_NREG",
-    "STAGGER_CYCLES",
     "TILES",
     "TOLERANCE",
     "UNUSED_ROWS",
@@ -92,5 +89,4 @@ __all__ = [
     "sparse_attention_bf16",
     "sparse_attn_kernel",
     "tile_for_tokens",
-    "timing_ablation",
 ]

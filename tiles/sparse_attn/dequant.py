@@ -84,14 +84,6 @@ __device__ __forceinline__ void csa2_e4m3x4_bf16(void* dst, int w, unsigned scal
 }
 """
 
-# ablate="no_stores" (timing only): the 16 decoded bytes at v folded into one word, so the decode stays live unstored.
-_NO_STORES_CUDA = r"""
-__device__ __forceinline__ int csa2_fold16(const void* v) {
-  const uint4 o = *reinterpret_cast<const uint4*>(v);
-  return (int)(o.x ^ o.y ^ o.z ^ o.w);
-}
-"""
-
 # fp4_decode="prmt": csa2_fp4x8_bf16's 8 bf16 by byte-permute table lookups (the indexer's prmt dequant, tiles/indexer/dequant.py,
 # with constant tables: the scale here is E4M3, not a power of two, so it is applied afterwards by the same exact
 # multiply). The 8 E2M1 magnitudes' bf16 patterns (0, 0.5, 1, 1.5, 2, 3, 4, 6: 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,

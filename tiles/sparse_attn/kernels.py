@@ -3,10 +3,9 @@ warp-specialised one to :mod:`tiles.sparse_attn.ws_kernel`) and ``combine_kernel
 
 import tilelang.language as T
 
-from tiles.sparse_attn.ablations import _CONSUMER_ABLATIONS, _EDGE_ABLATIONS, ABLATIONS
 from tiles.sparse_attn.dequant import _e2m1, _e8m0
 from tiles.sparse_attn.online_softmax import LOG2E, _online_softmax
-from tiles.sparse_attn.options import IOS, PARTIALS, UNUSED_ROWS, _halves_edge_cut, _halves_refusal, _overlapped_refusal, blocks_per_token
+from tiles.sparse_attn.options import IOS, PARTIALS, UNUSED_ROWS, _halves_refusal, _overlapped_refusal, blocks_per_token
 from tiles.sparse_attn.ws_kernel import _sparse_attn_ws
 
 
@@ -34,7 +33,6 @@ def sparse_attn_kernel(
     lanes: str = "row",
     fp4_decode: str = "fma",
     partials: str = "fp32",
-    ablate: str = "",
     unused_rows: str = "row0",
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
@@ -51,7 +49,6 @@ def sparse_attn_kernel(
     OPart fp32 [B, S, NS, H, D] (scratch) and Counter int32 [B, S, H / heads_per_block] (zero before the launch,
     left zero after it).
     ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
-    ``ablate`` (timing only, wrong results by design; never in the search space): see :data:`ABLATIONS`.
     """
     if consumers == "auto":
         raise ValueError("consumers='auto' is resolved per call first: resolve_consumers")
@@ -67,31 +64,11 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown io {io!r}: use one of {', '.join(IOS)} ('auto' is resolved per call first: resolve_io)")
     blocks = blocks_per_token(window, topk, block_I)
     if io == "overlapped" and (
-        why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, ablate, blocks)
+        why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, blocks)
     ):
         raise ValueError(why)
-    if consumers == "paired_halves" and (why := _halves_refusal(schedule, produce, tokens_per_cta, kv_format, ablate, io)):
+    if consumers == "paired_halves" and (why := _halves_refusal(schedule, produce, tokens_per_cta, kv_format, io)):
         raise ValueError(why)
-    # the ablations that change the consumers are built into the wg0_scores consumers; the producer's leave any as they are;
-    # the Q-load and O-store cuts also into paired_halves with io=overlapped (the prefill default's path)
-    if (
-        ablate
-        and not _halves_edge_cut(ablate, consumers, io)
-        and (
-            ablate not in ABLATIONS
-            or schedule != "ws"
-            or (consumers != "wg0_scores" and ablate in _CONSUMER_ABLATIONS)
-            or tokens_per_cta != 1
-            or produce != "batched"
-            or wg1_rows
-            or (ablate in _EDGE_ABLATIONS and (io != "staged" or n_split != 1))
-        )
-    ):
-        raise ValueError(
-            f"ablate={ablate!r}: one of {', '.join(ABLATIONS)}, for the ws kernel's batched producer (and, for "
-            f"{', '.join(_CONSUMER_ABLATIONS)}, its wg0_scores consumers; for {', '.join(_EDGE_ABLATIONS)}, "
-            "io='staged' with one split, or paired_halves with io='overlapped'), one token per CTA"
-        )
     if schedule == "ws":
         return _sparse_attn_ws(
             heads,
@@ -113,7 +90,6 @@ def sparse_attn_kernel(
             lanes,
             fp4_decode,
             partials,
-            ablate,
             unused_rows,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")

@@ -34,11 +34,7 @@ class CompiledAttention:
     counter is shared by every call of this object on that device: calls must not run concurrently on two streams,
     and a CUDA graph must be captured after one eager call at its largest B * S (the growth allocates)."""
 
-    def __init__(
-        self, heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch, ablate: str = ""
-    ):
-        """``ablate``: a timing ablation (see :data:`ABLATIONS`; gpu/attn_ablation.py builds these directly, never
-        through :func:`compiled` or a tile's ``build``)."""
+    def __init__(self, heads: int, dim: int, window: int, topk: int, scale: float, kv_format: str, config: Config, arch: Arch):
         if config.get("kv_staging", "gather") != "gather":
             raise ValueError(f"kv_staging={config['kv_staging']!r}: this class is the gathering kernel; compiled() builds the expansion")
         self.heads, self.dim, self.window, self.topk, self.kv_format = heads, dim, window, topk, kv_format
@@ -77,8 +73,6 @@ class CompiledAttention:
                 params.pop(key, None)
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
-        if ablate:
-            params["ablate"] = ablate
         prim = sparse_attn_kernel(heads, dim, window, topk, scale, kv_format=kv_format, n_split=self.n_split, **params)
         # The batched producer masks out-of-range indices itself (_ws_fetch_rows); TileLang's bounds guards
         # would turn its cp.async copies back into synchronous loads.
@@ -165,18 +159,3 @@ def compiled(
         else:
             _KERNELS[key] = CompiledAttention(heads, dim, window, topk, scale, kv_format, config, arch)
     return _KERNELS[key]
-
-
-def timing_ablation(tile: "SparseAttnTile", shape: Shape, arch: Arch, ablate: str, override: Config | None = None) -> "CompiledAttention":
-    """The tile's default for ``shape`` (``override`` over it) as the kernel the ablations cut into (the gathering
-    producer, one token per CTA with staged Q/O: io="auto" and kv_staging pinned so; an io named in ``override``
-    stays, e.g. paired_halves with io="overlapped" for no_q_load and no_o_store) with the timing ablation
-    ``ablate`` (see ABLATIONS; "" for that kernel as it is). Built directly, never cached or proposed by the tuner;
-    what gpu/attn_ablation.py and gpu/attn_block_scaling.py time."""
-    cfg = tile.with_defaults(arch, override or {})
-    if cfg.get("io") == "auto":
-        cfg["io"] = "staged"
-    if "kv_staging" in cfg:
-        cfg["kv_staging"] = "gather"
-    cfg = tile.resolve_call(cfg, shape, arch)
-    return CompiledAttention(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, tile.kv_format, cfg, arch, ablate=ablate)

@@ -2,7 +2,6 @@
 (which combinations a kernel is built for), so that a refused config and a kernel build error say the same thing."""
 
 from tiles.contract import Config
-from tiles.sparse_attn.ablations import _EDGE_ABLATIONS
 
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
@@ -30,37 +29,24 @@ def _kernel_rows(kv_format: str, kv_staging: str) -> str:
     return "bf16" if kv_format == "bf16" or kv_staging == "expand" else "fp4"
 
 
-def _halves_edge_cut(ablate: str, consumers: str, io: str) -> bool:
-    """True for the timing ablations built into paired_halves with io="overlapped" (the prefill default's path):
-    no_q_load and no_o_store cut its next token's Q copies and O's global store."""
-    return ablate in _EDGE_ABLATIONS and consumers == "paired_halves" and io == "overlapped"
-
-
-def _halves_refusal(schedule, produce, tokens_per_cta, rows, ablate="", io="staged") -> str | None:
+def _halves_refusal(schedule, produce, tokens_per_cta, rows, io="staged") -> str | None:
     """Why ``consumers="paired_halves"`` cannot run (its producer copies bf16 rows half by half, several tokens per CTA
-    only with io="overlapped", and no timing ablation hands its half barriers over), or None. ``rows``: the kernel's
-    row format (_kernel_rows)."""
-    cut = ablate and not _halves_edge_cut(ablate, "paired_halves", io)
-    if schedule != "ws" or produce != "batched" or rows != "bf16" or cut or (int(tokens_per_cta) != 1 and io != "overlapped"):
+    only with io="overlapped"), or None. ``rows``: the kernel's row format (_kernel_rows)."""
+    if schedule != "ws" or produce != "batched" or rows != "bf16" or (int(tokens_per_cta) != 1 and io != "overlapped"):
         return (
             "consumers=paired_halves hands bf16 KV rows over in halves: schedule=ws, produce=batched, bf16 KV or "
-            "kv_staging=expand, no timing ablation but no_q_load/no_o_store with io=overlapped, tokens_per_cta=1 "
-            "unless io=overlapped"
+            "kv_staging=expand, tokens_per_cta=1 unless io=overlapped"
         )
     return None
 
 
-def _overlapped_refusal(
-    schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, ablate="", blocks=None
-) -> str | None:
+def _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, blocks=None) -> str | None:
     """Why ``io="overlapped"`` cannot be built with these choices (``n_split`` resolved or "auto"; ``rows``: the
     kernel's KV rows, "bf16" or "fp4"; ``blocks``: the blocks per token, None when not known here), or None."""
-    cut = ablate and not _halves_edge_cut(ablate, consumers, "overlapped")
-    if schedule != "ws" or produce != "batched" or consumers not in ("wg0_scores", "paired_halves") or int(wg1_rows) or cut:
+    if schedule != "ws" or produce != "batched" or consumers not in ("wg0_scores", "paired_halves") or int(wg1_rows):
         return (
             "io=overlapped is built into the ws kernel's wg0_scores and paired_halves consumers: schedule=ws, "
-            "produce=batched, consumers=wg0_scores or paired_halves, wg1_rows=0, no timing ablation (paired_halves: "
-            "but no_q_load or no_o_store)"
+            "produce=batched, consumers=wg0_scores or paired_halves, wg1_rows=0"
         )
     if consumers == "paired_halves" and blocks is not None and blocks % 2:
         # the pairs' barrier phases run on across the CTA's tokens: a token ends on a whole pair

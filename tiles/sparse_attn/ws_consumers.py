@@ -21,9 +21,8 @@ __device__ __forceinline__ void csa2_compiler_fence() { asm volatile("" ::: "mem
 
 
 @T.macro
-def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", ovl=None):
-    """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V (``ablate="no_softmax"``:
-    S goes to P as it is, no max, exponentials, sums or rescale).
+def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ovl=None):
+    """Warpgroup 0's step on one KV buffer: S = Q K^T, online softmax, its half of O += P V.
 
     ``early_p`` (``handoff="before_pv"``): P and alpha go to warpgroup 1 before this warpgroup's P V instead of
     after it, so both halves of P V run together and the buffer frees one P V earlier; the shared-memory stores
@@ -32,8 +31,7 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", 
     ``ovl``: see :func:`_ws_hand_back`."""
     Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free = sm
     KV_l, KV_r, valid, bar_ready, bar_free = buf[:5]
-    if ablate != "uncoupled":
-        T.barrier_wait(bar_ready, (it // 2) & 1)
+    T.barrier_wait(bar_ready, (it // 2) & 1)
     for h, bi in T.Parallel(HB, BI):
         acc_s[h, bi] = T.if_then_else(valid[bi], 0, -T.infinity("float32"))
     T.wgmma_gemm(Q_l, KV_l, acc_s, transpose_B=True)
@@ -43,9 +41,8 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ablate="", 
         # S_shared and alpha_shared are reused: warpgroup 1 must be done with the previous step.
         T.barrier_arrive(bar_s_free)
         T.barrier_wait(bar_s_free, (it & 1) ^ 1)
-    if ablate != "no_softmax":
-        _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D2, scale2)
-        T.copy(alpha, alpha_shared)
+    _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D2, scale2)
+    T.copy(alpha, alpha_shared)
     T.copy(acc_s, S_shared)
     if early_p:
         T.fence_proxy_async()
@@ -67,18 +64,6 @@ def _ws_hand_back(bar_free, ovl):
     else:
         if ovl[2] != ovl[0].n_blk - 1:
             T.barrier_arrive(bar_free)
-
-
-@T.macro
-def _ws_idle_step(bufs, it):
-    """``ablate="consumers_idle"``: one consumer warpgroup's step on block ``it`` (CTA-wide index): wait until its
-    buffer is filled, hand it back at once (both warpgroups arrive on ``free``, as after their P V)."""
-    if it % 2 == 0:
-        T.barrier_wait(bufs[0].ready, (it // 2) & 1)
-        T.barrier_arrive(bufs[0].free)
-    else:
-        T.barrier_wait(bufs[1].ready, (it // 2) & 1)
-        T.barrier_arrive(bufs[1].free)
 
 
 BALANCED_NREG = 200  # per consumer thread under consumers="balanced": O half (128) + S half (16) + softmax + addresses
@@ -166,8 +151,8 @@ def _ws_halves_epilogue(
     partial), staged through its Q half with ``io="staged"``; ``fuse``: the fused combine's (balanced only). ``j``: the
     CTA's token (the final barrier's phase). ``ptile`` (paired_halves with io="overlapped", where Q already holds the
     next token's and both KV buffers the next pair's rows): (this warpgroup's [HB, BI] P tile, the barrier the other's
-    P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup, False under the timing ablation
-    no_o_store): O goes out through the P tile in chunks of BI columns, in 16-byte vectors."""
+    P V of it completes on, that wait's phase, a 128-arrival barrier of this warpgroup): O goes out through the P tile
+    in chunks of BI columns, in 16-byte vectors."""
     w, Q_own, _, acc_o, sumexp, sumexp_i, alpha, m_i, _ = half
     for h in T.Parallel(HB):
         rowsum_shared[w, h] = sumexp[h]
@@ -191,7 +176,7 @@ def _ws_halves_epilogue(
     for h, d in T.Parallel(HB, D2):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
     if ptile is not None:
-        tile, bar_tile_free, phase, bar_own, store = ptile
+        tile, bar_tile_free, phase, bar_own = ptile
         T.barrier_wait(bar_tile_free, phase)  # the other warpgroup's P V of the token's last pair has read the tile
         BI = tile.shape[1]
         for c in T.unroll(D2 // BI):
@@ -199,8 +184,7 @@ def _ws_halves_epilogue(
                 tile[h, d] = acc_o[h, c * BI + d]
             T.barrier_arrive(bar_own)
             T.barrier_wait(bar_own, 0)  # every chunk's writes are in (phases 2c)
-            if store:  # ablate="no_o_store" (timing only): the chunks go through the tile, not out
-                T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
+            T.copy(tile, Out[b_i, s_i, h0 : h0 + HB, w * D2 + c * BI : w * D2 + (c + 1) * BI])
             T.barrier_arrive(bar_own)
             T.barrier_wait(bar_own, 1)  # ... and read before the next chunk overwrites them (phases 2c + 1)
     elif NS == 1 and io == "staged":
@@ -492,8 +476,7 @@ def _ws_paired_consumer(
                 T.barrier_arrive(see.bar_p_free[1 - w])
     args = (see.rowsum_shared, see.bar_final, see.Sink, see.Out, see.LsePart, b_i, s_i, h0, bz, HB, D2, NS, scale2, io, None, j)
     if ovl:  # O out through this warpgroup's P tile, once the other's P V of the token's last pair has read it
-        store = nxt.ablate != "no_o_store"
-        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own, store))
+        _ws_halves_epilogue(half, *args, (see.P[w], see.bar_p_free[w], (j * npairs + npairs - 1) & 1, bar_own))
     else:
         _ws_halves_epilogue(half, *args)
 
@@ -518,9 +501,8 @@ def _ws_paired_warpgroup(half, P_own, bar_own, seesaw_args, halves, TPC, bx, S, 
 def _ws_paired_prefetch_q(see, nxt, Q_own, b_i, w, j, last, HB, D2):
     """paired_halves with io="overlapped": in the token's last pair (``last``), once both warpgroups' QK^T are done,
     warpgroup ``w``'s half of the next token's Q by 16-byte cp.async copies that arrive on the Q barrier as they land
-    (cp.async.mbarrier.arrive.noinc: one arrival per thread). Each warp copies whole 512-byte rows. The timing
-    ablation no_q_load issues no copies (the arrivals stay)."""
-    copies = 0 if nxt.ablate == "no_q_load" else HB * D2 // 8 // 128
+    (cp.async.mbarrier.arrive.noinc: one arrival per thread). Each warp copies whole 512-byte rows."""
+    copies = HB * D2 // 8 // 128
     if last:  # noqa: SIM102  (TileLang conditions)
         if j + 1 < nxt.count:
             item = nxt.first + j + 1
@@ -562,7 +544,6 @@ class _WsCta(NamedTuple):
     fuse: Any = None  # combine="fused": the _WsFuse of the fused combine
     early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
     bf16_parts: bool = False  # partials="bf16": the split's partial O staged out as bf16 through the freed Q half
-    ablate: str = ""  # a timing ablation (see ABLATIONS); "" in every real kernel
     nxt: Any = None  # io="overlapped": the _WsTokens of the CTA's run of tokens
 
 
@@ -573,7 +554,6 @@ class _WsTokens(NamedTuple):
     count: Any  # how many it runs: tokens_per_cta, fewer in the last CTA
     REP: int  # head blocks per token
     t: Any  # the thread's index in its consumer warpgroup, 0..127
-    ablate: str = ""  # paired_halves: "no_q_load" / "no_o_store" cut the next token's Q copy / O's global store (timing)
 
 
 @T.macro
@@ -634,8 +614,7 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     BI = cta.BI
     ovl = cta.io == "overlapped"
     if cta.io == "staged":
-        if cta.ablate != "no_q_load":
-            T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
+        T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
         T.fence_proxy_async()  # generic-proxy stores, read by wgmma (async proxy) after the barrier
         T.barrier_arrive(cta.bar_q)
     elif cta.io == "overlapped":
@@ -649,12 +628,10 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
     T.fill(acc_o_l, 0)
     T.barrier_wait(cta.bar_q, j & 1)
     for it in T.serial(n_blk):
-        if cta.ablate == "consumers_idle":  # take each filled buffer and hand it straight back
-            _ws_idle_step(cta.bufs, j * n_blk + it)
-        elif (j * n_blk + it) % 2 == 0:
-            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, (cta, j, it) if ovl else None)
+        if (j * n_blk + it) % 2 == 0:
+            _ws_softmax_step(sm, cta.bufs[0], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, (cta, j, it) if ovl else None)
         else:
-            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, cta.ablate, (cta, j, it) if ovl else None)
+            _ws_softmax_step(sm, cta.bufs[1], j * n_blk + it, HB, BI, D2, scale2, cta.early_p, (cta, j, it) if ovl else None)
     if NS == 1:
         for h in T.Parallel(HB):
             alpha[h] = T.max(m_i[h] * scale2, Sink[h0 + h] * LOG2E)
@@ -673,8 +650,7 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
         _ws_ovl_stage_o(cta, acc_o_l, 0, j)
     elif NS == 1 and cta.io == "staged":
         T.copy(acc_o_l, Q_l)  # this warpgroup's last QK^T has completed: Q_l is free
-        if cta.ablate != "no_o_store":
-            T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
+        T.copy(Q_l, Out[b_i, s_i, h0 : h0 + HB, 0:D2])
     elif cta.bf16_parts and cta.io == "staged":
         T.copy(acc_o_l, Q_l)
         T.copy(Q_l, Out[b_i, s_i, bz, h0 : h0 + HB, 0:D2])
@@ -696,8 +672,7 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
     Q_r, S_shared, alpha_shared, final_shared, bufs = cta.Q_r, cta.S_shared, cta.alpha_shared, cta.final_shared, cta.bufs
     ovl = cta.io == "overlapped"
     if cta.io == "staged":
-        if cta.ablate != "no_q_load":
-            T.copy(Q[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2], Q_r)
+        T.copy(Q[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2], Q_r)
         T.fence_proxy_async()
         T.barrier_arrive(cta.bar_q)
     elif ovl:  # noqa: SIM102  (a Python flag around a TileLang condition)
@@ -725,22 +700,19 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
                 else:
                     T.barrier_wait(bufs[0].free, (((it + 1) // 2) & 1) ^ 1)
                     _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
-        if cta.ablate == "consumers_idle":
-            _ws_idle_step(bufs, j * n_blk + it)
+        T.barrier_arrive(cta.bar_s_ready)
+        T.barrier_wait(cta.bar_s_ready, (j * n_blk + it) & 1)
+        if ovl:  # warpgroup 0's last QK^T of the token has completed: Q is free for the next token's
+            _ws_ovl_prefetch_q(cta, j, it)
+        for h, d in T.Parallel(HB, D2):
+            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
+        if (j * n_blk + it) % 2 == 0:
+            T.gemm(S_shared, bufs[0].KV_r, acc_o_r)
+            _ws_hand_back(bufs[0].free, (cta, j, it) if ovl else None)
         else:
-            T.barrier_arrive(cta.bar_s_ready)
-            T.barrier_wait(cta.bar_s_ready, (j * n_blk + it) & 1)
-            if ovl:  # warpgroup 0's last QK^T of the token has completed: Q is free for the next token's
-                _ws_ovl_prefetch_q(cta, j, it)
-            for h, d in T.Parallel(HB, D2):
-                acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-            if (j * n_blk + it) % 2 == 0:
-                T.gemm(S_shared, bufs[0].KV_r, acc_o_r)
-                _ws_hand_back(bufs[0].free, (cta, j, it) if ovl else None)
-            else:
-                T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
-                _ws_hand_back(bufs[1].free, (cta, j, it) if ovl else None)
-            T.barrier_arrive(cta.bar_s_free)
+            T.gemm(S_shared, bufs[1].KV_r, acc_o_r)
+            _ws_hand_back(bufs[1].free, (cta, j, it) if ovl else None)
+        T.barrier_arrive(cta.bar_s_free)
     T.barrier_arrive(cta.bar_final)
     T.barrier_wait(cta.bar_final, j & 1)
     for h, d in T.Parallel(HB, D2):
@@ -749,8 +721,7 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
         _ws_ovl_stage_o(cta, acc_o_r, 1, j)
     elif NS == 1 and cta.io == "staged":
         T.copy(acc_o_r, Q_r)  # warpgroup 0 arrived on bar_final after its last QK^T: Q_r is free
-        if cta.ablate != "no_o_store":
-            T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
+        T.copy(Q_r, Out[b_i, s_i, h0 : h0 + HB, D2 : 2 * D2])
     elif cta.bf16_parts and cta.io == "staged":
         T.copy(acc_o_r, Q_r)
         T.copy(Q_r, Out[b_i, s_i, bz, h0 : h0 + HB, D2 : 2 * D2])

@@ -3,8 +3,7 @@ consumers, one producer) dispatched to the macros of :mod:`.ws_consumers` and :m
 
 import tilelang.language as T
 
-from tiles.sparse_attn.ablations import _PRODUCER_CUTS, _STAGGER_CUDA, STAGGER_CTAS, STAGGER_CYCLES
-from tiles.sparse_attn.dequant import _NO_STORES_CUDA, _decode_helpers_cuda
+from tiles.sparse_attn.dequant import _decode_helpers_cuda
 from tiles.sparse_attn.online_softmax import LOG2E
 from tiles.sparse_attn.ws_consumers import (
     _FUSE_CUDA,
@@ -64,7 +63,6 @@ def _sparse_attn_ws(
     lanes="row",
     fp4_decode="fma",
     partials="fp32",
-    ablate="",
     unused_rows="row0",
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
@@ -195,8 +193,6 @@ def _sparse_attn_ws(
     helped = wg1_rows > 0  # consumer warpgroup 1 fills the last pass of rows of each main block
     TPC = tokens_per_cta
     main_passes = tuple(range(BI // ROWS - 1)) if helped else None  # the producer's passes over a main block
-    if ablate == "half_main":
-        main_passes = tuple(range(BI // ROWS // 2))
     balanced = consumers in ("balanced", "balanced_overlap")  # both consumer warpgroups compute S (half the rows each)
     overlap = consumers == "balanced_overlap"  # ... with P V completing under the next block's QK^T
     seesaw = consumers == "seesaw"  # the consumer warpgroups take whole blocks in turn (both compute S)
@@ -206,8 +202,6 @@ def _sparse_attn_ws(
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
     dequant_cuda = _decode_helpers_cuda(fp4_decode) if batched and fp4 else ""
-    if "stores" in _PRODUCER_CUTS.get(ablate, ()):
-        dequant_cuda += _NO_STORES_CUDA
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
     main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
@@ -221,9 +215,8 @@ def _sparse_attn_ws(
     def body(Q, WinA, WinB, WinIdx, MainA, MainB, TopkIdx, Sink, Out, LsePart, OPart, Counter):
         """The whole CTA; OPart and Counter are None unless ``combine="fused"``."""
         with T.Kernel(T.ceildiv(S * REP, TPC) if TPC > 1 else S * REP, B, NS, threads=384) as (bx, by, bz):
-            stagger = ablate == "stagger"
-            if (batched and fp4) or fused or stagger:  # one import: the producer's, the fused combine's, the ablation's helpers
-                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else "") + (_STAGGER_CUDA if stagger else ""))
+            if (batched and fp4) or fused:  # one import: the producer's and the fused combine's helpers
+                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else ""))
             Q_l = T.alloc_shared([HB, D2], bf16)
             Q_r = T.alloc_shared([HB, D2], bf16)
             KV0_l = T.alloc_shared([BI, D2], bf16)
@@ -324,10 +317,7 @@ def _sparse_attn_ws(
             tx = T.get_thread_binding()
             nxt = None
             if io == "overlapped":
-                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128, ablate)
-            if stagger:  # noqa: SIM102  (TileLang conditions)
-                if bx % 2 == 1 and bx < STAGGER_CTAS:  # the first wave's odd CTAs start half a token late (timing only)
-                    T.call_extern("handle", "csa2_spin", STAGGER_CYCLES)
+                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128)
             fuse = None
             if fused:
                 fuse = _WsFuse(OPart, LsePart, Counter, Sink, Out, comb_shared, last_shared, bar_arrived, bar_last, tx)
@@ -365,7 +355,6 @@ def _sparse_attn_ws(
                 fuse,
                 handoff == "before_pv",
                 bf16_parts,
-                ablate,
                 nxt,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
@@ -452,7 +441,7 @@ def _sparse_attn_ws(
                 p = tx - 256
                 src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
                 regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, ablate, unused_rows)
+                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, unused_rows)
                 if TPC > 1 and halves:  # io=overlapped (the constraints)
                     pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
                     _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt)
@@ -493,21 +482,7 @@ def _sparse_attn_ws(
                     if lo >= NBW:  # the first block is a main one: its loads go out before the first free buffer
                         _ws_issue_main_loads(src, regs, dims, b_i, p)
                         _ws_fetch_rows(src, dims, rows_next, b_i, s_i, lo + 1, p)
-                if TPC == 1 and ablate == "producer_idle":
-                    for it in T.serial(n_blk):  # hand each buffer over as soon as it is free, unfilled
-                        if it % 2 == 0:
-                            T.barrier_wait(bar_k0_free, ((it // 2) & 1) ^ 1)
-                            T.barrier_arrive(bar_k0_ready)
-                        else:
-                            T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
-                            T.barrier_arrive(bar_k1_ready)
-                elif TPC == 1 and ablate == "uncoupled":
-                    for it in T.serial(n_blk):  # fill each buffer without waiting for it to be free
-                        if it % 2 == 0:
-                            _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_i, lo + it, p, fp4, main_passes)
-                        else:
-                            _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_i, lo + it, p, fp4, main_passes)
-                elif TPC == 1 and halves:
+                if TPC == 1 and halves:
                     pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
                     _ws_produce_halves(src, dims, bufs, pair_rows, b_i, s_i, lo, n_blk, -(-NB // NS), p)
                 elif TPC == 1:

@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import tilelang.language as T
 
-from tiles.sparse_attn.ablations import _cuts
 from tiles.sparse_attn.dequant import _FP4X8_FUNCTIONS, _e2m1, _e8m0
 
 
@@ -81,7 +80,6 @@ class _WsDims(NamedTuple):
     Nc: Any
     lanes: str  # producer lane -> (row, column slice) map: _lane_row, _lane_col
     fp4_decode: str = "fma"  # the FP4 main-word dequant: a key of _FP4X8_FUNCTIONS
-    ablate: str = ""  # a producer-side timing ablation (no_dequant, no_loads, no_stores, ...; see ABLATIONS); "" in every real kernel
     unused_rows: str = "row0"  # bf16 KV: what the batched producer's cp.async puts in an unused slot's row (UNUSED_ROWS)
 
 
@@ -166,41 +164,34 @@ def _ws_produce_batched(src, regs, dims, kv_buf, b_i, s_i, blk, p, fp4, main_pas
         T.cp_async_barrier_noinc(bar_ready)
     else:
         if blk < NBW:
-            if _cuts(dims, "window"):  # the window block's rows left unfilled
-                _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
-            else:
-                # FP8 window rows are 512 B: two batches of R / 2 rows keep the loads in registers
-                for bt in T.unroll(2):
-                    for q in T.unroll(R // 2):
-                        row = T.max(rows_cur[bt * (R // 2) + q], 0)
-                        for h in T.unroll(2):
+            # FP8 window rows are 512 B: two batches of R / 2 rows keep the loads in registers
+            for bt in T.unroll(2):
+                for q in T.unroll(R // 2):
+                    row = T.max(rows_cur[bt * (R // 2) + q], 0)
+                    for h in T.unroll(2):
+                        for v in T.vectorized(8):
+                            raw[(q * 2 + h) * 8 + v] = WinA[b_i, row, (h * D2 + c * 32) // 4 + v]
+                        rawsc[q * 2 + h] = WinB[b_i, row, (h * D2 + c * 32) // 32]
+                if bt == 0:
+                    _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
+                for q in T.unroll(R // 2):
+                    rr = bt * (R // 2) + q
+                    for h, buf in ((0, KV_l), (1, KV_r)):
+                        s2 = T.call_extern("uint32", "csa2_e8m0_scale2", T.cast(rawsc[q * 2 + h], "uint32"))
+                        s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
+                        for w in T.unroll(4):
+                            T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[0]), raw[(q * 2 + h) * 8 + 2 * w], s2)
+                            T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[4]), raw[(q * 2 + h) * 8 + 2 * w + 1], s2)
                             for v in T.vectorized(8):
-                                raw[(q * 2 + h) * 8 + v] = WinA[b_i, row, (h * D2 + c * 32) // 4 + v]
-                            rawsc[q * 2 + h] = WinB[b_i, row, (h * D2 + c * 32) // 32]
-                    if bt == 0:
-                        _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
-                    for q in T.unroll(R // 2):
-                        rr = bt * (R // 2) + q
-                        for h, buf in ((0, KV_l), (1, KV_r)):
-                            s2 = T.call_extern("uint32", "csa2_e8m0_scale2", T.cast(rawsc[q * 2 + h], "uint32"))
-                            s2 = T.if_then_else(rows_cur[rr] >= 0, s2, T.uint32(0))
-                            for w in T.unroll(4):
-                                T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[0]), raw[(q * 2 + h) * 8 + 2 * w], s2)
-                                T.call_extern("handle", "csa2_e4m3x4_bf16", T.address_of(vals[4]), raw[(q * 2 + h) * 8 + 2 * w + 1], s2)
-                                for v in T.vectorized(8):
-                                    buf[rr * ROWS + _lane_row(p, lanes), c * 32 + w * 8 + v] = vals[v]
+                                buf[rr * ROWS + _lane_row(p, lanes), c * 32 + w * 8 + v] = vals[v]
         else:
             # FP4 rows are 288 B: the whole block's loads (R rows x 2 halves x 16 B + scales) in flight at once
             # (main_passes: the passes this warpgroup fills, when consumer warpgroup 1 fills the last one)
-            if _cuts(dims, "main"):  # the main block's rows left unfilled: no loads, decode or stores
-                _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
-            else:
-                _ws_issue_main_loads(src, regs, dims, b_i, p, main_passes)
-                _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
-                _ws_store_main(regs, dims, kv_buf, p, main_passes)
-        # generic-proxy stores must be visible to wgmma's async-proxy reads (ablate="no_fence": timing only)
-        if not _cuts(dims, "fence"):
-            T.fence_proxy_async()
+            _ws_issue_main_loads(src, regs, dims, b_i, p, main_passes)
+            _ws_fetch_rows(src, dims, rows_next, b_i, s_next, blk_next, p)
+            _ws_store_main(regs, dims, kv_buf, p, main_passes)
+        # generic-proxy stores must be visible to wgmma's async-proxy reads
+        T.fence_proxy_async()
         T.barrier_arrive(bar_ready)
     for rr in T.unroll(R):
         rows_cur[rr] = rows_next[rr]
@@ -316,16 +307,10 @@ def _ws_issue_main_loads(src, regs, dims, b_i, p, passes=None):
     for j in range(len(passes)):
         row = T.max(rows_cur[j], 0)
         for h in T.unroll(2):
-            if _cuts(dims, "loads"):  # words and scale bytes made from the row index: no global load
-                for v in T.unroll(4):
-                    raw[(j * 2 + h) * 4 + v] = row * 4 + v
-                for v in T.unroll(2):
-                    rawsc[(j * 2 + h) * 2 + v] = T.Cast("uint8", row + v)
-            else:
-                for v in T.vectorized(4):
-                    raw[(j * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
-                for v in T.unroll(2):
-                    rawsc[(j * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
+            for v in T.vectorized(4):
+                raw[(j * 2 + h) * 4 + v] = MainA[b_i, row, (h * D2 + c * 32) // 8 + v]
+            for v in T.unroll(2):
+                rawsc[(j * 2 + h) * 2 + v] = MainB[b_i, row, (h * D2 + c * 32) // 16 + v]
 
 
 @T.macro
@@ -342,19 +327,9 @@ def _ws_store_main(regs, dims, kv_buf, p, passes=None):
             for q in T.unroll(4):  # word q: columns c * 32 + 8 q .. + 8, scale group q // 2
                 s2 = T.call_extern("uint32", "csa2_e4m3_scale2", T.cast(rawsc[(j * 2 + h) * 2 + q // 2], "uint32"))
                 s2 = T.if_then_else(rows_cur[j] >= 0, s2, T.uint32(0))
-                if _cuts(dims, "decode"):  # one value from the word and scale, 7 stale
-                    vals[0] = T.reinterpret("bfloat16", T.Cast("uint16", raw[(j * 2 + h) * 4 + q] ^ T.Cast("int32", s2)))
-                else:
-                    T.call_extern("handle", _FP4X8_FUNCTIONS[dims.fp4_decode], T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
-                if _cuts(dims, "stores"):  # the 8 values folded into the word they came from: kept live, not stored
-                    raw[(j * 2 + h) * 4 + q] = T.call_extern("int32", "csa2_fold16", T.address_of(vals[0]))
-                else:
-                    for v in T.vectorized(8):
-                        buf[rr * ROWS + _lane_row(p, lanes), c * 32 + q * 8 + v] = vals[v]
-    if _cuts(dims, "stores"):  # one 2-byte store per block keeps every decoded value live
-        for k in range(1, len(passes) * 8):
-            raw[0] = raw[0] ^ raw[k]
-        kv_buf.KV_l[_lane_row(p, lanes), c * 32] = T.reinterpret("bfloat16", T.Cast("uint16", raw[0]))
+                T.call_extern("handle", _FP4X8_FUNCTIONS[dims.fp4_decode], T.address_of(vals[0]), raw[(j * 2 + h) * 4 + q], s2)
+                for v in T.vectorized(8):
+                    buf[rr * ROWS + _lane_row(p, lanes), c * 32 + q * 8 + v] = vals[v]
 
 
 @T.macro
