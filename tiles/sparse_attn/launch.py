@@ -1,20 +1,17 @@
 """The compiled attention kernels and their launch: ``CompiledAttention`` (the gathering kernel and its combine),
 ``ExpandedAttention`` (the prefill's caches expanded to bf16, then the bf16 kernel) and the per-config cache."""
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tilelang
 import torch
 
 from tiles.arch import Arch
-from tiles.contract import Config, Shape
+from tiles.contract import Config
 from tiles.kv_expand import expand_caches, expand_kernel
 from tiles.sparse_attn.dequant import _FP4X8_FUNCTIONS, _decode_helpers_cuda
 from tiles.sparse_attn.kernels import combine_kernel, sparse_attn_kernel
 from tiles.sparse_attn.options import BF16_ROW_KEYS
-
-if TYPE_CHECKING:  # the tiles build these kernels: an import at run time would be circular
-    from tiles.sparse_attn.tile import SparseAttnTile
 
 _PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
