@@ -123,7 +123,7 @@ def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Ce
 def _unconfirmed_tie(entry: dict) -> str | None:
     """For a stored winner (not the default) that no rematch confirmed and whose own record puts it less than
     tuning.rematch.REMATCH_MARGIN ahead of the default: its recorded speedup ("1.003x"), else None. Such entries were
-    stored before the rematch rule (session 27); a tune now would keep the default."""
+    stored before the rematch rule (a00e7a1); a tune now would keep the default."""
     from tuning.rematch import clears_margin  # imported here: lab.matrix loads without the tuner's modules
 
     ms, default_ms = entry.get("ms"), entry.get("default_ms")
@@ -134,8 +134,8 @@ def _unconfirmed_tie(entry: dict) -> str | None:
 
 
 # A latency difference this small is within the run-to-run spread of the smallest kernels, whatever the fraction: the
-# ~2 us fp4_quant_main winners were 15% slower at B=64 and 12% faster at B=128 than their records in session 25's
-# lab check on the H200 (results/sm90/lab_check_fp4_session25.json), their default 5% slower and 4% faster.
+# ~2 us fp4_quant_main winners were 15% slower at B=64 and 12% faster at B=128 than their records in a lab check on
+# the H200 (18b181d), their default 5% slower and 4% faster.
 REGRESSION_FLOOR_MS = 0.0005
 
 

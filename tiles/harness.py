@@ -145,7 +145,7 @@ def check_and_time(
 
         eager = time_cuda(call, n_sets=n_sets, runs=runs)
         graph = time_cuda_graph(call, n_sets=n_sets)
-        # A race that strikes one launch in ten passes the two-run check above (session 15: the tuner's two runs
+        # A race that strikes one launch in ten passes the two-run check above (H200, 870e63b: the tuner's two runs
         # flagged 5 of 7 trials of a racy layout). The timing has launched the kernel dozens of times since, under load: one more
         # run on the check inputs, and the last timed output of them where the tile keeps its buffers, must still
         # give the first run's bits.

@@ -4,7 +4,7 @@ The gathering attention kernel (``kv_staging="gather"``) decodes every FP4 main 
 its producer warpgroup, each time a token reads it. At decode that is the cheap way: a token's 640 rows are mostly
 read by that token alone. At prefill it is not: a 4K prompt's 4096 tokens read 512 of at most 4096 main entries and
 128 window rows each, so every entry is decoded by hundreds of tokens, and on the H200 the producer's decode work
-paces the kernel (notes/sparse_attn.md, sessions 14-16). Expanding both caches to bf16 first (one pass: read
+paces the kernel (a282e30, 814c292, f32063c). Expanding both caches to bf16 first (one pass: read
 288 B and write 1 KiB per main entry, read 528 B and write 1 KiB per window row) lets the bf16 attention kernel
 gather rows by ``cp.async`` with nothing to decode.
 

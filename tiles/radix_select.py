@@ -400,9 +400,9 @@ __device__ void select_row(const float* values, long long L, int r, int p, int p
 # stage="shared": the part's scores are copied into shared memory once (16-byte loads, a batch of them in flight per
 # thread), and the histogram and ordered passes read them there instead of from L2. Why: the global passes re-read each
 # tile of a part behind a barrier with ``loads`` loads in flight per thread, and at the decode shape the parts launch
-# spends most of its samples in those passes waiting on their loads (notes/indexer.md, session 12). topk_cta is the
-# same code either way: it reads through a plain pointer, which nvcc resolves to shared memory here. A part wider than
-# the stage (odd shapes: 7 x 70001 in 4 parts) runs the global path. Measured on the H200 (select_check_run3_staged.json):
+# spends most of its samples in those passes waiting on their loads (Nsight Compute on the H200, 43684b5). topk_cta is
+# the same code either way: it reads through a plain pointer, which nvcc resolves to shared memory here. A part wider
+# than the stage (odd shapes: 7 x 70001 in 4 parts) runs the global path. Measured on the H200 (0f2e979):
 # exact, 7-17% faster for one long row (1 x 128K), slower at decode 64 x 128K (55.1 vs 48.0 us: the 64 KiB stage leaves
 # 2 CTAs per SM where the default runs 4, whose loads already overlap) and at 4096 x 8K; not a default.
 _STAGED_ROW_CUDA = r"""
@@ -458,11 +458,11 @@ def select_cuda(stage: str = "global") -> str:
     return _SELECT_CUDA + (_STAGED_ROW_CUDA if stage == "shared" else "")
 
 
-# Defaults from the H200 sweep of gpu/select_check.py (plain atomics beat match.any aggregation, 8 loads in
-# flight keep a 256-thread CTA's registers low enough for several CTAs per SM, which the prefill-like row
-# counts need; decode rows get their CTAs from parts instead). compact_pass: exact at every case and shape, faster at
-# all three timed shapes in one run (select_check_run5_compact.json, session 16: 64 x 128K 48.4 -> 41.0 us, 1 x 128K
-# 25.4 -> 21.9 us, 4096 x 8K 152.5 -> 131.4 us). threads="auto": see resolve_threads.
+# Defaults from an H200 sweep of the select alone, each config checked exactly and timed per shape (3b022ca: plain
+# atomics beat match.any aggregation, 8 loads in flight keep a 256-thread CTA's registers low enough for several CTAs
+# per SM, which the prefill-like row counts need; decode rows get their CTAs from parts instead). compact_pass: exact
+# at every case and shape, faster at all three timed shapes in one run (H200, 74e11bb: 64 x 128K 48.4 -> 41.0 us,
+# 1 x 128K 25.4 -> 21.9 us, 4096 x 8K 152.5 -> 131.4 us). threads="auto": see resolve_threads.
 DEFAULT_CONFIG: Config = {
     "threads": "auto",
     "hist_bits": 11,
@@ -480,12 +480,12 @@ PARAMS = {
     "cap": (2048, 4096, 8192),  # shared-memory candidate slots (8 bytes each); any value >= k is accepted
     "agg": (False, True),  # plain histogram atomics, or warp-aggregated ones (match.any)
     # the passes read the part from global memory (L2), or from a copy in shared memory (STAGE_ENTRIES at most;
-    # H200: faster for one long row, slower at decode and prefill-like rows, select_check_run3_staged.json)
+    # H200: faster for one long row, slower at decode and prefill-like rows, 0f2e979)
     "stage": STAGES,
     "parts": ("auto", 1, 2, 4, 8, 16, 32),  # row slices selected separately before a merge launch
     # the compaction into shared memory by the general ordered pass (two predicates, four ballots per load) or by
     # compact_pass (one predicate, one ballot kept across the barrier): the compaction was 62% of the decode parts
-    # launch's samples (ncu_source_indexer_select_decode_b64_n128k_session12)
+    # launch's samples (Nsight Compute source counters on the H200, 43684b5)
     "compaction": COMPACTIONS,
 }
 MAX_PARTS = 32
@@ -503,9 +503,9 @@ def resolve_threads(setting, ctas: int, arch: Arch) -> int:
     """Threads per CTA: ``setting`` itself, or for ``"auto"`` 512 when the first launch has at most one CTA per SM
     (``ctas`` = rows x parts) and 256 otherwise. Few CTAs leave most of each SM's issue slots and load bandwidth to
     one CTA, which twice the warps then use; many 256-thread CTAs already overlap one another's barriers and passes.
-    H200, same run (select_check_run6_threads.json; compact_pass, 128K rows in 8 parts): 1 to 16 rows (8 to 128 CTAs)
+    H200, one run (d48086d; compact_pass, 128K rows in 8 parts): 1 to 16 rows (8 to 128 CTAs)
     512 threads 18.5-21.2 us against 22.3-25.8 with 256; 32 rows (256 CTAs) 31.6 against 30.2; 64 rows 53.8 against
-    41.0 (select_check_run5_compact.json); 16K rows in one part (Reindex, the candidate pool) 64 rows 12.8 against
+    41.0 (256 threads, 74e11bb's run); 16K rows in one part (Reindex, the candidate pool) 64 rows 12.8 against
     16.1 us, one row 11.6 against 14.6."""
     if setting != "auto":
         return int(setting)
@@ -744,7 +744,7 @@ def topk_positions_fast(
 
 
 # --------------------------------------------------------------------------------------
-# reference and test data (shared by tests/test_radix_select.py and gpu/select_check.py)
+# reference and test data (for tests/test_radix_select.py)
 # --------------------------------------------------------------------------------------
 
 CASES = ("random", "ties10", "short", "neginf", "nan", "equal", "signed_zero", "crowded")

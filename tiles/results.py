@@ -76,7 +76,7 @@ def read_results(path: Path, tile_name: str, arch: Arch | str) -> dict | None:
 
 # A winner transfers to shapes within a factor of 4 in all dims together (sum of |log2 ratio|).
 # Further away it is not evidence: on the H200 the B=64 attention winner ran 1.8x slower than
-# the default at B=1 (results/sm90/e2e.md), and a config tuned on 64 rows says little about 1M.
+# the default at B=1 (fb47ce4), and a config tuned on 64 rows says little about 1M.
 MAX_TRANSFER_DISTANCE = 2.0
 
 

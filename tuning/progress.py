@@ -138,5 +138,5 @@ def _rematch_text(rematch: dict | None) -> str:
         return "-"
     if rematch["speedup"] is None:
         return "failed"
-    won = f" {rematch['rounds_won']}/{len(rematch['default_ms'])}" if "rounds_won" in rematch else ""  # absent before session 27
+    won = f" {rematch['rounds_won']}/{len(rematch['default_ms'])}" if "rounds_won" in rematch else ""  # absent before f775407
     return f"{rematch['speedup']:.3f}x{won} {'kept' if rematch['kept'] else 'lost'}"

@@ -2,7 +2,7 @@
 
 A study times each trial once, minutes apart from the others, while the host compiles more configs; a config can
 come out a few percent ahead that is not. On the H200 the winner of a 32-trial ``sparse_attn_prefill`` study at
-prefill_s4k (4% ahead of the default in its study, session 26) was 1-2% behind the default in three later same-run
+prefill_s4k (4% ahead of the default in its study; a00e7a1) was 1-2% behind the default in three later same-run
 comparisons. So a winner that is not the default is timed against it REMATCH_ROUNDS more times each, alternating
 which goes first, on fresh inputs each round (each evaluation checks against the reference again), and stays the
 winner only if it is faster than the default in every round and its median beats the default's by REMATCH_MARGIN.
@@ -10,8 +10,8 @@ Otherwise the default is the study's result. The rematch is recorded with the re
 
 Why every round: the two evaluations of a round run back to back, so a round is a paired comparison, and the rounds'
 spread on the H200 (one evaluation of the same config 3-4% from another minutes later) is wider than the gains the
-margin lets through. The session-26 prefill_s4k winner was kept by the median alone (1.7% ahead: 2.4% ahead, 1.5%
-behind, 2.9% ahead) and came out a tie in four other same-run comparisons. Under no real difference a challenger wins
+margin lets through. That prefill_s4k winner was kept by the median alone (a00e7a1; 1.7% ahead: 2.4% ahead,
+1.5% behind, 2.9% ahead) and came out a tie in four other same-run comparisons. Under no real difference a challenger wins
 all of three rounds one time in eight.
 """
 
@@ -26,7 +26,7 @@ from tuning.space import config_key
 from tuning.workers import WorkerPool, tile_ref
 
 REMATCH_SEED = 1_000_000  # the rematch's input seeds start here, apart from the trials' (their trial numbers)
-# How much faster the winner's median must be. The first rematches on the H200 (session 26, three rounds) put those two
+# How much faster the winner's median must be. The first rematches on the H200 (a00e7a1, three rounds) put those two
 # prefill_s4k configs 0.06% apart (0.6764 / 0.6768 ms) and the decode_b128_s2 pair 0.2% apart; same-run A/B runs of
 # the prefill pair had differed by -2.5% to +0.7%, and one round of the default ran 3% under its other two. A
 # difference under 1% is not a result a stored winner should rest on.

@@ -173,7 +173,7 @@ class NearbyValidConfigs:
     neighbourhood: for uniformly random proposals (the sampler's first trials) on the H200 attention spaces, 2-6
     parameters away, 0.04-0.2 s a proposal on one core (tests/test_tuning.py). Where the search runs out of checks
     first (the valid configs lie too many parameters away: 1 in 30 random proposals on the prefill attention's space,
-    7 in 30 on the FP4 decode's, session 23), the proposal is repaired greedily (one parameter at a time, each step
+    7 in 30 on the FP4 decode's; 28c2d59), the proposal is repaired greedily (one parameter at a time, each step
     the change that leaves the fewest constraints failing, sideways where none lowers it) and the search starts again
     from there: a valid config near the proposal, no longer the nearest. Not ``exhaustible``: the study cannot know
     when every valid kernel was tried, and stops by its budget and its invalid limit. Safe to call from several lanes

@@ -8,7 +8,7 @@ A new option must leave the default's kernels unchanged, and a refactor every co
 Each line has two digests: the source's, and the ``masked`` one (:func:`masked_source`: shared buffer names, their
 shared-memory offsets, local names and the order of local declarations blanked) that the comparison is about. TileLang 0.1.15 names and places equal-sized shared
 buffers (the KV buffers, the reduction workspaces) differently from one process to the next: the same kernel of the
-same tree gave two source digests in two processes, with PYTHONHASHSEED fixed too (session 20). ``--out DIR`` writes
+same tree gave two source digests in two processes, with PYTHONHASHSEED fixed too (90da144). ``--out DIR`` writes
 each source as DIR/ARCH/TILE/SHAPE/KERNEL.cu, e.g. for a ptxas register/spill check with nvcc.
 """
 
@@ -43,14 +43,16 @@ _SHARED_OFFSET = re.compile(r"buf_dyn_shmem \+ \d+")
 # a local array's declaration (TileLang declares each fragment and local buffer at the top of the kernel)
 _LOCAL_ARRAY = re.compile(r"^[ \t]*([A-Za-z_][\w:]*(?: [A-Za-z_]\w*)?) ([A-Za-z_]\w*)\[(\d+)\];[ \t]*$", re.MULTILINE)
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)  # the generated CUDA holds no string literal with // or /*
 
 
 def masked_source(src: str) -> str:
-    """``src`` with what does not change the program blanked: every shared buffer's suffix and every dynamic
+    """``src`` with what does not change the program blanked: comments, every shared buffer's suffix and every dynamic
     shared-memory offset (whichever of several equal buffers each instruction touches), the order of the local array
     declarations (kept as a sorted list of types and sizes), and every identifier's spelling (each renamed by its first
-    use). A refactor that only renames TileLang's locals, e.g. a macro's parameters, keeps the masked source; a changed
-    instruction, operand, constant or declaration does not."""
+    use). A refactor that only renames TileLang's locals, e.g. a macro's parameters, or rewords a comment of the CUDA it
+    imports keeps the masked source; a changed instruction, operand, constant or declaration does not."""
+    src = _COMMENT.sub("", src)
     text = _SHARED_OFFSET.sub("buf_dyn_shmem + OFFSET", _SHARED_NAME.sub(lambda m: m.group(1), src))
     declarations = sorted(f"{m.group(1)} [{m.group(3)}]" for m in _LOCAL_ARRAY.finditer(text))
     names: dict[str, str] = {}

@@ -95,7 +95,7 @@ def measure_breakdown(model, step_fn) -> dict[str, float]:
     ``rest`` = ``pass_ms`` minus the timed parts, floored at 0. The parts are measured against this pass and not
     against the step's timed latency: an eager pass's event intervals include the GPU's idle gaps between launches,
     which a CUDA-graph replay does not have, so at a launch-bound decode step the parts can add up to more than the
-    graph's step time (session 25: tiles decode B=64 at 64K, attention 24.6 ms of events against a 22.5 ms step).
+    graph's step time (H200, ec0c4e1: tiles decode B=64 at 64K, attention 24.6 ms of events against a 22.5 ms step).
     """
     log = EventLog()
     inner = model.backend

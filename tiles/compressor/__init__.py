@@ -12,7 +12,7 @@ entry. The Wkv/Wgate matmuls stay in cuBLAS (the inputs here are their fp32 outp
 The index-K projection is fp32 in the reference. ``proj`` chooses how the kernel computes it:
 ``tf32x3`` splits both operands into a TF32 high part and an fp32 remainder and sums three
 tensor-core products (hi*hi + hi*lo + lo*hi, error about 2^-20 relative), ``f16x3`` (register
-projection; Hopper's default since session 29) does the same in fp16 on m16n8k16 with Wk scaled by
+projection; Hopper's default) does the same in fp16 on m16n8k16 with Wk scaled by
 a power of two and split on the host (half the MMAs, 22-bit operands), ``simt`` is plain fp32 FMA
 from shared memory. ``proj_latent="f16_split"`` has the main pass store the latent already split.
 
@@ -24,12 +24,12 @@ rounding of a code boundary. The check: dequantised caches within relative L2 1e
 reference caches (1e-2, which follows from the next bound), at most 1e-3 of the packed bytes
 and of the scale bytes different, every differing scale byte one step off, and every differing
 code one step off where its group's scale byte is equal (a scale one step off requantises its
-group). Measured on the H200 (notes/indexer.md): at 64K tokens about 2e-7 of the main cache's
-bytes differ with the reference's pooling expression (``pool_math="ieee"``: the RMSNorm's order),
-about 5e-7 with Hopper's ``"fast"`` pooling and 4e-7 with it and ``norm_pass="in_pool"`` (Hopper's
-default since session 10; ratio 1: no packed byte and 5e-7 of the scale bytes); the index cache
-differs in about 1e-5 of its bytes with the ``tf32x3`` projection, 2-6e-6 with ``f16x3``, and was
-bit-exact with ``simt`` at 4K tokens.
+group). Measured on the H200 (e7d4e86, 79fe566, f2a870e; notes/compressor.md): at 64K tokens
+about 2e-7 of the main cache's bytes differ with the reference's pooling expression
+(``pool_math="ieee"``: the RMSNorm's order), about 5e-7 with Hopper's ``"fast"`` pooling and 4e-7
+with it and ``norm_pass="in_pool"`` (Hopper's default; ratio 1: no packed byte and 5e-7 of the
+scale bytes); the index cache differs in about 1e-5 of its bytes with the ``tf32x3`` projection,
+2-6e-6 with ``f16x3``, and was bit-exact with ``simt`` at 4K tokens.
 
 Decode tail state (ratio 2): when a step brings the second token of a group, pass the stored
 first token's projections as ``tail_kv`` / ``tail_gate`` [B, 512]; they are placed in front of

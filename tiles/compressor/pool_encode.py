@@ -114,7 +114,7 @@ def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
 # of the warp that pools it (lane l: columns 128 j + 4 l .. + 3 into v[4 j ..], the one-warp-per-row layout), by
 # ld.global.nc.L1::no_allocate (the non-coherent path is valid: the kernel never writes kv or gate). Each byte is read
 # once, by one lane, so caching the stream in L1 only evicts what is reused there (Wk's fragments, the norm weights).
-# H200, session 31, the same call: ratio 2 at 64K, two CTAs of 32 0.1164 -> 0.1094 ms. Not at three CTAs an SM: within
+# H200, the same call (3a9eff8): ratio 2 at 64K, two CTAs of 32 0.1164 -> 0.1094 ms. Not at three CTAs an SM: within
 # their 80 registers ptxas spilled 152-196 B at ratio 2 (0.1146 -> 0.1387 ms, decode 0.0091 -> 0.0114), and decode
 # ratio 1 ran 3% slower.
 _ROW_LOAD_CUDA = r"""
@@ -141,7 +141,7 @@ __device__ __forceinline__ void csa2_load_row_stream(const float* __restrict__ r
 # sbyte_row: the row in shared memory (bulk stores copy it out) or in the cache itself (main_store="registers");
 # ``store`` false (a row past the last group, which the bulk stores mask) writes neither. The RoPE coefficients come from
 # csa2_rope_coeffs, called before the batch's kv/gate loads: when this function loaded them itself, right before their
-# use, the wait held 9% of the pooling phase's stall samples (Nsight, session 30).
+# use, the wait held 9% of the pooling phase's stall samples (Nsight on the H200, 887c37c).
 _MAIN_FROM_ROWS_CUDA = r"""
 #include <tl_templates/cuda/cuda_fp8.h>  // fp8_e4_t, the type TileLang's own scale cast uses (imported sources come first)
 // Lanes 16-31 of the warp of row grow: (cos, sin) of pairs p = 2 (lane - 16) and p + 1 (cos/sin [G, 32]) into rc[0..3].
@@ -169,7 +169,7 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
     const float c0 = rc[0], s0 = rc[1], c1 = rc[2], s1 = rc[3];
     // Rounded as TileLang's separate RoPE pass compiles (its SASS, nvcc 13: ev * c fused onto the rounded od * s,
     // od * c onto the rounded ev * s), so the main cache is byte-identical to it; left to nvcc, the products fused
-    // here differed (session 11 on the H200: rare code differences at 64K).
+    // here differed (H200, 6eddb42: rare code differences at 64K).
     float ev = v[12], od = v[13];
     v[12] = __fmaf_rn(ev, c0, -__fmul_rn(od, s0));
     v[13] = __fmaf_rn(od, c0, __fmul_rn(ev, s0));

@@ -148,16 +148,16 @@ def _split_accumulator_cuda() -> str:
 
 # proj_k_split=2: the register projection with the 512-long K split between two halves of the CTA. Warp w covers the K
 # half kh = w / 4 (chunks [16 kh, 16 kh + 16)) and the output columns [32 cg, 32 cg + 32), cg = w % 4 (four n tiles), so
-# it reads and splits only its half of the latent: 128 instead of 256 latent LDS and splits per warp (Nsight, session 10:
-# the projection is 58% of the default's stall samples and 52% of its shared-memory wavefronts, every warp reading the
-# whole latent). Its Wk words are wk_fragment_order(Wk, 32): per chunk a lane reads four float4s (n tiles 0-3), issued one
-# chunk ahead, each n tile's float4 reloaded as soon as it is split. The halves meet in `out`: half 1 stores its sums, a
-# barrier, half 0 adds its own to them (a fixed order: two runs give the same bits). The same three products per tile in
-# the shared template's order; the K halves are summed apart, so the index keys may differ in the last bits.
-# Measured (H200, session 10, results/sm90/profile_compressor_k_split_session10.json): slower at three CTAs of 16
-# (ratio 2 at 64K 0.1443 -> 0.1664 ms; Nsight: its warps wait on the Wk loads, one chunk ahead is not enough, and L1
-# throughput rose 68 -> 83%), faster at two CTAs of 32 (ratio 2 0.1418 ms, ratio 1 0.2147 ms, against the default's
-# 0.1443 / 0.2292): a tuning candidate there, not a default.
+# it reads and splits only its half of the latent: 128 instead of 256 latent LDS and splits per warp (Nsight on the
+# H200, 6a0ff60: the projection is 58% of the default's stall samples and 52% of its shared-memory wavefronts, every
+# warp reading the whole latent). Its Wk words are wk_fragment_order(Wk, 32): per chunk a lane reads four float4s (n
+# tiles 0-3), issued one chunk ahead, each n tile's float4 reloaded as soon as it is split. The halves meet in `out`:
+# half 1 stores its sums, a barrier, half 0 adds its own to them (a fixed order: two runs give the same bits). The same
+# three products per tile in the shared template's order; the K halves are summed apart, so the index keys may differ in
+# the last bits.
+# Measured (H200, 45064e7): slower at three CTAs of 16 (ratio 2 at 64K 0.1443 -> 0.1664 ms; Nsight: its warps wait on
+# the Wk loads, one chunk ahead is not enough, and L1 throughput rose 68 -> 83%), faster at two CTAs of 32 (ratio 2
+# 0.1418 ms, ratio 1 0.2147 ms, against the default's 0.1443 / 0.2292): a tuning candidate there, not a default.
 _PROJ_REGS_K2_CUDA = r"""
 template <int MT, int RS>
 __device__ __forceinline__ void csa2_proj_tf32x3_regs_k2(const float* rot, const float* __restrict__ wkf, float* out) {
@@ -246,11 +246,11 @@ __device__ __forceinline__ void csa2_proj_tf32x3_regs_k2(const float* rot, const
 # Wk hi x lo, Wk hi x hi), one commit group per 16-wide chunk, A registers double-buffered so that a chunk's splits and
 # loads run under the previous chunk's wgmmas. The result is written to `out` [N, OS] after every warpgroup's wgmmas
 # have completed (out may alias lo: a barrier first).
-# Measured (H200, session 10, results/sm90/profile_compressor_wgmma_session10.json): right (index keys equal to the
-# register projection's at 4K), but slower at every shape: ratio 2 at 64K 0.1488 -> 0.1650 ms, ratio 1 0.2490 -> 0.2512,
-# decode 0.0124 -> 0.0132. Its loop is 45 instructions a chunk instead of ~70, but the kernel is not bound by them: the
-# wgmmas read the latent once per warpgroup and k step (1.5K shared wavefronts a CTA, plus the split's 0.5K, against the
-# register projection's 2.3K), and in Nsight the other phases' samples grew by more than the projection's shrank.
+# Measured (H200, 20b10f3): right (index keys equal to the register projection's at 4K), but slower at every shape:
+# ratio 2 at 64K 0.1488 -> 0.1650 ms, ratio 1 0.2490 -> 0.2512, decode 0.0124 -> 0.0132. Its loop is 45 instructions a
+# chunk instead of ~70, but the kernel is not bound by them: the wgmmas read the latent once per warpgroup and k step
+# (1.5K shared wavefronts a CTA, plus the split's 0.5K, against the register projection's 2.3K), and in Nsight the other
+# phases' samples grew by more than the projection's shrank.
 _PROJ_WGMMA_CUDA = r"""
 __device__ __forceinline__ unsigned long long csa2_wgmma_desc(const float* smem, int lbo_bytes) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -393,8 +393,8 @@ __device__ __forceinline__ void csa2_store_f16_split(float* row, int col, float 
 # smallest weights then stay normal fp16, not subnormal), and the accumulator is scaled back by 2^-e, exactly, before the store.
 # Limits: the latent must stay below 65504 in magnitude (a normalised row's entries are at most sqrt(512) max |norm_w|,
 # so max |norm_w| < 2896); a latent entry below 2^-3 loses the relative precision of its remainder (absolute error
-# <= 2^-25). An emulation at 64K groups (f16x3 vs tf32x3 vs fp64, notes/indexer.md session 29) gives a relative error of
-# 7.6e-8 against tf32x3's 3.5e-7 and the same index-code differences.
+# <= 2^-25). An emulation at 64K groups (f16x3 vs tf32x3 vs fp64, 515fa4d) gives a relative error of 7.6e-8 against
+# tf32x3's 3.5e-7 and the same index-code differences.
 # Fragments: a0 = latent (g, 2t..2t+1), a1 = (g + 8, ..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..) of the 16 x 16 tile
 # (two adjacent fp32 words per register: one float2 read, rot_s rows ROT_PAD_F16X3 words past 512 so that a half-warp's
 # float2 reads hit distinct bank pairs); b0 = Wk[col g, k 2t..2t+1], b1 = Wk[col g, k 2t + 8..]. Per lane, n tile and
@@ -435,7 +435,7 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][n][e] = acc_s[m][n][e] = 0.0f;
   // Chunk c of column group cg: lane's uint4 of n tile n at ((cg * 32 + c) * NT + n) * 32 + lane, so each load
-  // instruction reads 512 contiguous bytes a warp (lane-major in n, the order of session 29, put the lanes 16 * NT B
+  // instruction reads 512 contiguous bytes a warp (lane-major in n, the order before 0dc5557, put the lanes 16 * NT B
   // apart: each instruction touched twice the sectors it used).
   const uint4* wp = reinterpret_cast<const uint4*>(wkf) + cg * 32 * NT * 32 + lane;
   const int c0 = kh * NC;
@@ -519,12 +519,12 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
 """
 
 # proj_pipeline="deep" (proj_latent="f16_split", proj_k_split=1): csa2_proj_f16x3_regs's MMAs in the same order on the
-# same operands, scheduled further ahead. Nsight of the two-CTA ratio-2 winner (session 30): the first HMMA of each chunk
-# held 11% of the kernel's stall samples, waiting on the Wk fragments (loaded two chunks ahead, then copied into the MMA
-# registers: 16 moves an iteration) and on the ldmatrix of its own chunk. Here chunk c's Wk fragments are loaded four
-# chunks ahead into a ring the MMAs read in place (no copies), and its latent fragments by ldmatrix one chunk ahead into
-# two alternating buffers. ptxas (sm_90a): 79-102 registers against near's 78-109, no spills at three CTAs per SM (the
-# pooling, not the projection, sets the kernel's peak).
+# same operands, scheduled further ahead. Nsight of the two-CTA ratio-2 winner (H200, 887c37c): the first HMMA of each
+# chunk held 11% of the kernel's stall samples, waiting on the Wk fragments (loaded two chunks ahead, then copied into
+# the MMA registers: 16 moves an iteration) and on the ldmatrix of its own chunk. Here chunk c's Wk fragments are loaded
+# four chunks ahead into a ring the MMAs read in place (no copies), and its latent fragments by ldmatrix one chunk ahead
+# into two alternating buffers. ptxas (sm_90a): 79-102 registers against near's 78-109, no spills at three CTAs per SM
+# (the pooling, not the projection, sets the kernel's peak).
 _PROJ_F16X3_DEEP_CUDA = r"""
 template <int MT, int RS, bool SPLIT, bool OVER_ROT = false>
 __device__ __forceinline__ void csa2_proj_f16x3_regs_deep(const float* rot, const float* __restrict__ wkf,

@@ -214,22 +214,20 @@ class CompressorTile(Tile):
     def default_config(self, arch: Arch) -> Config:
         # Hopper: the staged loads (bulk copies, double-buffered) with 32 groups per CTA and
         # 32-wide projection chunks so the two weight stages fit next to the kv/gate slabs; the
-        # direct path measured 9% of copy bandwidth at prefill_r2_s64k (notes/indexer.md).
+        # direct path measured 9% of copy bandwidth at prefill_r2_s64k (H200, 8cf2bdf).
         # Elsewhere: the direct path with the largest tile that fits the per-block shared memory.
-        # encode=thresholds on Hopper: the same bytes without divisions, H200, one run
-        # (results/sm90/profile_pool_reindex_compressor_run1.json): prefill 64K ratio 2 0.426 -> 0.295 ms per call,
-        # ratio 1 0.639 -> 0.490 ms. Not measured elsewhere: the direct path keeps "divide".
-        # Then two CTAs per SM with Wk read once in fp32, H200, one run against the previous default
-        # (results/sm90/profile_compressor_multi_cta_indexer_prmt_rs.json): ratio 2 0.294 -> 0.250 ms, ratio 1
-        # 0.491 -> 0.375 ms (hi_lo Wk ran ratio 2 at 0.241 ms but was not run at ratio 1: a tuning choice).
+        # encode=thresholds on Hopper: the same bytes without divisions, H200, one run (84d7a8c): prefill 64K ratio 2
+        # 0.426 -> 0.295 ms per call, ratio 1 0.639 -> 0.490 ms. Not measured elsewhere: the direct path keeps "divide".
+        # Then two CTAs per SM with Wk read once in fp32, H200, one run against the previous default (28b25cc): ratio 2
+        # 0.294 -> 0.250 ms, ratio 1 0.491 -> 0.375 ms (hi_lo Wk ran ratio 2 at 0.241 ms but was not run at ratio 1: a
+        # tuning choice).
         if arch.family == "hopper":
             cfg = {
                 "block_g": 32,
                 "threads": 256,
                 # The projection's three products in fp16 on m16n8k16 (half the MMAs of tf32x3, Wk split on the host; index
-                # codes closer to the reference's), H200, one run against tf32x3 (session 29,
-                # results/sm90/profile_compressor_f16x3_session29.json): prefill 64K ratio 2 0.1447 -> 0.1296 ms, ratio 1
-                # 0.2293 -> 0.1982 ms, decode B=64 ratio 2 0.0122 -> 0.0103 ms, ratio 1 0.0108 -> 0.0095 ms.
+                # codes closer to the reference's), H200, one run against tf32x3 (ba7f262): prefill 64K ratio 2 0.1447 ->
+                # 0.1296 ms, ratio 1 0.2293 -> 0.1982 ms, decode B=64 ratio 2 0.0122 -> 0.0103 ms, ratio 1 0.0108 -> 0.0095 ms.
                 "proj": "f16x3",
                 "k_chunk": 16,
                 "load": "staged",
@@ -239,36 +237,33 @@ class CompressorTile(Tile):
                 "schedule": "flat",  # what two CTAs per SM run (no producer warpgroup)
                 "wk_stages": 2,
                 # The pooling's kv/gate straight from global memory into registers, no slabs and no barriers, H200, one
-                # run against the slabs (results/sm90/profile_queued_session7b.json): ratio 2 0.2506 -> 0.2228 ms,
-                # ratio 1 0.3762 -> 0.3499 ms at 64K.
+                # run against the slabs (ac10b3b): ratio 2 0.2506 -> 0.2228 ms, ratio 1 0.3762 -> 0.3499 ms at 64K.
                 "kv_load": "direct",
                 # The TF32x3 projection's operands from registers (the same MMAs on the same bits, ~6x fewer shared-memory
-                # wavefronts), H200, one run against the shared-memory operands (results/sm90/profile_queued_session8.json):
-                # prefill 64K ratio 2 0.2221 -> 0.1677 ms, ratio 1 0.3504 -> 0.2365 ms, decode B=64 ratio 2 0.0328 -> 0.0247 ms.
+                # wavefronts), H200, one run against the shared-memory operands (5f78fe9): prefill 64K ratio 2 0.2221 ->
+                # 0.1677 ms, ratio 1 0.3504 -> 0.2365 ms, decode B=64 ratio 2 0.0328 -> 0.0247 ms.
                 "proj_operands": "registers",
                 # Ratio 2's softmax by __expf and one approximate reciprocal (a few ulps, within the comparison rule), H200,
-                # one run against the reference's expression (results/sm90/profile_compressor_pool_fast_session9.json):
-                # prefill 64K ratio 2 0.1679 -> 0.1581 ms, decode B=64 ratio 2 0.0249 -> 0.0213 ms; main-cache bytes that
-                # differ from the torch reference 2.4e-7 -> 4.8e-7 of them (at 64K).
+                # one run against the reference's expression (e7d4e86): prefill 64K ratio 2 0.1679 -> 0.1581 ms, decode
+                # B=64 ratio 2 0.0249 -> 0.0213 ms; main-cache bytes that differ from the torch reference 2.4e-7 -> 4.8e-7
+                # of them (at 64K).
                 "pool_math": "fast",
                 "proj_accumulators": "shared",
                 # The RMSNorm on the pooled rows in registers (rot_s written once, no norm passes or barrier), H200, one
-                # run against the separate passes (results/sm90/profile_compressor_norm_in_pool_session10.json): prefill
-                # 64K ratio 2 0.1478 -> 0.1450 ms, ratio 1 0.2493 -> 0.2312 ms, decode B=64 ratio 2 0.0124 -> 0.0122 ms,
-                # ratio 1 0.0119 -> 0.0109 ms (three CTAs of 16, below).
+                # run against the separate passes (6a0ff60): prefill 64K ratio 2 0.1478 -> 0.1450 ms, ratio 1 0.2493 ->
+                # 0.2312 ms, decode B=64 ratio 2 0.0124 -> 0.0122 ms, ratio 1 0.0119 -> 0.0109 ms (three CTAs of 16, below).
                 "norm_pass": "in_pool",
                 "proj_k_split": 1,
-                "main_pass": "separate",  # "in_pool": slower at decode (session 11); the 64K winners take it
+                "main_pass": "separate",  # "in_pool": slower at decode (H200, 4310866); the 64K winners take it
                 "proj_latent": "fp32",
                 "proj_out": "k_s",
                 "main_store": "bulk",
                 "proj_pipeline": "near",
             }
             # Then three CTAs per SM of 16 groups (what the fast pooling's registers allow with the direct loads), H200,
-            # one run against two of 32 (results/sm90/profile_compressor_three_ctas_session9.json): prefill 64K ratio 2
-            # 0.1584 -> 0.1487 ms, decode B=64 ratio 2 0.0213 -> 0.0124 ms; ratio 1 at 64K is 5% slower (0.2371 ->
-            # 0.2489 ms: nothing to pool, so nothing to overlap), two CTAs of 32 stay its tuning candidate. Ratio 2 is
-            # three of the four Full layers.
+            # one run against two of 32 (d709727): prefill 64K ratio 2 0.1584 -> 0.1487 ms, decode B=64 ratio 2 0.0213 ->
+            # 0.0124 ms; ratio 1 at 64K is 5% slower (0.2371 -> 0.2489 ms: nothing to pool, so nothing to overlap), two
+            # CTAs of 32 stay its tuning candidate. Ratio 2 is three of the four Full layers.
             cfg.update(block_g=16, ctas_per_sm=3)
             if _smem_compress(cfg, Shape("default", "any", {"ratio": 2}), arch) is None:
                 return cfg
@@ -283,53 +278,51 @@ class CompressorTile(Tile):
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
         """Ratio 1 on Hopper: the flat kernel with 64 groups per CTA and the block's kv rows in one copy beat the
-        default there (results/sm90/profile_queued_session6.json, same run: 0.327 / 0.349 vs 0.377 ms at
-        prefill_r1_s64k); at ratio 2 block_g 64 was 2% slower and kv_load=whole does not exist. Not a default, which
-        serves both ratios.
+        default there (H200, same run: 0.327 / 0.349 vs 0.377 ms at prefill_r1_s64k, 9765af3); at ratio 2 block_g 64 was
+        2% slower and kv_load=whole does not exist. Not a default, which serves both ratios.
         Prefill at ratio 2 on Hopper: two CTAs of 32 with the k-split projection, 1.7% faster than the default in one run
-        (results/sm90/profile_compressor_k_split_session10.json: 0.1418 vs 0.1443 ms at 64K); not a default (two CTAs of
-        32 were 70% slower at decode, session 9). With ``main_pass="in_pool"`` on top: 0.1354 vs 0.1457 ms the default (session
-        11, results/sm90/profile_compressor_main_pass_session11.json); main_pass alone was even at ratio 2 and slower
-        at decode there. Since session 29 the default projects in fp16 (proj="f16x3"); the layouts measured before pin
-        tf32x3, and each ratio has its f16x3 layout (results/sm90/profile_compressor_f16x3_session29.json). Three CTAs of
-        32 (proj_out="rot_s", main_store="registers"): results/sm90/profile_compressor_three_ctas_of_32_session30.json; with
-        the RoPE coefficients prefetched and proj_pipeline="deep": profile_compressor_rope_prefetch_deep_session30.json."""
+        (H200, 0.1418 vs 0.1443 ms at 64K, 45064e7); not a default (two CTAs of 32 were 70% slower at decode: 0.0213 vs
+        0.0124 ms, d709727). With ``main_pass="in_pool"`` on top: 0.1354 vs 0.1457 ms the default (6eddb42); main_pass
+        alone was even at ratio 2 and slower at decode there. The default projects in fp16 (proj="f16x3", ba7f262); the
+        layouts measured before it pin tf32x3, and each ratio has its f16x3 layout (ba7f262, 5132bcb). Three CTAs of 32
+        (proj_out="rot_s", main_store="registers"): 96c85c1; with the RoPE coefficients prefetched and
+        proj_pipeline="deep": 9961aff."""
         if arch.family != "hopper":
             return []
-        tf32 = {"proj": "tf32x3"}  # the layouts measured before f16x3 became the default (session 29)
+        tf32 = {"proj": "tf32x3"}  # the layouts measured before f16x3 became the default (ba7f262)
         split_once = {"proj_latent": "f16_split"}  # f16x3's latent split by the main pass, not by every projection warp
         compact = {"proj_out": "rot_s", "main_store": "registers"}  # what lets three CTAs of 32 share an SM
         deep = {"proj_pipeline": "deep"}  # Wk four chunks ahead, the latent one
         if shape.dims.get("ratio") == 2 and shape.phase == "prefill":
             return [
-                ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, **tf32}, "r2 64K 0.1418 vs 0.1443 ms (H200, session 10)"),
+                ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, **tf32}, "r2 64K 0.1418 vs 0.1443 ms (H200, 45064e7)"),
                 (
                     {"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, "main_pass": "in_pool", **tf32},
-                    "r2 64K 0.1354 vs 0.1457 ms the default (H200, session 11)",
+                    "r2 64K 0.1354 vs 0.1457 ms the default (H200, 6eddb42)",
                 ),
                 (
                     {"block_g": 32, "ctas_per_sm": 2, "main_pass": "in_pool"},
-                    "r2 64K 0.1264 vs 0.1296 ms the f16x3 default (H200, session 29)",
+                    "r2 64K 0.1264 vs 0.1296 ms the f16x3 default (H200, ba7f262)",
                 ),
                 (
                     {"block_g": 32, "ctas_per_sm": 2, "main_pass": "in_pool", **split_once},
-                    "r2 64K 0.1223 vs 0.1273 ms split per warp (H200, session 29)",
+                    "r2 64K 0.1223 vs 0.1273 ms split per warp (H200, 5132bcb)",
                 ),
-                ({"main_pass": "in_pool", **split_once}, "r2 64K 0.1403 vs 0.1308 ms the default (H200, session 29): slower"),
+                ({"main_pass": "in_pool", **split_once}, "r2 64K 0.1403 vs 0.1308 ms the default (H200, 5132bcb): slower"),
                 (
                     {"block_g": 32, "ctas_per_sm": 3, "main_pass": "in_pool", **split_once, **compact},
-                    "r2 64K 0.1144 vs 0.1158 ms two CTAs of 32 (H200, session 30, RoPE coefficients prefetched)",
+                    "r2 64K 0.1144 vs 0.1158 ms two CTAs of 32 (H200, 9961aff, RoPE coefficients prefetched)",
                 ),
                 (
                     {"block_g": 32, "ctas_per_sm": 2, "main_pass": "in_pool", **split_once, **deep},
-                    "r2 64K 0.1151 / 0.1154 vs 0.1158 ms proj_pipeline=near (H200, session 30)",
+                    "r2 64K 0.1151 / 0.1154 vs 0.1158 ms proj_pipeline=near (H200, 9961aff)",
                 ),
             ]
         if shape.dims.get("ratio") == 2:  # decode
             return [
                 (
                     {"main_pass": "in_pool", **split_once, **compact, **deep},
-                    "r2 decode B=64 0.00901 vs 0.00928 ms proj_pipeline=near, 0.01025 the default (H200, session 30)",
+                    "r2 decode B=64 0.00901 vs 0.00928 ms proj_pipeline=near, 0.01025 the default (H200, 9961aff)",
                 )
             ]
         if shape.dims.get("ratio") != 1:
@@ -339,29 +332,29 @@ class CompressorTile(Tile):
             ({"block_g": 32, "ctas_per_sm": 2, "kv_load": "whole", "wk_stages": 3}, "r1 64K 0.349 vs 0.377 ms (H200)"),
             (
                 {"block_g": 32, "ctas_per_sm": 2, **tf32},
-                "r1 64K 0.2251 vs 0.2312 ms at three CTAs of 16, both norm_pass=in_pool (H200, session 10)",
+                "r1 64K 0.2251 vs 0.2312 ms at three CTAs of 16, both norm_pass=in_pool (H200, 6a0ff60)",
             ),
             (
                 {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split", **tf32},
-                "r1 64K 0.2115 vs 0.2251 ms with one accumulator, 0.2312 the default (H200, session 10, norm_pass=in_pool)",
+                "r1 64K 0.2115 vs 0.2251 ms with one accumulator, 0.2312 the default (H200, 6a0ff60, norm_pass=in_pool)",
             ),
-            ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, **tf32}, "r1 64K 0.2147 vs 0.2292 ms the default (H200, session 10)"),
-            ({"main_pass": "in_pool", **tf32}, "r1 64K 0.2260 vs 0.2317 ms the default (H200, session 11)"),
+            ({"block_g": 32, "ctas_per_sm": 2, "proj_k_split": 2, **tf32}, "r1 64K 0.2147 vs 0.2292 ms the default (H200, 45064e7)"),
+            ({"main_pass": "in_pool", **tf32}, "r1 64K 0.2260 vs 0.2317 ms the default (H200, 6eddb42)"),
             (
                 {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split", "main_pass": "in_pool"},
-                "r1 64K 0.1885 vs 0.1982 ms the f16x3 default (H200, session 29)",
+                "r1 64K 0.1885 vs 0.1982 ms the f16x3 default (H200, ba7f262)",
             ),
             (
                 {"block_g": 32, "ctas_per_sm": 2, "proj_accumulators": "split", "main_pass": "in_pool", **split_once},
-                "r1 64K 0.1729 vs 0.1907 ms split per warp (H200, session 29)",
+                "r1 64K 0.1729 vs 0.1907 ms split per warp (H200, 5132bcb)",
             ),
             (
                 {"block_g": 32, "ctas_per_sm": 3, "main_pass": "in_pool", **split_once, **compact},
-                "r1 64K 0.1501 vs 0.1605 ms two CTAs of 32 with split accumulators (H200, session 30)",
+                "r1 64K 0.1501 vs 0.1605 ms two CTAs of 32 with split accumulators (H200, 96c85c1)",
             ),
             (
                 {"main_pass": "in_pool", **split_once, **compact, **deep},
-                "r1 decode B=64 0.00841 vs 0.00884 ms proj_pipeline=near, 0.00938 the default (H200, session 30)",
+                "r1 decode B=64 0.00841 vs 0.00884 ms proj_pipeline=near, 0.00938 the default (H200, 9961aff)",
             ),
         ]
 
@@ -386,8 +379,8 @@ class CompressorTile(Tile):
         if "ctas_per_sm" not in config and cfg["block_g"] == 32 and cfg.get("ctas_per_sm", 1) == 3:
             cfg["ctas_per_sm"] = 2  # 32 groups fit two CTAs per SM, not the default's three
         if "ctas_per_sm" not in config and "block_g" not in config and cfg.get("ctas_per_sm", 1) == 3:
-            # What the three CTAs cannot run with (e.g. pool_math="ieee" with the direct loads: spills) gets the two CTAs
-            # of 32 of the default before session 9.
+            # What the three CTAs cannot run with (e.g. pool_math="ieee" with the direct loads: spills) gets two CTAs of
+            # 32, Hopper's default before three CTAs of 16 (d709727).
             r2, two = Shape("default", "any", {"ratio": 2}), {**cfg, "block_g": 32, "ctas_per_sm": 2}
             if _occupancy_compress(cfg, r2, arch) is not None and _occupancy_compress(two, r2, arch) is None:
                 cfg.update(block_g=32, ctas_per_sm=2)
@@ -576,7 +569,7 @@ def _occupancy_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         return "main_pass=in_pool encodes the normalised rows in registers: it needs norm_pass=in_pool and encode=thresholds"
     if kv_load == "direct" and n > 2 and shape.dims.get("ratio", 2) == 2 and config.get("pool_math", "ieee") == "ieee":
         # ptxas: 80 registers (the cap of 3 x 256 threads) and 36-40 bytes of spills at block_g 16, ratio 2, with the
-        # reference's pooling expression; pool_math="fast" compiles to 80 registers without spills (session 9).
+        # reference's pooling expression; pool_math="fast" compiles to 80 registers without spills (b6dc303).
         return "kv_load=direct at ratio 2 holds 16 float4s per thread: with pool_math=ieee it spills at 3 CTAs per SM (use ctas_per_sm 1-2 or pool_math=fast)"
     if schedule == "ws":
         # The new values came with the flat kernel and were compiled and checked only there.
@@ -664,8 +657,8 @@ def _smem_compress(config: Config, shape: Shape, arch: Arch) -> str | None:
         slabs = 2 if ratio == 2 else 1
         need += 2 * slabs * bg * ratio * LOAD_CHUNK * 4
     # The fit is exact at 256 threads; at 128 it missed 1.5 KiB (block_g 32, k_chunk 32, staged: 230,400 B fitted,
-    # 231,936 B asked) and on the H200 that request failed at launch, twice (results/sm90/tune_session8*/). Below 256
-    # threads 3 KiB stay clear of the limit (the 256-thread builds of the same size launch: GPU tests, session 8).
+    # 231,936 B asked) and on the H200 that request failed at launch, twice (5f78fe9). Below 256 threads 3 KiB stay
+    # clear of the limit (the 256-thread builds of the same size launch: GPU tests, 5f78fe9).
     budget = arch.smem_per_block - (3072 if config["threads"] < 256 else 0)
     return None if need <= budget else f"shared memory {need // 1024} KiB > {budget // 1024} KiB"
 

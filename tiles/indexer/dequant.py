@@ -175,7 +175,7 @@ __device__ __forceinline__ unsigned csa2_fp4_table_word(int sbyte, int e) {
 # * The row's scale byte t -> its 16-byte table row: byte t of the scale word by one PRMT with a per-thread selector
 #   (0x4440 | t: byte t, zeros above) instead of shift, x16, mask (SHF, IMAD.SHL, LOP3): with ptxas's LEA (x16 + the
 #   table base) 2 instructions a row instead of 3, both ALU as before.
-# Not cheaper, and why (sm_90a SASS and the bit algebra, notes/indexer.md session 8): the 4 lookups + 4 interleaves are a
+# Not cheaper, and why (sm_90a SASS and the bit algebra, notes/indexer.md): the 4 lookups + 4 interleaves are a
 # floor for byte tables (the hi byte needs all 8 magnitude slots of a PRMT, so lo and hi cannot share one table); a
 # lookup cannot carry the sign (bit 7 of a PRMT output is bit 7 of the selected byte in both selector modes) and a LOP3
 # cannot move bits, so the 8 sign bits need a byte spread (the 2 gathers) and 2 merges; the selectors need the mask.
@@ -203,8 +203,9 @@ __device__ __forceinline__ int csa2_scale_byte(int sw, int t) {
 # so each packed word becomes two A registers of an FP8 wgmma (m64n32k32) in 7 integer instructions, against prmt_rs's
 # 15 for the same 8 values. The E8M0 scale of K differs per (entry, group) and an FP8 wgmma cannot apply it, so each
 # of the 4 scale groups is its own k32 wgmma into its own accumulator, and the epilogue combines them:
-# acc = sum_g 2^(s_g - 127) acc_g (1 FMUL + 3 FFMA per element, on the FMA pipe). Why: gpu/score_ablation.py put the
-# dequant at 70 of the default's 250 us at decode B=64 (28%) and 181 of 466 us at prefill 4K (39%), and the
+# acc = sum_g 2^(s_g - 127) acc_g (1 FMUL + 3 FFMA per element, on the FMA pipe). Why: the default score kernel timed
+# with its FP4 dequant taken out (the wgmma reading the packed words as they are) put the dequant at 70 of the
+# default's 250 us at decode B=64 (28%) and 181 of 466 us at prefill 4K (39%) on the H200 (efc6840), and the
 # conversion's share of it is on the ALU pipe, which issues at half the FMA pipe's rate on Hopper.
 # q: the index queries are FP4 fake-quantised (spec: E2M1 codes x an E8M0 scale per 32), so q x 2^k is exact in E4M3
 # when the head's power-of-two factor 2^k puts its largest |q| in [128, 256) and its four group scales span <= 2^12
@@ -212,8 +213,8 @@ __device__ __forceinline__ int csa2_scale_byte(int sw, int t) {
 # head's weight: ReLU(c x) = c ReLU(x) for c > 0.
 # Exactness of the sums: within one k32 wgmma all 32 products share one scale (one K group, one q group), each an
 # exact multiple of 1/4 of it below 36, so a group sum needs 13 significant bits. On the H200 the scores met the
-# reference (rel L2 1e-5, top-k sets by the tie rule) at every layout and shape tested (pytest_gpu_run64.xml).
-# Measured (score_fp8_rs_session17_run2.json): right, and slower than prmt_rs at every layout tried (decode B=64 x 128K
+# reference (rel L2 1e-5, top-k sets by the tie rule) at every layout and shape the GPU tests tried.
+# Measured on the H200 (1533b47): right, and slower than prmt_rs at every layout tried (decode B=64 x 128K
 # 291-472 us against 249; prefill 4K 514-697 against 471). Four accumulators cap the tile at 128 entries, and each tile
 # pays four wgmma groups and a 64-FFMA combine per m-tile: more than the conversion saves. Kept as a search-space
 # option (the tuner may find a layout; other FP8-capable GPUs may differ), not a default.

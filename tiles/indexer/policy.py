@@ -13,7 +13,7 @@ def resolve_tiles_per_cta(setting, rows: int, n_out: int, block_n: int, arch: Ar
     (``rows`` token rows x ``ceil(n_out / (block_n x tiles))``) still has ``AUTO_CTAS_PER_SM`` CTAs per SM, else 1.
 
     Fewer tiles per CTA pay the CTA's prologue (q, weights, tables) more often; too many leave SMs idle when the rows
-    are few. H200 (results/sm90/profile_indexer_b1_tiles_session12.json), one sequence over 128K entries: 16 tiles
+    are few. H200, one run (f2c2480), one sequence over 128K entries: 16 tiles
     (32 CTAs) 20.9 us of score kernel, 4 tiles (128 CTAs) 6.7 us, 1 tile (512 CTAs) 7.7 us; auto picks 4 there, and 16
     at decode B=64 x 128K (2048 CTAs) and prefill, as before.
     """
@@ -34,7 +34,7 @@ def resolve_select_split(setting, rows: int, n: int, k: int, arch: Arch) -> int:
     second stage's candidates stay a small fraction of the row.
 
     On the H200, decode B=64 x 128K (64 rows): 1 part 1.32 ms of select, 4 parts 0.70 ms, 8 parts 0.44 ms
-    (results/sm90/profile_indexer_select_split.json); auto picks 8 there and 1 for prefill-sized row counts.
+    (d47048f); auto picks 8 there and 1 for prefill-sized row counts.
     """
     if setting != "auto":
         return int(setting)

@@ -40,8 +40,9 @@ EPILOGUES = ("per_tile", "hoisted", "fused")  # per-CTA constants per tile or on
 # hidden_tiles: what the contiguous score kernel does with the entry tiles past the token's visible count. "score"
 # dequantises, multiplies and masks them like any other; "skip" ends the CTA's tile loop at the last tile holding a
 # visible entry and writes -inf over the rest of its span. Why: at prefill each token sees the cache up to itself, so
-# about half the (token, tile) pairs hold no visible entry, and gpu/score_ablation.py put the prefill kernel's dequant
-# alone at 39% of its time. Decode rows see (nearly) the whole cache: the same loop less at most its last tiles.
+# about half the (token, tile) pairs hold no visible entry, and timing the prefill kernel with its FP4 dequant taken
+# out put the dequant alone at 39% of its time (H200, 181 of 466 us, efc6840). Decode rows see (nearly) the whole
+# cache: the same loop less at most its last tiles.
 HIDDEN_TILES = ("score", "skip")
 
 

@@ -174,7 +174,7 @@ _SELECT_ALGO = Param(
 
 # The two-pass select's knobs in the indexer's space: the structural ones that matter when few rows are long (B=1
 # decode: 8 CTAs on the whole GPU at radix_select's default; its row staged in shared memory at 512 threads ran one
-# 128K row 25.4 -> 21.0 us on the H200, select_check_run3_staged.json). Defaults are radix_select.DEFAULT_CONFIG's.
+# 128K row 25.4 -> 21.0 us on the H200, 0f2e979). Defaults are radix_select.DEFAULT_CONFIG's.
 _RADIX_PARAMS = (
     Param("radix_threads", radix_select.PARAMS["threads"], "two_pass select: threads per CTA (tiles.radix_select)"),
     Param(
@@ -225,7 +225,7 @@ _SELECT_DEFAULT = {"select_threads": 1024, "radix_bits": 8}
 # consumer warpgroups so 8 warps share the dequant of a 128-entry tile, and 16 tiles (2048
 # entries) per CTA so the 8 KiB query load and the pipeline prologue are paid once per 2048
 # entries, not per 512. On the H200 its score kernel ran 0.84 ms at decode B=64 x 128K against 2.52 ms
-# for the first default (`shared`), level with `lut` (notes/indexer.md, session 2).
+# for the first default (`shared`), level with `lut` (260003f).
 _SCORE_DEFAULT_SM90 = {
     "block_n": 128,
     "threads": 256,

@@ -121,51 +121,49 @@ class IndexerTopkTile(_ScoreAndSelectTile):
             **_RADIX_DEFAULT,
         }
         if arch.family == "hopper":
-            # H200, one run (results/sm90/profile_indexer_prmt_two_pass.json): byte-permute dequant, two CTAs per SM
+            # H200, one run (281866f): byte-permute dequant, two CTAs per SM
             # and the two-pass select: decode B=64 x 128K 1.318 -> 0.530 ms per call, prefill 4K 2.253 -> 1.012 ms.
             # (prmt at 128 threads with min_ctas 3 ran decode at 0.468 ms but was not run at prefill: a tuning choice.)
             cfg.update(dequant="prmt", min_ctas=2, select_algo="two_pass")
-            # Then the prmt decode straight into wgmma's A registers (results/sm90/
-            # profile_compressor_multi_cta_indexer_prmt_rs.json, same run as prmt): decode B=64 x 128K 0.527 -> 0.376 ms
-            # per call, prefill 4K 1.005 -> 0.712 ms.
+            # Then the prmt decode straight into wgmma's A registers (H200, 28b25cc, prmt timed in the same run): decode
+            # B=64 x 128K 0.527 -> 0.376 ms per call, prefill 4K 1.005 -> 0.712 ms.
             cfg.update(dequant="prmt_rs")
             # The per-CTA constants of the tile loop's epilogue (head weights, store pointer) held in registers
-            # (results/sm90/profile_queued_session6.json, same run as per_tile): decode B=64 x 128K 0.378 -> 0.354 ms per
-            # call, prefill 4K 0.715 -> 0.663 ms. (With stages 4 decode ran 0.348 ms; not run at prefill: a tuning choice.)
+            # (H200, 9765af3, per_tile timed in the same run): decode B=64 x 128K 0.378 -> 0.354 ms per call, prefill 4K
+            # 0.715 -> 0.663 ms. (With stages 4 decode ran 0.348 ms; not run at prefill: a tuning choice.)
             cfg.update(epilogue="hoisted")
             # 256-entry tiles on one consumer warpgroup, one stage: the per-tile fixed work (barriers, wgmma issue and
-            # wait, the epilogue) spread over twice the entries (results/sm90/profile_queued_session7.json, same run
-            # as the previous default): decode B=64 x 128K 0.353 -> 0.309 ms per call; prefill 4K 0.663 -> 0.586 ms
-            # in session 6's tuning run (results/sm90/indexer_topk.yaml).
+            # wait, the epilogue) spread over twice the entries (H200, 1dac5e2, the previous default timed in the same
+            # run): decode B=64 x 128K 0.353 -> 0.309 ms per call; prefill 4K 0.663 -> 0.586 ms as the prefill tuning
+            # study's winner (74ad928).
             cfg.update(block_n=256, threads=128, stages=1)
             # The consumer's epilogue written by hand: FMA head sum, transposed 4-lane reduction, every lane stores its
-            # rows (results/sm90/profile_queued_session8.json, same run as hoisted): decode B=64 x 128K 0.3092 -> 0.2950
-            # ms per call, prefill 4K 0.5851 -> 0.5583 ms.
+            # rows (H200, 5f78fe9, hoisted timed in the same run): decode B=64 x 128K 0.3092 -> 0.2950 ms per call,
+            # prefill 4K 0.5851 -> 0.5583 ms.
             cfg.update(epilogue="fused")
             # 16 tiles per CTA left one sequence's 128K entries 32 CTAs: the grid sized to the SMs instead
-            # (results/sm90/profile_indexer_b1_tiles_session12.json, same run): decode B=1 x 128K 0.0291 -> 0.0149 ms per
-            # call; B=64 and prefill resolve to 16 tiles, the kernels they ran before.
+            # (H200, one run, f2c2480): decode B=1 x 128K 0.0291 -> 0.0149 ms per call; B=64 and prefill resolve to 16
+            # tiles, the kernels they ran before.
             cfg.update(tiles_per_cta="auto")
-            # The tile loop ends at the last tile holding an entry the token sees (results/sm90/
-            # score_hidden_tiles_session17.json and bench/bench_indexer_topk{,_hidden_skip}.json, same run): prefill 4K
-            # score kernel 471.0 -> 260.5 us, 0.5541 -> 0.3442 ms per call; decode B=64 x 128K 0.2943 -> 0.2878 ms; B=1
-            # 0.0255 -> 0.0254 ms.
+            # The tile loop ends at the last tile holding an entry the token sees (H200, one run, score kernel alone and
+            # lab bench, 78c058d): prefill 4K score kernel 471.0 -> 260.5 us, 0.5541 -> 0.3442 ms per call; decode B=64
+            # x 128K 0.2943 -> 0.2878 ms; B=1 0.0255 -> 0.0254 ms.
             cfg.update(hidden_tiles="skip")
         return cfg
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
         """Hopper: the previous default's 128-entry tiles on two consumer warpgroups with four stages
-        (results/sm90/profile_queued_session6.json: decode B=64 x 128K 0.348 ms, against 0.309 ms for today's default
-        in session 7's run; not run at prefill)."""
+        (H200, 9765af3: decode B=64 x 128K 0.348 ms, against 0.309 ms for the 256-entry tiles that replaced it, timed
+        in a later run, 1dac5e2; not run at prefill)."""
         if arch.family != "hopper":
             return []
         return [
-            ({"block_n": 128, "threads": 256, "stages": 4}, "decode B=64 x 128K 0.348 ms (H200, session 6)"),
-            # the random sampler rarely meets the staged select with the default score kernel (one trial in 153 in session
-            # 13's B=1 study); gpu/select_check.py timed it alone on one 128K row: 25.4 -> 21.0 us
+            ({"block_n": 128, "threads": 256, "stages": 4}, "decode B=64 x 128K 0.348 ms (H200, 9765af3)"),
+            # the random sampler rarely meets the staged select with the default score kernel (one trial in 153 of the
+            # B=1 x 128K tuning study, c110996); the select timed alone on one 128K row: 25.4 -> 21.0 us (H200, 0f2e979)
             (
                 {"radix_stage": "shared", "radix_threads": 512},
-                "one 128K row's select 21.0 us vs 25.4 (H200, select_check_run3_staged.json)",
+                "one 128K row's select 21.0 us vs 25.4 (H200, 0f2e979)",
             ),
         ]
 
@@ -249,7 +247,7 @@ class CandidatePoolTile(Tile):
         return SearchSpace((Param("block_threads", (128, 256, 512), "threads of the block-max pass"),) + _select_params() + (_SELECT_ALGO,))
 
     def default_config(self, arch: Arch) -> Config:
-        # Hopper: the two-pass select, H200, one run (results/sm90/profile_pool_reindex_compressor_run1.json):
+        # Hopper: the two-pass select, H200, one run (84d7a8c):
         # decode B=64 x 128K 0.121 -> 0.034 ms per call, pools bit-exact. Elsewhere not measured: multipass.
         algo = "two_pass" if arch.family == "hopper" else "multipass"
         return {"block_threads": 256, **_SELECT_DEFAULT, "select_algo": algo}
@@ -326,15 +324,15 @@ class ReindexTopkTile(_ScoreAndSelectTile):
         return SearchSpace(space.params + (_SELECT_ALGO,), space.constraints)
 
     def default_config(self, arch: Arch) -> Config:
-        # Hopper: the two-pass select, H200, one run (results/sm90/profile_pool_reindex_compressor_run1.json):
+        # Hopper: the two-pass select, H200, one run (84d7a8c):
         # decode B=64 x 16K candidates 0.239 -> 0.163 ms per call (slot -> position map included), top-k sets exact;
-        # then the indexer's byte-permute dequant at two CTAs per SM (results/sm90/profile_attn_decode_reindex_prmt.json):
+        # then the indexer's byte-permute dequant at two CTAs per SM (H200, one run, cb334b4):
         # score kernel 134.6 -> 78.5 us, 0.163 -> 0.107 ms per call. Elsewhere not measured: multipass, bits.
         if arch.family != "hopper":
             return {**super().default_config(arch), "select_algo": "multipass"}
         # tiles_per_cta="auto" (resolve_tiles_per_cta): 16 at B=64 (the kernel it ran before), 1 at one sequence, whose
-        # 16K candidates in 16-tile CTAs left 8 CTAs on the GPU. lab tune (reindex_topk.yaml, session 17, 20:04Z): the
-        # B=1 winner, one tile per CTA, 16.1 us against the 16-tile default's 47.8.
+        # 16K candidates in 16-tile CTAs left 8 CTAs on the GPU. lab tune on the H200 (2a3aa53): the B=1 winner, one
+        # tile per CTA, 16.1 us against the 16-tile default's 47.8.
         return {**super().default_config(arch), "select_algo": "two_pass", "dequant": "prmt", "min_ctas": 2, "tiles_per_cta": "auto"}
 
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:

@@ -15,7 +15,7 @@ Schedules (a tile parameter):
   while consumer warpgroup 0 computes S, the online softmax and the left half of O, warpgroup 1 the
   right half (Hopper only: mbarriers, wgmma, setmaxnreg). ``produce`` picks how the producer fills a
   buffer: ``batched`` (the default: every load of a block in flight at once, packed-integer dequant,
-  cp.async for bf16; 1.5-2x faster than ``serial`` on the H200, notes/sparse_attn.md run 4) or
+  cp.async for bf16; 1.5-2x faster than ``serial`` on the H200, 5d356e3) or
   ``serial`` (16 rows per waited pass).
 * ``pipelined``: all threads gather + dequantise, then both GEMMs; ``T.Pipelined`` prefetches the
   next block's indices (and, with ``dequant="staged"``, its raw bytes). The sm80/86/89 schedule

@@ -132,8 +132,8 @@ def sparse_attn_kernel(
             # The staged top-k loop's indices in their own buffer: its explicit pipeline double-buffers them, and with
             # one window block per split (n_split > 1: the window loop has one iteration and is not pipelined) TileLang
             # kept the shared [BI] buffer at one version while the top-k loop addressed two: the second block's indices
-            # landed in the first 256 bytes of KV_shared (wrong outputs, H200, tune session 8; generated CUDA read in
-            # session 9: idx_shared at +32768, KV_shared at +33024).
+            # landed in the first 256 bytes of KV_shared (wrong outputs on the H200, caught by the tuner's check, 5f78fe9;
+            # generated CUDA: idx_shared at +32768, KV_shared at +33024, 6587138).
             # (Only the staged path allocates it; the others name idx_shared at each use: binding an alias renames the
             # buffer in the generated source.)
             idx_k_shared = T.alloc_shared([BI], "int32") if staged else None
@@ -252,8 +252,8 @@ def _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sum
     # When a row of S spans warps (e.g. 32 heads over 4 warps), the softmax's row max and sum go through a shared
     # workspace that TileLang's planner places on S_shared's bytes, and no barrier separates the last read of it
     # (inside tl::AllReduce, after its own bar.sync) from a faster warp's store of P below: a race that changed
-    # outputs run to run (session 15, H200: 19 of 19 runs of the sm89-style decode config differed). One barrier
-    # orders them.
+    # outputs run to run (H200: 19 of 19 runs of the sm89-style decode config differed, 0 of 19 after it; 21556ef). One
+    # barrier orders them.
     T.sync_threads()
     T.copy(acc_s, S_shared)
     T.gemm(S_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)

@@ -8,10 +8,9 @@ IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes
 PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
 BF16_ROW_KEYS = ("unused_rows",)  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
-# Hopper (ws): zero-filled, H200, one run against row0 (results/sm90/sparse_attn_unused_rows_zeros_session18.json):
-# prefill 4K with the expansion 0.8263 -> 0.7672 ms, 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench,
-# prefill 4K 0.8272 ms with row0 (bench_bf16_row0_session18.json) and 0.7653 with zeros in the next call
-# (bench/bench_sparse_attn_bf16.json), decode unchanged (its lists have no unused slots). Every CTA copying the same
+# Hopper (ws): zero-filled, H200, one run against row0 (945825d): prefill 4K with the expansion 0.8263 -> 0.7672 ms,
+# 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench, prefill 4K 0.8272 ms with row0 and 0.7653 with zeros
+# in the next call (98a05fe), decode unchanged (its lists have no unused slots). Every CTA copying the same
 # row 0 for its unused slots was the expansion's loss at short prompts (most of their slots are unused).
 _UNUSED_ROWS_DEFAULT = "zeros"
 

@@ -27,10 +27,9 @@ def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arc
 
 # "auto" expands when the call has at least EXPAND_MIN_TOKENS query tokens and reads every cache row at least
 # EXPAND_MIN_READS times on average (rows gathered over rows expanded). From the H200 runs of B=1 prompts with
-# unused_rows="zeros" (results/sm90/sparse_attn_unused_rows_zeros_session18.json): expand faster at 512, 1024, 2048 and
-# 4096 tokens (0.109 vs 0.136, 0.210 vs 0.264, 0.406 vs 0.520, 0.767 vs 1.008 ms); with every slot used (the same
-# copies as zeros) at 512 tokens over 32K entries, 9.8 reads per row, 0.115 vs 0.137 ms
-# (sparse_attn_kv_staging_full_lists_session18.json). Fewer reads per row, or fewer tokens, are not measured.
+# unused_rows="zeros" (945825d): expand faster at 512, 1024, 2048 and 4096 tokens (0.109 vs 0.136, 0.210 vs 0.264,
+# 0.406 vs 0.520, 0.767 vs 1.008 ms); with every slot used (the same copies as zeros) at 512 tokens over 32K entries,
+# 9.8 reads per row, 0.115 vs 0.137 ms (bad01b1). Fewer reads per row, or fewer tokens, are not measured.
 EXPAND_MIN_TOKENS = 512
 EXPAND_MIN_READS = 8
 
@@ -59,8 +58,8 @@ IO_CTA_COST = 0.12  # ... and an overlapped CTA's exposed first Q load and last 
 # per CTA + IO_CTA_COST), or with staged ceil(items / SMs) x IO_STAGED_TOKEN_COST (:func:`_io_cost`). Both costs come
 # from the H200 block-scaling fits at top-k 512 (10 blocks a token): wg0_scores staged 1.946 us a block + 5.72 a token
 # against overlapped 2.022 + 2.86 (25.2 / 23.1 us a token; 5.72 - 2.86 = 0.12 x 23.1), paired_halves 1.829 + 5.99
-# against 1.895 + 3.27 (24.3 / 22.2; 0.12 x 22.2) (results/sm90/attn_block_scaling_bf16_*_session2{0,1,2}*.json).
-# What the rule reproduces, H200 (results/sm90/attn_prefill_lengths_*_session2{1,2}*.json, every config checked first):
+# against 1.895 + 3.27 (24.3 / 22.2; 0.12 x 22.2) (0ce975d, 6d13715, ec81287).
+# What the rule reproduces, H200 (da868da, b14d793, ec81287; every config checked first):
 # - 768 tokens: 2 per CTA (3 waves x 2.12 = 6.4) 0.1458 against 4 per CTA (2 waves x 4.12 = 8.2) 0.1830 ms, and 1536:
 #   4 per CTA 0.2742 against 8 per CTA 0.3484 (a second wave half full costs as much as a full one);
 # - 256 tokens (bf16): 2 per CTA (one wave, 2.12) 2.5% faster than staged (two waves, 2 x 1.09); 384: staged
@@ -71,7 +70,7 @@ IO_CTA_COST = 0.12  # ... and an overlapped CTA's exposed first Q load and last 
 #   against 0.6656 ms, 4 per CTA faster; the bf16 tile 0.7190 against 0.7239, and in another run 0.6997 against
 #   0.7013, 8 per CTA faster).
 # - bf16 decode B=128/S=2 (256 items): 2 per CTA (one wave) 0.0585 against staged's 0.0636 ms (the stored tuned
-#   winner of sessions 20-21; sparse_attn_run_default_ovl2_halves_ovl2_session22.json).
+#   winner before io=auto chose it; ec81287).
 
 
 def _io_cost(items: int, io: str, tokens: int, sm_count: int) -> float:

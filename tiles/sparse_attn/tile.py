@@ -42,12 +42,12 @@ _BLACKWELL = "not built for Blackwell: it wants native block-scaled FP4 MMA (tcg
 
 # consumers="auto" (the Hopper default of the prefill and bf16 tiles): paired_halves where io="auto" takes it to
 # io=overlapped and the call rereads its KV rows (EXPAND_MIN_READS: a prefill), else wg0_scores. H200, one run per tile,
-# every config checked first (results/sm90/attn_prefill_lengths_*_session22.json; ms, prefill tile / bf16 tile, the
-# default of then: wg0_scores with io="auto"): 512 tokens 0.0923 / 0.0904 against 0.1004 / 0.0991, 1024 0.1749 / 0.1723
-# against 0.1885 / 0.1898, 2048 0.3377 / 0.3377 against 0.3645 / 0.3618, 4096 0.6656-0.6908 / 0.7190 against 0.7099 /
-# 0.7178 (the bf16 tile level; another run 0.6806 / 0.6997 against 0.7105 / 0.7176), 16384 2.8064 / 2.8909 against
-# 2.9084 / 3.0002. At bf16 decode B=128/S=2 (rows read about once) paired_halves with io=overlapped lost: 0.0632
-# against wg0_scores' 0.0585 ms at 2 tokens per CTA in the same run.
+# every config checked first (ec81287; ms, prefill tile / bf16 tile, the default of then: wg0_scores with io="auto"):
+# 512 tokens 0.0923 / 0.0904 against 0.1004 / 0.0991, 1024 0.1749 / 0.1723 against 0.1885 / 0.1898, 2048 0.3377 / 0.3377
+# against 0.3645 / 0.3618, 4096 0.6656-0.6908 / 0.7190 against 0.7099 / 0.7178 (the bf16 tile level; another run 0.6806
+# / 0.6997 against 0.7105 / 0.7176), 16384 2.8064 / 2.8909 against 2.9084 / 3.0002. At bf16 decode B=128/S=2 (rows read
+# about once) paired_halves with io=overlapped lost: 0.0632 against wg0_scores' 0.0585 ms at 2 tokens per CTA in the
+# same run.
 
 
 def resolve_consumers(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: str) -> Config:
@@ -350,39 +350,38 @@ class SparseAttnTile(Tile):
         cfg["tokens_per_cta"] = 1
         cfg["handoff"] = "after_pv"
         cfg["lanes"] = "row"
-        # staged Q/O on Hopper: prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (sparse_attn_run5_io_staged.json);
+        # staged Q/O on Hopper: H200, prefill 2.58 -> 1.03 ms, decode B=128/S=2 0.203 -> 0.075 ms (ef4f7af);
         # the prefill and bf16 tiles: overlapped per call where it applies (io="auto", see IO_AUTO_TOKENS)
         cfg["io"] = "staged" if cfg["schedule"] == "ws" else "direct"
         if cfg["schedule"] == "ws" and (not self.splits or self.kv_format == "bf16"):
             cfg["io"] = "auto"
             # ... and there FlashMLA's paired consumers with the buffers handed over in halves where io=auto overlaps a
             # prefill's tokens (consumers="auto", see resolve_consumers): prefill 4K 0.6806 against 0.7105 ms, 1K
-            # 0.1749 against 0.1885 (sparse_attn_run_default_halves*_session22.json, attn_prefill_lengths_*_session22.json)
+            # 0.1749 against 0.1885 (H200, ec81287)
             cfg["consumers"] = "auto"
         # register-usage level 10, as TileLang's sparse_mla_fwd_pipelined: on the H200 decode 4% faster, prefill level
-        # (results/sm90/sparse_attn_run4_regs10.json)
+        # (9e1c79a)
         cfg["ptxas_level"] = 10 if arch.family == "hopper" else 0
         if self.kv_format == "fp4":
             cfg["dequant"] = "direct"
             cfg["wg1_rows"] = 0
             # Hopper: the producer decodes packed FP4 words by byte-permute lookups of the E2M1 bf16 patterns (the same
-            # bits), H200, one run against fma (results/sm90/sparse_attn_run14_fp4_prmt.json): prefill 4K 1.0247 ->
+            # bits), H200, one run against fma (5f78fe9): prefill 4K 1.0247 ->
             # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
                 cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
-                # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather
-                # (results/sm90/sparse_attn_kv_staging_session18.json): 4K 1.0195 -> 0.8290 ms, 16K 3.954 -> 3.093,
-                # 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere not yet run on a GPU.
+                # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather (6c9d184): 4K 1.0195 -> 0.8290 ms,
+                # 16K 3.954 -> 3.093, 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere unmeasured.
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
             cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
-            cfg["combine"] = "separate"  # "fused" measured slower on the H200 (notes/sparse_attn.md, session 5)
-            # Hopper: bf16 split partials, H200, one run against fp32 (results/sm90/sparse_attn_run16_bf16_partials.json):
-            # decode B=64/S=1 0.0313 -> 0.0273 ms (bf16 KV 0.0291 -> 0.0254), rel L2 2.0e-3 -> 2.5e-3 (bound 1e-2).
+            cfg["combine"] = "separate"  # "fused" measured slower on the H200 (decode B=64/S=1 0.0369 vs 0.0316 ms, 84d7a8c)
+            # Hopper: bf16 split partials, H200, one run against fp32 (2592024): decode B=64/S=1 0.0313 -> 0.0273 ms
+            # (bf16 KV 0.0291 -> 0.0254), rel L2 2.0e-3 -> 2.5e-3 (bound 1e-2).
             cfg["partials"] = "bf16" if cfg["schedule"] == "ws" else "fp32"
         return cfg
 
@@ -505,7 +504,7 @@ class SparseAttnPrefill(SparseAttnTile):
 
     def candidates(self, arch: Arch, shape: Shape) -> list[tuple[Config, str]]:
         """Hopper: the default's paired_halves at 4 tokens per CTA (io=auto takes 8 at 4K), its wg0_scores consumers
-        (the default before session 22), several tokens per CTA on the expanded caches (the producer runs into the next
+        (the default before 8e69e80), several tokens per CTA on the expanded caches (the producer runs into the next
         token), with the next token's Q load and this one's O store off the consumers' path (io=overlapped), the seesaw
         consumers on them (the fastest chain measured alone), the gathering path beside the expanding default (so a
         study times both), and the gathering path's best options (within ~1% of it at prefill 4K before the
@@ -516,38 +515,38 @@ class SparseAttnPrefill(SparseAttnTile):
         return [
             (
                 {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4},
-                "prefill 4K 0.6656 against 8 per CTA's 0.6908 ms in one run (attn_prefill_lengths_prefill_session22.json)",
+                "prefill 4K 0.6656 against 8 per CTA's 0.6908 ms in one run (H200, ec81287)",
             ),
             (
                 {"consumers": "wg0_scores"},
-                "the default before session 22: prefill 4K 0.7099 against paired_halves' 0.6656-0.6908 ms in one run",
+                "the default before 8e69e80: prefill 4K 0.7099 against paired_halves' 0.6656-0.6908 ms in one run (ec81287)",
             ),
             (
                 {"io": "overlapped", "tokens_per_cta": 4},
                 (
                     "prefill 4K (expanded) 0.7201 against 0.7211 ms with 8 tokens per CTA (what io=auto picks there) in one "
-                    "run (sparse_attn_overlapped_session20.json)"
+                    "run (H200, 0ce975d)"
                 ),
             ),
             (
                 {"io": "staged", "tokens_per_cta": 4},
                 (
-                    "the expanded prefill 4K 0.7605 against the default's 0.7768 ms (sparse_attn_io_prefetched_session19.json), "
-                    "763.7 against 766.7 us in session 19's tuning run"
+                    "the expanded prefill 4K 0.7605 against the default's 0.7768 ms (H200, f3b55b2), "
+                    "763.7 against 766.7 us in a tuning run (d041eab)"
                 ),
             ),
             (
                 {"kv_staging": "expand", "consumers": "seesaw"},
                 (
                     "on bf16 KV at prefill 4K with zero-filled unused rows 0.8350 ms against the default's 0.7840 with the "
-                    "producer, 0.6859 against 0.7405 with the consumers alone (attn_ablation_session19_bf16*.json)"
+                    "producer, 0.6859 against 0.7405 with the consumers alone (H200, f3b55b2)"
                 ),
             ),
-            (gather, "prefill 4K 1.0195 ms against expand's 0.8290 (sparse_attn_kv_staging_session18.json)"),
-            ({**gather, "produce": "prefetch"}, "gathering: prefill 4K 1.01x in the session-5 tuning run (H200)"),
+            (gather, "prefill 4K 1.0195 ms against expand's 0.8290 (H200, 6c9d184)"),
+            ({**gather, "produce": "prefetch"}, "gathering: prefill 4K 1.01x in a tuning run (H200, 84d7a8c)"),
             (
                 {**gather, "lanes": "column", "handoff": "before_pv"},
-                "gathering: prefill 4K 1.010 vs 1.021 ms (sparse_attn_run12_lanes_column.json)",
+                "gathering: prefill 4K 1.010 vs 1.021 ms (H200, 9765af3)",
             ),
         ]
 
@@ -565,10 +564,10 @@ class SparseAttnBf16(SparseAttnTile):
         buffer handed over in halves won at decode B=128/S=2 in two runs."""
         if arch.family != "hopper":
             return []
-        overlapped = "{} {} against io=staged's {} ms in one run (sparse_attn_overlapped_session20.json)"
+        overlapped = "{} {} against io=staged's {} ms in one run (H200, 0ce975d)"
         halves = (
             {"consumers": "paired_halves", "io": "staged"},  # io=auto would overlap 2 tokens per CTA: 0.0632 ms
-            "bf16 decode B=128/S=2 0.0606 vs the default's 0.0633 and 0.0634 ms in two runs (sparse_attn_paired_halves*_session21.json)",
+            "bf16 decode B=128/S=2 0.0606 vs the default's 0.0633 and 0.0634 ms in two runs (H200, bb9e7c0)",
         )
         if shape.phase != "decode":  # io=auto picks 8 tokens per CTA at prefill 4K: 0.7406 ms in that run
             return [
@@ -577,13 +576,13 @@ class SparseAttnBf16(SparseAttnTile):
                     {"consumers": "paired_halves", "io": "overlapped", "tokens_per_cta": 4, "n_split": 1},
                     (
                         "bf16 prefill 4K 0.7239 against 8 per CTA's 0.7190 ms, 0.7013 against 0.6997 in another run; 4 per CTA "
-                        "was 3.8% faster in the FP4 tile (attn_prefill_lengths_*_session22.json)"
+                        "was 3.8% faster in the FP4 tile (H200, ec81287)"
                     ),
                 ),
                 (
                     {"consumers": "wg0_scores"},
                     (
-                        "the default before session 22: bf16 prefill 4K 0.7178 against paired_halves' 0.7190 ms in one run, "
+                        "the default before 8e69e80: bf16 prefill 4K 0.7178 against paired_halves' 0.7190 ms in one run, "
                         "0.7176 against 0.6997 in another"
                     ),
                 ),
@@ -592,8 +591,8 @@ class SparseAttnBf16(SparseAttnTile):
             (
                 {"io": "staged"},
                 (
-                    "the default before session 22 (one token per CTA at decode B=128/S=2): 0.0636 against 2 per CTA's 0.0585 ms "
-                    "in one run (sparse_attn_run_default_ovl2_halves_ovl2_session22.json)"
+                    "the default before 8e69e80 (one token per CTA at decode B=128/S=2): 0.0636 against 2 per CTA's 0.0585 ms "
+                    "in one run (H200, ec81287)"
                 ),
             ),
             # one wave of 2-token CTAs: what io=auto takes at B=128/S=2 (resolve_io), named for the other decode shapes
@@ -601,16 +600,16 @@ class SparseAttnBf16(SparseAttnTile):
             (
                 {"io": "staged", "tokens_per_cta": 4},
                 (
-                    "bf16 decode B=128/S=2 0.0603 vs 0.0637 ms (sparse_attn_io_prefetched_session19.json); tuning runs: "
-                    "tokens_per_cta=2 0.0645 against 0.0638 (session 15); the study's best 63.0 us against the default's "
-                    "63.3, not this candidate (session 19)"
+                    "bf16 decode B=128/S=2 0.0603 vs 0.0637 ms (H200, f3b55b2); tuning runs: "
+                    "tokens_per_cta=2 0.0645 against 0.0638 (95acaf6); the study's best 63.0 us against the default's "
+                    "63.3, not this candidate (d041eab)"
                 ),
             ),
-            ({"handoff": "before_pv"}, "bf16 decode B=128/S=2 0.0599 vs 0.0636 ms (sparse_attn_run11_early_handoff.json)"),
+            ({"handoff": "before_pv"}, "bf16 decode B=128/S=2 0.0599 vs 0.0636 ms (H200, 34010dc)"),
             halves,
             (
                 {"handoff": "before_pv", "lanes": "column"},
-                "bf16 decode B=128/S=2 0.0623 vs 0.0644 ms (sparse_attn_run12_lanes_column.json)",
+                "bf16 decode B=128/S=2 0.0623 vs 0.0644 ms (H200, 9765af3)",
             ),
         ]
 

@@ -306,7 +306,7 @@ def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, B
     _ws_halves_prologue(half, see.Q, see.bar_q, b_i, s_i, h0, HB, D2, io)
     # A static trip count (the most blocks a split has) and a guard: with the trip count (n_blk + 1 - w) // 2, where it
     # can only be 0 or 1 (splits of 1-2 blocks) TileLang 0.1.15 replaced the loop by one unguarded pass, and a guard
-    # inside it was proven true from the loop's own bound (the H200 hung on a buffer never filled, session 11).
+    # inside it was proven true from the loop's own bound (the H200 hung on a buffer never filled, 77c213d).
     for k in T.serial((max_blk + 1 - w) // 2):
         if 2 * k + w < n_blk:
             T.barrier_wait(own.ready, k & 1)
@@ -383,17 +383,17 @@ def _ws_paired_consumer(
     the other warpgroup's P V, which frees it. Each warpgroup's QK^T starts on its own half, which the producer
     refills first.
 
-    ``nxt`` (io="overlapped", paired_halves, an even block count; the prefill default since session 22): token ``j`` of the CTA's run
+    ``nxt`` (io="overlapped", paired_halves, an even block count; the prefill default since 8e69e80): token ``j`` of the CTA's run
     (the _WsTokens), its pairs numbered on from the tokens before (barrier phases). In a token's last pair each
     warpgroup, once both QK^T are done (past its wait for the other's max), copies its half of the next token's Q by
     cp.async, arriving on the Q barrier as it lands. Its O half goes out through its own P tile (``bar_own``: its
     128-arrival barrier), so that no KV half waits for O: the producer refills them for the next token's first pair
-    as they are freed. (Staging O in two KV halves for the producer to store measured no faster: a token's first pair
-    needs all four halves; session 21. Each chunk out of the P tile by one TMA store, O straight from the accumulator
-    fragments, and the chunks without the warpgroup's mbarrier (TileLang's bar.sync alone) all ran right and measured
-    slower or level: session 24. So did O left in the accumulator and stored in the next token's first pair, under its
-    QK^T: 4K 0.672 -> 0.726 ms, session 25; the store at a token's end overlaps the producer's refill of the next
-    token's first pair, and deferred it held that pair's buffers longer. notes/sparse_attn.md.)"""
+    as they are freed. (Staging O in two KV halves for the producer to store measured no faster on the H200: a token's
+    first pair needs all four halves; eec44d0. Each chunk out of the P tile by one TMA store, O straight from the
+    accumulator fragments, and the chunks without the warpgroup's mbarrier (TileLang's bar.sync alone) all ran right and
+    measured slower or level: 4f21e06, e364589. So did O left in the accumulator and stored in the next token's first
+    pair, under its QK^T: 4K 0.672 -> 0.726 ms, f9ee630; the store at a token's end overlaps the producer's refill of the
+    next token's first pair, and deferred it held that pair's buffers longer. notes/sparse_attn.md.)"""
     w, Q_own, acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev = half
     own, other = bufs[w], bufs[1 - w]
     ovl = nxt is not None
@@ -802,7 +802,7 @@ def _ws_fused_combine(fz, w, acc_o, Q_own, b_i, s_i, h0, bz, HB, D2, NS, io):
             comb[w, NS + 1, h] = T.if_then_else(den > 0, 1.0 / den, 0.0)  # no sink, no valid index: zeros
         # acc = sum_k w_k O_k over every split in ascending k, this CTA's own split read back from OPart too: the
         # same sequence of roundings whichever split arrives last (taking its own split from registers first made
-        # the result depend on the arrival order: two runs differed in the last bit on the H200, session 5).
+        # the result depend on the arrival order: two runs differed in the last bit on the H200, 84d7a8c).
         # A quarter of the columns at a time with a compiler fence between quarters, so at most 32 loaded registers
         # are live beside the 128 of the accumulator (warpgroup 1 has 168; loaded all at once, ptxas spilled 8-1200
         # bytes). Rolled over k (ptxas, decode B=64: no spills at 2 and 8 splits, 8 bytes at 4; unrolled at 4: 612).

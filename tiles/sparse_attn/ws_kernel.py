@@ -80,14 +80,15 @@ def _sparse_attn_ws(
       mbarrier (``cp.async.mbarrier.arrive.noinc``) as in TileLang's sparse_mla_fwd_pipelined.
     * ``prefetch`` (FP4): ``batched``, but a main block's loads are issued at the end of the previous
       step, before its buffer frees, so the load latency leaves the critical path (see
-      :func:`_ws_produce_prefetch`). Not yet run on a GPU (session 3 wrote it after the device time was spent).
+      :func:`_ws_produce_prefetch`). H200, gathered FP4 prefill 4K 1.0181 against batched's 1.0306 ms, decode level
+      (a2d725b): the producer's load latency is not what limits it.
 
     ``io`` is how the CTA reads Q and writes O:
 
     * ``direct``: all 384 threads copy the [64, 512] Q tile; 64 x 256 values per half do not split
       into 16-byte vectors over 384 threads, so TileLang lowers it to 2-byte loads and stores (86 per
       thread, each store waiting on its load: a third of the prefill kernel's stall samples in Nsight
-      Compute, results/sm90/ncu_source notes). O goes from the accumulator fragments straight to global.
+      Compute, H200, 95a6be9). O goes from the accumulator fragments straight to global.
     * ``staged``: each consumer warpgroup copies its own half of Q (128 threads, 16-byte vectors) and
       arrives on the Q barrier after a proxy fence; with one split, each writes its O half into the Q
       half it no longer needs and copies that out in 16-byte vectors (as the TileLang example does).
@@ -98,7 +99,7 @@ def _sparse_attn_ws(
       last KV buffer (both P V of that block are done) and hands the buffer back; the producer stores O from it before
       it refills that buffer one block into the next token (each thread storing the chunks it is about to overwrite),
       and after its last block for the CTA's last tokens. Neither the Q load nor the O store is on the consumers'
-      path: the timing ablations put them at ~1.7 and ~2.5 us of the 5.75 us fixed per CTA (session 20).
+      path: with io=staged they measured ~1.7 and ~2.5 us of the 5.75 us fixed per CTA (H200, 0ce975d).
     * ``auto`` (the prefill and bf16 tiles' Hopper default): resolved per call by :func:`resolve_io`.
 
     ``consumers`` is how the two consumer warpgroups share a block's work:
@@ -124,7 +125,7 @@ def _sparse_attn_ws(
       from shared memory. See :func:`_ws_paired_consumer`.
 
     ``wg1_rows`` (0 or 16, FP4 with the batched producer and ``wg0_scores``): rows of each main block that consumer
-    warpgroup 1 gathers and dequantises itself. In Nsight Compute (prefill 4K, io=staged; results/sm90/ncu_roles_*)
+    warpgroup 1 gathers and dequantises itself. In Nsight Compute (H200, prefill 4K, io=staged; 54a4781)
     the producer warp issued ~1150 instructions per block at ~0.2 IPC while warpgroup 0 waited 26% of its time for
     a filled buffer, and warpgroup 1 waited 67% of its time for P. With 16: warpgroup 1 fills the last 16 rows of
     block i + 1 while warpgroup 0 computes block i's scores (its loads issued a block ahead), the producer the first
@@ -134,29 +135,28 @@ def _sparse_attn_ws(
     (token, head block) items in turn. At ~205 KiB of shared memory one CTA holds an SM, so a CTA's prologue (Q
     load, the producer's first gather and dequant) and epilogue (sink, O store) overlap nothing; with several tokens
     per CTA the producer runs on into the next token's blocks (its index prefetch crosses the boundary) while the
-    consumers finish this one, and buffer and barrier phases run on across tokens. Measured on the H200 (session 5,
-    results/sm90/sparse_attn_run9_tpc_fused.json): 2 and 4 are 1-4% slower than 1 at every shape. The block-scaling
-    fit (results/sm90/attn_block_scaling.json: 2.76 us per 64-row block per SM + 5.29 us per CTA) says the fixed
-    cost is real; this overlap does not recover it.
+    consumers finish this one, and buffer and barrier phases run on across tokens. Measured on the H200 (84d7a8c):
+    2 and 4 are 1-4% slower than 1 at every shape. The block-scaling fit of the same runs (2.76 us per 64-row block
+    per SM + 5.29 us per CTA) says the fixed cost is real; this overlap does not recover it.
 
     ``combine`` (``n_split > 1``): ``separate`` writes the splits' fp32 partials for :func:`combine_kernel`;
     ``fused`` also counts each split CTA in on a per-(token, head block) counter, and the last to arrive merges
     the splits with the sink and writes bf16 Out itself (:func:`_ws_fused_combine`): no second launch. Measured
-    slower than ``separate`` on the H200 (decode B=64/S=1 0.0369 vs 0.0316 ms; results/sm90/
-    sparse_attn_run10_fused_deterministic.json): the merge lengthens the last CTA more than the launch it saves.
+    slower than ``separate`` on the H200 (decode B=64/S=1 0.0369 vs 0.0316 ms; 84d7a8c): the merge lengthens the last
+    CTA more than the launch it saves.
 
     ``handoff`` (``wg0_scores``): ``after_pv`` hands P to warpgroup 1 once warpgroup 0's own half of P V has
-    completed; ``before_pv`` before it (see :func:`_ws_softmax_step`). Measured on the H200 (results/sm90/
-    sparse_attn_run11_early_handoff.json): no gain with FP4 KV, 6% at bf16 decode B=128/S=2.
+    completed; ``before_pv`` before it (see :func:`_ws_softmax_step`). Measured on the H200 (34010dc): no gain with FP4
+    KV, 6% at bf16 decode B=128/S=2.
 
     ``lanes`` is which of a block's (row, 32-column slice) pairs each producer lane owns (:func:`_lane_row`):
 
     * ``row``: the 8 lanes of a quarter-warp share a row, lane c its columns 32 c .. 32 c + 31 of each half. The KV
       buffers are 128-byte swizzled for wgmma (64-column atoms, 16-byte chunk k of row r at k ^ (r % 8)), so at one
       store the 8 lanes hit only two chunk positions of their row: a 4-way bank conflict on every 16-byte store of
-      dequantised values. Nsight Compute (prefill 4K, io=staged; results/sm90/ncu_source_*io_staged.csv.gz) counted 4x
+      dequantised values. Nsight Compute (H200, prefill 4K, io=staged; 54a4781, 9765af3) counted 4x
       the ideal wavefronts on each such STS.128: 63M excess of the kernel's 164M shared-memory wavefronts, with
-      L1/TEX throughput at 79% of peak (results/sm90/ncu_sparse_attn_prefill_s4k_session6.txt).
+      L1/TEX throughput at 79% of peak (9765af3).
     * ``column``: the 8 lanes of a quarter-warp take 8 consecutive rows (row r % 8 all different) at the same columns,
       so the swizzle spreads their stores over all 32 banks. Each lane still loads 16 contiguous bytes per row half;
       a warp's load touches 8 rows x 64 B instead of 4 rows x 128 B (the same sectors).
@@ -165,7 +165,7 @@ def _sparse_attn_ws(
     bf16: ``fma`` (``csa2_fp4x8_bf16``: shifts and masks into the bf16 field, two exact bf16x2 multiplies per pair) or
     ``prmt`` (``csa2_fp4x8_bf16_prmt``: byte-permute lookups into constant tables of the 8 magnitudes' bf16 bytes, the
     signs merged, one exact multiply by the scale pair). The same output bits; fewer producer instructions per block.
-    Not yet run on a GPU (session 7).
+    H200: prmt 1.3-3.4% faster than fma (5f78fe9).
 
     ``partials`` (``n_split > 1``, ``wg0_scores``, separate combine): the dtype of the splits' partial O. ``fp32``, or
     ``bf16``: half the bytes each split CTA writes at its end (at decode B=64/S=1 every CTA of the one wave stores its

@@ -264,7 +264,7 @@ def _ws_produce_halves(src, dims, bufs, pair_rows, b_i, s_i, lo, n_blk, max_blk,
 def _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt):
     """The producer under paired_halves with io="overlapped": :func:`_ws_produce_halves` over the CTA's run of tokens
     (n_blk even, one split), the pair index and the barrier phases running on across them and the row fetch crossing
-    into the next token (the prefill default since session 22: consumers="auto")."""
+    into the next token (the prefill default since 8e69e80: consumers="auto")."""
     rows_a, rows_b, rows_a2, rows_b2 = pair_rows
     b0, b1 = bufs
     npairs = n_blk // 2
