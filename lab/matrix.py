@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from tiles.arch import Arch, get_arch
-from tiles.contract import Config, Tile
-from tiles.harness import COMPILE_ERROR, OK, compile_tile, evaluate
-from tiles.registry import get_tile
+from tiles.core.arch import Arch, get_arch
+from tiles.core.contract import Config, Tile
+from tiles.core.harness import COMPILE_ERROR, OK, compile_tile, evaluate
+from tiles.core.registry import get_tile
 
 UNSUPPORTED = "unsupported"
 SKIPPED = "skipped"  # over the --max-gib memory budget: not run, not a failure, listed
@@ -25,7 +25,7 @@ SKIPPED = "skipped"  # over the --max-gib memory budget: not run, not a failure,
 
 @dataclass
 class Cell:
-    """What one cell asks for and what came out; ``outcome`` is a tiles.harness outcome kind or ``unsupported``."""
+    """What one cell asks for and what came out; ``outcome`` is a tiles.core.harness outcome kind or ``unsupported``."""
 
     tile: str
     arch: str
@@ -97,7 +97,7 @@ def check_cell(cell: Cell, seed: int = 0, time_it: bool = False, repeats: int = 
 def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Cell]:
     """For every shape with a stored winner (``results/<arch>/<tile>.yaml``): a ``tuned`` cell with
     the winner and a ``default`` cell, both to be checked and timed, carrying the recorded latencies."""
-    from tiles.results import read_results, results_path, stale_params
+    from tiles.core.config_store import read_results, results_path, stale_params
 
     cells = []
     for tile in tiles:
@@ -110,7 +110,7 @@ def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Ce
                 continue
             recorded = {"recorded_ms": entry.get("ms"), "recorded_default_ms": entry.get("default_ms")}
             missing = stale_params(tile, arch, entry["config"], entry.get("default_config"))
-            if missing:  # tuned before these options existed: run time uses the default (tiles.results.load_winner)
+            if missing:  # tuned before these options existed: run time uses the default (tiles.core.config_store.load_winner)
                 recorded["stale"] = ", ".join(missing)
             tie = _unconfirmed_tie(entry)
             if tie:
@@ -159,7 +159,7 @@ def regressions(cells: list[Cell], tolerance: float = 0.10) -> list[tuple[Cell, 
             continue
         if not c.ok:
             if c.extra.get("stale") and c.outcome == "invalid":
-                continue  # tuned before the space changed shape; it no longer runs (tiles.results.load_winner)
+                continue  # tuned before the space changed shape; it no longer runs (tiles.core.config_store.load_winner)
             out.append((c, f"{c.outcome}: {c.message}"))
             continue
         ms, recorded = c.extra.get("ms"), c.extra.get("recorded_ms")

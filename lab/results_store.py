@@ -87,7 +87,7 @@ def merge_bench(run: dict, arch_dir: Path, tuned: bool) -> Path:
 def accounted(arch_dir: Path) -> set[Path]:
     """Every file of ``arch_dir`` that belongs there: tuned configs and bench files of registered tiles, e2e documents
     with their plots, and the three reports."""
-    from tiles.registry import all_tiles
+    from tiles.core.registry import all_tiles
 
     names = set(all_tiles())
     keep = {arch_dir / r for r in REPORTS}

@@ -60,11 +60,11 @@ def bench_markdown(paths: list[Path]) -> str:
 
 def _stale(tile_name: str | None, arch_name: str | None, entry: dict) -> list[str]:
     """What a stored winner predates: search-space parameters it does not name, or the current default
-    (``tiles.results.stale_params``); [] for unknown tiles."""
-    from tiles.arch import get_arch
-    from tiles.contract import TileError
-    from tiles.registry import get_tile
-    from tiles.results import stale_params
+    (``tiles.core.config_store.stale_params``); [] for unknown tiles."""
+    from tiles.core.arch import get_arch
+    from tiles.core.config_store import stale_params
+    from tiles.core.contract import TileError
+    from tiles.core.registry import get_tile
 
     try:
         return stale_params(get_tile(tile_name), get_arch(arch_name), entry.get("config", {}), entry.get("default_config"))

@@ -40,7 +40,7 @@ E4M3_MAX = 448.0
 # E2M1 magnitudes for codes 0..7; code | 8 is the negative.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring magnitudes; a value on a midpoint goes to the even code.
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 SCALE_FORMATS = {"e4m3": 16, "e8m0": 32}  # scale format -> the group size it is used with
 
@@ -65,7 +65,7 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """
     mag = v.abs()
     code = torch.zeros_like(v, dtype=torch.uint8)
-    for k, mid in enumerate(_E2M1_MIDPOINTS):
+    for k, mid in enumerate(E2M1_MIDPOINTS):
         # code k+1 is odd when k is even: a tie stays on the lower (even) code k.
         above = (mag > mid) if k % 2 == 0 else (mag >= mid)
         code += above.to(torch.uint8)

@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from lab.matrix import Cell, regressions, stored_winner_cells
-from tiles.arch import get_arch
-from tiles.registry import get_tile
-from tiles.results import SCHEMA
+from tiles.core.arch import get_arch
+from tiles.core.config_store import SCHEMA
+from tiles.core.registry import get_tile
 
 
 def _cell(label, ms, recorded=1.0, outcome="ok"):

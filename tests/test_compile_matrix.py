@@ -13,8 +13,8 @@ import pytest
 
 from lab.cli import main
 from lab.matrix import UNSUPPORTED, Cell, compile_cell, plan, run_compile
-from tiles.arch import parse_arch_list
-from tiles.registry import all_tiles, get_tile
+from tiles.core.arch import parse_arch_list
+from tiles.core.registry import all_tiles, get_tile
 
 ARCHS = parse_arch_list("sm80,sm89,sm90,sm100")
 

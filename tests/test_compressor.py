@@ -18,16 +18,16 @@ import torch
 
 from model import formats
 from tiles import compressor as cp
-from tiles.arch import get_arch
 from tiles.compressor import kernel as cp_kernel
 from tiles.compressor import launch as cp_launch
 from tiles.compressor import pool_encode as cp_pool_encode
 from tiles.compressor import projection as cp_projection
 from tiles.compressor import tile as cp_tile
-from tiles.contract import Shape, TileError
-from tiles.harness import OK, evaluate
-from tiles.ptxas import parse_resource_usage, ptxas_log, resource_usage
-from tiles.shapes import flash
+from tiles.core.arch import get_arch
+from tiles.core.contract import Shape, TileError
+from tiles.core.harness import OK, evaluate
+from tiles.core.ptxas import parse_resource_usage, ptxas_log, resource_usage
+from tiles.core.shapes import flash
 
 SM90 = get_arch("sm90")
 EPS = flash().norm_eps  # the RMSNorm epsilon the tile's reference uses
@@ -429,7 +429,7 @@ def _dynamic_smem(kernel, threads) -> int:
 
 
 def _ptxas(src: str, tmp_path) -> tuple[int, int]:
-    """(registers, spill bytes) of the kernel source for sm_90a (:func:`tiles.ptxas.resource_usage`)."""
+    """(registers, spill bytes) of the kernel source for sm_90a (:func:`tiles.core.ptxas.resource_usage`)."""
     return resource_usage(src, tmp_path)
 
 

@@ -8,10 +8,10 @@ from types import MappingProxyType, SimpleNamespace
 import pytest
 import torch
 
-from tiles import registry
-from tiles.arch import ArchError, device_arch, get_arch, parse_arch_list
-from tiles.compare import bit_exact, relative_l2
-from tiles.contract import Constraint, Param, SearchSpace, Shape, Tile, TileError, poisoned
+from tiles.core import registry
+from tiles.core.arch import ArchError, device_arch, get_arch, parse_arch_list
+from tiles.core.compare import bit_exact, relative_l2
+from tiles.core.contract import Constraint, Param, SearchSpace, Shape, Tile, TileError, poisoned
 
 SM90 = get_arch("sm90")
 SHAPE = Shape("s", "any", {"rows": 64, "dim": 512})
@@ -131,7 +131,7 @@ def test_device_arch_takes_the_exact_capability_else_its_family(monkeypatch, cap
 
 def test_device_arch_refuses_an_unknown_family(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    with pytest.raises(ArchError, match="compute capability 7.5 is not in tiles.arch"):
+    with pytest.raises(ArchError, match="compute capability 7.5 is not in tiles.core.arch"):
         device_arch("cuda:0")
 
 
@@ -175,13 +175,13 @@ def test_relative_l2_nan_and_inf_positions_must_match():
 def test_relative_l2_in_chunks_is_the_whole_tensors_error(monkeypatch):
     """The chunked comparison (big outputs: a 64K prefill's is 8 GiB as fp32) gives the error of the whole tensors,
     and finds a NaN or inf in any chunk."""
-    import tiles.compare
+    import tiles.core.compare
 
     g = torch.Generator().manual_seed(3)
     ref = torch.randn(4, 250, generator=g).to(torch.bfloat16)
     out = ref.float() + 1e-2 * torch.randn(4, 250, generator=g)
     whole = ((out - ref.float()).norm() / ref.float().norm()).item()
-    monkeypatch.setattr(tiles.compare, "CHUNK", 64)  # 16 chunks, the last one part full
+    monkeypatch.setattr(tiles.core.compare, "CHUNK", 64)  # 16 chunks, the last one part full
     assert relative_l2({"y": out}, {"y": ref}, tol=1.0).error == pytest.approx(whole, rel=1e-5)
     out[3, 249] = float("nan")  # in the last chunk
     assert not relative_l2({"y": out}, {"y": ref}, tol=1.0).ok

@@ -12,9 +12,9 @@ import torch
 
 from model import formats
 from tiles import fp4
-from tiles.arch import detect, get_arch
-from tiles.contract import Shape, TileError
-from tiles.registry import get_tile
+from tiles.core.arch import detect, get_arch
+from tiles.core.contract import Shape, TileError
+from tiles.core.registry import get_tile
 
 FP4_TILES = ["fp4_quant_main", "fp4_quant_index", "fp4_dequant_main", "fp4_dequant_index"]
 FORMATS = [(16, "e4m3", fp4.MAIN_DIM), (32, "e8m0", fp4.INDEX_DIM)]
@@ -147,10 +147,10 @@ def test_constraints_refuse_invalid_combinations():
 def test_configs_stored_before_the_new_options_are_stale():
     """A stored fp4_quant_main winner either names every parameter of today's space (re-tuned: session 12's file) or,
     stored before mapping/code/chunks_per_thread existed, won nothing over those options, so the default runs
-    (tiles.results.load_winner; tests/test_results.py builds such files); and the space counts each kernel once."""
+    (tiles.core.config_store.load_winner; tests/test_results.py builds such files); and the space counts each kernel once."""
     import itertools
 
-    from tiles.results import load_winner
+    from tiles.core.config_store import load_winner
 
     main, sm90 = get_tile("fp4_quant_main"), get_arch("sm90")
     config, source = load_winner(main.name, sm90, main.shape("decode_b64"))
@@ -186,7 +186,7 @@ def _bf16_patterns() -> torch.Tensor:
 
 def _threshold_codes(x: torch.Tensor, s: torch.Tensor, scale_format: str) -> torch.Tensor:
     """CPU mirror of the kernel's ``code='thresholds'`` path (build_quant + fp4._e2m1_code_search), fp32 throughout."""
-    thr = s * torch.tensor(formats._E2M1_MIDPOINTS)  # [7]
+    thr = s * torch.tensor(formats.E2M1_MIDPOINTS)  # [7]
     if scale_format == "e8m0":
         thr = thr.clamp(max=fp4.FLT_MAX)
         neg = -(s * 2.0**-75) * 2.0**-75
@@ -295,7 +295,7 @@ def test_packed_codes_match_division_on_every_bf16(scale_byte):
     """code='packed': the bf16x2 thresholds m_k * s are exact bf16 values and the pair-word search gives the reference
     code for every bf16 pattern in either half of a word, for every E4M3 scale byte a group can get."""
     s = formats.e4m3_decode(torch.tensor([scale_byte], dtype=torch.uint8))  # [1]
-    mids = torch.tensor(formats._E2M1_MIDPOINTS)
+    mids = torch.tensor(formats.E2M1_MIDPOINTS)
     assert torch.equal((s * mids).to(torch.bfloat16).float(), s * mids), "m_k * s is not a bf16 value"
     t = [_bf16_bits(v) * 0x10001 for v in (s * mids).tolist()]  # both halves
     x = _bf16_patterns()  # [65536]
@@ -339,7 +339,7 @@ def test_inputs_cover_the_special_cases(group, fmt, dim):
     assert set(codes.unique().tolist()) == set(range(16)), "every E2M1 code appears"
     # row 0 sits on the midpoints: quantising nudged values gives different codes than the ties
     v = x[0].reshape(-1, group) / formats.fp4_scale(x[0].reshape(-1, group).abs().amax(-1), fmt)[1][:, None]
-    assert torch.isin(v.abs(), torch.tensor(formats._E2M1_MIDPOINTS)).sum() > dim // 4
+    assert torch.isin(v.abs(), torch.tensor(formats.E2M1_MIDPOINTS)).sum() > dim // 4
     other = fp4.quant_inputs(64, dim, fmt, seed=4, device="cpu", dtype=torch.float32)["x"]
     assert not torch.equal(x[8:], other[8:])
 

@@ -1,4 +1,4 @@
-"""The correctness gate of tiles.harness.check_and_time, on CPU: a fake tile whose "kernel" is python, with the timing
+"""The correctness gate of tiles.core.harness.check_and_time, on CPU: a fake tile whose "kernel" is python, with the timing
 functions and CUDA synchronisation stubbed out, so that each way a kernel can be wrong is exercised without a GPU."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import types
 import pytest
 import torch
 
-from tiles import harness
-from tiles.arch import get_arch
-from tiles.contract import Comparison, Shape, Tile, poisoned
+from tiles.core import harness
+from tiles.core.arch import get_arch
+from tiles.core.contract import Comparison, Shape, Tile, poisoned
 
 SHAPE = Shape("n64", "decode", {"N": 64})
 

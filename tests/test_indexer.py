@@ -3,7 +3,7 @@
 CPU: the default configs compile for sm_90a, constraints prune bad configs, bad inputs give
 one-line TileErrors, and the top-k set comparison rule itself. GPU (marked): every tile
 against the torch reference on fresh random data (real and odd shapes, n_visible < top-k,
-empty rows, heavy ties), outputs poisoned first, two runs bitwise equal (tiles.harness).
+empty rows, heavy ties), outputs poisoned first, two runs bitwise equal (tiles.core.harness).
 """
 
 import pytest
@@ -11,15 +11,15 @@ import torch
 
 from model.ops.indexer import candidate_blocks, topk_positions
 from tiles import indexer as ix
-from tiles.arch import get_arch
-from tiles.contract import Shape, TileError
-from tiles.harness import OK, evaluate
+from tiles.core.arch import get_arch
+from tiles.core.contract import Shape, TileError
+from tiles.core.harness import OK, evaluate
+from tiles.core.ptxas import parse_resource_usage, ptxas_log, resource_usage
 from tiles.indexer import dequant as ix_dequant
 from tiles.indexer import launch as ix_launch
 from tiles.indexer import reference as ix_reference
 from tiles.indexer import score_kernel as ix_score_kernel
 from tiles.indexer import space as ix_space
-from tiles.ptxas import parse_resource_usage, ptxas_log, resource_usage
 
 SM90 = get_arch("sm90")
 DECODE_GRID = (64, 131072)  # score rows and length of decode B=64 x 128K: tiles_per_cta="auto" resolves to 16 there
@@ -898,7 +898,7 @@ FUSED_BUILDS = {
 
 
 def _ptxas(src: str, tmp_path) -> tuple[int, int]:
-    """(registers, spill bytes) of the kernel source for sm_90a (:func:`tiles.ptxas.resource_usage`)."""
+    """(registers, spill bytes) of the kernel source for sm_90a (:func:`tiles.core.ptxas.resource_usage`)."""
     return resource_usage(src, tmp_path)
 
 
@@ -1261,7 +1261,7 @@ TWO_PASS_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile,shapes", TWO_PASS_CASES, ids=[t.name for t, _ in TWO_PASS_CASES])
 def test_two_pass_select_matches_reference(tile, shapes):
-    """select_algo=two_pass (tiles.radix_select) in each tile that selects: the reference's result by its rule."""
+    """select_algo=two_pass (tiles.indexer.radix_select) in each tile that selects: the reference's result by its rule."""
     arch = get_arch("sm90")
     cfg = {**tile.default_config(arch), "select_algo": "two_pass"}
     for spec in shapes:
@@ -1290,9 +1290,9 @@ def test_two_pass_select_is_in_the_search_space():
 
 
 def test_radix_knobs_default_to_radix_selects_defaults():
-    """The indexer's radix_* knobs map onto tiles.radix_select's config; their defaults build the kernels the two-pass
+    """The indexer's radix_* knobs map onto tiles.indexer.radix_select's config; their defaults build the kernels the two-pass
     select built before the knobs existed (the same objects), and they are refused under the multipass select."""
-    from tiles import radix_select
+    from tiles.indexer import radix_select
 
     arch, tile = SM90, ix.INDEXER_TOPK
     cfg = tile.default_config(arch)
@@ -1421,7 +1421,7 @@ def test_rs_scores_close_to_the_shared_memory_path(dequant, against):
 def test_rs_wide_scale_bytes_match_reference(dequant):
     """Scale bytes 96..160 (K up to 6 x 2^33): fma_rs's second bf16 multiply (bytes > 128), the subnormal code-1 input of
     its first one, and prmt_rs on the same data, against the reference scores and top-k sets."""
-    from tiles.compare import relative_l2
+    from tiles.core.compare import relative_l2
 
     inputs = ix_reference._indexer_inputs(4, 2, 3000, 19, "cuda", causal=False)
     gen = torch.Generator(device="cuda").manual_seed(23)
@@ -1482,7 +1482,7 @@ def test_fused_epilogue_scores_close_to_hoisted(option):
     """The same products as epilogue=hoisted, each rounded once inside the FFMA instead of once more on its own, and the
     same quad sum (bitwise the AllReduce's): the same -inf pattern, scores within ~1 ulp of the row scale, and top-k
     sets equal up to the tie rule; on indexer_topk and on reindex_topk's gathered variant."""
-    from tiles.compare import relative_l2
+    from tiles.core.compare import relative_l2
 
     fused = {**ix.INDEXER_TOPK.default_config(SM90), **FUSED_OPTIONS[option]}
     hoisted = {**fused, "epilogue": "hoisted"}
@@ -1644,7 +1644,7 @@ def test_indexer_kernel_key_follows_what_its_launch_resolves():
     """indexer_topk's Tile.kernel_key: tiles_per_cta="auto" keys as the tile count the score launch resolves it to,
     and under the two-pass select the multipass select's keys (which its launch never reads) do not count; the tuner
     then measures such configs once."""
-    from tiles.registry import get_tile
+    from tiles.core.registry import get_tile
 
     sm90, tile = SM90, get_tile("indexer_topk")
     for shape_name, tiles in (("decode_b64_n128k", 16), ("decode_b1_n128k", 4)):

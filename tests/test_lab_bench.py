@@ -53,8 +53,8 @@ def test_tuned_config_is_each_shapes_winner(tmp_path):
     from types import SimpleNamespace
 
     from lab.commands.bench import shape_configs
-    from tiles.arch import get_arch
-    from tiles.registry import get_tile
+    from tiles.core.arch import get_arch
+    from tiles.core.registry import get_tile
     from tuning.export import export_results
 
     sm90, tile = get_arch("sm90"), get_tile("fp4_quant_main")

@@ -10,9 +10,9 @@ capacity small enough to force the in-global fallback, the part staged in shared
 import pytest
 import torch
 
-from tiles import radix_select as rs
-from tiles.arch import get_arch
-from tiles.contract import TileError
+from tiles.core.arch import get_arch
+from tiles.core.contract import TileError
+from tiles.indexer import radix_select as rs
 
 K = 512
 SM90, SM80 = get_arch("sm90"), get_arch("sm80")
@@ -37,7 +37,7 @@ def test_other_knobs_compile_sm90():
 def test_shared_stage_compiles_without_spills(arch, tmp_path):
     """stage="shared" (the part's scores copied into shared memory, both passes read there; wider parts run the global
     path): the parts launch and the merge build, no spills, and the staged source calls the staged row."""
-    from tiles.ptxas import resource_usage
+    from tiles.core.ptxas import resource_usage
 
     cfg = rs.check_config({"stage": "shared"}, K)
     assert rs.smem_bytes(cfg) == rs.smem_bytes(rs.DEFAULT_CONFIG) + 4 * rs.STAGE_ENTRIES
@@ -52,7 +52,7 @@ def test_shared_stage_compiles_without_spills(arch, tmp_path):
 def test_compact_pass_compiles_without_spills(arch, threads, tmp_path):
     """compaction="compact_pass" (one ballot per load kept across the barrier): the parts launch and the merge build,
     call the row with the flag set, and keep every register (E = 8 ballots more live across the barrier)."""
-    from tiles.ptxas import resource_usage
+    from tiles.core.ptxas import resource_usage
 
     cfg = rs.check_config({"compaction": "compact_pass", "threads": threads}, K)
     for kernel in rs._kernels(arch, K, cfg, 4, rows=1):

@@ -1,4 +1,4 @@
-"""tiles.results: nearest-bucket lookup, default fallback, clear errors for corrupt or foreign files; tuning.export writes atomically."""
+"""tiles.core.config_store: nearest-bucket lookup, default fallback, clear errors for corrupt or foreign files; tuning.export writes atomically."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import yaml
 from test_tuning_toys import ScaleToy
 
-from tiles.arch import get_arch
-from tiles.contract import Constraint, SearchSpace, Shape
-from tiles.results import SCHEMA, ResultsError, config_for, load_winner, results_path
+from tiles.core.arch import get_arch
+from tiles.core.config_store import SCHEMA, ResultsError, config_for, load_winner, results_path
+from tiles.core.contract import Constraint, SearchSpace, Shape
 from tuning.export import export_results
 
 SM90 = get_arch("sm90")
@@ -60,7 +60,7 @@ def test_export_round_trip_and_nearest_bucket(written):
 def test_sources_in_the_labs_results_are_repo_relative(written, monkeypatch):
     """A winner from the lab's own results/ is named repo-relative (sources land in JSON reports: no checkout path)."""
     toy, root, _, cfg = written
-    from tiles import results
+    from tiles.core import config_store as results
 
     monkeypatch.setattr(results, "RESULTS_DIR", root)  # as if root were <repo>/results
     config, source = load_winner("toy_scale", SM90, toy.shapes()[0], default=toy.default_config(SM90), root=root)
@@ -185,7 +185,7 @@ def test_unknown_arch_lists_known_ones():
 def test_a_winner_tuned_before_a_new_option_is_stale(tmp_path):
     """A stored config that lacks a parameter of the tile's current search space won nothing over that
     parameter: the default runs instead and the source says why; the tuner may still seed with it."""
-    from tiles.registry import get_tile
+    from tiles.core.registry import get_tile
 
     tile = get_tile("sparse_attn_decode")
     # a winner from before `produce` existed (and the later `io`, `ptxas_level`): a pipelined schedule
@@ -205,7 +205,7 @@ def test_a_winner_tuned_before_a_new_option_is_stale(tmp_path):
 def test_a_winner_timed_against_another_default_is_stale(tmp_path, timed_against):
     """A winner beat the default of its day; once the default changes (or the entry predates recording it) it has
     not been shown to beat the current one: the default runs, and the source says why."""
-    from tiles.registry import get_tile
+    from tiles.core.registry import get_tile
 
     tile = get_tile("fp4_quant_main")
     shape = tile.shapes()[0]

@@ -9,7 +9,7 @@ import pytest
 
 from lab.cli import main
 from lab.results_store import BENCH_SCHEMA, gpu_slug, merge_bench, read_bench, unaccounted
-from tiles.results import results_dir
+from tiles.core.config_store import results_dir
 
 
 def _run(gpu: str, date: str, shapes: dict[str, float]) -> dict:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from lab.cli import main
-from tiles.arch import get_arch
-from tiles.registry import all_tiles
+from tiles.core.arch import get_arch
+from tiles.core.registry import all_tiles
 
 ARCHS = ("sm90", "sm80")
 

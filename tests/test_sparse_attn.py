@@ -14,11 +14,11 @@ import torch
 import tiles.sparse_attn as sa
 from model.formats import fp4_dequantize, fp4_quantize, fp8_dequantize, fp8_quantize
 from model.ops import sparse_attention as ref_attention
-from tiles.arch import get_arch
-from tiles.compare import relative_l2
-from tiles.contract import Shape, TileError
-from tiles.ptxas import parse_resource_usage, ptxas_log
-from tiles.registry import all_tiles
+from tiles.core.arch import get_arch
+from tiles.core.compare import relative_l2
+from tiles.core.contract import Shape, TileError
+from tiles.core.ptxas import parse_resource_usage, ptxas_log
+from tiles.core.registry import all_tiles
 from tiles.sparse_attn import dequant
 from tiles.sparse_attn import tile as sa_tile
 
@@ -1235,7 +1235,7 @@ def test_kv_staging_expand_odd_shapes(shape, unused_rows):
 def test_expanded_caches_are_the_reference_dequant_in_bf16():
     """The expansion writes, bit for bit, the bf16 of model.formats' dequantisation (both FP4 word decodes), over
     scales spread across 2^-30..2^30 and row counts that leave a CTA partly empty."""
-    from tiles.kv_expand import expand_caches, expand_kernel
+    from tiles.sparse_attn.kv_expand import expand_caches, expand_kernel
 
     g = torch.Generator(device="cuda").manual_seed(3)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from lab.cli import build_parser
-from tiles.arch import get_arch
-from tiles.registry import get_tile
+from tiles.core.arch import get_arch
+from tiles.core.registry import get_tile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -136,15 +136,15 @@ def test_determinism_probe_counts_the_runs_that_differ(monkeypatch):
     import determinism_probe
     import test_harness
 
-    import tiles.arch
-    import tiles.registry
+    import tiles.core.arch
+    import tiles.core.registry
 
     tile = test_harness.CountingTile(flip_at=5)
     tile.shape = lambda name: test_harness.SHAPE
     tile.with_defaults = lambda arch, override: dict(override)
     tile.build = lambda shape, config, arch: object()
-    monkeypatch.setattr(tiles.registry, "get_tile", lambda name: tile)
-    monkeypatch.setattr(tiles.arch, "detect", lambda: get_arch("sm90"))
+    monkeypatch.setattr(tiles.core.registry, "get_tile", lambda name: tile)
+    monkeypatch.setattr(tiles.core.arch, "detect", lambda: get_arch("sm90"))
     row = determinism_probe.probe("toy_counting", "n64", {}, runs=8, seed=0)
     assert row["runs_differing_from_first"] == 4 and row["max_abs_diff_between_runs"] == 0.5
     assert row["first_vs_reference"]["error"] == 0.0 and row["worst_vs_reference"]["error"] == 0.5

@@ -24,10 +24,10 @@ import test_tuning_toys as toys
 from optuna.trial import TrialState
 
 from lab.cli import main as lab_main
-from tiles import arch as arch_mod
-from tiles.arch import ArchError, get_arch
-from tiles.contract import Constraint, SearchSpace
-from tiles.results import read_results
+from tiles.core import arch as arch_mod
+from tiles.core.arch import ArchError, get_arch
+from tiles.core.config_store import read_results
+from tiles.core.contract import Constraint, SearchSpace
 from tuning import space as space_mod
 from tuning import study as study_mod
 from tuning.export import export_results
@@ -281,7 +281,7 @@ def test_nearby_search_on_the_attention_space_finds_valid_configs():
     """The prefill attention's space at 4K (4.1M points) and the FP4 decode's at B=64/S=1 (13.8M): a random proposal
     is replaced by a valid config in seconds at most on one core, including those whose valid configs lie past the
     radius search's checks (7 of 30 such decode proposals before the greedy repair, session 23; none since)."""
-    from tiles.registry import get_tile
+    from tiles.core.registry import get_tile
 
     for name, shape_name, proposals in (("sparse_attn_prefill", "prefill_s4k", 3), ("sparse_attn_decode", "decode_b64_s1", 8)):
         tile = get_tile(name)
@@ -299,7 +299,7 @@ def test_nearby_search_on_the_attention_space_finds_valid_configs():
 def test_greedy_repair_never_adds_a_failing_constraint():
     """NearbyValidConfigs' fallback: each step of the repair leaves at most as many constraints failing as before, and
     on the FP4 decode space it ends with fewer than the random proposal had."""
-    from tiles.registry import get_tile
+    from tiles.core.registry import get_tile
 
     tile = get_tile("sparse_attn_decode")
     space, shape = tile.search_space(SM90), tile.shape("decode_b64_s1")
@@ -328,7 +328,7 @@ def test_valid_configs_survive_a_constraint_that_raises():
 
 
 def test_valid_configs_match_the_constraints_on_a_real_space():
-    from tiles.registry import get_tile
+    from tiles.core.registry import get_tile
 
     tile = get_tile("compressor")
     full, shape = tile.search_space(SM90), tile.shape("decode_r2_b64")
@@ -442,7 +442,7 @@ def test_resume_after_a_killed_run_loses_no_trial(tmp_path, monkeypatch):
         sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
         from pathlib import Path
         import test_tuning_toys as toys
-        from tiles.arch import get_arch
+        from tiles.core.arch import get_arch
         from tuning.study import TuneOptions, tune
         if __name__ == "__main__":
             tune([toys.ScaleToy()], TuneOptions(arch=get_arch("sm90"), trials=24, storage={opts.storage!r}, compile_jobs=1,

@@ -16,7 +16,7 @@ import optuna
 import pytest
 import test_tuning_toys as toys
 
-from tiles.arch import get_arch
+from tiles.core.arch import get_arch
 from tuning.space import config_key
 from tuning.study import counts_toward_budget, open_storage
 
@@ -39,7 +39,7 @@ def test_two_compile_only_workers_share_one_study(tmp_path):
         import sys
         sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
         import test_tuning_toys as toys
-        from tiles.arch import get_arch
+        from tiles.core.arch import get_arch
         from tuning.study import TuneOptions, tune
         if __name__ == "__main__":
             tune([toys.ScaleToy()], TuneOptions(arch=get_arch("sm90"), storage={URL!r}, compile_only=True, compile_jobs=2), "decode")

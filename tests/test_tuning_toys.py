@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from tiles.arch import Arch, get_arch
-from tiles.compare import relative_l2
-from tiles.contract import Comparison, Config, Constraint, Param, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
-from tiles.harness import OK, WRONG_RESULT, compile_tile
+from tiles.core.arch import Arch, get_arch
+from tiles.core.compare import relative_l2
+from tiles.core.contract import Comparison, Config, Constraint, Param, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
+from tiles.core.harness import OK, WRONG_RESULT, compile_tile
 
 TOY_SHAPES = [Shape("decode_n4k", "decode", {"N": 4096}), Shape("prefill_n1m", "prefill", {"N": 1 << 20})]
 

@@ -23,8 +23,8 @@ from tiles import compressor as compressor_tiles
 from tiles import fp4 as fp4_tiles
 from tiles import indexer as indexer_tiles
 from tiles import sparse_attn as attn_tiles
-from tiles.arch import Arch, detect
-from tiles.contract import Tile, TileError
+from tiles.core.arch import Arch, detect
+from tiles.core.contract import Tile, TileError
 
 CONFIG_MODES = ("tuned", "default")
 

@@ -3,7 +3,7 @@
     python3 tools/determinism_probe.py --json $OUT/determinism.json \
         --case 'sparse_attn_bf16:decode_b64_s1:{"schedule": "pipelined", "heads_per_block": 32, "threads": 128}' ...
 
-The lab's gate (tiles.harness) runs a kernel twice and calls it nondeterministic when the two outputs differ; a race
+The lab's gate (tiles.core.harness) runs a kernel twice and calls it nondeterministic when the two outputs differ; a race
 that strikes one launch in ten passes that gate most of the time. Here each case is built once for the GPU's arch
 (the config over the tile's default), its output NaN-poisoned and computed ``--runs`` times on one input set, and the
 script reports how many runs differ bitwise from the first, the largest difference between runs, and the error of
@@ -35,9 +35,9 @@ def _parse_case(text: str) -> tuple[str, str, dict]:
 
 def probe(tile_name: str, shape_name: str, override: dict, runs: int, seed: int) -> dict:
     """One case: ``runs`` launches on one input set; counts of differing runs and errors against the reference."""
-    from tiles.arch import detect
-    from tiles.harness import first_difference
-    from tiles.registry import get_tile
+    from tiles.core.arch import detect
+    from tiles.core.harness import first_difference
+    from tiles.core.registry import get_tile
 
     arch = detect()
     tile = get_tile(tile_name)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("determinism_probe: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from tiles.timing import describe_environment
+    from tiles.core.timing import describe_environment
 
     rows = []
     print(f"{'tile':18s} {'shape':16s} {'differing':>10s} {'max diff':>10s} {'err first':>10s} {'err worst':>10s}  override")

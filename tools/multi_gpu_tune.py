@@ -54,8 +54,8 @@ def summarise(storage: str) -> dict:
     measured trials over GPUs and any config measured twice."""
     import optuna
 
-    from tiles.arch import get_arch
-    from tiles.registry import get_tile
+    from tiles.core.arch import get_arch
+    from tiles.core.registry import get_tile
     from tuning.study import summarize
 
     per_gpu_trials: Counter = Counter()
@@ -120,7 +120,7 @@ def main() -> int:
         return resummarise(Path(args.out))
     import torch
 
-    from tiles.timing import describe_environment
+    from tiles.core.timing import describe_environment
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

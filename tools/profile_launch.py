@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     import torch
 
-    from tiles.arch import detect
-    from tiles.registry import get_tile
+    from tiles.core.arch import detect
+    from tiles.core.registry import get_tile
 
     tile_name, shape_name = sys.argv[1], sys.argv[2]
     override = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}

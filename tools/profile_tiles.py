@@ -84,8 +84,8 @@ def parse_spec(text: str) -> Spec:
 
 def validate(specs: list[Spec]) -> None:
     """Unknown tiles, shapes and config keys fail here, before any GPU work (works on a CPU machine)."""
-    from tiles.contract import TileError
-    from tiles.registry import get_tile
+    from tiles.core.contract import TileError
+    from tiles.core.registry import get_tile
 
     for spec in specs:
         try:
@@ -99,7 +99,7 @@ def validate(specs: list[Spec]) -> None:
 
 
 def _any_arch():
-    from tiles.arch import get_arch
+    from tiles.core.arch import get_arch
 
     return get_arch("sm90")
 
@@ -129,8 +129,8 @@ def kernel_rows(prof, launches: int) -> list[KernelRow]:
 
 def _compile_spec(spec: Spec) -> str:
     """Build one spec's kernels for the GPU present (fills TileLang's disk cache); '' or the error."""
-    from tiles.arch import detect
-    from tiles.registry import get_tile
+    from tiles.core.arch import detect
+    from tiles.core.registry import get_tile
 
     try:
         arch = detect()
@@ -160,9 +160,9 @@ def profile_one(spec: Spec, runs: int, seed: int) -> Profile:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tiles.arch import detect
-    from tiles.registry import get_tile
-    from tiles.timing import input_sets_for_l2
+    from tiles.core.arch import detect
+    from tiles.core.registry import get_tile
+    from tiles.core.timing import input_sets_for_l2
 
     arch = detect()
     tile = get_tile(spec.tile)

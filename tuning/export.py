@@ -1,4 +1,4 @@
-"""Writes a tuning run's winners to ``results/<arch>/<tile>.yaml`` (the file :mod:`tiles.results` reads).
+"""Writes a tuning run's winners to ``results/<arch>/<tile>.yaml`` (the file :mod:`tiles.core.config_store` reads).
 
 Buckets of shapes not tuned in this run are kept; a bucket tuned again is replaced. The
 file is written to a temporary file in the same directory and moved over the old one with
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
-from tiles.arch import Arch
-from tiles.contract import Tile
-from tiles.results import SCHEMA, ResultsError, read_results, results_path
-from tiles.timing import describe_environment
+from tiles.core.arch import Arch
+from tiles.core.config_store import SCHEMA, ResultsError, read_results, results_path
+from tiles.core.contract import Tile
+from tiles.core.timing import describe_environment
 
 
 def write_atomic(path: Path, text: str) -> None:

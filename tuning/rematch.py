@@ -20,8 +20,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from tiles import harness
-from tiles.contract import Config, Shape, Tile
+from tiles.core import harness
+from tiles.core.contract import Config, Shape, Tile
 from tuning.space import config_key
 from tuning.workers import WorkerPool, tile_ref
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import optuna
 from optuna.trial import TrialState
 
-from tiles import harness
+from tiles.core import harness
 from tuning.space import config_key
 from tuning.study import TuneError, counts_toward_budget, open_storage
 

@@ -1,7 +1,7 @@
 """A tile's search space as Optuna sees it, the configs a study starts from, and its valid configs.
 
 The tuner knows nothing of any op: the parameters, their choices and the constraints all
-come from :meth:`tiles.contract.Tile.search_space`. A study starts from the tile's default
+come from :meth:`tiles.core.contract.Tile.search_space`. A study starts from the tile's default
 config, then from winners already stored for this arch and for the archs most like it
 (transfer between GPUs), so a new GPU begins where a similar one ended.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tiles.arch import ARCHS, Arch
-from tiles.contract import Config, SearchSpace, Shape, Tile
-from tiles.results import ResultsError, load_winner, results_path
+from tiles.core.arch import ARCHS, Arch
+from tiles.core.config_store import ResultsError, load_winner, results_path
+from tiles.core.contract import Config, SearchSpace, Shape, Tile
 
 
 def distributions(space: SearchSpace) -> dict:
@@ -98,7 +98,7 @@ class ValidConfigs:
     config that differs from it in the fewest parameters (ties broken at random) and has not been tried, so every
     proposal turns into a measurement near what the sampler asked for.
 
-    Configs that build the same kernel (``kernel_key``, e.g. :meth:`tiles.contract.Tile.kernel_key`: an "auto" choice
+    Configs that build the same kernel (``kernel_key``, e.g. :meth:`tiles.core.contract.Tile.kernel_key`: an "auto" choice
     and the choice it resolves to) count once: ``len`` is the number of distinct kernels, and :meth:`nearest` skips
     a config whose kernel was tried (the prefill attention's 14,224 valid configs at 4K are 4,200 kernels).
 

@@ -4,7 +4,7 @@ Trials move through three stages, each in its own place so no config can end the
 constraints are checked here (an invalid config is pruned with its reason and never
 compiled); the kernel is compiled in the compile pool; it is run, checked against the
 reference on fresh inputs and timed in a GPU worker. Every trial records its outcome
-(``tiles.harness`` outcome kinds) and metrics as user attributes. Only ``ok`` trials are
+(``tiles.core.harness`` outcome kinds) and metrics as user attributes. Only ``ok`` trials are
 COMPLETE with a value, so a wrong or nondeterministic result can never be the best trial.
 
 Several lanes (threads) run trials concurrently so compilation overlaps timing; several
@@ -30,10 +30,10 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from tiles import harness
-from tiles.arch import Arch, require_present
-from tiles.contract import Config, Shape, Tile
-from tiles.results import results_dir
+from tiles.core import harness
+from tiles.core.arch import Arch, require_present
+from tiles.core.config_store import results_dir
+from tiles.core.contract import Config, Shape, Tile
 from tuning.rematch import needs_rematch, rematch
 from tuning.space import NearbyValidConfigs, ValidConfigs, config_key, distributions, seed_configs, valid_configs
 from tuning.workers import WorkerDied, WorkerPool, WorkerTimeout, tile_ref
@@ -382,7 +382,7 @@ class StudyRunner:
             self.progress.on_trial(self, trial.number, attrs, dict(trial.params), trial.user_attrs.get("source"))
 
     def _kernel_key(self, config: Config) -> str:
-        """The tile's key for the kernel ``config`` builds at this shape (:meth:`tiles.contract.Tile.kernel_key`); a
+        """The tile's key for the kernel ``config`` builds at this shape (:meth:`tiles.core.contract.Tile.kernel_key`); a
         tile whose key raises on some config keys it by the config alone (a bad config never stops the study)."""
         try:
             return self.tile.kernel_key(self.shape, config, self.arch)

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tiles.contract import Tile
+from tiles.core.contract import Tile
 
 _CTX = mp.get_context("spawn")
 
@@ -67,8 +67,8 @@ def resolve_function(ref: str) -> Callable:
 
 def compile_task(tile_ref_: str, shape_name: str, config: dict, arch_name: str) -> dict:
     """Constraints + ``tile.build`` in a pool worker: the Evaluation as a dict, plus resource use when known."""
-    from tiles.arch import get_arch
-    from tiles.harness import compile_tile
+    from tiles.core.arch import get_arch
+    from tiles.core.harness import compile_tile
 
     tile = load_tile(tile_ref_)
     kernel, ev = compile_tile(tile, tile.shape(shape_name), config, get_arch(arch_name))
@@ -79,8 +79,8 @@ def compile_task(tile_ref_: str, shape_name: str, config: dict, arch_name: str) 
 
 def evaluate_on_gpu(tile_ref_: str, shape_name: str, config: dict, arch_name: str, seed: int, runs: int) -> dict:
     """Build (a kernel-cache hit after the pool compiled it), check on fresh inputs, time: the Evaluation as a dict."""
-    from tiles.arch import get_arch
-    from tiles.harness import check_and_time, compile_tile
+    from tiles.core.arch import get_arch
+    from tiles.core.harness import check_and_time, compile_tile
 
     tile = load_tile(tile_ref_)
     shape, arch = tile.shape(shape_name), get_arch(arch_name)
@@ -250,7 +250,7 @@ class WorkerPool:
         """One GPU evaluation by ``evaluator`` (check, then time; ``args`` as :func:`evaluate_on_gpu` takes them): the
         worker's Evaluation dict, or an outcome for a worker that hung (TIMEOUT) or died (RUNTIME_FAULT). A worker
         whose result is a runtime fault is replaced."""
-        from tiles import harness
+        from tiles.core import harness
 
         try:
             return self.call(evaluator, args, timeout_s, restart_if=lambda r: r.get("outcome") == harness.RUNTIME_FAULT)

@@ -13,9 +13,9 @@ import json
 import sys
 
 from lab.cli import LabError
-from tiles.arch import ArchError, require_present, resolve
-from tiles.contract import Config, Tile, TileError
-from tiles.registry import get_tile
+from tiles.core.arch import ArchError, require_present, resolve
+from tiles.core.contract import Config, Tile, TileError
+from tiles.core.registry import get_tile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,10 +81,10 @@ def _shapes(tile: Tile, name: str):
 
 def shape_configs(tile: Tile, arch, shapes: list, config_text: str | None, root=None) -> list[tuple[Config, str]]:
     """(config, where it came from) per shape: ``--config`` over the tile's default ("override"/"default"), or with
-    ``tuned`` each shape's stored winner by :func:`tiles.results.load_winner` (its source: the winner's file and bucket,
+    ``tuned`` each shape's stored winner by :func:`tiles.core.config_store.load_winner` (its source: the winner's file and bucket,
     or why the default runs); every config checked against the search space at its shape (a :class:`LabError` if not)."""
     if (config_text or "").strip() == "tuned":
-        from tiles.results import ResultsError, load_winner
+        from tiles.core.config_store import ResultsError, load_winner
 
         try:
             pairs = [load_winner(tile.name, arch, shape, root=root) for shape in shapes]
@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
         raise LabError(f"{exc}; `lab bench` times on a GPU (use `lab check --compile-only` to only compile)") from None
     configs = shape_configs(tile, arch, shapes, args.config)
 
-    from tiles.harness import evaluate, time_reference
-    from tiles.timing import describe_environment, device_copy_bandwidth
+    from tiles.core.harness import evaluate, time_reference
+    from tiles.core.timing import describe_environment, device_copy_bandwidth
 
     copy_bw = device_copy_bandwidth()
     rows = []
@@ -178,7 +178,7 @@ def _save(doc: dict, arch, tuned: bool) -> None:
     """Merge the run into the results tree and render its bench.md again (lab.results_store)."""
     from lab.results_store import merge_bench
     from lab.summaries import bench_markdown
-    from tiles.results import results_dir
+    from tiles.core.config_store import results_dir
     from tuning.export import write_atomic
 
     arch_dir = results_dir() / arch.name

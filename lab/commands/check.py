@@ -17,10 +17,10 @@ from dataclasses import replace
 
 from lab.cli import LabError
 from lab.matrix import SKIPPED, UNSUPPORTED, Cell, check_cell, plan, regressions, run_compile, stored_winner_cells
-from tiles.arch import ArchError, detect, get_arch
-from tiles.contract import TileError
-from tiles.registry import select
-from tiles.timing import describe_environment
+from tiles.core.arch import ArchError, detect, get_arch
+from tiles.core.contract import TileError
+from tiles.core.registry import select
+from tiles.core.timing import describe_environment
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,7 +191,7 @@ def _over_budget(cell: Cell, max_gib: float | None) -> str | None:
     """Why ``cell`` is skipped under a ``--max-gib`` budget, or None."""
     if max_gib is None:
         return None
-    from tiles.registry import get_tile
+    from tiles.core.registry import get_tile
 
     tile = get_tile(cell.tile)
     shape = tile.shape(cell.shape)

@@ -92,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
     from lab.e2e.run import run_e2e
     from model import ConfigError, preset
     from model.inputs import InputError
-    from tiles.arch import ArchError, detect
-    from tiles.results import results_dir
-    from tiles.timing import describe_environment
+    from tiles.core.arch import ArchError, detect
+    from tiles.core.config_store import results_dir
+    from tiles.core.timing import describe_environment
 
     try:
         cfg = preset(args.preset)

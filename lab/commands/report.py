@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
     from lab.e2e.report import load, render_plots, results_markdown
     from lab.results_store import e2e_plot_prefix, unaccounted
     from lab.summaries import bench_markdown, tuning_markdown
-    from tiles.results import results_dir
+    from tiles.core.config_store import results_dir
     from tuning.export import write_atomic
 
     root = Path(args.results) if args.results else results_dir()

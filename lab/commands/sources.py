@@ -21,9 +21,9 @@ from pathlib import Path
 
 from lab.cli import LabError
 from lab.commands.bench import parse_config
-from tiles.arch import ArchError, get_arch
-from tiles.contract import TileError
-from tiles.registry import select
+from tiles.core.arch import ArchError, get_arch
+from tiles.core.contract import TileError
+from tiles.core.registry import select
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 from lab.cli import LabError
-from tiles.arch import ARCHS, ArchError
-from tiles.contract import TileError
+from tiles.core.arch import ARCHS, ArchError
+from tiles.core.contract import TileError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tiles.arch import resolve
-    from tiles.registry import select
+    from tiles.core.arch import resolve
+    from tiles.core.registry import select
     from tuning.progress import TuneProgress
     from tuning.study import TuneError, TuneOptions, tune
 

@@ -19,7 +19,7 @@ from lab.e2e.synthetic import fill_cache
 from model import build_model, preset
 from model.backend import load_backend
 from model.cache import KVCache
-from tiles.timing import time_cuda
+from tiles.core.timing import time_cuda
 
 PHASES = ("decode", "prefill", "prefill_full")  # prefill = CED; prefill_full = every layer over every token
 

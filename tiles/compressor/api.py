@@ -3,12 +3,12 @@ default), then one launch writing both caches."""
 
 import torch
 
-from tiles.calls import pick_config, tensor_arch
 from tiles.compressor.common import DI, INDEX_GROUP, MAIN_GROUP, ROPE, D
 from tiles.compressor.launch import _build, _check_f32, _prepared_forms, _wk_args
 from tiles.compressor.tile import COMPRESSOR
-from tiles.contract import Config, Shape, TileError
-from tiles.shapes import flash
+from tiles.core.calls import pick_config, tensor_arch
+from tiles.core.contract import Config, Shape, TileError
+from tiles.core.shapes import flash
 
 
 def compress(

@@ -8,7 +8,6 @@ import tilelang.language as T
 import tvm
 from tilelang.layout import make_linear_layout
 
-from tiles.arch import cuda_target
 from tiles.compressor.common import DI, DIRECT_ROWS, INDEX_GROUP, MAIN_GROUP, MULTI_CTA_CHUNK, MULTI_CTA_STAGES, NORM_LANES, ROPE, D
 from tiles.compressor.options import (
     ENCODES,
@@ -50,7 +49,8 @@ from tiles.compressor.projection import (
     _split_tf32_tile,
     rot_pad,
 )
-from tiles.contract import TileError
+from tiles.core.arch import cuda_target
+from tiles.core.contract import TileError
 
 
 @T.macro

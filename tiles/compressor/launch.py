@@ -4,10 +4,10 @@ arguments, for :mod:`tiles.compressor.api` and the tile."""
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from tiles.arch import Arch
 from tiles.compressor.kernel import _compress_kernel
 from tiles.compressor.projection import wk_fragment_order, wk_fragment_order_f16
-from tiles.contract import Config, TileError
+from tiles.core.arch import Arch
+from tiles.core.contract import Config, TileError
 
 
 def _build(arch: Arch, ratio: int, cfg: Config):

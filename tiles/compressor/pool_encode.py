@@ -5,7 +5,7 @@ import tilelang.language as T
 
 from tiles.compressor.common import D
 from tiles.compressor.options import POOL_MATHS
-from tiles.contract import TileError
+from tiles.core.contract import TileError
 
 
 def _e2m1_code(v):

@@ -6,7 +6,6 @@ import torch
 from model import formats
 from model.ops.compressor import compressor_latents, index_keys, main_entries
 from model.ops.rope import RopeConfig, rope_tables
-from tiles.arch import Arch
 from tiles.compressor.common import (
     DEQ_RTOL,
     DI,
@@ -38,8 +37,9 @@ from tiles.compressor.options import (
 )
 from tiles.compressor.pool_encode import LOAD_CHUNK
 from tiles.compressor.projection import rot_pad
-from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, poisoned
-from tiles.shapes import compressor_shapes, flash
+from tiles.core.arch import Arch
+from tiles.core.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, poisoned
+from tiles.core.shapes import compressor_shapes, flash
 
 
 def compare_fp4_caches(outputs, expected) -> Comparison:

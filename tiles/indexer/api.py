@@ -3,8 +3,8 @@ config for the call (explicit, tuned winner, or default), then the launch."""
 
 import torch
 
-from tiles.calls import pick_config, tensor_arch
-from tiles.contract import Config, Shape, TileError
+from tiles.core.calls import pick_config, tensor_arch
+from tiles.core.contract import Config, Shape, TileError
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS
 from tiles.indexer.launch import _index_k_words, _launch_pool, _launch_reindex, _launch_topk
 from tiles.indexer.tile import CANDIDATE_POOL, INDEXER_TOPK, REINDEX_TOPK

@@ -302,7 +302,7 @@ def _score_fp8_groups(kw_s, k8, q8_s, accs, block_n: int):
 
 
 RS_PRODUCER_REGS = 24  # setmaxnreg floor: TileLang's producer only waits on mbarriers, loads scales and issues TMA
-REGISTERS_PER_SM = 65536  # sm_80 .. sm_120 alike (tiles.arch registers_per_sm); the kernel builder sees only the target
+REGISTERS_PER_SM = 65536  # sm_80 .. sm_120 alike (tiles.core.arch registers_per_sm); the kernel builder sees only the target
 
 
 def _rs_register_split(threads: int, min_ctas: int) -> tuple[int, int]:

@@ -5,9 +5,9 @@ from typing import Any
 
 import torch
 
-from tiles import radix_select
-from tiles.arch import Arch
-from tiles.contract import Config
+from tiles.core.arch import Arch
+from tiles.core.contract import Config
+from tiles.indexer import radix_select
 from tiles.indexer.policy import radix_config, resolve_select_split, resolve_tiles_per_cta
 from tiles.indexer.score_kernel import _score_kernel
 from tiles.indexer.select_kernel import _block_max_kernel, _select_kernel
@@ -44,7 +44,7 @@ def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, score
     dummy_pool = torch.empty(B, S, 1, dtype=torch.int32, device=q.device)  # the contiguous variant reads no pool
     _score(cfg, arch, False, 8, q, weights, words, scales, nvis, dummy_pool, scores)
     if cfg.get("select_algo", "multipass") == "two_pass":
-        # tiles.radix_select: two passes over each row in global memory, the rest in shared memory
+        # tiles.indexer.radix_select: two passes over each row in global memory, the rest in shared memory
         radix_select.select_launcher(B * S, N, out.shape[-1], q.device, arch=arch, config=radix_config(cfg))(
             scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1)
         )
@@ -116,7 +116,7 @@ def _launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, po
 
 
 def _build_two_pass(arch: Arch, rows: int, n: int, k: int, radix: Config | None = None) -> dict[str, Any]:
-    """Compile tiles.radix_select's kernels for ``rows`` rows of ``n`` scores, top ``k`` (``radix``: a
+    """Compile tiles.indexer.radix_select's kernels for ``rows`` rows of ``n`` scores, top ``k`` (``radix``: a
     radix_select config, its default when None): the select, and the merge of its parts when there are several."""
     cfg = radix_select.check_config(radix or {}, k)
     parts = radix_select.resolve_parts(cfg["parts"], rows, n, k, arch)

@@ -1,8 +1,8 @@
 """Per-call resolution of the "auto" choices (tiles per score CTA, select split) and the two-pass select's config."""
 
-from tiles import radix_select
-from tiles.arch import Arch
-from tiles.contract import Config
+from tiles.core.arch import Arch
+from tiles.core.contract import Config
+from tiles.indexer import radix_select
 
 TILES_PER_CTA = (1, 4, 16)
 AUTO_CTAS_PER_SM = 0.75  # tiles_per_cta="auto": the most tiles per CTA that still give the grid this many CTAs per SM
@@ -52,5 +52,5 @@ _RADIX_DEFAULT = {
 
 
 def radix_config(cfg: Config) -> Config:
-    """The tiles.radix_select config of an indexer config (its ``radix_*`` keys; absent keys: radix_select's defaults)."""
+    """The tiles.indexer.radix_select config of an indexer config (its ``radix_*`` keys; absent keys: radix_select's defaults)."""
     return {name.removeprefix("radix_"): cfg.get(name, default) for name, default in _RADIX_DEFAULT.items()}

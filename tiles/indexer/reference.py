@@ -5,7 +5,7 @@ import torch
 
 from model import formats
 from model.ops.indexer import indexer_scores
-from tiles.contract import Comparison, Inputs
+from tiles.core.contract import Comparison, Inputs
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS, TIE_RTOL
 
 

@@ -8,7 +8,7 @@ import tilelang
 import tilelang.language as T
 import tvm
 
-from tiles.arch import cuda_target
+from tiles.core.arch import cuda_target
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS
 from tiles.indexer.dequant import (
     _FMA_PAIR_CUDA,

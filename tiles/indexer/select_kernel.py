@@ -8,7 +8,7 @@ import tilelang
 import tilelang.language as T
 import tvm
 
-from tiles.arch import cuda_target
+from tiles.core.arch import cuda_target
 
 LOADS_IN_FLIGHT = 16  # score loads each select thread issues before using the first (memory-level parallelism)
 

@@ -1,9 +1,9 @@
 """The indexer tiles' search space: the score and select parameters, the constraints that refuse configs a GPU
 cannot build or hold, and the defaults per arch."""
 
-from tiles import radix_select
-from tiles.arch import Arch
-from tiles.contract import Config, Param, Shape
+from tiles.core.arch import Arch
+from tiles.core.contract import Config, Param, Shape
+from tiles.indexer import radix_select
 from tiles.indexer.common import HEAD_DIM, HEADS
 from tiles.indexer.dequant import FP8_MAX_BLOCK_N, HOPPER_ONLY_DEQUANTS, REGISTER_A_DEQUANTS, RS_DEQUANTS, _rs_register_split
 from tiles.indexer.policy import _RADIX_DEFAULT, TILES_PER_CTA, radix_config
@@ -168,7 +168,7 @@ _SELECT_ALGO = Param(
     "select_algo",
     ("multipass", "two_pass"),
     "top-k select: radix passes over the row in global memory (select_threads, radix_bits, select_split), or "
-    "tiles.radix_select (one histogram and one compaction pass over the row, the rest in shared memory)",
+    "tiles.indexer.radix_select (one histogram and one compaction pass over the row, the rest in shared memory)",
 )
 
 
@@ -176,7 +176,7 @@ _SELECT_ALGO = Param(
 # decode: 8 CTAs on the whole GPU at radix_select's default; its row staged in shared memory at 512 threads ran one
 # 128K row 25.4 -> 21.0 us on the H200, 0f2e979). Defaults are radix_select.DEFAULT_CONFIG's.
 _RADIX_PARAMS = (
-    Param("radix_threads", radix_select.PARAMS["threads"], "two_pass select: threads per CTA (tiles.radix_select)"),
+    Param("radix_threads", radix_select.PARAMS["threads"], "two_pass select: threads per CTA (tiles.indexer.radix_select)"),
     Param(
         "radix_stage",
         radix_select.STAGES,

@@ -5,10 +5,9 @@ from typing import Any
 import torch
 
 from model.ops.indexer import candidate_blocks, pool_mask, topk_positions
-from tiles import radix_select
-from tiles.arch import Arch
-from tiles.compare import relative_l2
-from tiles.contract import (
+from tiles.core.arch import Arch
+from tiles.core.compare import relative_l2
+from tiles.core.contract import (
     Comparison,
     Config,
     Constraint,
@@ -21,6 +20,8 @@ from tiles.contract import (
     kernel_sources_of,
     poisoned,
 )
+from tiles.core.shapes import flash, indexer_shapes, reindex_shapes
+from tiles.indexer import radix_select
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS, NEG_INF, SCORE_RTOL
 from tiles.indexer.dequant import FP8_MAX_BLOCK_N, REGISTER_A_DEQUANTS
 from tiles.indexer.launch import _build_score, _build_two_pass, _index_k_words, _launch_pool, _launch_reindex, _launch_topk
@@ -46,7 +47,6 @@ from tiles.indexer.space import (
     _smem_score,
     _warps_fit,
 )
-from tiles.shapes import flash, indexer_shapes, reindex_shapes
 
 
 class _ScoreAndSelectTile(Tile):
@@ -301,7 +301,7 @@ class CandidatePoolTile(Tile):
         return {"pool": candidate_blocks(inputs["scores"], inputs["n_visible"], flash().pool_block, flash().pool_max_blocks)}
 
     def compare(self, outputs, expected) -> Comparison:
-        from tiles.compare import bit_exact
+        from tiles.core.compare import bit_exact
 
         return bit_exact(outputs, expected)
 

@@ -33,7 +33,7 @@ each token merges them itself, after an arrival counter). ``n_split="auto"`` pic
 power-of-two splits that give at least two blocks per SM.
 
 ``kv_staging`` (the prefill tile): ``gather`` decodes each FP4/FP8 row in the producer every time a token reads it;
-``expand`` first expands both caches to bf16 in one launch (:mod:`tiles.kv_expand`, the producer's own decode
+``expand`` first expands both caches to bf16 in one launch (:mod:`tiles.sparse_attn.kv_expand`, the producer's own decode
 helpers, so the same bits) and runs the bf16 kernel on them: at prefill every row is read by hundreds of tokens, and
 the decode work is what paced the producer (1.24x at 4K-64K on the H200). ``auto`` (the Hopper prefill default) expands
 from EXPAND_MIN_TOKENS tokens reading each row EXPAND_MIN_READS times or more. The decode tile always gathers.

@@ -3,8 +3,8 @@ with their shape, dtype and index checks and the choice of tile and config."""
 
 import torch
 
-from tiles.arch import Arch, device_arch
-from tiles.contract import Config, Shape, TileError
+from tiles.core.arch import Arch, device_arch
+from tiles.core.contract import Config, Shape, TileError
 from tiles.sparse_attn.launch import _DEFAULT_SCALE, compiled
 from tiles.sparse_attn.tile import BF16_TILE, DECODE_TILE, PREFILL_TILE, SparseAttnTile
 
@@ -69,7 +69,7 @@ _PICKED: dict[tuple, Config] = {}
 
 
 def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], config: Config | None) -> Config:
-    """An explicit config over the default, else the tuned winner nearest this shape (tiles.results), else the default.
+    """An explicit config over the default, else the tuned winner nearest this shape (tiles.core.config_store), else the default.
 
     The winner lookup reads files, so its answer is kept per (tile, arch, dims)."""
     shape = Shape("call", tile.phase, dims)
@@ -79,7 +79,7 @@ def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], confi
         key = (tile.name, arch.name, tuple(sorted(dims.items())))
         if key not in _PICKED:
             try:
-                from tiles.results import load_winner
+                from tiles.core.config_store import load_winner
             except ImportError:  # the results module is optional: without it the default runs
                 _PICKED[key] = tile.default_config(arch)
             else:

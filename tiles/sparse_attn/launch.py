@@ -6,11 +6,11 @@ from typing import Any
 import tilelang
 import torch
 
-from tiles.arch import Arch
-from tiles.contract import Config
-from tiles.kv_expand import expand_caches, expand_kernel
+from tiles.core.arch import Arch
+from tiles.core.contract import Config
 from tiles.sparse_attn.dequant import _FP4X8_FUNCTIONS, _decode_helpers_cuda
 from tiles.sparse_attn.kernels import combine_kernel, sparse_attn_kernel
+from tiles.sparse_attn.kv_expand import expand_caches, expand_kernel
 from tiles.sparse_attn.options import BF16_ROW_KEYS
 
 _PASS_CONFIGS = {
@@ -121,7 +121,7 @@ FP4_ONLY_KEYS = ("dequant", "wg1_rows", "fp4_decode", "kv_staging")
 
 
 class ExpandedAttention:
-    """``kv_staging="expand"``: both quantised caches expanded to bf16 (:mod:`tiles.kv_expand`, one launch), then the
+    """``kv_staging="expand"``: both quantised caches expanded to bf16 (:mod:`tiles.sparse_attn.kv_expand`, one launch), then the
     bf16 kernel of the same config gathers them. Called like :class:`CompiledAttention` with FP4/FP8 arguments."""
 
     def __init__(self, heads: int, dim: int, window: int, topk: int, scale: float, config: Config, arch: Arch):

@@ -1,7 +1,7 @@
 """The attention tiles' option vocabulary and the rules that both the kernel builders and the search space apply
 (which combinations a kernel is built for), so that a refused config and a kernel build error say the same thing."""
 
-from tiles.contract import Config
+from tiles.core.contract import Config
 
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
 IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)

@@ -3,8 +3,8 @@ config means at one call's dims, given the arch."""
 
 from collections.abc import Mapping
 
-from tiles.arch import Arch
-from tiles.contract import Config, Shape
+from tiles.core.arch import Arch
+from tiles.core.contract import Config, Shape
 from tiles.sparse_attn.options import _kernel_rows, _overlapped_refusal, blocks_per_token
 
 

@@ -8,10 +8,10 @@ import torch
 
 from model.formats import fp4_dequantize, fp8_dequantize
 from model.ops.sparse_attn import sparse_attention as _ref_sparse_attention
-from tiles.arch import Arch
-from tiles.compare import relative_l2
-from tiles.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
-from tiles.shapes import attention_shapes
+from tiles.core.arch import Arch
+from tiles.core.compare import relative_l2
+from tiles.core.contract import Comparison, Config, Constraint, Inputs, Param, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
+from tiles.core.shapes import attention_shapes
 from tiles.sparse_attn.launch import _DEFAULT_SCALE, CompiledAttention, ExpandedAttention, compiled
 from tiles.sparse_attn.options import (
     _NARROW_DEFAULTS,

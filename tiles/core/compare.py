@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from tiles.contract import Comparison
+from tiles.core.contract import Comparison
 
 
 def bit_exact(outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> Comparison:

@@ -1,7 +1,7 @@
 """The tile contract: what a kernel declares so the tuner, `lab bench` and `lab check` can
 use it without knowing the op.
 
-A tile says: its name; the shapes it serves (from :mod:`tiles.shapes`, tied to the
+A tile says: its name; the shapes it serves (from :mod:`tiles.core.shapes`, tied to the
 ``v4.1-flash`` preset); how to build a kernel for (shape, config, arch); its search space
 as data (parameters with their choices, and constraints checked before anything
 compiles); a default config per arch family; an input generator (fresh random data per
@@ -9,7 +9,7 @@ seed); the torch reference from ``model/``; FLOP and byte counts; and the compar
 
 A tile module reads top-down: ``@tilelang.jit``-style kernel builder -> a thin wrapper that
 checks inputs and picks the config -> a :class:`Tile` subclass that ties them to this
-contract. Tiles are found by :mod:`tiles.registry`.
+contract. Tiles are found by :mod:`tiles.core.registry`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tiles.arch import Arch
+from tiles.core.arch import Arch
 
 Config = dict[str, Any]
 Inputs = dict[str, torch.Tensor]
@@ -147,7 +147,7 @@ class Tile:
 
     # --- shapes and configs ---------------------------------------------------------
     def shapes(self) -> list[Shape]:
-        """The benchmark shapes, from :mod:`tiles.shapes`."""
+        """The benchmark shapes, from :mod:`tiles.core.shapes`."""
         raise NotImplementedError
 
     def shape(self, name: str) -> Shape:

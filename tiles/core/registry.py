@@ -1,4 +1,4 @@
-"""Finds every tile: each module in ``tiles/`` (or subpackage) that defines ``TILES = [...]``."""
+"""Finds every tile: each op package (or module) in ``tiles/`` that defines ``TILES = [...]``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pkgutil
 from functools import cache
 
 import tiles
-from tiles.contract import Tile, TileError
+from tiles.core.contract import Tile, TileError
 
-# Modules that hold machinery, not tiles.
-_NOT_TILES = {"arch", "contract", "compare", "timing", "shapes", "registry", "backend", "harness", "results"}
+# What holds machinery (this package) or the model's seam, not tiles.
+_NOT_TILES = {"core", "backend"}
 
 
 @cache

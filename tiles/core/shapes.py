@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import cache
 
 from model.config import ModelConfig, preset
-from tiles.contract import Shape
+from tiles.core.contract import Shape
 
 DECODE_BATCHES = (1, 16, 64, 128)
 DECODE_TOKENS = (1, 2)

@@ -44,8 +44,8 @@ import tilelang.language as T
 import torch
 import tvm
 
-from tiles.arch import Arch, cuda_target, device_arch, get_arch
-from tiles.contract import Config, TileError
+from tiles.core.arch import Arch, cuda_target, device_arch, get_arch
+from tiles.core.contract import Config, TileError
 
 # CUDA body of the select. Template parameters: THREADS per CTA, HB histogram bits per radix digit,
 # E loads in flight per thread, CAP shared-memory candidate slots, AGG warp-aggregated histogram atomics.

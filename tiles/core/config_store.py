@@ -3,7 +3,7 @@
 A results file holds, per shape bucket, the winning config of a tuning run with its
 latency, the default's latency, the speedup, the trials run, and the environment that
 produced it (written by :mod:`tuning.export`). :func:`load_winner` picks the bucket
-nearest to the shape asked for (:meth:`tiles.contract.Shape.distance`) and falls back to
+nearest to the shape asked for (:meth:`tiles.core.contract.Shape.distance`) and falls back to
 the tile's default config when there is no file or no comparable bucket, and says which
 one it used. A file that does not parse, or that belongs to another tile, arch or schema,
 raises :class:`ResultsError` naming the file.
@@ -18,11 +18,11 @@ from typing import Any
 
 import yaml
 
-from tiles.arch import Arch, get_arch
-from tiles.contract import Config, Shape, TileError
+from tiles.core.arch import Arch, get_arch
+from tiles.core.contract import Config, Shape, TileError
 
 SCHEMA = "csa2-lab/tuned-configs/v1"
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
 
 class ResultsError(TileError):
@@ -110,7 +110,7 @@ def stale_params(tile, arch: Arch, config: Config, tuned_default: Any = _NOT_CHE
 
 def _registered(tile_name: str):
     """The registered tile of that name, or None (tests use unregistered toy tiles)."""
-    from tiles.registry import get_tile
+    from tiles.core.registry import get_tile
 
     try:
         return get_tile(tile_name)
@@ -140,7 +140,7 @@ def load_winner(
 
     Returns ``(config, "tuned:<file>#<bucket>")`` (``<file>`` repo-relative for the lab's own ``results/``) for the nearest stored bucket within
     :data:`MAX_TRANSFER_DISTANCE`, else ``(default, "default")``. ``default`` is the tile's default config for ``arch``; when not
-    given it is looked up through :mod:`tiles.registry`. A stored config that the tile's
+    given it is looked up through :mod:`tiles.core.registry`. A stored config that the tile's
     current search space rejects at its own bucket's shape raises :class:`ResultsError` (the file is stale); one
     valid there but not at ``shape`` (a nearer bucket was not stored) gives the default, with source
     ``"default (tuned:<file>#<bucket> does not apply to <shape>: ...)"``. ``tile``: the tile object (else looked up by
@@ -154,7 +154,7 @@ def load_winner(
     tile = tile if tile is not None else _registered(tile_name)
     if default is None:
         if tile is None:
-            from tiles.registry import get_tile
+            from tiles.core.registry import get_tile
 
             get_tile(tile_name)  # raises the registry's error for an unknown name
         default = tile.default_config(arch)

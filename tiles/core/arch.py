@@ -96,7 +96,7 @@ def device_arch(device) -> Arch:
     for key in (f"sm{major}{minor}", f"sm{major}0"):
         if key in ARCHS:
             return ARCHS[key]
-    raise ArchError(f"GPU with compute capability {major}.{minor} is not in tiles.arch: add it there first")
+    raise ArchError(f"GPU with compute capability {major}.{minor} is not in tiles.core.arch: add it there first")
 
 
 def resolve(name: str) -> Arch:

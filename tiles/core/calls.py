@@ -4,12 +4,12 @@ the config for the call (explicit, tuned winner, or default). The attention keep
 
 import torch
 
-from tiles.arch import Arch, device_arch
-from tiles.contract import Config, Shape, Tile, TileError
+from tiles.core.arch import Arch, device_arch
+from tiles.core.contract import Config, Shape, Tile, TileError
 
 
 def tensor_arch(t: torch.Tensor, caller: str) -> Arch:
-    """The arch of the GPU ``t`` is on (:func:`tiles.arch.device_arch`); ``caller``: the public function, named in the
+    """The arch of the GPU ``t`` is on (:func:`tiles.core.arch.device_arch`); ``caller``: the public function, named in the
     error a CPU tensor gets."""
     if t.device.type != "cuda":
         raise TileError(f"{caller}: the kernels run on a CUDA GPU, got tensors on {t.device}: move them with .cuda()")
@@ -20,7 +20,7 @@ def pick_config(tile: Tile, shape: Shape, arch: Arch, config: Config | None) -> 
     """An explicit config (checked), else the tuned winner from results/, else the tile's default."""
     if config is None:
         try:
-            from tiles.results import load_winner
+            from tiles.core.config_store import load_winner
         except ImportError:
             config = tile.default_config(arch)
         else:

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tiles.arch import Arch
-from tiles.contract import Config, Shape, Tile
-from tiles.timing import input_sets_for_l2, time_cuda, time_cuda_graph
+from tiles.core.arch import Arch
+from tiles.core.contract import Config, Shape, Tile
+from tiles.core.timing import input_sets_for_l2, time_cuda, time_cuda_graph
 
 # Outcome kinds recorded for every trial.
 OK, INVALID, COMPILE_ERROR, RUNTIME_FAULT, TIMEOUT, WRONG_RESULT, NONDETERMINISTIC = (
@@ -45,7 +45,7 @@ class Evaluation:
     p90_ms: float | None = None
     tflops: float | None = None
     gbps: float | None = None
-    error: float | None = None  # comparison error (see tiles.contract.Comparison)
+    error: float | None = None  # comparison error (see tiles.core.contract.Comparison)
     message: str = ""
     extra: dict = field(default_factory=dict)
 

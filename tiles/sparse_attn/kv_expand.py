@@ -22,7 +22,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from tiles.arch import Arch
+from tiles.core.arch import Arch
 
 THREADS = 256
 VALUES_PER_THREAD = 8  # one packed FP4 word, two FP8 words: 16 bytes of bf16
