@@ -22,7 +22,7 @@ from tiles.compressor import kernel as cp_kernel
 from tiles.compressor import launch as cp_launch
 from tiles.compressor import pool_encode as cp_pool_encode
 from tiles.compressor import projection as cp_projection
-from tiles.compressor import tile as cp_tile
+from tiles.compressor import space as cp_space
 from tiles.core.arch import get_arch
 from tiles.core.contract import Shape, TileError
 from tiles.core.harness import OK, evaluate
@@ -624,7 +624,7 @@ def _assert_flat_build_fits(kernel, src: str, cfg, ratio: int, ctas: int, tmp_pa
     """A flat-kernel build launches with the shared memory the model says, ``ctas`` of them fit an SM, and ptxas keeps
     256 x ``ctas`` threads' registers within the SM without spilling (skipped without nvcc). Returns ptxas's log."""
     smem = _dynamic_smem(kernel, 256)
-    assert smem == cp_tile._smem_flat(cfg, ratio)
+    assert smem == cp_space.smem_flat(cfg, ratio)
     assert ctas * (smem + 1024) <= SM90.smem_per_sm and smem <= SM90.smem_per_block
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found: registers and spills not checked")
@@ -779,7 +779,7 @@ def test_direct_constraints_refuse():
     assert "flat kernel" in why({**one_cta, "kv_load": "direct"})
     assert any("Hopper" in r for r in space.violations(_flat_config(32, 2, kv_load="direct"), r2, get_arch("sm80")))
     # The gate slabs are gone: ratio 2 needs ratio 1's shared memory.
-    assert cp_tile._smem_flat(_flat_config(32, 2, kv_load="direct"), 2) == cp_tile._smem_flat(_flat_config(32, 2), 1) == 102_912
+    assert cp_space.smem_flat(_flat_config(32, 2, kv_load="direct"), 2) == cp_space.smem_flat(_flat_config(32, 2), 1) == 102_912
     with pytest.raises(TileError, match="only in the flat kernel"):
         cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "direct")
     with pytest.raises(TileError, match="256 threads"):
@@ -998,7 +998,7 @@ def test_fast_pool_compiles_sm90_without_accurate_exp_or_division(label, over):
         # TileLang's allocator overlaps the gate slabs with the projection's buffers here (12 KiB less than the ieee build,
         # which the model matches exactly): the model stays an upper bound, so the constraint refuses nothing that fits.
         cfg = tile.with_defaults(SM90, over)
-        assert _dynamic_smem(tile.build(r2, cfg, SM90), 256) <= cp_tile._smem_flat(cfg, 2)
+        assert _dynamic_smem(tile.build(r2, cfg, SM90), 256) <= cp_space.smem_flat(cfg, 2)
 
 
 @pytest.mark.gpu
@@ -1181,7 +1181,7 @@ def test_proj_wgmma_compiles_sm90_and_fits(ratio, tmp_path):
     assert kernel.csa2_wk == "fragments"
     assert src.count("csa2_proj_tf32x3_wgmma<16, 516, 512>(") == 1
     assert "mma_sync<" not in src and "ldmatrix" not in src
-    assert cp_tile._smem_flat(cfg, ratio) == 68352
+    assert cp_space.smem_flat(cfg, ratio) == 68352
     log = _assert_flat_build_fits(kernel, src, cfg, ratio, 3, tmp_path)
     assert "Potential Performance Loss" not in log, log  # e.g. "wgmma.mma_async instructions are serialized"
 

@@ -36,9 +36,9 @@ first token's projections as ``tail_kv`` / ``tail_gate`` [B, 512]; they are plac
 ``kv``/``gate``. Complete groups are written; when the token count (tail included) is odd the
 last token is not consumed and the caller stores ``kv[:, -1]``, ``gate[:, -1]`` as the next tail.
 
-The package, in reading order: ``common`` (sizes, bounds, layout constants), ``options`` (the structural choices),
-``pool_encode`` (pooling and the FP4 encode), ``projection`` (the tf32x3 and f16x3 index-K projections), ``kernel``, ``launch``
-(build, Wk forms, launch arguments), ``api`` (``compress``) and ``tile``.
+The package, in reading order: ``common`` (sizes, bounds, layout constants), ``pool_encode`` (pooling and the FP4
+encode), ``projection`` (the tf32x3 and f16x3 index-K projections), ``kernel``, ``space`` (the structural choices, the
+search space and its constraints), ``launch`` (build, Wk forms, launch arguments), ``api`` (``compress``) and ``tile``.
 """
 
 from tiles.compressor.api import compress
@@ -56,7 +56,9 @@ from tiles.compressor.common import (
     D,
 )
 from tiles.compressor.launch import split_tf32
-from tiles.compressor.options import (
+from tiles.compressor.pool_encode import E2M1_BOUNDS
+from tiles.compressor.projection import ROT_PAD, wk_fragment_order
+from tiles.compressor.space import (
     ENCODES,
     KV_LOADS,
     MAIN_PASSES,
@@ -68,8 +70,6 @@ from tiles.compressor.options import (
     SCHEDULES,
     WK_LOADS,
 )
-from tiles.compressor.pool_encode import E2M1_BOUNDS
-from tiles.compressor.projection import ROT_PAD, wk_fragment_order
 from tiles.compressor.tile import COMPRESSOR, TILES, CompressorTile, compare_fp4_caches
 
 __all__ = [

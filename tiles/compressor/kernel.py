@@ -9,23 +9,6 @@ import tvm
 from tilelang.layout import make_linear_layout
 
 from tiles.compressor.common import DI, DIRECT_ROWS, INDEX_GROUP, MAIN_GROUP, MULTI_CTA_CHUNK, MULTI_CTA_STAGES, NORM_LANES, ROPE, D
-from tiles.compressor.options import (
-    ENCODES,
-    KV_LOADS,
-    MAIN_PASSES,
-    MAIN_STORES,
-    MMA_PROJS,
-    NORM_PASSES,
-    POOL_MATHS,
-    PROJ_ACCUMULATORS,
-    PROJ_K_SPLITS,
-    PROJ_LATENTS,
-    PROJ_OPERANDS,
-    PROJ_OUTS,
-    PROJ_PIPELINES,
-    SCHEDULES,
-    WK_LOADS,
-)
 from tiles.compressor.pool_encode import (
     _MAIN_FROM_ROWS_CUDA,
     _ROW_LOAD_CUDA,
@@ -48,6 +31,23 @@ from tiles.compressor.projection import (
     _split_accumulator_cuda,
     _split_tf32_tile,
     rot_pad,
+)
+from tiles.compressor.space import (
+    ENCODES,
+    KV_LOADS,
+    MAIN_PASSES,
+    MAIN_STORES,
+    MMA_PROJS,
+    NORM_PASSES,
+    POOL_MATHS,
+    PROJ_ACCUMULATORS,
+    PROJ_K_SPLITS,
+    PROJ_LATENTS,
+    PROJ_OPERANDS,
+    PROJ_OUTS,
+    PROJ_PIPELINES,
+    SCHEDULES,
+    WK_LOADS,
 )
 from tiles.core.arch import cuda_target
 from tiles.core.contract import TileError
@@ -143,7 +143,7 @@ def _compress_kernel(
     the producer warpgroup (its setmaxnreg split assumes the whole register file: the bulk copies are
     issued by all threads, ``MULTI_CTA_STAGES`` deep), keeps the latent in shared memory only
     (:func:`_rmsnorm_in_smem`), stores the main cache before the projection so its buffers can hold the Wk
-    stages, and uses narrower kv/gate slabs; ``_smem_compress``/``_occupancy_compress`` say what fits.
+    stages, and uses narrower kv/gate slabs; ``smem_compress``/``occupancy_compress`` say what fits.
     ``wk`` (with ctas_per_sm > 1): "hi_lo" streams the host-split TF32 high part and remainder of Wk (512 KiB
     from L2 per CTA); "fp32" streams Wk itself through the ``wk_hi`` argument (``wk_lo`` unread, 256 KiB per
     CTA) and splits each chunk in shared memory: the same operands bit for bit (:func:`split_tf32`).

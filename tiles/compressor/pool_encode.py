@@ -3,8 +3,8 @@ softmax pooling of a group's two tokens, and the main cache written from the poo
 
 import tilelang.language as T
 
-from tiles.compressor.common import D
-from tiles.compressor.options import POOL_MATHS
+from tiles.compressor.common import LOAD_CHUNK, D
+from tiles.compressor.space import POOL_MATHS
 from tiles.core.contract import TileError
 
 
@@ -210,9 +210,6 @@ def main_from_rows_f16_split_cuda() -> str:
             raise RuntimeError(f"_MAIN_FROM_ROWS_CUDA no longer has exactly one {before!r}: update main_from_rows_f16_split_cuda")
         src = src.replace(before, after)
     return src
-
-
-LOAD_CHUNK = 32  # channels per staged kv/gate slab: [2 * block_g, 32] fp32 = 8 KiB per tensor at block_g 32
 
 
 @T.macro

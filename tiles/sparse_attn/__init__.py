@@ -53,10 +53,11 @@ The package, in the order a reader meets the kernel:
   producer's fills (serial, batched, prefetch, halves), as TileLang macros.
 * :mod:`.dequant` (E2M1/E8M0 decode and the packed-integer CUDA), :mod:`.online_softmax`.
 * :mod:`.options` (the option vocabulary and the rules the kernel and the search space share), :mod:`.policy`
-  (per-call resolution of the "auto" choices).
+  (per-call resolution of the "auto" choices), :mod:`.space` (the search space and its constraints),
+  :mod:`.kv_expand` (the prefill's caches expanded to bf16 once).
 * :mod:`.launch`: the compiled kernels and their launch (``CompiledAttention``, ``ExpandedAttention``, ``compiled``).
 * :mod:`.api`: the public functions ``sparse_attention`` and ``sparse_attention_bf16`` (checks, config choice).
-* :mod:`.tile`: the three tiles (search spaces, constraints, defaults) the tuner and ``lab`` use.
+* :mod:`.tile`: the three tiles (defaults, inputs, the reference) the tuner and ``lab`` use.
 """
 
 from tiles.sparse_attn.api import sparse_attention, sparse_attention_bf16, tile_for_tokens
@@ -64,7 +65,8 @@ from tiles.sparse_attn.kernels import sparse_attn_kernel
 from tiles.sparse_attn.launch import FP4_ONLY_KEYS, CompiledAttention, ExpandedAttention, compiled
 from tiles.sparse_attn.options import UNUSED_ROWS
 from tiles.sparse_attn.policy import resolve_io, resolve_kv_staging, resolve_split
-from tiles.sparse_attn.tile import BF16_TILE, DECODE_TILE, PREFILL_TILE, TILES, TOLERANCE, resolve_consumers
+from tiles.sparse_attn.space import attention_search_space, resolve_consumers
+from tiles.sparse_attn.tile import BF16_TILE, DECODE_TILE, PREFILL_TILE, TILES, TOLERANCE
 from tiles.sparse_attn.ws_consumers import PAIRED_NREG, PAIRED_OVL_NREG, SEESAW_NREG
 
 __all__ = [
@@ -80,6 +82,7 @@ __all__ = [
     "UNUSED_ROWS",
     "CompiledAttention",
     "ExpandedAttention",
+    "attention_search_space",
     "compiled",
     "resolve_consumers",
     "resolve_io",
