@@ -3,7 +3,7 @@
 The model never calls an accelerated op directly; it calls the methods of its backend.
 :class:`TorchBackend` is the plain torch reference (the ops in :mod:`model.ops` and the formats
 in :mod:`model.formats`). ``tiles.backend.TilesBackend`` (TileLang kernels) exposes the same
-methods with the same signatures and is loaded lazily by :func:`load_backend`; it may subclass
+methods with the same signatures and is loaded by name, only when asked for, by :func:`load_backend`; it may subclass
 :class:`TorchBackend` to inherit the ops it does not accelerate.
 
 Every method speaks the stored formats, so a kernel can implement it directly:
@@ -21,11 +21,12 @@ Outputs are freshly allocated. Computation is float32 whatever the input float d
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from model import formats
+import model.formats
 from model.ops.compressor import compressor_latents, index_keys, main_entries
 from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_positions
 from model.ops.rope import RopeConfig
@@ -134,7 +135,7 @@ class TorchBackend:
         Returns:
             packed uint8 [..., N/2], scales uint8 [..., N/group_size].
         """
-        return formats.fp4_quantize(x, group_size, scale_format)
+        return model.formats.fp4_quantize(x, group_size, scale_format)
 
     def fp8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FP8 E4M3 with one E8M0 scale per 32 (SWA window KV).
@@ -144,7 +145,7 @@ class TorchBackend:
         Returns:
             codes uint8 [..., N], scales uint8 [..., N/32].
         """
-        return formats.fp8_quantize(x)
+        return model.formats.fp8_quantize(x)
 
     # -- compressor --------------------------------------------------------------------------
 
@@ -194,12 +195,12 @@ class TorchBackend:
         would write it. Every selection here is row-wise, so chunking changes no result.
         """
         B, S, Hi = weights.shape
-        k = formats.fp4_dequantize(index_packed, index_scales, INDEX_GROUP, INDEX_SCALE)  # [B, Nc, Di]
+        k = model.formats.fp4_dequantize(index_packed, index_scales, INDEX_GROUP, INDEX_SCALE)  # [B, Nc, Di]
         chunk = max(1, _LOGITS_BUDGET_BYTES // max(1, B * Hi * k.shape[1] * 8))
         parts = []
         for s0 in range(0, S, chunk):
             sl = slice(s0, min(S, s0 + chunk))
-            q = formats.fp4_dequantize(q_packed[:, sl], q_scales[:, sl], INDEX_GROUP, INDEX_SCALE)  # [B, s, Hi, Di]
+            q = model.formats.fp4_dequantize(q_packed[:, sl], q_scales[:, sl], INDEX_GROUP, INDEX_SCALE)  # [B, s, Hi, Di]
             parts.append(select(indexer_scores(q, weights[:, sl], k, n_visible[:, sl]), sl))  # scores [B, s, Nc]
         return torch.cat(parts, dim=1)
 
@@ -323,23 +324,25 @@ class TorchBackend:
 _METHODS = ("fp4_quantize", "fp8_quantize", "compressor", "indexer_topk", "candidate_pool", "reindex_topk", "sparse_attention")
 
 
-def load_backend(backend: str | object, device: torch.device | str | None = None) -> Backend:
-    """The backend named ``"torch"`` or ``"tiles"``, or a ready backend object passed through.
+# Backends other than the reference, by name -> "module:class". The model package never imports them itself (they
+# build on it: an import of theirs here would close a circle); a name is resolved only when it is asked for.
+PLUGIN_BACKENDS = {"tiles": "tiles.backend:TilesBackend"}
 
-    ``"tiles"`` imports ``tiles.backend.TilesBackend`` only when asked, constructed as
-    ``TilesBackend(device=device)``.
-    """
+
+def load_backend(backend: str | object, device: torch.device | str | None = None) -> Backend:
+    """The backend named ``"torch"`` or one of :data:`PLUGIN_BACKENDS` (``"tiles"``), or a ready backend object passed
+    through. A plugin is imported only when asked for and constructed as ``cls(device=device)``."""
     if isinstance(backend, str):
         if backend == "torch":
             return TorchBackend(device)
-        if backend == "tiles":
-            try:
-                from tiles.backend import TilesBackend
-            except ImportError as exc:
-                raise BackendError(f"backend 'tiles' is unavailable ({exc}); install tilelang and tiles/, or use backend='torch'") from None
-            obj = TilesBackend(device=device)
-        else:
-            raise BackendError(f"unknown backend {backend!r}: use 'torch' or 'tiles'")
+        if backend not in PLUGIN_BACKENDS:
+            raise BackendError(f"unknown backend {backend!r}: use 'torch' or {' or '.join(repr(n) for n in PLUGIN_BACKENDS)}")
+        module_name, class_name = PLUGIN_BACKENDS[backend].split(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except ImportError as exc:
+            raise BackendError(f"backend {backend!r} is unavailable ({exc}); install tilelang and tiles/, or use backend='torch'") from None
+        obj = cls(device=device)
     else:
         obj = backend
     missing = [m for m in _METHODS if not callable(getattr(obj, m, None))]

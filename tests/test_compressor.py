@@ -154,15 +154,15 @@ def test_compress_prepares_a_layers_wk_once():
         csa2_wk = "fragments"
 
     w = torch.randn(128, 512)
-    first = cp_launch._wk_args(K(), w, cp_launch._prepared_forms(w))
-    again = cp_launch._wk_args(K(), w, cp_launch._prepared_forms(w))
+    first = cp_launch.wk_args(K(), w, cp_launch.prepared_forms(w))
+    again = cp_launch.wk_args(K(), w, cp_launch.prepared_forms(w))
     assert again[0].data_ptr() == first[0].data_ptr()
     assert torch.equal(first[0], cp.wk_fragment_order(w, 16))
     w.mul_(2.0)  # a weight update in place
-    updated = cp_launch._wk_args(K(), w, cp_launch._prepared_forms(w))
+    updated = cp_launch.wk_args(K(), w, cp_launch.prepared_forms(w))
     assert torch.equal(updated[0], cp.wk_fragment_order(w, 16)) and not torch.equal(updated[0], first[0])
     other = torch.randn(128, 512)
-    assert torch.equal(cp_launch._wk_args(K(), other, cp_launch._prepared_forms(other))[0], cp.wk_fragment_order(other, 16))
+    assert torch.equal(cp_launch.wk_args(K(), other, cp_launch.prepared_forms(other))[0], cp.wk_fragment_order(other, 16))
 
 
 @pytest.mark.gpu
@@ -285,7 +285,7 @@ def _specials() -> torch.Tensor:
 
 
 def _code_bounded(x: torch.Tensor, t: list[float], t_neg: float) -> torch.Tensor:
-    """Python mirror of csa2_e2m1_bounded (tiles/compressor/pool_encode.py, _bounds_cuda): the 3-level search."""
+    """Python mirror of csa2_e2m1_bounded (tiles/compressor/pool_encode.py, bounds_cuda): the 3-level search."""
     a = x.abs()
     tt = torch.tensor(t, dtype=torch.float32)
     ge4 = a >= tt[3]
@@ -314,7 +314,7 @@ def test_threshold_encode_equals_reference_for_every_e4m3_scale():
 
 def test_bounds_cuda_matches_the_model():
     """The generated CUDA spells the same m_k, h_k and rounding directions the Python proof uses."""
-    src = cp_pool_encode._bounds_cuda()
+    src = cp_pool_encode.bounds_cuda()
     for k, (m, h) in enumerate(cp.E2M1_BOUNDS):
         fn, sign = ("__fmaf_rd", "") if k % 2 == 0 else ("__fmaf_ru", "-")
         assert f"t[{k}] = {fn}(s, {m!r}f, s * {sign}{h.hex()}f);" in src
@@ -364,7 +364,7 @@ def test_threshold_encode_compiles_sm90_and_is_in_the_space(ratio):
 
 def test_unknown_encode_is_refused():
     with pytest.raises(TileError, match="unknown encode"):
-        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "bogus")
+        cp_kernel.compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "bogus")
 
 
 @pytest.mark.gpu
@@ -498,13 +498,13 @@ def test_multi_cta_constraints_refuse():
     assert space.violations(default, shape, arch) == []
     assert cp.COMPRESSOR.default_config(get_arch("sm80"))["ctas_per_sm"] == 1
     with pytest.raises(TileError, match="ctas_per_sm"):
-        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "direct", "thresholds", 2)
+        cp_kernel.compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "direct", "thresholds", 2)
     one_cta = {**default, **ONE_CTA, "block_g": 32, "proj_operands": "smem", "proj": "tf32x3"}  # the warp-specialised kernel
     assert space.violations(one_cta, shape, arch) == []
     assert any("wk=fp32" in r for r in space.violations({**one_cta, "wk": "fp32"}, shape, arch))
     assert any("k_chunk 16" in r for r in space.violations({**one_cta, "k_chunk": 16}, shape, arch))
     with pytest.raises(TileError, match="wk="):
-        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "fp32")
+        cp_kernel.compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "fp32")
 
 
 def test_wk_args():
@@ -515,13 +515,13 @@ def test_wk_args():
         csa2_wk = "fp32"
 
     w = torch.randn(128, 512)
-    hi, lo = cp_launch._wk_args(object(), w)
+    hi, lo = cp_launch.wk_args(object(), w)
     assert torch.equal(hi + lo, w) and torch.equal(hi, cp.split_tf32(w)[0])
-    a, b = cp_launch._wk_args(K(), w)
+    a, b = cp_launch.wk_args(K(), w)
     assert a.data_ptr() == w.data_ptr() and b.data_ptr() == w.data_ptr()
     prepared = {}  # a launcher's per-layer cache: the split is made once
-    first = cp_launch._wk_args(object(), w, prepared)
-    assert cp_launch._wk_args(object(), w, prepared)[0].data_ptr() == first[0].data_ptr() and list(prepared) == ["hi_lo"]
+    first = cp_launch.wk_args(object(), w, prepared)
+    assert cp_launch.wk_args(object(), w, prepared)[0].data_ptr() == first[0].data_ptr() and list(prepared) == ["hi_lo"]
 
 
 @pytest.mark.gpu
@@ -671,11 +671,11 @@ def test_flat_constraints_refuse():
     assert "flat kernel" in why({**one_cta, "kv_load": "whole"}, r1)
     assert any("Hopper" in r for r in space.violations(_flat_config(64, 1), shape, get_arch("sm80")))
     with pytest.raises(TileError, match="'whole' only at ratio 1"):
-        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "whole")
+        cp_kernel.compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "whole")
     with pytest.raises(TileError, match="only in the flat kernel"):
-        cp_kernel._compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 3)
+        cp_kernel.compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 3)
     with pytest.raises(TileError, match="unknown schedule"):
-        cp_kernel._compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "bogus")
+        cp_kernel.compress_kernel("sm_90a", 1, 32, 256, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "bogus")
 
 
 def test_flat_with_defaults():
@@ -695,7 +695,7 @@ def test_flat_with_defaults():
     cfg = tile.with_defaults(SM90, {"pool_math": "ieee"})
     assert (cfg["block_g"], cfg["ctas_per_sm"]) == (32, 2)
     assert space.violations(cfg, tile.shape("prefill_r2_s64k"), SM90) == []
-    assert cp_launch._schedule(tile.default_config(SM90)) == "flat" and cp_launch._schedule(ONE_CTA) == "ws"
+    assert cp_launch.kernel_schedule(tile.default_config(SM90)) == "flat" and cp_launch.kernel_schedule(ONE_CTA) == "ws"
     # The default names the new keys (the tuner's first trial must be the default); schedule and wk_stages with the
     # values that build exactly the kernel of a config without them (kv_load: "direct" since session 7).
     default = tile.default_config(SM90)
@@ -781,14 +781,14 @@ def test_direct_constraints_refuse():
     # The gate slabs are gone: ratio 2 needs ratio 1's shared memory.
     assert cp_space.smem_flat(_flat_config(32, 2, kv_load="direct"), 2) == cp_space.smem_flat(_flat_config(32, 2), 1) == 102_912
     with pytest.raises(TileError, match="only in the flat kernel"):
-        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "direct")
+        cp_kernel.compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "direct")
     with pytest.raises(TileError, match="256 threads"):
-        cp_kernel._compress_kernel("sm_90a", 2, 32, 512, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "flat", 2, "direct")
+        cp_kernel.compress_kernel("sm_90a", 2, 32, 512, "tf32x3", 16, "staged", "thresholds", 1, "fp32", "flat", 2, "direct")
 
 
 def test_direct_pools_without_barriers():
     """kv_load=direct at ratio 2: the pooling is register loads of DIRECT_ROWS groups then the same softmax expression
-    as the slabs' (_staged_pool), with no shared staging; the Wk pipeline is unchanged (cp.async, wk_stages deep)."""
+    as the slabs' (staged_pool), with no shared staging; the Wk pipeline is unchanged (cp.async, wk_stages deep)."""
     cfg = _flat_config(32, 2, kv_load="direct")
     kernel = cp.COMPRESSOR.build(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg, SM90)
     src = kernel.get_kernel_source()
@@ -801,7 +801,7 @@ def test_direct_pools_without_barriers():
 
 
 # ---------------------------------------------------------------------------------- proj_operands="registers"
-# The tf32x3 projection out of registers (_PROJ_REGS_CUDA): each warp owns 16 output columns, reads its latent words
+# The tf32x3 projection out of registers (PROJ_REGS_CUDA): each warp owns 16 output columns, reads its latent words
 # from rot_s (rows padded to 516 words) and its Wk words from L2 in the host's fragment order, splits each word once
 # and issues the MMAs of T.gemm in T.gemm's order; no Wk stages, split tiles, cp.async or barriers in the loop.
 
@@ -864,13 +864,13 @@ def test_proj_registers_constraints_refuse():
     # the kernel builder: (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load)
     base = ("sm_90a", 2, 32, 256, "tf32x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "direct")
     with pytest.raises(TileError, match="unknown proj_operands"):
-        cp_kernel._compress_kernel(*base, "bogus")
+        cp_kernel.compress_kernel(*base, "bogus")
     with pytest.raises(TileError, match="wk=fp32"):
-        cp_kernel._compress_kernel(*base[:9], "hi_lo", *base[10:], "registers")
+        cp_kernel.compress_kernel(*base[:9], "hi_lo", *base[10:], "registers")
     with pytest.raises(TileError, match="no Wk stages"):
-        cp_kernel._compress_kernel(*base[:11], 3, "direct", "registers")
+        cp_kernel.compress_kernel(*base[:11], 3, "direct", "registers")
     with pytest.raises(TileError, match="flat kernel"):
-        cp_kernel._compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "slabs", "registers")
+        cp_kernel.compress_kernel("sm_90a", 2, 32, 256, "tf32x3", 32, "staged", "thresholds", 1, "hi_lo", "ws", 2, "slabs", "registers")
 
 
 def test_wk_fragment_order_is_what_the_kernel_reads():
@@ -888,7 +888,7 @@ def test_wk_fragment_order_is_what_the_kernel_reads():
     class K:
         csa2_wk = "fragments"
 
-    a, b = cp_launch._wk_args(K(), w)
+    a, b = cp_launch.wk_args(K(), w)
     assert torch.equal(a, cp.wk_fragment_order(w)) and b.data_ptr() == a.data_ptr()
 
 
@@ -900,7 +900,7 @@ def test_proj_registers_fragment_reads_are_conflict_free():
         banks = {((g + dr) * rs + t + dc) % 32 for g in range(8) for t in range(4)}
         assert len(banks) == 32
     assert len({(g * 512 + t) % 32 for g in range(8) for t in range(4)}) == 4
-    assert "g * RS + t" in cp_projection._PROJ_REGS_CUDA and "__syncthreads" not in cp_projection._PROJ_REGS_CUDA
+    assert "g * RS + t" in cp_projection.PROJ_REGS_CUDA and "__syncthreads" not in cp_projection.PROJ_REGS_CUDA
 
 
 # Configs run on the GPU: (label, block_g, ctas, kv_load).
@@ -1059,7 +1059,7 @@ SPLIT_ACC = [  # the tf32x3 projection's layouts (f16x3's: F16X3 below)
 def test_split_accumulator_source_is_the_shared_template_with_a_second_accumulator():
     """The split variant is the shared template with only the accumulator lines changed: the same loads, splits and MMA
     operands in the same order, the small products into acc_s, both added at the store."""
-    shared, split = cp_projection._PROJ_REGS_CUDA, cp_projection._split_accumulator_cuda()
+    shared, split = cp_projection.PROJ_REGS_CUDA, cp_projection.split_accumulator_cuda()
     body = shared[shared.index("// rot: fp32") :]
     changed = [(a, b) for a, b in zip(body.splitlines(), split.splitlines()) if a != b]
     assert len(body.splitlines()) == len(split.splitlines())
@@ -1115,7 +1115,7 @@ def test_split_accumulators_match_reference(label, over):
 
 
 # ---------------------------------------------------------------------------------- proj_operands="wgmma"
-# The transposed projection on wgmma (_PROJ_WGMMA_CUDA, sm_90a, block_g 16): Wk from registers as the register
+# The transposed projection on wgmma (PROJ_WGMMA_CUDA, sm_90a, block_g 16): Wk from registers as the register
 # projection reads and splits it, the latent split once per CTA into wgmma's no-swizzle K-major shared layout (its high
 # part over rot_s, its remainder in a [16, 512] buffer that k_s reuses), three wgmmas per k step of 8.
 
@@ -1144,7 +1144,7 @@ def test_proj_wgmma_in_the_space_and_refused_where_not_built():
     base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "wgmma", "fast", "shared"]
     for i, value, message in ((2, 32, "block_g 16"), (0, "sm_89", "sm_90a"), (15, "split", "register projection only")):
         with pytest.raises(TileError, match=message):
-            cp_kernel._compress_kernel(*base[:i], value, *base[i + 1 :])
+            cp_kernel.compress_kernel(*base[:i], value, *base[i + 1 :])
 
 
 def test_proj_wgmma_split_layout_is_what_the_descriptor_addresses():
@@ -1152,7 +1152,7 @@ def test_proj_wgmma_split_layout_is_what_the_descriptor_addresses():
     K-major core matrices of 8 rows x 16 bytes, rows 16 B apart, 8-row blocks SBO = 128 B apart, k quads LBO = 16 N
     bytes apart, +32 N bytes per k step of 8; every word of the [16, 512] latent lands once."""
     n_groups = 16
-    src = cp_projection._PROJ_WGMMA_CUDA
+    src = cp_projection.PROJ_WGMMA_CUDA
     assert "off = (((i / N) * (N / 8) + n / 8) * 8 + n % 8) * 4" in src and "csa2_wgmma_desc(rot, 16 * N)" in src
     assert "(uint64_t)" not in src and "(unsigned long long)(128 >> 4) << 32" in src
     assert "const unsigned long long step = (unsigned long long)((2 * c + ks) * 2 * N)" in src
@@ -1222,9 +1222,9 @@ def test_norm_in_pool_in_the_space_and_refused_without_direct_loads():
     # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc)
     base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "slabs", "registers", "fast", "shared"]
     with pytest.raises(TileError, match="kv_load='direct'"):
-        cp_kernel._compress_kernel(*base, "in_pool")
+        cp_kernel.compress_kernel(*base, "in_pool")
     with pytest.raises(TileError, match="unknown norm_pass"):
-        cp_kernel._compress_kernel(*base[:12], "direct", *base[13:], "bogus")
+        cp_kernel.compress_kernel(*base[:12], "direct", *base[13:], "bogus")
 
 
 @pytest.mark.parametrize("label, over", IN_POOL, ids=[c[0] for c in IN_POOL])
@@ -1265,7 +1265,7 @@ def test_norm_in_pool_matches_reference(label, over):
 
 
 # ---------------------------------------------------------------------------------- proj_k_split=2
-# The register projection with K split between the CTA's two halves (_PROJ_REGS_K2_CUDA): warp w covers k in
+# The register projection with K split between the CTA's two halves (PROJ_REGS_K2_CUDA): warp w covers k in
 # [256 (w / 4), +256) for output columns [32 (w % 4), +32), reading and splitting half the latent (every warp read all
 # of it), its Wk words in wk_fragment_order(Wk, 32); half 1 stores its sums into k_s, half 0 adds its own.
 
@@ -1291,7 +1291,7 @@ def test_proj_k_split_in_the_space_and_refused_outside_the_register_projection()
     # (target, ratio, block_g, threads, proj, k_chunk, load, encode, ctas, wk, schedule, stages, kv_load, operands, pool, acc, norm)
     base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "split"]
     with pytest.raises(TileError, match="proj_k_split 2"):
-        cp_kernel._compress_kernel(*base, "in_pool", 2)
+        cp_kernel.compress_kernel(*base, "in_pool", 2)
 
 
 def test_wk_fragment_order_k_split_is_what_the_kernel_reads():
@@ -1303,13 +1303,13 @@ def test_wk_fragment_order_k_split_is_what_the_kernel_reads():
         g, t = lane // 4, lane % 4
         word = ((cg * 32 + c) * 128 + lane * 4 + n) * 4 + ks * 2 + h
         assert f[word] == w[32 * cg + 8 * n + g, 16 * c + 8 * ks + 4 * h + t]
-    src = cp_projection._PROJ_REGS_K2_CUDA
+    src = cp_projection.PROJ_REGS_K2_CUDA
     assert "wp = reinterpret_cast<const float4*>(wkf) + cg * 32 * 128 + lane * 4" in src and "wp + nc * 128 + n" in src
 
     class K:
         csa2_wk = "fragments_k2"
 
-    a, b = cp_launch._wk_args(K(), w)
+    a, b = cp_launch.wk_args(K(), w)
     assert torch.equal(a, cp.wk_fragment_order(w, 32)) and b.data_ptr() == a.data_ptr()
 
 
@@ -1361,14 +1361,14 @@ def test_main_pass_in_the_space_and_refused_without_the_rows_in_registers():
     #  norm, k_split)
     base = ["sm_90a", 2, 16, 256, "tf32x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
     with pytest.raises(TileError, match="main_pass"):
-        cp_kernel._compress_kernel(*base, "separate", 1, "in_pool")
+        cp_kernel.compress_kernel(*base, "separate", 1, "in_pool")
 
 
 def test_main_pass_in_pool_stores_the_latent_before_rope():
     """The index-K projection reads rot_s: csa2_main_from_rows (and its f16-split form) must store the row there before it
     rotates the RoPE pairs for the main cache (the official order: index keys from the unrotated latent)."""
     for src, store in (
-        (cp_pool_encode._MAIN_FROM_ROWS_CUDA, "*reinterpret_cast<float4*>(rot_row"),
+        (cp_pool_encode.MAIN_FROM_ROWS_CUDA, "*reinterpret_cast<float4*>(rot_row"),
         (cp_pool_encode.main_from_rows_f16_split_cuda(), "csa2_store_f16_split(rot_row"),
     ):
         body = src[src.index("void csa2_main_from_rows") :]
@@ -1407,7 +1407,7 @@ def test_main_pass_in_pool_matches_reference(label, layout):
 
 
 # ---------------------------------------------------------------------------------- proj="f16x3"
-# The register projection's three products in fp16 on m16n8k16 (_PROJ_F16X3_CUDA): the latent split into fp16 pairs in
+# The register projection's three products in fp16 on m16n8k16 (PROJ_F16X3_CUDA): the latent split into fp16 pairs in
 # the kernel, Wk scaled by a power of two and split on the host (wk_fragment_order_f16), half the MMAs of tf32x3.
 
 F16X3 = [
@@ -1438,7 +1438,7 @@ def test_wk_fragment_order_f16_is_what_the_kernel_reads(columns):
         assert hi == x.half() and lo == (x - hi.float()).half()
     recon = (halves.view(-1, 2, 2, 2)[:, 0].float() + halves.view(-1, 2, 2, 2)[:, 1].float()).reshape(-1)
     assert torch.allclose(recon.sort().values, scaled.reshape(-1).sort().values, rtol=2.0**-21, atol=0)
-    src = cp_projection._PROJ_F16X3_CUDA
+    src = cp_projection.PROJ_F16X3_CUDA
     assert "reinterpret_cast<const uint4*>(wkf) + cg * 32 * NT * 32 + lane;" in src and "wp + (nc * NT + n) * 32" in src
     zero, u0 = cp_projection.wk_fragment_order_f16(torch.zeros(128, 512), columns)
     assert torch.all(zero == 0) and float(u0[0, 0]) == 1.0
@@ -1446,7 +1446,7 @@ def test_wk_fragment_order_f16_is_what_the_kernel_reads(columns):
     class K:
         csa2_wk = "fragments_f16_k2" if columns == 32 else "fragments_f16"
 
-    a, b = cp_launch._wk_args(K(), w)
+    a, b = cp_launch.wk_args(K(), w)
     assert torch.equal(a, frags) and torch.equal(b, unscale)
 
 
@@ -1506,7 +1506,7 @@ def test_f16x3_in_the_space_and_refused_outside_the_register_projection():
     base = ["sm_90a", 2, 16, 256, "f16x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct"]
     for operands in ("smem", "wgmma"):
         with pytest.raises(TileError, match="proj='f16x3'"):
-            cp_kernel._compress_kernel(*base, operands)
+            cp_kernel.compress_kernel(*base, operands)
 
 
 @pytest.mark.parametrize("label, over", F16X3, ids=[c[0] for c in F16X3])
@@ -1568,9 +1568,9 @@ def test_f16_split_in_the_space_and_refused_without_its_prerequisites():
     #  norm, k_split, main_pass, proj_latent)
     base = ["sm_90a", 2, 16, 256, "f16x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
     with pytest.raises(TileError, match="proj_latent"):
-        cp_kernel._compress_kernel(*base, "in_pool", 1, "separate", "f16_split")
+        cp_kernel.compress_kernel(*base, "in_pool", 1, "separate", "f16_split")
     with pytest.raises(TileError, match="proj_latent"):
-        cp_kernel._compress_kernel(*base[:4], "tf32x3", *base[5:], "in_pool", 1, "in_pool", "f16_split")
+        cp_kernel.compress_kernel(*base[:4], "tf32x3", *base[5:], "in_pool", 1, "in_pool", "f16_split")
 
 
 @pytest.mark.parametrize("label, layout", F16_SPLIT_LAYOUTS, ids=[c[0] for c in F16_SPLIT_LAYOUTS])
@@ -1650,9 +1650,9 @@ def test_compact_options_in_the_space_and_refused_without_their_prerequisites():
     assert "unknown proj_out" in why({**three, "proj_out": "k"}) and "unknown main_store" in why({**three, "main_store": "tma"})
     base = ["sm_90a", 2, 32, 256, "f16x3", 16, "staged", "thresholds", 3, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
     with pytest.raises(TileError, match="main_store"):
-        cp_kernel._compress_kernel(*base, "in_pool", 1, "separate", "fp32", "k_s", "registers")
+        cp_kernel.compress_kernel(*base, "in_pool", 1, "separate", "fp32", "k_s", "registers")
     with pytest.raises(TileError, match="proj_out"):
-        cp_kernel._compress_kernel(*base[:4], "tf32x3", *base[5:], "in_pool", 1, "in_pool", "fp32", "rot_s", "bulk")
+        cp_kernel.compress_kernel(*base[:4], "tf32x3", *base[5:], "in_pool", 1, "in_pool", "fp32", "rot_s", "bulk")
 
 
 @pytest.mark.parametrize("label, layout", COMPACT_LAYOUTS, ids=[c[0] for c in COMPACT_LAYOUTS])
@@ -1683,7 +1683,7 @@ def test_compact_options_equal_the_shared_buffers(label, layout):
 
 # ---------------------------------------------------------------------------------- proj_pipeline="deep"
 # The f16x3 projection over the split-once latent with Wk four chunks ahead in a ring and the latent one chunk ahead
-# (_PROJ_F16X3_DEEP_CUDA): the same MMAs in the same order as the default schedule.
+# (PROJ_F16X3_DEEP_CUDA): the same MMAs in the same order as the default schedule.
 
 DEEP = {**F16_SPLIT, "proj_pipeline": "deep"}
 DEEP_LAYOUTS = [
@@ -1710,7 +1710,7 @@ def test_deep_pipeline_in_the_space_and_refused_without_its_prerequisites():
     assert "unknown proj_pipeline" in why({**cfg, "proj_pipeline": "far"})
     base = ["sm_90a", 2, 32, 256, "f16x3", 16, "staged", "thresholds", 2, "fp32", "flat", 2, "direct", "registers", "fast", "shared"]
     with pytest.raises(TileError, match="proj_pipeline"):
-        cp_kernel._compress_kernel(*base, "in_pool", 1, "in_pool", "fp32", "k_s", "bulk", "deep")
+        cp_kernel.compress_kernel(*base, "in_pool", 1, "in_pool", "fp32", "k_s", "bulk", "deep")
 
 
 @pytest.mark.parametrize("label, layout", DEEP_LAYOUTS, ids=[c[0] for c in DEEP_LAYOUTS])

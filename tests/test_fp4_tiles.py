@@ -185,7 +185,7 @@ def _bf16_patterns() -> torch.Tensor:
 
 
 def _threshold_codes(x: torch.Tensor, s: torch.Tensor, scale_format: str) -> torch.Tensor:
-    """CPU mirror of the kernel's ``code='thresholds'`` path (build_quant + fp4._e2m1_code_search), fp32 throughout."""
+    """CPU mirror of the kernel's ``code='thresholds'`` path (build_quant + fp4.e2m1_code_search), fp32 throughout."""
     thr = s * torch.tensor(formats.E2M1_MIDPOINTS)  # [7]
     if scale_format == "e8m0":
         thr = thr.clamp(max=fp4.FLT_MAX)

@@ -51,7 +51,7 @@ def test_dequant_options_compile_sm90(tile, dequant):
 
 
 def _bits_dequant(codes: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
-    """Torch mirror of the "bits" dequant's integer formula (tiles.indexer.dequant._dequant_words_bits)."""
+    """Torch mirror of the "bits" dequant's integer formula (tiles.indexer.dequant.dequant_words_bits)."""
     mag, base = codes & 7, (sbyte - 1) << 7
     bits = torch.where(mag == 0, 0, base + torch.where(mag == 1, 0, mag << 6)) | ((codes & 8) << 12)
     return (bits.to(torch.int32) << 16).view(torch.float32)  # bf16 bits as the top half of an fp32
@@ -79,7 +79,7 @@ def _prmt(x: int, y: int, sel: int) -> int:
 
 
 def _prmt_group(words: list[int], sbyte: int) -> list[int]:
-    """Line-by-line model of tiles.indexer.dequant._PRMT_CUDA (csa2_fp4_group_bf16): 4 words -> 16 bf16x2 words."""
+    """Line-by-line model of tiles.indexer.dequant.PRMT_CUDA (csa2_fp4_group_bf16): 4 words -> 16 bf16x2 words."""
     m32 = 0xFFFFFFFF
     base = ((sbyte - 1) << 7) & m32
     b2 = (base * 0x10001) & m32
@@ -117,7 +117,7 @@ def test_prmt_dequant_equals_the_bits_formula():
 
 
 def _rs_tables(sbyte: int) -> list[int]:
-    """Model of csa2_fp4_table_word (tiles.indexer.dequant._PRMT_PAIR_CUDA): lo0, lo1, hi0, hi1 of a scale byte 0..255."""
+    """Model of csa2_fp4_table_word (tiles.indexer.dequant.PRMT_PAIR_CUDA): lo0, lo1, hi0, hi1 of a scale byte 0..255."""
     m32 = 0xFFFFFFFF
     base = ((sbyte - 1) << 7) & m32
     b2 = (base * 0x10001) & m32
@@ -284,7 +284,7 @@ def test_prmt_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(c
     thread reads one scale group (4 words) per row: one 16-byte shared load and one table per row and thread."""
     tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
     full = {**tile.default_config(SM90), **cfg}
-    src = ix_launch._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     reads = _rs_source_reads(src, full["threads"], 0 if gather else full["threads"])
     _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
 
@@ -296,13 +296,13 @@ def test_prmt_rs_compiles_with_register_split():
     cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "epilogue": "hoisted", "dequant": "prmt_rs"}
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
-    src = ix_launch._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" not in src and "csa2_fp4_pair_bf16" in src and "csa2_fp4_table_word" in src
     assert "void* k_deq" not in src and "bfloat16_t k_deq[64];" in src  # a register array, not a shared tile
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<104>" in src
-    assert ix_dequant._rs_register_split(256, 2) == (24, 104) and ix_dequant._rs_register_split(128, 3) == (24, 136)
+    assert ix_dequant.rs_register_split(256, 2) == (24, 104) and ix_dequant.rs_register_split(128, 3) == (24, 136)
     cfg0 = {**cfg, "min_ctas": 0}  # no launch-bound cap: ptxas's own allocation, no setmaxnreg
-    assert "warpgroup_reg_alloc" not in ix_launch._build_score(SM90, cfg0, False, 8, *DECODE_GRID).get_kernel_source()
+    assert "warpgroup_reg_alloc" not in ix_launch.build_score(SM90, cfg0, False, 8, *DECODE_GRID).get_kernel_source()
 
 
 def test_hopper_default_is_one_consumer_warpgroup_of_256_entry_tiles():
@@ -312,7 +312,7 @@ def test_hopper_default_is_one_consumer_warpgroup_of_256_entry_tiles():
     assert (cfg["block_n"], cfg["threads"], cfg["stages"], cfg["dequant"]) == (256, 128, 1, "prmt_rs")
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
-    src = ix_launch._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" not in src and "void* k_deq" not in src and "bfloat16_t k_deq[256];" in src
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<232>" in src
 
@@ -357,7 +357,7 @@ def _mul_bf16x2(a: int, b: int) -> int:
 
 
 def _fma_pair(w: int, sbyte: int, k: int) -> int:
-    """Line-by-line model of csa2_fp4_pair_fma (tiles.indexer.dequant._FMA_PAIR_CUDA): bf16x2 of nibbles k, k + 4 of w."""
+    """Line-by-line model of csa2_fp4_pair_fma (tiles.indexer.dequant.FMA_PAIR_CUDA): bf16x2 of nibbles k, k + 4 of w."""
     m32 = 0xFFFFFFFF
     m1 = ((min(sbyte, 128) + 126) * 0x00800080) & m32  # bf16x2 2^(min(s, 128) - 1)
     m2 = ((max(sbyte, 128) - 1) * 0x00800080) & m32  # bf16x2 2^(max(s, 128) - 128)
@@ -479,7 +479,7 @@ def test_fma_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cf
     scale group per thread and row; the pair's fragment slot is the one the emulation above fills."""
     tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
     full = {**tile.default_config(SM90), **cfg}
-    src = ix_launch._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     assert "csa2_fp4_table_word" not in src and "rs_tab" not in src  # no table: the scale is two bf16 multiplies
     reads = _fma_source_reads(src, full["threads"], 0 if gather else full["threads"])
     _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
@@ -492,7 +492,7 @@ def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
     space = ix.INDEXER_TOPK.search_space(SM90)
     cfg = {**ix.INDEXER_TOPK.default_config(SM90), **TWO_WARPGROUPS, "epilogue": "hoisted", "dequant": "fma_rs"}
     assert space.violations(cfg, shape, SM90) == []
-    src = ix_launch._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" not in src and "mul.rn.bf16x2" in src and "csa2_fp4_pair_bf16" not in src
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<104>" in src
     two_mtiles = {**cfg, "threads": 128, "block_n": 128, "stages": 4}
@@ -505,7 +505,7 @@ def test_fma_rs_compiles_with_register_split_and_is_constrained_like_prmt_rs():
 # dequant="prmt_rs2" (session 8, written without device time): prmt_rs's A registers bit for bit, the high-half
 # selectors by mul.hi (IMAD.HI, FMA pipe) and the scale byte by one byte permute.
 def _rs_pair2(w: int, tables: list[int], k: int) -> int:
-    """Line-by-line model of csa2_fp4_pair2_bf16 (tiles.indexer.dequant._PRMT_PAIR2_CUDA), each PTX op on Python ints."""
+    """Line-by-line model of csa2_fp4_pair2_bf16 (tiles.indexer.dequant.PRMT_PAIR2_CUDA), each PTX op on Python ints."""
     m32 = 0xFFFFFFFF
     lo0, lo1, hi0, hi1 = tables
     w &= m32
@@ -621,11 +621,11 @@ def test_prmt_rs2_generated_dequant_covers_every_pair_once_one_group_per_thread(
     if gather:
         full.update(block_n=256, threads=128, stages=1, tiles_per_cta=16, min_ctas=2, epilogue="fused")
     assert tile.search_space(SM90).violations(full, tile.shapes()[0], SM90) == []
-    src = ix_launch._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     assert "csa2_fp4_pair_bf16(" not in src[src.index('extern "C"') :] and "wgmma_rs" in src
     reads = _rs2_source_reads(src, full["threads"], 0 if gather else full["threads"])
     _assert_every_pair_once_one_group_per_thread(reads, full["block_n"])
-    old = ix_launch._build_score(SM90, {**full, "dequant": "prmt_rs"}, gather, 8, *DECODE_GRID).get_kernel_source()
+    old = ix_launch.build_score(SM90, {**full, "dequant": "prmt_rs"}, gather, 8, *DECODE_GRID).get_kernel_source()
     assert _kernel_lines_but_dequant(src) == _kernel_lines_but_dequant(old)
 
 
@@ -639,7 +639,7 @@ def test_prmt_rs2_builds_at_the_indexer_shapes_without_spills(epilogue, tmp_path
         shape = ix.INDEXER_TOPK.shape(name)
         assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
         assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
-    src = ix_launch._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "__launch_bounds__(256, 2)" in src and "mul.hi.u32" in src
     regs, spills = _ptxas(src, tmp_path)
     assert regs <= 128 and spills == 0, (regs, spills)
@@ -663,7 +663,7 @@ def test_prmt_rs2_is_a_hopper_only_search_space_option():
         assert any("Hopper" in r for r in why)
         assert tile.default_config(SM90)["dequant"] != "prmt_rs2" and tile.default_config(sm80)["dequant"] != "prmt_rs2"
     with pytest.raises(ValueError, match="sm_90a only"):
-        ix_score_kernel._score_kernel(sm80.nvcc_arch, 128, 128, 1, 16, "prmt_rs2", False, 8, 0, "per_tile")
+        ix_score_kernel.build_score_kernel(sm80.nvcc_arch, 128, 128, 1, 16, "prmt_rs2", False, 8, 0, "per_tile")
 
 
 HOISTED_BUILDS = {
@@ -694,13 +694,13 @@ def test_hoisted_epilogue_keeps_per_cta_work_out_of_the_tile_loop(name):
     # hidden_tiles=score: skip's -inf fill of the span's tail indexes ``out`` after the loop, which _tile_loop's
     # "to the end of the kernel" would count as inside it (the epilogue is the same either way)
     full = {**full, "hidden_tiles": "score"} if not gather else full
-    src = ix_launch._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     loop = _tile_loop(src)
     assert "void* w_s" not in src and "float w_half[8];" in src and "csa2_pin_ptr(" in src
     assert "weights" not in loop and "0x1p-1f" not in loop and "out[" not in loop and "out_cta)[" in loop
     head = src[: src.index("tl::warpgroup_reg_dealloc")] if not gather else src[: src.index("for (int t = 0;")]
     assert head.rindex("__syncthreads();") > head.rindex("q_s)")  # after the last q_s write, before any consumer read
-    old = _tile_loop(ix_launch._build_score(SM90, {**full, "epilogue": "per_tile"}, gather, 8, *DECODE_GRID).get_kernel_source())
+    old = _tile_loop(ix_launch.build_score(SM90, {**full, "epilogue": "per_tile"}, gather, 8, *DECODE_GRID).get_kernel_source())
     assert "((float*)w_s)" in old and "0x1p-1f" in old and "out[" in old
 
 
@@ -724,7 +724,7 @@ def test_hoisted_epilogue_is_an_rs_only_search_space_option():
     assert ix.INDEXER_TOPK.default_config(get_arch("sm80"))["epilogue"] == "per_tile"
     assert ix.INDEXER_TOPK.with_defaults(SM90, {"dequant": "prmt"})["epilogue"] == "per_tile"
     with pytest.raises(ValueError, match="hoisted"):
-        ix_score_kernel._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "bits", False, 8, 0, "hoisted")
+        ix_score_kernel.build_score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "bits", False, 8, 0, "hoisted")
 
 
 @pytest.mark.parametrize("shape_name", ["decode_b64_n128k", "decode_b1_n128k", "prefill_s4k"])
@@ -747,13 +747,13 @@ def test_hidden_tiles_skip_bounds_the_tile_loop(rows, n, tmp_path):
     the kernel of before the option (the same cached object as a config without the key)."""
     cfg = ix.INDEXER_TOPK.default_config(SM90)
     assert cfg["hidden_tiles"] == "skip" and ix.INDEXER_TOPK.default_config(get_arch("sm80"))["hidden_tiles"] == "score"
-    src = ix_launch._build_score(SM90, cfg, False, 8, rows, n).get_kernel_source()
+    src = ix_launch.build_score(SM90, cfg, False, 8, rows, n).get_kernel_source()
     loops = [line for line in src.splitlines() if line.strip().startswith("for (int t") and "nvis" in line]
     assert len(loops) == 2, loops  # producer and consumer
     assert "-CUDART_INF_F" in src
     assert resource_usage(src, tmp_path, SM90.nvcc_arch)[1] == 0
     without = {k: v for k, v in cfg.items() if k != "hidden_tiles"}
-    assert ix_launch._build_score(SM90, without, False, 8, rows, n) is ix_launch._build_score(
+    assert ix_launch.build_score(SM90, without, False, 8, rows, n) is ix_launch.build_score(
         SM90, {**cfg, "hidden_tiles": "score"}, False, 8, rows, n
     )
 
@@ -764,9 +764,9 @@ def test_hidden_tiles_is_an_indexer_option():
     assert {p.name: p.choices for p in ix.INDEXER_TOPK.search_space(SM90).params}["hidden_tiles"] == ("score", "skip")
     assert "hidden_tiles" not in {p.name for p in ix.REINDEX_TOPK.search_space(SM90).params}
     with pytest.raises(ValueError, match="hidden_tiles"):
-        ix_score_kernel._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt", True, 8, 2, "per_tile", "skip")
+        ix_score_kernel.build_score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt", True, 8, 2, "per_tile", "skip")
     with pytest.raises(ValueError, match="hidden_tiles"):
-        ix_score_kernel._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt", False, 8, 2, "per_tile", "some")
+        ix_score_kernel.build_score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt", False, 8, 2, "per_tile", "some")
 
 
 @pytest.mark.gpu
@@ -833,7 +833,7 @@ def test_fp8_rs_builds_four_fp8_wgmmas_without_spills(name, cfg, gather, tmp_pat
     """fp8_rs: per tile four k32 E4M3 wgmmas from registers with one wait, the combine (which reads the stage's scale
     words) before the consumer releases the stage, the fused store; ptxas: no spills, no serialised wgmma."""
     full = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": "fp8_rs", **cfg}
-    src = ix_launch._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     assert src.count("tl::wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 32, 32") == 4
     loop = src[src.index("csa2_fp8_word((&(") :]
     combine = loop.index(f"csa2_fp8_combine<{full['block_n'] // 64}>")
@@ -860,9 +860,9 @@ def test_fp8_rs_search_space():
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
     assert any("Hopper" in r for r in ix.INDEXER_TOPK.search_space(get_arch("sm80")).violations(cfg, shape, get_arch("sm80")))
     with pytest.raises(ValueError, match="fp8_rs"):
-        ix_score_kernel._score_kernel(SM90.nvcc_arch, 256, 128, 1, 16, "fp8_rs", False, 8, 2, "fused")
+        ix_score_kernel.build_score_kernel(SM90.nvcc_arch, 256, 128, 1, 16, "fp8_rs", False, 8, 2, "fused")
     with pytest.raises(ValueError, match="sm_90a"):
-        ix_score_kernel._score_kernel("sm_80", 128, 128, 1, 16, "fp8_rs", False, 8, 2, "fused")
+        ix_score_kernel.build_score_kernel("sm_80", 128, 128, 1, 16, "fp8_rs", False, 8, 2, "fused")
 
 
 FP8_RS_OPTIONS = {
@@ -913,7 +913,7 @@ def test_fused_epilogue_replaces_the_head_sum_and_store(name, tmp_path):
     tile = ix.REINDEX_TOPK if gather else ix.INDEXER_TOPK
     full = {**tile.default_config(SM90), **cfg, "epilogue": "fused"}
     assert tile.search_space(SM90).violations(full, tile.shapes()[0], SM90) == []
-    src = ix_launch._build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, full, gather, 8, *DECODE_GRID).get_kernel_source()
     loop = _tile_loop(src)
     assert f"csa2_relu_wsum_store<{mtiles}>((&(acc[0])), (&(w_loc[0])), out_ptr, " in loop
     assert "AllReduce" not in src and "float row[" not in src and "float w_half[" not in src and "float w_loc[8];" in src
@@ -943,9 +943,9 @@ def test_fused_epilogue_is_a_one_warpgroup_rs_option():
     assert ix.INDEXER_TOPK.default_config(SM90)["epilogue"] == "fused"  # Hopper's default since session 8
     assert ix.REINDEX_TOPK.default_config(SM90)["epilogue"] != "fused"  # not measured there
     with pytest.raises(ValueError, match="fused"):
-        ix_score_kernel._score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt_rs", False, 8, 2, "fused")
+        ix_score_kernel.build_score_kernel(SM90.nvcc_arch, 128, 256, 2, 16, "prmt_rs", False, 8, 2, "fused")
     with pytest.raises(ValueError, match="fused"):
-        ix_score_kernel._score_kernel(SM90.nvcc_arch, 256, 128, 1, 16, "prmt", False, 8, 2, "fused")
+        ix_score_kernel.build_score_kernel(SM90.nvcc_arch, 256, 128, 1, 16, "prmt", False, 8, 2, "fused")
 
 
 def _fused_epilogue_model(acc_tile, w, mtiles: int):
@@ -1020,7 +1020,7 @@ def test_prmt_compiles_with_two_ctas_per_sm():
     shape = ix.INDEXER_TOPK.shape("decode_b64_n128k")
     assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
     ix.INDEXER_TOPK.build(shape, cfg, SM90)
-    src = ix_launch._build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
+    src = ix_launch.build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "csa2_fp4_group_bf16" in src and "__launch_bounds__(512, 2)" in src
     default = ix.INDEXER_TOPK.default_config(SM90)
     assert (default["dequant"], default["min_ctas"], default["select_algo"]) == ("prmt_rs", 2, "two_pass")
@@ -1083,12 +1083,10 @@ def test_auto_tiles_per_cta_fills_the_sms():
     assert resolve("auto", 1, 8192, 256, SM90) == 1
     assert resolve(16, 1, 8192, 256, SM90) == 16
     with pytest.raises(ValueError, match="resolved per grid"):
-        ix_launch._build_score(SM90, ix.INDEXER_TOPK.default_config(SM90), False, 8)
+        ix_launch.build_score(SM90, ix.INDEXER_TOPK.default_config(SM90), False, 8)
     # the B=64 decode kernel is the one 16 tiles built before
     full = ix.INDEXER_TOPK.default_config(SM90)
-    assert ix_launch._build_score(SM90, full, False, 8, *DECODE_GRID) is ix_launch._build_score(
-        SM90, {**full, "tiles_per_cta": 16}, False, 8
-    )
+    assert ix_launch.build_score(SM90, full, False, 8, *DECODE_GRID) is ix_launch.build_score(SM90, {**full, "tiles_per_cta": 16}, False, 8)
 
 
 def test_smem_constraint_counts_the_pipelined_dequant_tile():
@@ -1165,7 +1163,7 @@ def test_topk_set_rule():
 def test_random_pool_is_a_valid_pool():
     gen = torch.Generator().manual_seed(0)
     nv = torch.tensor([[0, 13, 1000]], dtype=torch.int32)
-    pool = ix_reference._random_pool(nv, 1000, 64, 8, gen)
+    pool = ix_reference.random_pool(nv, 1000, 64, 8, gen)
     assert pool.shape == (1, 3, 64)
     assert (pool[0, 0] == -1).all()
     assert set(pool[0, 1].tolist()) == {0, 1, -1}
@@ -1217,7 +1215,7 @@ FMA_RS_OPTIONS = {name: {**cfg, "dequant": "fma_rs"} for name, cfg in PRMT_RS_OP
 # sets exact up to the tie rule (evaluate also requires two runs bitwise equal). The options were written over the
 # two-warpgroup layout (the Reindex default's, the indexer's until session 7) and keep it; "default" is each tile's own.
 _SCORE_OPTIONS = {
-    "old_default": {**ix_space._SCORE_DEFAULT},
+    "old_default": {**ix_space.SCORE_DEFAULT},
     "bits_t1": {"dequant": "bits", "tiles_per_cta": 1},
     "bits_t4_1wg": {"dequant": "bits", "tiles_per_cta": 4, "threads": 128, "stages": 1},
     "bits_t16": {"dequant": "bits", "tiles_per_cta": 16},
@@ -1298,8 +1296,8 @@ def test_radix_knobs_default_to_radix_selects_defaults():
     cfg = tile.default_config(arch)
     assert ix.radix_config(cfg) == {k: radix_select.DEFAULT_CONFIG[k] for k in ("threads", "stage", "parts")}
     assert ix.radix_config({**cfg, "radix_stage": "shared", "radix_threads": 512})["stage"] == "shared"
-    old = ix_launch._build_two_pass(arch, 64, 131072, 512)
-    assert ix_launch._build_two_pass(arch, 64, 131072, 512, ix.radix_config(cfg)) == old
+    old = ix_launch.build_two_pass(arch, 64, 131072, 512)
+    assert ix_launch.build_two_pass(arch, 64, 131072, 512, ix.radix_config(cfg)) == old
     space, shape = tile.search_space(arch), tile.shape("decode_b1_n128k")
     staged = {**cfg, "radix_stage": "shared", "radix_threads": 512, "radix_parts": 16}
     assert space.violations(staged, shape, arch) == []
@@ -1351,19 +1349,19 @@ def test_radix_knobs_match_reference(radix):
 @pytest.mark.gpu
 def test_bits_scores_equal_shared_scores():
     """Both paths feed the same exact bf16 K to the same MMA: the score rows must agree bitwise."""
-    inputs = ix_reference._indexer_inputs(4, 1, 5000, 11, "cuda", causal=False)
+    inputs = ix_reference.indexer_inputs(4, 1, 5000, 11, "cuda", causal=False)
     args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**ix_space._SCORE_DEFAULT, "dequant": "bits"})
-    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**ix_space._SCORE_DEFAULT, "dequant": "shared"})
+    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**ix_space.SCORE_DEFAULT, "dequant": "bits"})
+    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**ix_space.SCORE_DEFAULT, "dequant": "shared"})
     assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
 def test_prmt_scores_equal_bits_scores():
     """dequant=prmt builds the bits path's bf16 patterns by byte permutes: the same K into the same MMA, bitwise."""
-    inputs = ix_reference._indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
+    inputs = ix_reference.indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
     args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-    sm90 = ix_space._SCORE_DEFAULT_SM90
+    sm90 = ix_space.SCORE_DEFAULT_SM90
     _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt", "min_ctas": 2})
     _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "bits"})
     assert torch.equal(a, b)
@@ -1406,9 +1404,9 @@ def test_rs_matches_reference(option):
 def test_rs_scores_close_to_the_shared_memory_path(dequant, against):
     """Same K values and products as ``against`` (prmt_rs and fma_rs build the same A operands, bit for bit, CPU
     tests), other summation order inside the MMA: equal to ~1 ulp of the row scale."""
-    inputs = ix_reference._indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
+    inputs = ix_reference.indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
     args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-    sm90 = ix_space._SCORE_DEFAULT_SM90
+    sm90 = ix_space.SCORE_DEFAULT_SM90
     _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": dequant, "min_ctas": 2})
     _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": against, "min_ctas": 2})
     assert torch.equal(torch.isinf(a), torch.isinf(b))
@@ -1423,13 +1421,13 @@ def test_rs_wide_scale_bytes_match_reference(dequant):
     its first one, and prmt_rs on the same data, against the reference scores and top-k sets."""
     from tiles.core.compare import relative_l2
 
-    inputs = ix_reference._indexer_inputs(4, 2, 3000, 19, "cuda", causal=False)
+    inputs = ix_reference.indexer_inputs(4, 2, 3000, 19, "cuda", causal=False)
     gen = torch.Generator(device="cuda").manual_seed(23)
     inputs["k_scales"] = torch.randint(96, 161, inputs["k_scales"].shape, generator=gen, device="cuda").to(torch.uint8)
     args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-    cfg = {**ix_space._SCORE_DEFAULT_SM90, "dequant": dequant, "min_ctas": 2}
+    cfg = {**ix_space.SCORE_DEFAULT_SM90, "dequant": dequant, "min_ctas": 2}
     out, scores = ix.indexer_topk(*args, 512, return_scores=True, config=cfg)
-    ref = ix_reference._reference_scores(inputs)
+    ref = ix_reference.reference_scores(inputs)
     assert relative_l2({"scores": scores}, {"scores": ref}, ix.SCORE_RTOL).ok
     assert ix.compare_topk_sets(out, topk_positions(ref, 512), ref).ok
 
@@ -1442,14 +1440,14 @@ def test_hoisted_epilogue_scores_bitwise_equal_per_tile(option):
     reindex_topk's gathered variant (unused pool blocks, invisible slots)."""
     per_tile = {**HOISTED_OPTIONS[option], "epilogue": "per_tile"}
     for B, S, N in [(64, 1, 131072), (3, 2, 1000), (2, 1, 77)]:
-        inputs = ix_reference._indexer_inputs(B, S, N, 29, "cuda", causal=False)
+        inputs = ix_reference.indexer_inputs(B, S, N, 29, "cuda", causal=False)
         args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
         out_h, sc_h = ix.indexer_topk(*args, 512, return_scores=True, config=HOISTED_OPTIONS[option])
         out_p, sc_p = ix.indexer_topk(*args, 512, return_scores=True, config=per_tile)
         assert torch.equal(sc_h.view(torch.int32), sc_p.view(torch.int32)), f"indexer_topk B={B} S={S} N={N}"
         assert torch.equal(out_h, out_p)
         gen = torch.Generator(device="cuda").manual_seed(31)
-        pool = ix_reference._random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
+        pool = ix_reference.random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
         out_h, sc_h = ix.reindex_topk(*args, pool, 8, 512, config=HOISTED_OPTIONS[option], return_scores=True)
         out_p, sc_p = ix.reindex_topk(*args, pool, 8, 512, config=per_tile, return_scores=True)
         assert torch.equal(sc_h.view(torch.int32), sc_p.view(torch.int32)), f"reindex_topk B={B} S={S} N={N}"
@@ -1489,7 +1487,7 @@ def test_fused_epilogue_scores_close_to_hoisted(option):
     score_keys = ("block_n", "threads", "stages", "tiles_per_cta", "dequant", "min_ctas", "epilogue")  # Reindex's space
     r_fused, r_hoisted = ({k: c[k] for k in score_keys} for c in (fused, hoisted))
     for B, S, N in [(64, 1, 131072), (3, 2, 1000), (2, 1, 77)]:
-        inputs = ix_reference._indexer_inputs(B, S, N, 29, "cuda", causal=False)
+        inputs = ix_reference.indexer_inputs(B, S, N, 29, "cuda", causal=False)
         args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
         out_f, sc_f = ix.indexer_topk(*args, 512, return_scores=True, config=fused)
         out_h, sc_h = ix.indexer_topk(*args, 512, return_scores=True, config=hoisted)
@@ -1497,7 +1495,7 @@ def test_fused_epilogue_scores_close_to_hoisted(option):
         assert relative_l2({"scores": sc_f}, {"scores": sc_h}, 1e-6).ok, f"indexer_topk B={B} S={S} N={N}"
         assert ix.compare_topk_sets(out_f, out_h, sc_h).ok
         gen = torch.Generator(device="cuda").manual_seed(31)
-        pool = ix_reference._random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
+        pool = ix_reference.random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
         out_f, sc_f = ix.reindex_topk(*args, pool, 8, 512, config=r_fused, return_scores=True)
         out_h, sc_h = ix.reindex_topk(*args, pool, 8, 512, config=r_hoisted, return_scores=True)
         assert torch.equal(torch.isinf(sc_f), torch.isinf(sc_h)), f"reindex_topk B={B} S={S} N={N}"
@@ -1524,7 +1522,7 @@ def test_prmt_rs2_scores_bitwise_equal_prmt_rs(option):
     old = {**new, "dequant": "prmt_rs"}
     score_keys = ("block_n", "threads", "stages", "tiles_per_cta", "dequant", "min_ctas", "epilogue")
     for B, S, N, wide in [(64, 1, 131072, False), (3, 2, 1000, False), (2, 1, 77, False), (4, 2, 3000, True)]:
-        inputs = ix_reference._indexer_inputs(B, S, N, 41, "cuda", causal=False)
+        inputs = ix_reference.indexer_inputs(B, S, N, 41, "cuda", causal=False)
         if wide:
             gen = torch.Generator(device="cuda").manual_seed(43)
             inputs["k_scales"] = torch.randint(1, 253, inputs["k_scales"].shape, generator=gen, device="cuda").to(torch.uint8)
@@ -1534,7 +1532,7 @@ def test_prmt_rs2_scores_bitwise_equal_prmt_rs(option):
         assert torch.equal(sc_n.view(torch.int32), sc_o.view(torch.int32)), f"indexer_topk B={B} S={S} N={N}"
         assert torch.equal(out_n, out_o)
         gen = torch.Generator(device="cuda").manual_seed(47)
-        pool = ix_reference._random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
+        pool = ix_reference.random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
         r_new, r_old = ({k: c[k] for k in score_keys} for c in (new, old))
         out_n, sc_n = ix.reindex_topk(*args, pool, 8, 512, config=r_new, return_scores=True)
         out_o, sc_o = ix.reindex_topk(*args, pool, 8, 512, config=r_old, return_scores=True)
@@ -1551,13 +1549,13 @@ def test_prmt_rs2_matches_reference(option):
 
 @pytest.mark.gpu
 def test_ties_and_wrappers():
-    inputs = ix_reference._indexer_inputs(4, 2, 32768, 5, "cuda", causal=False)
+    inputs = ix_reference.indexer_inputs(4, 2, 32768, 5, "cuda", causal=False)
     inputs["k_packed"] = inputs["k_packed"][:, :64].repeat(1, 512, 1).contiguous()  # 64 distinct keys: every score repeats
     inputs["k_scales"] = inputs["k_scales"][:, :64].repeat(1, 512, 1).contiguous()
     args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
     out, scores = ix.indexer_topk(*args, 512, return_scores=True)
     assert torch.equal(out, topk_positions(scores, 512))  # the select kernel follows the tie rule exactly
-    ref_scores = ix_reference._reference_scores(inputs)
+    ref_scores = ix_reference.reference_scores(inputs)
     assert ix.compare_topk_sets(out, topk_positions(ref_scores, 512), ref_scores).ok
     pool = ix.candidate_pool(scores, inputs["n_visible"])
     assert torch.equal(pool, candidate_blocks(scores, inputs["n_visible"], 8, 2048))

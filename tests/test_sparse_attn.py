@@ -659,7 +659,7 @@ def test_kv_staging_expand_compiles_everywhere(arch_name):
     kernel = tile.build(shape, cfg, arch)
     assert isinstance(kernel, sa.ExpandedAttention)
     src = kernel.expand.get_kernel_source()
-    fp4_word = dequant._FP4X8_FUNCTIONS[cfg["fp4_decode"]]
+    fp4_word = dequant.FP4X8_FUNCTIONS[cfg["fp4_decode"]]
     assert re.search(rf"(?<!void )\b{fp4_word}\(", src) and re.search(r"(?<!void )\bcsa2_e4m3x4_bf16\(", src)
     assert re.search(r"(?<!void )\bcsa2_e4m3_scale2\(", src) and re.search(r"(?<!void )\bcsa2_e8m0_scale2\(", src)
     bf16_cfg = {k: v for k, v in cfg.items() if k not in sa.FP4_ONLY_KEYS}
@@ -1248,7 +1248,7 @@ def test_expanded_caches_are_the_reference_dequant_in_bf16():
     want_w = fp8_dequantize(wc, ws).bfloat16().view(torch.int16)
     want_m = fp4_dequantize(mp, ms).bfloat16().view(torch.int16)
     for fp4_decode in ("fma", "prmt"):
-        kernel = expand_kernel(512, dequant._decode_helpers_cuda(fp4_decode), dequant._FP4X8_FUNCTIONS[fp4_decode], SM90)
+        kernel = expand_kernel(512, dequant.decode_helpers_cuda(fp4_decode), dequant.FP4X8_FUNCTIONS[fp4_decode], SM90)
         window_kv, main_kv = expand_caches(kernel, wc, ws, mp, ms)
         assert torch.equal(window_kv.view(torch.int16), want_w), fp4_decode
         assert torch.equal(main_kv.view(torch.int16), want_m), fp4_decode

@@ -4,7 +4,7 @@ default), then one launch writing both caches."""
 import torch
 
 from tiles.compressor.common import DI, INDEX_GROUP, MAIN_GROUP, ROPE, D
-from tiles.compressor.launch import _build, _check_f32, _prepared_forms, _wk_args
+from tiles.compressor.launch import build_kernel, check_f32, prepared_forms, wk_args
 from tiles.compressor.tile import COMPRESSOR
 from tiles.core.calls import pick_config, tensor_arch
 from tiles.core.contract import Config, Shape, TileError
@@ -50,26 +50,26 @@ def compress(
     if kv.dim() != 3 or kv.shape[-1] != D:
         raise TileError(f"kv must be float32 [B, S, {D}], got {tuple(kv.shape)}")
     B, S, _ = kv.shape
-    _check_f32(kv, "kv", (B, S, D))
+    check_f32(kv, "kv", (B, S, D))
     if ratio == 2:
         if gate is None:
             raise TileError("ratio 2 needs a gate [B, S, 512]")
-        _check_f32(gate, "gate", (B, S, D))
+        check_f32(gate, "gate", (B, S, D))
     if (tail_kv is None) != (tail_gate is None):
         raise TileError("pass tail_kv and tail_gate together (or neither)")
     if tail_kv is not None:
         if ratio != 2:
             raise TileError("a tail state only exists for ratio 2")
-        _check_f32(tail_kv, "tail_kv", (B, D))
-        _check_f32(tail_gate, "tail_gate", (B, D))
+        check_f32(tail_kv, "tail_kv", (B, D))
+        check_f32(tail_gate, "tail_gate", (B, D))
         kv = torch.cat([tail_kv.unsqueeze(1), kv], dim=1)  # [B, S+1, D]: a decode step's few rows
         gate = torch.cat([tail_gate.unsqueeze(1), gate], dim=1)
     G = kv.shape[1] // ratio
-    _check_f32(norm_weight, "norm_weight", (D,))
-    _check_f32(cos, "cos", (G, ROPE // 2))
-    _check_f32(sin, "sin", (G, ROPE // 2))
-    _check_f32(wk, "wk", (DI, D))
-    _check_f32(k_norm_weight, "k_norm_weight", (DI,))
+    check_f32(norm_weight, "norm_weight", (D,))
+    check_f32(cos, "cos", (G, ROPE // 2))
+    check_f32(sin, "sin", (G, ROPE // 2))
+    check_f32(wk, "wk", (DI, D))
+    check_f32(k_norm_weight, "k_norm_weight", (DI,))
     for name, t in (("norm_weight", norm_weight), ("cos", cos), ("sin", sin), ("wk", wk), ("k_norm_weight", k_norm_weight)):
         if t.device != kv.device:
             raise TileError(f"{name} is on {t.device} but kv is on {kv.device}")
@@ -88,7 +88,7 @@ def compress(
     kv = kv[:, : G * ratio].contiguous()
     gate = kv if ratio == 1 else gate[:, : G * ratio].contiguous()  # ratio 1 reads no gate
     eps_t = torch.full((1,), eps, dtype=torch.float32, device=dev)  # a fill, not a host copy: capturable
-    kernel = _build(arch, ratio, cfg)
-    wk_hi, wk_lo = _wk_args(kernel, wk, _prepared_forms(wk))
+    kernel = build_kernel(arch, ratio, cfg)
+    wk_hi, wk_lo = wk_args(kernel, wk, prepared_forms(wk))
     kernel(kv, gate, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(), wk_hi, wk_lo, k_norm_weight.contiguous(), eps_t, *outs)
     return outs

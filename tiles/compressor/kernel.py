@@ -10,27 +10,27 @@ from tilelang.layout import make_linear_layout
 
 from tiles.compressor.common import DI, DIRECT_ROWS, INDEX_GROUP, MAIN_GROUP, MULTI_CTA_CHUNK, MULTI_CTA_STAGES, NORM_LANES, ROPE, D
 from tiles.compressor.pool_encode import (
-    _MAIN_FROM_ROWS_CUDA,
-    _ROW_LOAD_CUDA,
     LOAD_CHUNK,
-    _bounds_cuda,
-    _e2m1_code,
-    _e2m1_code_search,
-    _pool_pair,
-    _staged_pool,
+    MAIN_FROM_ROWS_CUDA,
+    ROW_LOAD_CUDA,
+    bounds_cuda,
+    e2m1_code,
+    e2m1_code_search,
     main_from_rows_f16_split_cuda,
+    pool_pair,
+    staged_pool,
 )
 from tiles.compressor.projection import (
-    _PROJ_F16X3_CUDA,
-    _PROJ_F16X3_DEEP_CUDA,
-    _PROJ_REGS_CUDA,
-    _PROJ_REGS_K2_CUDA,
-    _PROJ_WGMMA_CUDA,
     F16_SPLIT_CUDA,
+    PROJ_F16X3_CUDA,
+    PROJ_F16X3_DEEP_CUDA,
+    PROJ_REGS_CUDA,
+    PROJ_REGS_K2_CUDA,
     PROJ_WARPS,
-    _split_accumulator_cuda,
-    _split_tf32_tile,
+    PROJ_WGMMA_CUDA,
     rot_pad,
+    split_accumulator_cuda,
+    split_tf32_tile,
 )
 from tiles.compressor.space import (
     ENCODES,
@@ -103,7 +103,7 @@ def _restore_rope_dims(buf, width: int, block_g: int, kept_ev, kept_od):
 
 
 @functools.cache
-def _compress_kernel(
+def compress_kernel(
     target: str,
     ratio: int,
     block_g: int,
@@ -132,7 +132,7 @@ def _compress_kernel(
 
     ``load``: "direct" reads kv/gate with per-thread loads straight into the pooling registers;
     "staged" streams them through shared memory by double-buffered bulk copies (and the Wk
-    chunks likewise, for tf32x3), see :func:`_staged_pool`.
+    chunks likewise, for tf32x3), see :func:`staged_pool`.
     ``encode``: "divide" codes ``clamp(x / s)`` by IEEE division and seven midpoint comparisons (the
     reference's expression); "thresholds" gives the same codes without a division: main cache by
     comparing ``|x|`` with per-scale fp32 bounds (:func:`_e2m1_thresholds`), index cache by multiplying
@@ -157,23 +157,23 @@ def _compress_kernel(
     32 HBM round trips per CTA, two in flight); "whole" copies the block's kv rows straight into rot_s (ratio 1 pools
     nothing), all in flight at once: one round trip, and no slab buffers. "direct" (flat kernel, both ratios): no slabs and
     no barriers in the pooling: each thread reads its kv/gate float4s from global memory straight into the softmax and
-    writes the pooled latent to rot_s (the arithmetic of :func:`_staged_pool`, expression for expression); the loads of
+    writes the pooled latent to rot_s (the arithmetic of :func:`staged_pool`, expression for expression); the loads of
     one thread's 16 float4 outputs are independent, so many more bytes are in flight than the slabs' two stages. With
-    norm_pass="in_pool" at two CTAs an SM or fewer they load past L1 (:data:`_ROW_LOAD_CUDA`).
+    norm_pass="in_pool" at two CTAs an SM or fewer they load past L1 (:data:`ROW_LOAD_CUDA`).
     ``proj_operands`` (flat kernel, wk=fp32): "smem" splits each 16-wide chunk of the latent and of Wk into TF32 high
     and low tiles in shared memory (cp.async Wk stages, three barriers per chunk) and T.gemm reads them by ldmatrix;
-    "registers" runs the projection out of registers (_PROJ_REGS_CUDA): each warp owns 16 output columns, reads its
+    "registers" runs the projection out of registers (PROJ_REGS_CUDA): each warp owns 16 output columns, reads its
     latent words from rot_s (padded rows) and its Wk words from L2 (host order :func:`wk_fragment_order`), splits each
     once and issues the same MMAs in the same order; the result goes to k_s. No Wk stages, a_hi/a_lo/b_hi/b_lo or
-    barriers in the loop. "wgmma" (sm_90a, block_g 16) computes the transposed product on wgmma (_PROJ_WGMMA_CUDA): Wk
+    barriers in the loop. "wgmma" (sm_90a, block_g 16) computes the transposed product on wgmma (PROJ_WGMMA_CUDA): Wk
     from registers as the register projection reads and splits it, the latent split once per CTA into wgmma's shared
     layout (its high part over rot_s) instead of once per warp; the same three products, summed in the tensor cores'
     order (the index keys may differ from "registers" in the last bits).
     ``proj_accumulators`` (register projection): "shared" accumulates the three products of each output tile in one
     accumulator, in T.gemm's order (the shared-memory projection's bits); "split" keeps the small products (lo*hi, hi*lo)
-    in a second one, added at the end (:func:`_split_accumulator_cuda`): two independent MMA chains per tile.
+    in a second one, added at the end (:func:`split_accumulator_cuda`): two independent MMA chains per tile.
     ``pool_math`` (ratio 2; ratio 1 pools nothing): how each channel's softmax over the group's two tokens is computed,
-    see :func:`_pool_pair`: "ieee" (two expf, two IEEE divisions: the reference's expression) or "fast" (ex2.approx and
+    see :func:`pool_pair`: "ieee" (two expf, two IEEE divisions: the reference's expression) or "fast" (ex2.approx and
     one approximate reciprocal: a few ulps off).
     ``norm_pass`` (kv_load=direct): "separate" normalises rot_s after the pooling (:func:`_rmsnorm_in_smem`: a pass that
     sums the squares from rot_s, a barrier, a pass that reads, scales and writes it back); "in_pool" sums each pooled
@@ -181,12 +181,12 @@ def _compress_kernel(
     and no barriers for the norm (the latent moves by a few ulps: another summation order).
     ``main_pass`` (norm_pass="in_pool", encode="thresholds"): "separate" applies the RoPE and encodes the main cache in
     passes over rot_s (RoPE; amax; scale; codes, with barriers between); "in_pool" does all of it from the normalised
-    rows in registers (:data:`_MAIN_FROM_ROWS_CUDA`: the same arithmetic, the group max by two shuffles) and writes
+    rows in registers (:data:`MAIN_FROM_ROWS_CUDA`: the same arithmetic, the group max by two shuffles) and writes
     rot_s the pre-RoPE latent; bytes_m and sbyte_m get plain layouts (the TMA stores read them unswizzled).
     ``proj_k_split`` (register projection, one accumulator): 1, every warp covers all 512 k for 16 output columns; 2, a
-    warp covers half of them for 32 columns (:data:`_PROJ_REGS_K2_CUDA`: half the latent reads and splits per warp, Wk in
+    warp covers half of them for 32 columns (:data:`PROJ_REGS_K2_CUDA`: half the latent reads and splits per warp, Wk in
     ``wk_fragment_order(Wk, 32)``, the two halves added in k_s).
-    ``proj`` "f16x3" (register projection only): the three products in fp16 on m16n8k16 (:data:`_PROJ_F16X3_CUDA`:
+    ``proj`` "f16x3" (register projection only): the three products in fp16 on m16n8k16 (:data:`PROJ_F16X3_CUDA`:
     half the MMAs, the latent split into fp16 pairs, Wk split and scaled on the host by :func:`wk_fragment_order_f16`,
     its unscale passed in ``wk_lo``), with every ``proj_k_split`` / ``proj_accumulators`` layout of "registers".
     ``proj_latent`` (proj="f16x3"): "fp32" keeps the pre-RoPE latent in rot_s as fp32 and every projection warp splits the
@@ -201,7 +201,7 @@ def _compress_kernel(
     CTAs of 32 groups share an SM (24 warps an SM instead of 16; ptxas: 80 registers, no spills).
     ``proj_pipeline`` (proj_latent="f16_split", proj_k_split=1): "near" loads each chunk's Wk fragments two chunks ahead
     and copies them into the MMA registers, the latent fragments right before their MMAs; "deep" keeps four chunks of Wk
-    in flight in a ring the MMAs read in place and loads the latent one chunk ahead (:data:`_PROJ_F16X3_DEEP_CUDA`: the
+    in flight in a ring the MMAs read in place and loads the latent one chunk ahead (:data:`PROJ_F16X3_DEEP_CUDA`: the
     same MMAs in the same order; ptxas: no more registers than "near", the pooling sets the peak).
     """
     if encode not in ENCODES:
@@ -354,16 +354,16 @@ def _compress_kernel(
                     T.annotate_layout({buf: row_per_warp for buf in (*kv_f, *gate_f, pooled_f, sq_f)})
                     if main_pass == "in_pool":  # the helper writes plain rows (the TMA stores read them unswizzled)
                         T.annotate_layout({bytes_m: make_linear_layout(bytes_m), sbyte_m: make_linear_layout(sbyte_m)})
-            # The one-warp-per-row layout above, loaded past L1 at two CTAs an SM or fewer (see _ROW_LOAD_CUDA)
+            # The one-warp-per-row layout above, loaded past L1 at two CTAs an SM or fewer (see ROW_LOAD_CUDA)
             stream_rows = kv_load == "direct" and norm_pass == "in_pool" and ctas_per_sm <= 2
             if encode == "thresholds" or regs or stream_rows:  # one import_source per kernel
-                extra = _split_accumulator_cuda() if proj_accumulators == "split" else (_PROJ_WGMMA_CUDA if wgmma else "")
-                extra += _PROJ_REGS_K2_CUDA if proj_k_split == 2 else ""
-                deep = _PROJ_F16X3_DEEP_CUDA if proj_pipeline == "deep" else ""
-                projection = "" if not regs else (_PROJ_F16X3_CUDA + deep if f16x3 else _PROJ_REGS_CUDA + extra)
-                main_rows = (_MAIN_FROM_ROWS_CUDA + (main_from_rows_f16_split_cuda() if presplit else "")) if main_pass == "in_pool" else ""
-                bounds = (_bounds_cuda() + main_rows) if encode == "thresholds" else ""
-                row_load = _ROW_LOAD_CUDA if stream_rows else ""
+                extra = split_accumulator_cuda() if proj_accumulators == "split" else (PROJ_WGMMA_CUDA if wgmma else "")
+                extra += PROJ_REGS_K2_CUDA if proj_k_split == 2 else ""
+                deep = PROJ_F16X3_DEEP_CUDA if proj_pipeline == "deep" else ""
+                projection = "" if not regs else (PROJ_F16X3_CUDA + deep if f16x3 else PROJ_REGS_CUDA + extra)
+                main_rows = (MAIN_FROM_ROWS_CUDA + (main_from_rows_f16_split_cuda() if presplit else "")) if main_pass == "in_pool" else ""
+                bounds = (bounds_cuda() + main_rows) if encode == "thresholds" else ""
+                row_load = ROW_LOAD_CUDA if stream_rows else ""
                 T.import_source(row_load + (F16_SPLIT_CUDA if f16x3 else "") + bounds + projection)
             T.copy(norm_w, w_s)
             T.copy(k_norm_w, kw_s)
@@ -372,14 +372,14 @@ def _compress_kernel(
             if load == "staged":
                 # Bulk async copies of channel slabs, double-buffered: the kv/gate stream (the
                 # kernel's HBM traffic) is in flight while the previous slab is pooled, instead
-                # of each thread waiting on its own scalar loads (see _staged_pool).
+                # of each thread waiting on its own scalar loads (see staged_pool).
                 if kv_load == "whole":
                     # Ratio 1 pools nothing: the block's rows straight into rot_s, every load in flight at once (one HBM
                     # round trip instead of 32 slab round trips two deep); rows past G are zero-filled by the copy.
                     T.copy(kv[b, g0 : g0 + block_g, :], rot_s)
                 elif kv_load == "direct":
                     # No slabs, no barrier per slab: each thread's kv/gate float4s straight from global memory into the
-                    # softmax (the same expressions as _staged_pool, so the same latent bits). Rows past G read row G - 1
+                    # softmax (the same expressions as staged_pool, so the same latent bits). Rows past G read row G - 1
                     # (their results are never stored).
                     for r in T.serial(block_g // DIRECT_ROWS):
                         row = r * DIRECT_ROWS + T.get_thread_binding() // 32  # main_pass=in_pool: this warp's row
@@ -416,7 +416,7 @@ def _compress_kernel(
                                     pooled_f[i, d] = kv_f[0][i, d]
                                 else:
                                     x0, x1 = gate_f[0][i, d], gate_f[1][i, d]
-                                    pooled_f[i, d] = _pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
+                                    pooled_f[i, d] = pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
                             for i, d in T.Parallel(DIRECT_ROWS, D):
                                 sq_f[i, d] = pooled_f[i, d] * pooled_f[i, d]
                             T.reduce_sum(sq_f, ss_f, dim=1)
@@ -448,9 +448,9 @@ def _compress_kernel(
                                     rot_s[r * DIRECT_ROWS + i, d] = kv_f[0][i, d]
                                 else:
                                     x0, x1 = gate_f[0][i, d], gate_f[1][i, d]
-                                    rot_s[r * DIRECT_ROWS + i, d] = _pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
+                                    rot_s[r * DIRECT_ROWS + i, d] = pool_pair(x0, x1, kv_f[0][i, d], kv_f[1][i, d], pool_math)
                 else:
-                    _staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages, pool_math)
+                    staged_pool(kv, gate, kv_s, gate_s, rot_s, b, g0, ratio, block_g, chunk, stages, pool_math)
                 if not flat:
                     for i, d in T.Parallel(block_g, D):
                         lat[i, d] = rot_s[i, d]
@@ -461,7 +461,7 @@ def _compress_kernel(
                         lat[i, d] = kv[b, g, d]
                     else:
                         x0, x1 = gate[b, 2 * g, d], gate[b, 2 * g + 1, d]
-                        lat[i, d] = _pool_pair(x0, x1, kv[b, 2 * g, d], kv[b, 2 * g + 1, d], pool_math)
+                        lat[i, d] = pool_pair(x0, x1, kv[b, 2 * g, d], kv[b, 2 * g + 1, d], pool_math)
             # 2. RMSNorm.
             if flat and norm_pass == "separate":
                 _rmsnorm_in_smem(rot_s, w_s, part, ss, inv_s, eps, block_g)
@@ -495,8 +495,8 @@ def _compress_kernel(
                         pair = T.call_extern("uint32", "csa2_e2m1_pair_bounded", rot_s[i, 2 * j], rot_s[i, 2 * j + 1], sc)
                         bytes_m[i, j] = T.Cast("uint8", pair)
                     else:
-                        lo = _e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
-                        hi = _e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
+                        lo = e2m1_code(T.clamp(rot_s[i, 2 * j] / sc, -6.0, 6.0))
+                        hi = e2m1_code(T.clamp(rot_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                         bytes_m[i, j] = T.Cast("uint8", lo | (hi << 4))
                 _restore_rope_dims(rot_s, D, block_g, kept_ev, kept_od)  # the pre-RoPE latent back for the projection
             if flat and main_store == "bulk":
@@ -510,7 +510,7 @@ def _compress_kernel(
             if not regs:
                 T.clear(kacc)
             if regs:
-                # Out of registers (see _PROJ_REGS_CUDA) or on wgmma (_PROJ_WGMMA_CUDA: the latent's high part overwrites
+                # Out of registers (see PROJ_REGS_CUDA) or on wgmma (PROJ_WGMMA_CUDA: the latent's high part overwrites
                 # rot_s, its remainder goes to lo_s) into k_s; rot_s is final (barrier after the main stores).
                 if wgmma:
                     fn, operands = f"csa2_proj_tf32x3_wgmma<{block_g}, {D + row_pad}, {D}>", (rot_s, lo_s, wk_hi, k_s)
@@ -530,8 +530,8 @@ def _compress_kernel(
                 # Half the L2 -> SM bytes of "hi_lo": the chunk of Wk itself, split here like the latent.
                 for kc in T.Pipelined(D // k_chunk, num_stages=wk_stages):
                     T.copy(wk_hi[:, kc * k_chunk : (kc + 1) * k_chunk], w_st)
-                    _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g, k_chunk)
-                    _split_tf32_tile(w_st, b_hi, b_lo, 0, DI, k_chunk)
+                    split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g, k_chunk)
+                    split_tf32_tile(w_st, b_hi, b_lo, 0, DI, k_chunk)
                     T.gemm(a_lo, b_hi, kacc, transpose_B=True)
                     T.gemm(a_hi, b_lo, kacc, transpose_B=True)
                     T.gemm(a_hi, b_hi, kacc, transpose_B=True)
@@ -541,7 +541,7 @@ def _compress_kernel(
                 for kc in T.Pipelined(D // k_chunk, num_stages=wk_stages):
                     T.copy(wk_hi[:, kc * k_chunk : (kc + 1) * k_chunk], b_hi)
                     T.copy(wk_lo[:, kc * k_chunk : (kc + 1) * k_chunk], b_lo)
-                    _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g, k_chunk)
+                    split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g, k_chunk)
                     T.gemm(a_lo, b_hi, kacc, transpose_B=True)
                     T.gemm(a_hi, b_lo, kacc, transpose_B=True)
                     T.gemm(a_hi, b_hi, kacc, transpose_B=True)
@@ -605,11 +605,11 @@ def _compress_kernel(
             for i, j in T.Parallel(block_g, DI // 2):
                 sc = scale_i[i, j // (INDEX_GROUP // 2)]
                 if encode == "thresholds":
-                    lo = _e2m1_code_search(k_s[i, 2 * j] * sc)
-                    hi = _e2m1_code_search(k_s[i, 2 * j + 1] * sc)
+                    lo = e2m1_code_search(k_s[i, 2 * j] * sc)
+                    hi = e2m1_code_search(k_s[i, 2 * j + 1] * sc)
                 else:
-                    lo = _e2m1_code(T.clamp(k_s[i, 2 * j] / sc, -6.0, 6.0))
-                    hi = _e2m1_code(T.clamp(k_s[i, 2 * j + 1] / sc, -6.0, 6.0))
+                    lo = e2m1_code(T.clamp(k_s[i, 2 * j] / sc, -6.0, 6.0))
+                    hi = e2m1_code(T.clamp(k_s[i, 2 * j + 1] / sc, -6.0, 6.0))
                 bytes_i[i, j] = T.Cast("uint8", lo | (hi << 4))
             # 7. Stores (rows past G are masked by the copy's bounds).
             if not flat:
@@ -622,7 +622,7 @@ def _compress_kernel(
     # setmaxnreg would assume the whole register file); the staged copies are issued by the same threads, num_stages ahead.
     pass_configs = {"tl.disable_warp_specialized": True} if flat else None
     kernel = tilelang.compile(compress, target=tvm.target.Target(cuda_target(target)), pass_configs=pass_configs)
-    # what the launchers pass as (wk_hi, wk_lo): see _wk_args
+    # what the launchers pass as (wk_hi, wk_lo): see wk_args
     kernel.csa2_wk = ("fragments_k2" if proj_k_split == 2 else "fragments") if regs else wk
     if f16x3:
         kernel.csa2_wk = "fragments_f16_k2" if proj_k_split == 2 else "fragments_f16"

@@ -4,15 +4,15 @@ arguments, for :mod:`tiles.compressor.api` and the tile."""
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from tiles.compressor.kernel import _compress_kernel
+from tiles.compressor.kernel import compress_kernel
 from tiles.compressor.projection import wk_fragment_order, wk_fragment_order_f16
 from tiles.core.arch import Arch
 from tiles.core.contract import Config, TileError
 
 
-def _build(arch: Arch, ratio: int, cfg: Config):
+def build_kernel(arch: Arch, ratio: int, cfg: Config):
     """The compiled compressor for a full config (see :meth:`CompressorTile.search_space`)."""
-    return _compress_kernel(
+    return compress_kernel(
         arch.nvcc_arch,
         ratio,
         cfg["block_g"],
@@ -23,7 +23,7 @@ def _build(arch: Arch, ratio: int, cfg: Config):
         cfg.get("encode", "divide"),
         cfg.get("ctas_per_sm", 1),
         cfg.get("wk", "hi_lo"),
-        _schedule(cfg),
+        kernel_schedule(cfg),
         cfg.get("wk_stages", 2),
         cfg.get("kv_load", "slabs"),
         cfg.get("proj_operands", "smem"),
@@ -39,13 +39,13 @@ def _build(arch: Arch, ratio: int, cfg: Config):
     )
 
 
-def _schedule(cfg: Config) -> str:
+def kernel_schedule(cfg: Config) -> str:
     """The kernel's schedule: "flat" (no producer warpgroup) whenever several CTAs share an SM, else the config's
     ``schedule`` ("ws", the warp-specialised one-CTA kernel, unless named)."""
     return "flat" if cfg.get("ctas_per_sm", 1) > 1 else cfg.get("schedule", "ws")
 
 
-def _wk_args(kernel, wk: torch.Tensor, prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def wk_args(kernel, wk: torch.Tensor, prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's (wk_hi, wk_lo) arguments for fp32 ``wk`` [128, 512]: the TF32 split, (``wk="fp32"``) Wk itself in
     the first slot (the kernel splits it; the second slot is not read), or (``proj_operands="registers"``/``"wgmma"``) Wk
     in :func:`wk_fragment_order` (32 columns per group with ``proj_k_split=2``), also in the first slot; or (``proj="f16x3"``)
@@ -73,8 +73,8 @@ def _wk_args(kernel, wk: torch.Tensor, prepared: dict | None = None) -> tuple[to
 _PREPARED_WK = WeakTensorKeyDictionary()
 
 
-def _prepared_forms(wk: torch.Tensor) -> dict:
-    """The ``prepared`` dict of :func:`_wk_args` that belongs to this ``wk`` tensor as it is now."""
+def prepared_forms(wk: torch.Tensor) -> dict:
+    """The ``prepared`` dict of :func:`wk_args` that belongs to this ``wk`` tensor as it is now."""
     version, forms = _PREPARED_WK.get(wk, (None, None))
     if version != wk._version:
         forms = {}
@@ -89,7 +89,7 @@ def split_tf32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, wf - hi
 
 
-def _check_f32(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
+def check_f32(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
     if t.dtype != torch.float32:
         raise TileError(f"{name} must be float32, got {t.dtype}")
     if tuple(t.shape) != tuple(shape):

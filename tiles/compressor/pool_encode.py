@@ -8,7 +8,7 @@ from tiles.compressor.space import POOL_MATHS
 from tiles.core.contract import TileError
 
 
-def _e2m1_code(v):
+def e2m1_code(v):
     """fp32 (already divided by the stored scale and clamped to [-6, 6]) -> E2M1 code 0..15, ties to even."""
     mag = T.abs(v)
     code = (
@@ -30,7 +30,7 @@ def _e2m1_code(v):
 E2M1_BOUNDS = ((0.25, 2.0**-26), (0.75, 2.0**-25), (1.25, 2.0**-24), (1.75, 2.0**-24), (2.5, 2.0**-23), (3.5, 2.0**-23), (5.0, 2.0**-22))
 
 
-def _bounds_cuda() -> str:
+def bounds_cuda() -> str:
     """CUDA of ``encode="thresholds"`` for the main cache (E4M3 scale s, 2^-9 <= s <= 448): two codes per call.
 
     ``x / s`` passes midpoint k (reference: ``fl(x / s)`` > m_k for even k, >= m_k for odd k, see
@@ -70,8 +70,8 @@ __device__ __forceinline__ unsigned csa2_e2m1_pair_bounded(float x0, float x1, f
     )
 
 
-def _e2m1_code_search(v):
-    """fp32 ``v`` (already divided by its scale, unclamped) -> E2M1 code like :func:`_e2m1_code`, by the 3-level search.
+def e2m1_code_search(v):
+    """fp32 ``v`` (already divided by its scale, unclamped) -> E2M1 code like :func:`e2m1_code`, by the 3-level search.
 
     The clamp to [-6, 6] changes no code (|v| > 6 passes every midpoint either way, NaN none, the sign stays).
     """
@@ -84,7 +84,7 @@ def _e2m1_code_search(v):
     return T.if_then_else(ge4, 4, 0) | T.if_then_else(ge2, 2, 0) | T.if_then_else(odd, 1, 0) | T.if_then_else(v < 0, 8, 0)
 
 
-def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
+def pool_pair(x0, x1, kv0, kv1, pool_math: str):
     """Pooled latent of one channel of a ratio-2 group: softmax over the gates ``x0, x1`` weighting ``kv0, kv1``.
 
     "ieee": the reference's expression, ``e_t = exp(x_t - max)``, ``(e0 / tot) kv0 + (e1 / tot) kv1`` with two
@@ -117,7 +117,7 @@ def _pool_pair(x0, x1, kv0, kv1, pool_math: str):
 # H200, the same call (3a9eff8): ratio 2 at 64K, two CTAs of 32 0.1164 -> 0.1094 ms. Not at three CTAs an SM: within
 # their 80 registers ptxas spilled 152-196 B at ratio 2 (0.1146 -> 0.1387 ms, decode 0.0091 -> 0.0114), and decode
 # ratio 1 ran 3% slower.
-_ROW_LOAD_CUDA = r"""
+ROW_LOAD_CUDA = r"""
 __device__ __forceinline__ void csa2_load_row_stream(const float* __restrict__ row, float* v) {
   const float4* p = reinterpret_cast<const float4*>(row) + (threadIdx.x & 31);
 #pragma unroll
@@ -142,7 +142,7 @@ __device__ __forceinline__ void csa2_load_row_stream(const float* __restrict__ r
 # ``store`` false (a row past the last group, which the bulk stores mask) writes neither. The RoPE coefficients come from
 # csa2_rope_coeffs, called before the batch's kv/gate loads: when this function loaded them itself, right before their
 # use, the wait held 9% of the pooling phase's stall samples (Nsight on the H200, 887c37c).
-_MAIN_FROM_ROWS_CUDA = r"""
+MAIN_FROM_ROWS_CUDA = r"""
 #include <tl_templates/cuda/cuda_fp8.h>  // fp8_e4_t, the type TileLang's own scale cast uses (imported sources come first)
 // Lanes 16-31 of the warp of row grow: (cos, sin) of pairs p = 2 (lane - 16) and p + 1 (cos/sin [G, 32]) into rc[0..3].
 __device__ __forceinline__ void csa2_rope_coeffs(const float* __restrict__ cs, const float* __restrict__ sn, int grow, float* rc) {
@@ -198,22 +198,22 @@ __device__ __forceinline__ void csa2_main_from_rows(const float* v_in, const flo
 
 
 def main_from_rows_f16_split_cuda() -> str:
-    """``proj_latent="f16_split"``: :data:`_MAIN_FROM_ROWS_CUDA` as ``csa2_main_from_rows_f16``, which stores the pre-RoPE
+    """``proj_latent="f16_split"``: :data:`MAIN_FROM_ROWS_CUDA` as ``csa2_main_from_rows_f16``, which stores the pre-RoPE
     latent into its row of rot_s as fp16 high parts and remainders (``csa2_store_f16_split``, once per value) instead of
     fp32: the split that every projection warp otherwise makes of what it reads. The main cache is the same code."""
     # the include and csa2_rope_coeffs come once, from the fp32 variant
-    src = _MAIN_FROM_ROWS_CUDA[_MAIN_FROM_ROWS_CUDA.index("__device__ __forceinline__ void csa2_main_from_rows(") :]
+    src = MAIN_FROM_ROWS_CUDA[MAIN_FROM_ROWS_CUDA.index("__device__ __forceinline__ void csa2_main_from_rows(") :]
     old = "*reinterpret_cast<float4*>(rot_row + 128 * j + 4 * lane) = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);"
     new = "csa2_store_f16_split(rot_row, 128 * j + 4 * lane, v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);"
     for before, after in ((old, new), ("void csa2_main_from_rows(", "void csa2_main_from_rows_f16(")):
         if src.count(before) != 1:  # the shared source changed under this derivation
-            raise RuntimeError(f"_MAIN_FROM_ROWS_CUDA no longer has exactly one {before!r}: update main_from_rows_f16_split_cuda")
+            raise RuntimeError(f"MAIN_FROM_ROWS_CUDA no longer has exactly one {before!r}: update main_from_rows_f16_split_cuda")
         src = src.replace(before, after)
     return src
 
 
 @T.macro
-def _staged_pool(
+def staged_pool(
     kv, gate, kv_s, gate_s, rot_s, b, g0, ratio: int, block_g: int, chunk: int = LOAD_CHUNK, stages: int = 2, pool_math: str = "ieee"
 ):
     """Pooled latent of ``block_g`` groups into ``rot_s`` fp32 [block_g, 512], slab by slab.
@@ -232,4 +232,4 @@ def _staged_pool(
                 rot_s[i, dc * chunk + d] = kv_s[i, d]
             else:
                 x0, x1 = gate_s[2 * i, d], gate_s[2 * i + 1, d]
-                rot_s[i, dc * chunk + d] = _pool_pair(x0, x1, kv_s[2 * i, d], kv_s[2 * i + 1, d], pool_math)
+                rot_s[i, dc * chunk + d] = pool_pair(x0, x1, kv_s[2 * i, d], kv_s[2 * i + 1, d], pool_math)

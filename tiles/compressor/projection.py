@@ -8,7 +8,7 @@ from tiles.compressor.common import DI, D
 
 
 @T.macro
-def _split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
+def split_tf32_tile(rot_s, a_hi, a_lo, kc, block_g: int, k_chunk: int):
     """Columns ``kc * k_chunk ..`` of ``rot_s`` [block_g, *] -> TF32 high part + fp32 remainder (exact split).
 
     Used for the latent and (``wk="fp32"``) for the staged Wk chunk [128, k_chunk]: the same bits as :func:`split_tf32`.
@@ -27,10 +27,10 @@ PROJ_WARPS = 8  # proj_operands=registers: each warp owns 16 of the 128 output c
 # [16w, 16w + 16) for all block_g rows (MT = block_g / 16 m-tiles): per 16-wide k chunk it reads its latent words from
 # rot_s (row stride RS = 516: the 8 rows x 4 columns of a fragment read sit in 32 distinct banks) and its Wk words from
 # global memory (L2) as two float4s per thread, in the order of wk_fragment_order (host), two chunks ahead; each word is
-# split into its TF32 high part and fp32 remainder once per warp (the split of _split_tf32_tile, bit for bit), and the
+# split into its TF32 high part and fp32 remainder once per warp (the split of split_tf32_tile, bit for bit), and the
 # three products run in T.gemm's order per output tile (lo*hi, hi*lo, hi*hi, each k step 0 then 1), with the PTX
 # fragment layout T.gemm's ldmatrix loads give: the same accumulator bits. No shared staging, no barrier, no cp.async.
-_PROJ_REGS_CUDA = r"""
+PROJ_REGS_CUDA = r"""
 __device__ __forceinline__ void csa2_split_tf32(float x, unsigned& hi, unsigned& lo) {
   const unsigned h = __float_as_uint(x) & 0xFFFFE000u;
   hi = h;
@@ -120,13 +120,13 @@ __device__ __forceinline__ void csa2_proj_tf32x3_regs(const float* rot, const fl
 """
 
 
-def _split_accumulator_cuda() -> str:
-    """``proj_accumulators="split"``: :data:`_PROJ_REGS_CUDA` as ``csa2_proj_tf32x3_regs_split``, with the two small
+def split_accumulator_cuda() -> str:
+    """``proj_accumulators="split"``: :data:`PROJ_REGS_CUDA` as ``csa2_proj_tf32x3_regs_split``, with the two small
     products (lo*hi, hi*lo) accumulated apart from hi*hi and added at the end. Each output tile then has two independent
     MMA chains instead of one (at block_g 16 a warp has only two tiles: six dependent MMAs per tile and chunk); the sum
     is in another order than T.gemm's, so the index keys may differ from the shared accumulator's in the last bits."""
-    # the helpers (csa2_split_tf32, csa2_mma_tf32) come once, from _PROJ_REGS_CUDA: only the function is derived
-    src = _PROJ_REGS_CUDA[_PROJ_REGS_CUDA.index("// rot: fp32") :]
+    # the helpers (csa2_split_tf32, csa2_mma_tf32) come once, from PROJ_REGS_CUDA: only the function is derived
+    src = PROJ_REGS_CUDA[PROJ_REGS_CUDA.index("// rot: fp32") :]
     src = src.replace("void csa2_proj_tf32x3_regs(", "void csa2_proj_tf32x3_regs_split(")
     replacements = (
         ("  float acc[MT][2][4];\n", "  float acc[MT][2][4], acc_s[MT][2][4];\n"),
@@ -141,7 +141,7 @@ def _split_accumulator_cuda() -> str:
     )
     for old, new in replacements:
         if src.count(old) != 1:  # the shared template changed under this derivation
-            raise RuntimeError(f"_PROJ_REGS_CUDA no longer has exactly one {old.strip()!r}: update _split_accumulator_cuda")
+            raise RuntimeError(f"PROJ_REGS_CUDA no longer has exactly one {old.strip()!r}: update split_accumulator_cuda")
         src = src.replace(old, new)
     return src
 
@@ -158,7 +158,7 @@ def _split_accumulator_cuda() -> str:
 # Measured (H200, 45064e7): slower at three CTAs of 16 (ratio 2 at 64K 0.1443 -> 0.1664 ms; Nsight: its warps wait on
 # the Wk loads, one chunk ahead is not enough, and L1 throughput rose 68 -> 83%), faster at two CTAs of 32 (ratio 2
 # 0.1418 ms, ratio 1 0.2147 ms, against the default's 0.1443 / 0.2292): a tuning candidate there, not a default.
-_PROJ_REGS_K2_CUDA = r"""
+PROJ_REGS_K2_CUDA = r"""
 template <int MT, int RS>
 __device__ __forceinline__ void csa2_proj_tf32x3_regs_k2(const float* rot, const float* __restrict__ wkf, float* out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, kh = warp >> 2, cg = warp & 3;
@@ -251,7 +251,7 @@ __device__ __forceinline__ void csa2_proj_tf32x3_regs_k2(const float* rot, const
 # chunk instead of ~70, but the kernel is not bound by them: the wgmmas read the latent once per warpgroup and k step
 # (1.5K shared wavefronts a CTA, plus the split's 0.5K, against the register projection's 2.3K), and in Nsight the other
 # phases' samples grew by more than the projection's shrank.
-_PROJ_WGMMA_CUDA = r"""
+PROJ_WGMMA_CUDA = r"""
 __device__ __forceinline__ unsigned long long csa2_wgmma_desc(const float* smem, int lbo_bytes) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   // start address >> 4 | leading (K-direction) byte offset >> 4 << 16 | stride (8-row block) byte offset 128 >> 4 << 32
@@ -405,7 +405,7 @@ __device__ __forceinline__ void csa2_store_f16_split(float* row, int col, float 
 # PRESPLIT (proj_latent="f16_split"): the latent is already in rot_s as fp16 high parts and remainders
 # (csa2_store_f16_split, written by the main pass); each 16 x 16 A tile is two ldmatrix.x4 instead of four float2 reads
 # and their splits.
-_PROJ_F16X3_CUDA = r"""
+PROJ_F16X3_CUDA = r"""
 __device__ __forceinline__ void csa2_ldmatrix_x4(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -525,7 +525,7 @@ __device__ __forceinline__ void csa2_proj_f16x3_regs(const float* rot, const flo
 # four chunks ahead into a ring the MMAs read in place (no copies), and its latent fragments by ldmatrix one chunk ahead
 # into two alternating buffers. ptxas (sm_90a): 79-102 registers against near's 78-109, no spills at three CTAs per SM
 # (the pooling, not the projection, sets the kernel's peak).
-_PROJ_F16X3_DEEP_CUDA = r"""
+PROJ_F16X3_DEEP_CUDA = r"""
 template <int MT, int RS, bool SPLIT, bool OVER_ROT = false>
 __device__ __forceinline__ void csa2_proj_f16x3_regs_deep(const float* rot, const float* __restrict__ wkf,
                                                           const float* __restrict__ unscale, float* out) {

@@ -15,7 +15,7 @@ from tiles.compressor.common import (
     MULTI_CTA_CHUNK,
     D,
 )
-from tiles.compressor.launch import _build, _prepared_forms, _schedule, _wk_args
+from tiles.compressor.launch import build_kernel, kernel_schedule, prepared_forms, wk_args
 from tiles.compressor.space import (
     MMA_PROJS,
     compressor_search_space,
@@ -252,7 +252,7 @@ class CompressorTile(Tile):
             r2, two = Shape("default", "any", {"ratio": 2}), {**cfg, "block_g": 32, "ctas_per_sm": 2}
             if occupancy_compress(cfg, r2, arch) is not None and occupancy_compress(two, r2, arch) is None:
                 cfg.update(block_g=32, ctas_per_sm=2)
-        if "proj_operands" not in config and cfg.get("proj_operands") == "registers" and proj_registers_refusal(cfg, _schedule(cfg)):
+        if "proj_operands" not in config and cfg.get("proj_operands") == "registers" and proj_registers_refusal(cfg, kernel_schedule(cfg)):
             cfg["proj_operands"] = "smem"  # what the picked choices leave the register operands unable to run with
         if "proj" not in config and cfg["proj"] == "f16x3" and cfg.get("proj_operands") != "registers":
             cfg["proj"] = "tf32x3"  # f16x3 is built in the register projection only
@@ -263,7 +263,7 @@ class CompressorTile(Tile):
         return cfg
 
     def build(self, shape: Shape, config: Config, arch: Arch):
-        return _build(arch, shape["ratio"], self.with_defaults(arch, config))
+        return build_kernel(arch, shape["ratio"], self.with_defaults(arch, config))
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         B, S, ratio = shape["B"], shape["S"], shape["ratio"]
@@ -299,10 +299,10 @@ class CompressorTile(Tile):
 
     def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
         kv, ratio = inputs["kv"], int(inputs["ratio"])
-        if "eps" not in inputs:  # a per-layer constant, made once per input set (the prepared Wk forms: _prepared_forms)
+        if "eps" not in inputs:  # a per-layer constant, made once per input set (the prepared Wk forms: prepared_forms)
             inputs["eps"] = torch.tensor([flash().norm_eps], dtype=torch.float32, device=kv.device)
         gate = kv if ratio == 1 else inputs["gate"]
-        wk_hi, wk_lo = _wk_args(kernel, inputs["wk"], _prepared_forms(inputs["wk"]))  # fp32 wk: no copy
+        wk_hi, wk_lo = wk_args(kernel, inputs["wk"], prepared_forms(inputs["wk"]))  # fp32 wk: no copy
         args = (
             inputs["norm_weight"],
             inputs["cos"],

@@ -107,7 +107,7 @@ def _n_blocks(n_tiles, grid: str, arch: Arch, threads: int):
 # --------------------------------------------------------------------------------------
 # Element helpers (TileLang expressions)
 # --------------------------------------------------------------------------------------
-def _e2m1_code(v):
+def e2m1_code(v):
     """fp32 value already divided by its scale -> uint8 E2M1 code (0..15), NaN -> 0 (``code='divide'``)."""
     import tilelang.language as T
 
@@ -119,7 +119,7 @@ def _e2m1_code(v):
     return code | (T.cast(v < T.float32(0.0), "uint8") << T.uint8(3))
 
 
-def _e2m1_code_search(x, thr, neg, shift: int):
+def e2m1_code_search(x, thr, neg, shift: int):
     """Unscaled fp32 ``x`` -> its E2M1 code (``code='thresholds'``, NaN -> 0) as uint32, shifted left by ``shift``.
 
     ``thr`` [7] holds ``m_k * s``; ``neg`` is the bound below which ``x / s`` stays negative
@@ -381,7 +381,7 @@ def build_quant(
                             for j in T.unroll(seg // 2):
                                 v_lo = T.cast(xin[g * seg + 2 * j], "float32") / s
                                 v_hi = T.cast(xin[g * seg + 2 * j + 1], "float32") / s
-                                pk[g * seg // 2 + j] = _e2m1_code(v_lo) | (_e2m1_code(v_hi) << T.uint8(4))
+                                pk[g * seg // 2 + j] = e2m1_code(v_lo) | (e2m1_code(v_hi) << T.uint8(4))
                         # a nonzero bf16 over s <= 448 never rounds to -0: the sign is x's
                         neg = T.float32(0.0)
                     else:
@@ -399,7 +399,7 @@ def build_quant(
                             for j in T.unroll(seg // 2):
                                 v_lo = T.cast(xin[g * seg + 2 * j], "float32") * inv
                                 v_hi = T.cast(xin[g * seg + 2 * j + 1], "float32") * inv
-                                pk[g * seg // 2 + j] = _e2m1_code(v_lo) | (_e2m1_code(v_hi) << T.uint8(4))
+                                pk[g * seg // 2 + j] = e2m1_code(v_lo) | (e2m1_code(v_hi) << T.uint8(4))
                         s = T.reinterpret(bits << T.uint32(23), "float32")  # 2^(byte - 127), a normal number
                         # x * 2^-e rounds to -0 iff |x| <= 2^(e-150) (exact here for e >= 1; below, every nonzero bf16 is larger)
                         neg = -(s * T.float32(2.0**-75)) * T.float32(2.0**-75)
@@ -419,7 +419,7 @@ def build_quant(
                             v_lo = T.cast(xin[g * seg + 2 * j], "float32")
                             v_hi = T.cast(xin[g * seg + 2 * j + 1], "float32")
                             pk[g * seg // 2 + j] = T.cast(
-                                _e2m1_code_search(v_lo, thr, neg, 0) | _e2m1_code_search(v_hi, thr, neg, 4), "uint8"
+                                e2m1_code_search(v_lo, thr, neg, 0) | e2m1_code_search(v_hi, thr, neg, 4), "uint8"
                             )
                 # ---- store
                 for r in T.unroll(lay.runs):

@@ -6,7 +6,7 @@ import torch
 from tiles.core.calls import pick_config, tensor_arch
 from tiles.core.contract import Config, Shape, TileError
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS
-from tiles.indexer.launch import _index_k_words, _launch_pool, _launch_reindex, _launch_topk
+from tiles.indexer.launch import index_k_words, launch_pool, launch_reindex, launch_topk
 from tiles.indexer.tile import CANDIDATE_POOL, INDEXER_TOPK, REINDEX_TOPK
 
 
@@ -72,11 +72,11 @@ def indexer_topk(
     arch = tensor_arch(q, "indexer_topk")
     shape = Shape("call", "any", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk})
     cfg = pick_config(INDEXER_TOPK, shape, arch, config)
-    words, scales = _index_k_words(k_packed, k_scales)
+    words, scales = index_k_words(k_packed, k_scales)
     nvis = n_visible.to(torch.int32).contiguous()
     scores = torch.empty(B, S, N, dtype=torch.float32, device=q.device)  # [B, S, N]
     out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)  # [B, S, K]
-    _launch_topk(cfg, arch, q, weights, words, scales, nvis, scores, out)
+    launch_topk(cfg, arch, q, weights, words, scales, nvis, scores, out)
     return (out, scores) if return_scores else out
 
 
@@ -111,7 +111,7 @@ def candidate_pool(
     nvis = n_visible.to(torch.int32).contiguous().view(B * S)
     block_scores = torch.empty(B * S, nb, dtype=torch.float32, device=scores.device)  # [B*S, nb]
     out = torch.empty(B, S, P, dtype=torch.int32, device=scores.device)  # [B, S, P]
-    _launch_pool(cfg, arch, scores.contiguous().view(B * S, N), nvis, block, block_scores, out)
+    launch_pool(cfg, arch, scores.contiguous().view(B * S, N), nvis, block, block_scores, out)
     return out
 
 
@@ -154,10 +154,10 @@ def reindex_topk(
     P = pool_blocks.shape[-1]
     shape = Shape("call", "decode", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk, "P": P, "block": block})
     cfg = pick_config(REINDEX_TOPK, shape, arch, config)
-    words, scales = _index_k_words(k_packed, k_scales)
+    words, scales = index_k_words(k_packed, k_scales)
     nvis = n_visible.to(torch.int32).contiguous()
     pool = pool_blocks.contiguous()
     scores = torch.empty(B, S, P * block, dtype=torch.float32, device=q.device)  # [B, S, P*block]
     out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)  # [B, S, K]
-    _launch_reindex(cfg, arch, q, weights, words, scales, nvis, pool, block, scores, out)
+    launch_reindex(cfg, arch, q, weights, words, scales, nvis, pool, block, scores, out)
     return (out, scores) if return_scores else out

@@ -4,11 +4,11 @@ CUDA helpers they call."""
 
 import tilelang.language as T
 
-from tiles.fp4 import PRMT_ASM_CUDA
+from tiles.fp4.kernel import PRMT_ASM_CUDA
 from tiles.indexer.common import GROUP
 
 
-def _e2m1_bf16_bits(code):
+def e2m1_bf16_bits(code):
     """bf16 bit pattern (uint32) of an E2M1 code 0..15 at unit scale: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}."""
     mag = code & 7
     # mag >= 2: exponent 126 + (mag >> 1), mantissa bit 6 = mag & 1, i.e. (mag << 6) + (126 << 7); mag 1 is 0.5.
@@ -17,7 +17,7 @@ def _e2m1_bf16_bits(code):
 
 
 @T.macro
-def _dequant_words_bits(kw_s, ks_s, k_deq, block_n: int, W: int):
+def dequant_words_bits(kw_s, ks_s, k_deq, block_n: int, W: int):
     """FP4 words -> scaled bf16 by integer arithmetic only: one thread per packed word (8 values).
 
     ``kw_s`` int32 [block_n, W] packed codes, ``ks_s`` int32 [block_n] the 4 E8M0 bytes of each
@@ -54,7 +54,7 @@ def _dequant_words_bits(kw_s, ks_s, k_deq, block_n: int, W: int):
 # becomes 4 table lookups (prmt: 4 nibble-indexed bytes per instruction), 2 sign merges and 4
 # interleaves: ~15 integer instructions per 8 values instead of ~97. Same bit patterns as the bits
 # path (the scores are bitwise equal). Selector nibbles keep bit 3 clear (prmt's sign-replicate flag).
-_PRMT_CUDA = r"""
+PRMT_CUDA = r"""
 __device__ __forceinline__ void csa2_fp4_group_bf16(void* dst_, const void* src_, unsigned sbyte) {
   const unsigned* src = (const unsigned*)src_;
   unsigned* dst = (unsigned*)dst_;
@@ -86,8 +86,8 @@ __device__ __forceinline__ void csa2_fp4_group_bf16(void* dst_, const void* src_
 
 
 @T.macro
-def _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n: int, W: int):
-    """FP4 words -> scaled bf16 by byte permutes (``_PRMT_CUDA``): one thread per scale group (4 words, 32 values)."""
+def dequant_groups_prmt(kw_s, ks_s, k_deq, block_n: int, W: int):
+    """FP4 words -> scaled bf16 by byte permutes (``PRMT_CUDA``): one thread per scale group (4 words, 32 values)."""
     for i, g in T.Parallel(block_n, W // 4):
         words = T.alloc_local((4,), "int32")
         vals = T.alloc_local((32,), "bfloat16")
@@ -149,7 +149,7 @@ def _fp4_pair_function(name: str, high_half: str) -> str:
     return head + name + args + _FP4_PAIR_TEMPLATE.lstrip("\n").replace("@HIGH_HALF@", high_half)
 
 
-_PRMT_PAIR_CUDA = (
+PRMT_PAIR_CUDA = (
     PRMT_ASM_CUDA
     + r"""
 // word e (0: lo0, 1: lo1, 2: hi0, 3: hi1) of scale byte sbyte's tables, as csa2_fp4_group_bf16 builds them
@@ -179,8 +179,8 @@ __device__ __forceinline__ unsigned csa2_fp4_table_word(int sbyte, int e) {
 # floor for byte tables (the hi byte needs all 8 magnitude slots of a PRMT, so lo and hi cannot share one table); a
 # lookup cannot carry the sign (bit 7 of a PRMT output is bit 7 of the selected byte in both selector modes) and a LOP3
 # cannot move bits, so the 8 sign bits need a byte spread (the 2 gathers) and 2 merges; the selectors need the mask.
-_PRMT_PAIR2_CUDA = (
-    _PRMT_PAIR_CUDA
+PRMT_PAIR2_CUDA = (
+    PRMT_PAIR_CUDA
     + r"""
 // x >> 16 as the high word of x * 2^16: IMAD.HI on the FMA pipe instead of SHF on the ALU pipe
 __device__ __forceinline__ unsigned csa2_hi16(unsigned x) {
@@ -222,7 +222,7 @@ __device__ __forceinline__ int csa2_scale_byte(int sw, int t) {
 # of one row, columns 4t..4t + 3 or 16 + 4t..16 + 4t + 3, t = lane % 4. Column c of group g holds dim ``_fp8_dim(g, c)``:
 # quad lane t takes packed word 4g + t of its rows, the even nibbles in the low 16 columns and the odd ones in the
 # high 16.
-_FP8_CUDA = r"""
+FP8_CUDA = r"""
 // nibbles 0, 2, 4, 6 (half 0) or 1, 3, 5, 7 (half 1) of w as four E4M3 bytes (code x 2^-6, exact)
 __device__ __forceinline__ void csa2_fp8_word(void* dst, int w_, int half) {
   const unsigned w = (unsigned)w_;
@@ -268,12 +268,12 @@ FP8_GROUPS = (0, 1, 2, 3)  # the scale groups of an entry: a Python tuple, unrol
 
 def _fp8_dim(g, c):
     """K dim held in column ``c`` (0..31) of group ``g``'s A fragment by dequant="fp8_rs": the word's even nibbles in
-    columns 0..15, its odd ones in 16..31 (quad lane t's 4 columns 4t.. of each half are word 4g + t's; see _FP8_CUDA)."""
+    columns 0..15, its odd ones in 16..31 (quad lane t's 4 columns 4t.. of each half are word 4g + t's; see FP8_CUDA)."""
     return 32 * g + 2 * (c % 16) + c // 16
 
 
 @T.macro
-def _load_q_fp8(q, q8_s, q_fac, b, s, H: int, D: int):
+def load_q_fp8(q, q8_s, q_fac, b, s, H: int, D: int):
     """q [B, S, H, D] bf16 (FP4 fake-quantised) -> q8_s[g] float8_e4m3 [H, 32] (``_fp8_dim`` order) = q x q_fac[h], and
     q_fac [H] fp32: the power of two that puts the head's largest |q| in [128, 256)."""
     q_f = T.alloc_fragment((H, D), "float32")
@@ -289,7 +289,7 @@ def _load_q_fp8(q, q8_s, q_fac, b, s, H: int, D: int):
 
 
 @T.macro
-def _score_fp8_groups(kw_s, k8, q8_s, accs, block_n: int):
+def score_fp8_groups(kw_s, k8, q8_s, accs, block_n: int):
     """One k32 FP8 wgmma per scale group: k8[g] (the packed words' codes as E4M3, ``_fp8_dim`` order) x q8_s[g] -> accs[g].
     The first three are left in flight (no wait: the next group's conversion writes other registers); the last one's
     wait covers all four."""
@@ -305,7 +305,7 @@ RS_PRODUCER_REGS = 24  # setmaxnreg floor: TileLang's producer only waits on mba
 REGISTERS_PER_SM = 65536  # sm_80 .. sm_120 alike (tiles.core.arch registers_per_sm); the kernel builder sees only the target
 
 
-def _rs_register_split(threads: int, min_ctas: int) -> tuple[int, int]:
+def rs_register_split(threads: int, min_ctas: int) -> tuple[int, int]:
     """(producer, consumer) registers per thread for dequant="prmt_rs" at ``min_ctas`` CTAs of 2 x ``threads``.
 
     ``__launch_bounds__`` gives every thread of the CTA the same cap, 64K / (min_ctas x 2 x threads) rounded down to
@@ -325,23 +325,23 @@ def _rs_dim(c):
 
 
 @T.macro
-def _load_q_rs(q, q_s, b, s, H: int, D: int):
+def load_q_rs(q, q_s, b, s, H: int, D: int):
     """q [B, S, H, D] bf16 -> q_s [H, D] with column c holding dim ``_rs_dim(c)``: the order prmt_rs gives K."""
     for h, c in T.Parallel(H, D):
         q_s[h, c] = q[b, s, h, _rs_dim(c)]
 
 
 @T.macro
-def _build_rs_tables(tab):
+def build_rs_tables(tab):
     """tab uint32 [256, 4]: the prmt byte tables (lo0, lo1, hi0, hi1) of every scale byte, once per CTA."""
     for v, e in T.Parallel(256, 4):
         tab[v, e] = T.call_extern("uint32", "csa2_fp4_table_word", v, e)
 
 
 @T.macro
-def _dequant_fragment_prmt(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
+def dequant_fragment_prmt(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
     """Packed words ``kw_s`` int32 [block_n, D / 8] + scales ``ks_s`` int32 [block_n] -> A fragment ``k_deq`` bf16
-    [block_n, D] in the ``_rs_dim`` column order (``tab``: ``_build_rs_tables``).
+    [block_n, D] in the ``_rs_dim`` column order (``tab``: ``build_rs_tables``).
 
     Element (i, c) with c even writes the 32-bit pair (i, c), (i, c + 1). That pair is one A register in whatever
     layout TileLang picks: wgmma's RS operand is 32-bit registers of two consecutive-k bf16 of one row (low half the
@@ -357,9 +357,9 @@ def _dequant_fragment_prmt(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
 
 
 @T.macro
-def _dequant_fragment_prmt2(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
-    """``_dequant_fragment_prmt`` for dequant="prmt_rs2": the same A fragment (same columns, tables and words), the scale
-    byte by ``csa2_scale_byte`` and the pair by ``csa2_fp4_pair2_bf16`` (``_PRMT_PAIR2_CUDA``)."""
+def dequant_fragment_prmt2(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
+    """``dequant_fragment_prmt`` for dequant="prmt_rs2": the same A fragment (same columns, tables and words), the scale
+    byte by ``csa2_scale_byte`` and the pair by ``csa2_fp4_pair2_bf16`` (``PRMT_PAIR2_CUDA``)."""
     for i, c in T.Parallel(block_n, D):
         if c % 2 == 0:
             t, j = (c % 8) // 2, c // 8  # scale group, and the 8-column block (byte j % 4 of word 4t + j // 4)
@@ -389,7 +389,7 @@ def _dequant_fragment_prmt2(kw_s, ks_s, tab, k_deq, block_n: int, D: int):
 # column order ``_rs_fma_dim``; the products are prmt_rs's, summed by the same MMA in another dim order.
 # Cost (sm_90a SASS, per consumer thread and 128-entry tile at the default's config): 119 ALU-pipe of 363 instructions
 # against prmt_rs's 159 of 310. It can only win where the ALU pipe, not instruction issue, limits the kernel.
-_FMA_PAIR_CUDA = r"""
+FMA_PAIR_CUDA = r"""
 __device__ __forceinline__ unsigned csa2_mul_bf16x2(unsigned a, unsigned b) {
   unsigned d;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -416,18 +416,18 @@ def _rs_fma_dim(c):
 
 
 @T.macro
-def _load_q_rs_fma(q, q_s, b, s, H: int, D: int):
+def load_q_rs_fma(q, q_s, b, s, H: int, D: int):
     """q [B, S, H, D] bf16 -> q_s [H, D] with column c holding dim ``_rs_fma_dim(c)``: the order fma_rs gives K."""
     for h, c in T.Parallel(H, D):
         q_s[h, c] = q[b, s, h, _rs_fma_dim(c)]
 
 
 @T.macro
-def _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n: int, D: int):
+def dequant_fragment_fma(kw_s, ks_s, k_deq, block_n: int, D: int):
     """Packed words ``kw_s`` int32 [block_n, D / 8] + scales ``ks_s`` int32 [block_n] -> A fragment ``k_deq`` bf16
-    [block_n, D] in the ``_rs_fma_dim`` column order (``_FMA_PAIR_CUDA``; no table).
+    [block_n, D] in the ``_rs_fma_dim`` column order (``FMA_PAIR_CUDA``; no table).
 
-    As in ``_dequant_fragment_prmt``, element (i, c) with c even writes the 32-bit pair (i, c), (i, c + 1), one wgmma A
+    As in ``dequant_fragment_prmt``, element (i, c) with c even writes the 32-bit pair (i, c), (i, c + 1), one wgmma A
     register whatever thread TileLang gives it to; with the wgmma layout a thread holds one scale group per row.
     """
     for i, c in T.Parallel(block_n, D):

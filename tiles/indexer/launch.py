@@ -7,13 +7,13 @@ import torch
 
 from tiles.core.arch import Arch
 from tiles.core.contract import Config
-from tiles.indexer import radix_select
 from tiles.indexer.policy import radix_config, resolve_select_split, resolve_tiles_per_cta
-from tiles.indexer.score_kernel import _score_kernel
-from tiles.indexer.select_kernel import _block_max_kernel, _select_kernel
+from tiles.indexer.radix_select import build_kernels, check_config, remapped_kernel, resolve_parts, select_launcher
+from tiles.indexer.score_kernel import build_score_kernel
+from tiles.indexer.select_kernel import block_max_kernel, build_select_kernel
 
 
-def _index_k_words(k_packed: torch.Tensor, k_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def index_k_words(k_packed: torch.Tensor, k_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 [B, N, 64] + [B, N, 4] -> int32 [B, N, 16] + int32 [B, N] (same bytes, 4 per word)."""
     B, N = k_packed.shape[:2]
     words = k_packed.contiguous().view(torch.int32)  # [B, N, 16]
@@ -24,11 +24,11 @@ def _index_k_words(k_packed: torch.Tensor, k_scales: torch.Tensor) -> tuple[torc
 def _score(cfg: Config, arch: Arch, gather: bool, block: int, q, weights, words, scales, nvis, pool, scores) -> None:
     """Launch the score kernel the config names (scores [B, S, n_out] give ``tiles_per_cta="auto"`` its grid)."""
     B, S, n_out = scores.shape
-    score = _build_score(arch, cfg, gather, block, B * S, n_out)
+    score = build_score(arch, cfg, gather, block, B * S, n_out)
     score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, scores)
 
 
-def _build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | None = None, n_out: int | None = None):
+def build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | None = None, n_out: int | None = None):
     """The score kernel for ``cfg``; ``tiles_per_cta="auto"`` is resolved for ``rows`` token rows of ``n_out`` scores."""
     if cfg["tiles_per_cta"] == "auto" and (rows is None or n_out is None):
         raise ValueError("tiles_per_cta='auto' is resolved per grid: give the score rows and their length")
@@ -36,20 +36,20 @@ def _build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | 
     common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], tiles)
     hidden = cfg.get("hidden_tiles", "score") if not gather else "score"  # Reindex's slots are not in position order
     # every argument named, so a config with or without an optional key at its default is one cache entry
-    return _score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), cfg.get("epilogue", "per_tile"), hidden)
+    return build_score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), cfg.get("epilogue", "per_tile"), hidden)
 
 
-def _launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
+def launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
     B, S, N = scores.shape
     dummy_pool = torch.empty(B, S, 1, dtype=torch.int32, device=q.device)  # the contiguous variant reads no pool
     _score(cfg, arch, False, 8, q, weights, words, scales, nvis, dummy_pool, scores)
     if cfg.get("select_algo", "multipass") == "two_pass":
         # tiles.indexer.radix_select: two passes over each row in global memory, the rest in shared memory
-        radix_select.select_launcher(B * S, N, out.shape[-1], q.device, arch=arch, config=radix_config(cfg))(
+        select_launcher(B * S, N, out.shape[-1], q.device, arch=arch, config=radix_config(cfg))(
             scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1)
         )
         return
-    select = _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)
+    select = build_select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)
     parts = resolve_select_split(cfg.get("select_split", 1), B * S, N, out.shape[-1], arch)
     _select_in_parts(select, parts, scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1))
 
@@ -86,20 +86,20 @@ def _select_in_parts(select, parts: int, scores: torch.Tensor, nvis: torch.Tenso
     out.copy_(torch.where(pick >= 0, pos.gather(1, pick.clamp(min=0).long()), -1))
 
 
-def _launch_pool(cfg: Config, arch: Arch, scores2d, nvis, block: int, block_scores, out) -> None:
+def launch_pool(cfg: Config, arch: Arch, scores2d, nvis, block: int, block_scores, out) -> None:
     R, nb = block_scores.shape
-    _block_max_kernel(arch.nvcc_arch, block, cfg["block_threads"])(scores2d, nvis, block_scores)
+    block_max_kernel(arch.nvcc_arch, block, cfg["block_threads"])(scores2d, nvis, block_scores)
     nvis_blocks = torch.full_like(nvis, nb)  # every block id is a candidate; -inf blocks are skipped
     if cfg.get("select_algo", "multipass") == "two_pass":
-        radix_select.select_launcher(R, nb, out.shape[-1], out.device, arch=arch)(block_scores, nvis_blocks, out.view(R, -1))
+        select_launcher(R, nb, out.shape[-1], out.device, arch=arch)(block_scores, nvis_blocks, out.view(R, -1))
         return
     dummy = torch.empty(R, 1, dtype=torch.int32, device=out.device)
-    _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)(
+    build_select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)(
         block_scores, nvis_blocks, dummy, out.view(R, -1)
     )
 
 
-def _launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, pool, block: int, scores, out) -> None:
+def launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, pool, block: int, scores, out) -> None:
     B, S, C = scores.shape
     _score(cfg, arch, True, block, q, weights, words, scales, nvis, pool, scores)
     if cfg.get("select_algo", "multipass") == "two_pass":
@@ -107,18 +107,18 @@ def _launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, po
         # slots map to negative positions; their scores are -inf, never chosen)
         R = B * S
         dummy = torch.empty(R, 1, dtype=torch.float32, device=q.device)
-        select = radix_select.remapped_kernel(arch, out.shape[-1], R, block=block)
+        select = remapped_kernel(arch, out.shape[-1], R, block=block)
         select(scores.view(R, C), nvis.view(R), pool.view(R, -1), out.view(R, -1), dummy)
         return
-    select = _select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], block)
+    select = build_select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], block)
     n_cand = torch.full((B * S,), C, dtype=torch.int32, device=q.device)
     select(scores.view(B * S, C), n_cand, pool.view(B * S, -1), out.view(B * S, -1))
 
 
-def _build_two_pass(arch: Arch, rows: int, n: int, k: int, radix: Config | None = None) -> dict[str, Any]:
+def build_two_pass(arch: Arch, rows: int, n: int, k: int, radix: Config | None = None) -> dict[str, Any]:
     """Compile tiles.indexer.radix_select's kernels for ``rows`` rows of ``n`` scores, top ``k`` (``radix``: a
     radix_select config, its default when None): the select, and the merge of its parts when there are several."""
-    cfg = radix_select.check_config(radix or {}, k)
-    parts = radix_select.resolve_parts(cfg["parts"], rows, n, k, arch)
-    first, merge = radix_select.build_kernels(arch, k, parts, rows, cfg)
+    cfg = check_config(radix or {}, k)
+    parts = resolve_parts(cfg["parts"], rows, n, k, arch)
+    first, merge = build_kernels(arch, k, parts, rows, cfg)
     return {"select": first} if merge is None else {"select": first, "merge": merge}

@@ -2,7 +2,7 @@
 
 from tiles.core.arch import Arch
 from tiles.core.contract import Config
-from tiles.indexer import radix_select
+from tiles.indexer.radix_select import DEFAULT_CONFIG
 
 TILES_PER_CTA = (1, 4, 16)
 AUTO_CTAS_PER_SM = 0.75  # tiles_per_cta="auto": the most tiles per CTA that still give the grid this many CTAs per SM
@@ -44,13 +44,13 @@ def resolve_select_split(setting, rows: int, n: int, k: int, arch: Arch) -> int:
     return parts
 
 
-_RADIX_DEFAULT = {
-    "radix_threads": radix_select.DEFAULT_CONFIG["threads"],
-    "radix_stage": radix_select.DEFAULT_CONFIG["stage"],
-    "radix_parts": radix_select.DEFAULT_CONFIG["parts"],
+RADIX_DEFAULT = {
+    "radix_threads": DEFAULT_CONFIG["threads"],
+    "radix_stage": DEFAULT_CONFIG["stage"],
+    "radix_parts": DEFAULT_CONFIG["parts"],
 }
 
 
 def radix_config(cfg: Config) -> Config:
     """The tiles.indexer.radix_select config of an indexer config (its ``radix_*`` keys; absent keys: radix_select's defaults)."""
-    return {name.removeprefix("radix_"): cfg.get(name, default) for name, default in _RADIX_DEFAULT.items()}
+    return {name.removeprefix("radix_"): cfg.get(name, default) for name, default in RADIX_DEFAULT.items()}

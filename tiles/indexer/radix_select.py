@@ -1,6 +1,6 @@
 """Exact top-k of fp32 score rows, sorted by position: a radix select with two global passes.
 
-Same contract as ``tiles.indexer.select_kernel._select_kernel``: per row the ``k`` largest values among columns
+Same contract as ``tiles.indexer.select_kernel.build_select_kernel``: per row the ``k`` largest values among columns
 ``< n_valid[r]`` (-inf and NaN never chosen; ties at the k-th value go to the lower positions, the
 reference's rule ``model.ops.indexer.topk_positions``), written in ascending position order with -1
 fill. One CTA per row (or per row part, see below) runs:

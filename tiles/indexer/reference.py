@@ -3,7 +3,7 @@ sets with the tie rule)."""
 
 import torch
 
-from model import formats
+from model.formats import fp4_dequantize
 from model.ops.indexer import indexer_scores
 from tiles.core.contract import Comparison, Inputs
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS, TIE_RTOL
@@ -20,11 +20,11 @@ def _random_fp4(shape: tuple[int, ...], gen: torch.Generator, device) -> tuple[t
     return packed, scales
 
 
-def _indexer_inputs(B: int, S: int, N: int, seed: int, device, causal: bool) -> Inputs:
+def indexer_inputs(B: int, S: int, N: int, seed: int, device, causal: bool) -> Inputs:
     gen = torch.Generator(device=device).manual_seed(seed)
     k_packed, k_scales = _random_fp4((B, N), gen, device)  # [B, N, 64], [B, N, 4]
     q_packed, q_scales = _random_fp4((B, S, HEADS), gen, device)
-    q = formats.fp4_dequantize(q_packed, q_scales, GROUP, "e8m0").to(torch.bfloat16)  # [B, S, Hi, Di], exact
+    q = fp4_dequantize(q_packed, q_scales, GROUP, "e8m0").to(torch.bfloat16)  # [B, S, Hi, Di], exact
     weights = torch.randn(B, S, HEADS, generator=gen, device=device) * (HEAD_DIM**-0.5 * HEADS**-0.5)  # [B, S, Hi]
     if causal:
         n_visible = (torch.arange(S, device=device) + 1).clamp(max=N).expand(B, S).contiguous()  # ratio-1 prefill
@@ -38,8 +38,8 @@ def _indexer_inputs(B: int, S: int, N: int, seed: int, device, causal: bool) -> 
     return {"q": q, "weights": weights, "k_packed": k_packed, "k_scales": k_scales, "n_visible": n_visible.to(torch.int32)}
 
 
-def _reference_scores(inputs: Inputs) -> torch.Tensor:
-    index_k = formats.fp4_dequantize(inputs["k_packed"], inputs["k_scales"], GROUP, "e8m0")  # [B, N, Di]
+def reference_scores(inputs: Inputs) -> torch.Tensor:
+    index_k = fp4_dequantize(inputs["k_packed"], inputs["k_scales"], GROUP, "e8m0")  # [B, N, Di]
     return indexer_scores(inputs["q"], inputs["weights"], index_k, inputs["n_visible"])  # [B, S, N]
 
 
@@ -78,14 +78,14 @@ def compare_topk_sets(out: torch.Tensor, ref: torch.Tensor, ref_scores: torch.Te
     return Comparison(ok, "topk-set", n_diff / total, f"{n_diff} tie swaps, {n_bad} non-tie differences")
 
 
-def _merge(*comparisons: Comparison) -> Comparison:
+def merge(*comparisons: Comparison) -> Comparison:
     ok = all(c.ok for c in comparisons)
     return Comparison(
         ok, " + ".join(c.metric for c in comparisons), max(c.error for c in comparisons), "; ".join(str(c) for c in comparisons)
     )
 
 
-def _random_pool(n_visible: torch.Tensor, N: int, P: int, block: int, gen: torch.Generator) -> torch.Tensor:
+def random_pool(n_visible: torch.Tensor, N: int, P: int, block: int, gen: torch.Generator) -> torch.Tensor:
     """Random candidate pools: the newest visible block plus random others, ascending, -1 fill."""
     B, S = n_visible.shape
     nb = -(-N // block)

@@ -11,29 +11,29 @@ import tvm
 from tiles.core.arch import cuda_target
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS
 from tiles.indexer.dequant import (
-    _FMA_PAIR_CUDA,
-    _FP8_CUDA,
-    _PRMT_CUDA,
-    _PRMT_PAIR2_CUDA,
-    _PRMT_PAIR_CUDA,
+    FMA_PAIR_CUDA,
+    FP8_CUDA,
     FP8_GROUPS,
     FP8_MAX_BLOCK_N,
     HOPPER_ONLY_DEQUANTS,
+    PRMT_CUDA,
+    PRMT_PAIR2_CUDA,
+    PRMT_PAIR_CUDA,
     PRMT_RS_DEQUANTS,
     REGISTER_A_DEQUANTS,
     RS_DEQUANTS,
-    _build_rs_tables,
-    _dequant_fragment_fma,
-    _dequant_fragment_prmt,
-    _dequant_fragment_prmt2,
-    _dequant_groups_prmt,
-    _dequant_words_bits,
-    _e2m1_bf16_bits,
-    _load_q_fp8,
-    _load_q_rs,
-    _load_q_rs_fma,
-    _rs_register_split,
-    _score_fp8_groups,
+    build_rs_tables,
+    dequant_fragment_fma,
+    dequant_fragment_prmt,
+    dequant_fragment_prmt2,
+    dequant_groups_prmt,
+    dequant_words_bits,
+    e2m1_bf16_bits,
+    load_q_fp8,
+    load_q_rs,
+    load_q_rs_fma,
+    rs_register_split,
+    score_fp8_groups,
 )
 
 EPILOGUES = ("per_tile", "hoisted", "fused")  # per-CTA constants per tile or once; (fused) + the head sum by hand
@@ -166,7 +166,7 @@ def _store_row_hoisted(out_cta, row, pos_s, off, n_left, vis_left, block_n: int,
 
 
 @functools.cache
-def _score_kernel(
+def build_score_kernel(
     target: str,
     block_n: int,
     threads: int,
@@ -239,7 +239,7 @@ def _score_kernel(
                 T.annotate_min_blocks_per_sm(min_ctas)
                 if dequant in REGISTER_A_DEQUANTS and min_ctas > 1:
                     # the A fragment lives in the consumers' registers: move the producer's share to them (setmaxnreg)
-                    producer_regs, consumer_regs = _rs_register_split(threads, min_ctas)
+                    producer_regs, consumer_regs = rs_register_split(threads, min_ctas)
                     T.annotate_producer_reg_dealloc(producer_regs)
                     T.annotate_consumer_reg_alloc(consumer_regs)
             hoisted = epilogue == "hoisted"
@@ -268,30 +268,30 @@ def _score_kernel(
             else:
                 k_deq = T.alloc_shared((block_n, D), "bfloat16")
             if dequant == "prmt":
-                T.import_source(_PRMT_CUDA)
+                T.import_source(PRMT_CUDA)
             pin = _PIN_CUDA if hoisted else ""  # one import_source per kernel: TileLang refuses a second one
             if fused:
                 pin = _PIN_CUDA + _FUSED_EPI_CUDA
             if dequant in PRMT_RS_DEQUANTS:
-                T.import_source((_PRMT_PAIR_CUDA if dequant == "prmt_rs" else _PRMT_PAIR2_CUDA) + pin)
+                T.import_source((PRMT_PAIR_CUDA if dequant == "prmt_rs" else PRMT_PAIR2_CUDA) + pin)
                 rs_tab = T.alloc_shared((256, 4), "uint32")
-                _build_rs_tables(rs_tab)
+                build_rs_tables(rs_tab)
             if dequant == "fma_rs":
-                T.import_source(_FMA_PAIR_CUDA + pin)
+                T.import_source(FMA_PAIR_CUDA + pin)
             if fp8:
-                T.import_source(_FP8_CUDA + pin)
+                T.import_source(FP8_CUDA + pin)
             if dequant == "lut":
                 # byte -> both nibbles' bf16 bit patterns at unit scale (low half = even element).
                 lut = T.alloc_shared((256,), "uint32")
                 for v in T.Parallel(256):
-                    lut[v] = _e2m1_bf16_bits(v & 0xF) | (_e2m1_bf16_bits(v >> 4) << 16)
+                    lut[v] = e2m1_bf16_bits(v & 0xF) | (e2m1_bf16_bits(v >> 4) << 16)
             nvis = n_visible[b, s]
             if dequant in PRMT_RS_DEQUANTS:
-                _load_q_rs(q, q_s, b, s, H, D)
+                load_q_rs(q, q_s, b, s, H, D)
             elif dequant == "fma_rs":
-                _load_q_rs_fma(q, q_s, b, s, H, D)
+                load_q_rs_fma(q, q_s, b, s, H, D)
             elif fp8:
-                _load_q_fp8(q, q8_s, q_fac, b, s, H, D)
+                load_q_fp8(q, q8_s, q_fac, b, s, H, D)
             else:
                 T.copy(q[b, s, :, :], q_s)
             if hoisted:
@@ -334,17 +334,17 @@ def _score_kernel(
                     # Not TMA: the [B, N] int32 scale rows are only 4-byte aligned for N not a multiple of 4.
                     T.copy(k_scales[b, n0 : n0 + block_n], ks_s, annotations={"disable_tma": True})
                 if dequant == "bits":
-                    _dequant_words_bits(kw_s, ks_s, k_deq, block_n, W)
+                    dequant_words_bits(kw_s, ks_s, k_deq, block_n, W)
                 elif dequant == "prmt":
-                    _dequant_groups_prmt(kw_s, ks_s, k_deq, block_n, W)
+                    dequant_groups_prmt(kw_s, ks_s, k_deq, block_n, W)
                 elif dequant == "prmt_rs":
-                    _dequant_fragment_prmt(kw_s, ks_s, rs_tab, k_deq, block_n, D)
+                    dequant_fragment_prmt(kw_s, ks_s, rs_tab, k_deq, block_n, D)
                 elif dequant == "prmt_rs2":
-                    _dequant_fragment_prmt2(kw_s, ks_s, rs_tab, k_deq, block_n, D)
+                    dequant_fragment_prmt2(kw_s, ks_s, rs_tab, k_deq, block_n, D)
                 elif dequant == "fma_rs":
-                    _dequant_fragment_fma(kw_s, ks_s, k_deq, block_n, D)
+                    dequant_fragment_fma(kw_s, ks_s, k_deq, block_n, D)
                 elif fp8:
-                    _score_fp8_groups(kw_s, k8, q8_s, accs, block_n)
+                    score_fp8_groups(kw_s, k8, q8_s, accs, block_n)
                 elif dequant == "fragment_bits":
                     # the bits path's bf16 patterns, built per value straight into the MMA's A fragment: no bf16 tile
                     # in shared memory (TileLang multi-buffers it per stage), so deeper pipelines and more CTAs fit

@@ -27,7 +27,7 @@ __device__ __forceinline__ void csa2_hist_add(int* hist, int bin, int active) {
 
 
 @functools.cache
-def _select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_block: int):
+def build_select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_block: int):
     """Build the select kernel: exact top-k of each row by radix select, sorted by position.
 
     ``values [R, L]`` fp32, ``n_valid [R]`` int32 (columns >= n_valid are not candidates),
@@ -203,7 +203,7 @@ def _select_kernel(target: str, k: int, threads: int, radix_bits: int, remap_blo
 
 
 @functools.cache
-def _block_max_kernel(target: str, block: int, threads: int):
+def block_max_kernel(target: str, block: int, threads: int):
     """Block scores of the candidate pool: max over ``block`` positions, the newest visible block forced to +inf.
 
     ``scores [R, N]`` fp32, ``n_visible [R]`` int32 -> ``out [R, ceil(N / block)]`` fp32.

@@ -3,15 +3,15 @@ cannot build or hold, and the defaults per arch."""
 
 from tiles.core.arch import Arch
 from tiles.core.contract import Config, Param, Shape
-from tiles.indexer import radix_select
 from tiles.indexer.common import HEAD_DIM, HEADS
-from tiles.indexer.dequant import FP8_MAX_BLOCK_N, HOPPER_ONLY_DEQUANTS, REGISTER_A_DEQUANTS, RS_DEQUANTS, _rs_register_split
-from tiles.indexer.policy import _RADIX_DEFAULT, TILES_PER_CTA, radix_config
+from tiles.indexer.dequant import FP8_MAX_BLOCK_N, HOPPER_ONLY_DEQUANTS, REGISTER_A_DEQUANTS, RS_DEQUANTS, rs_register_split
+from tiles.indexer.policy import RADIX_DEFAULT, TILES_PER_CTA, radix_config
+from tiles.indexer.radix_select import PARAMS, STAGES, smem_bytes
 from tiles.indexer.score_kernel import EPILOGUES
 
 
-def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
-    config = {**_SCORE_DEFAULT, **config}  # a partial config is judged with the defaults filled in
+def smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
+    config = {**SCORE_DEFAULT, **config}  # a partial config is judged with the defaults filled in
     bn = config["block_n"]
     # TileLang's pipeline multi-buffers every shared tile written inside the loop: the packed
     # words, scales and positions, and the dequantised bf16 tile too (an estimate without that
@@ -32,14 +32,14 @@ def _smem_score(config: Config, shape: Shape, arch: Arch) -> str | None:
     return None
 
 
-def _register_cap(config: Config, shape: Shape, arch: Arch) -> str | None:
+def register_cap(config: Config, shape: Shape, arch: Arch) -> str | None:
     """min_ctas CTAs of (consumers + TileLang's producer: 2 x threads) threads must leave ptxas enough registers.
 
     ptxas caps a thread at 64K / (min_ctas x threads), rounded down to a multiple of 8; the score kernel's wgmma
     and its dequant need about 48 (min_ctas 3 at 256 consumer threads, a cap of 40, fails to assemble:
     "Insufficient registers (40) to compile instruction").
     """
-    config = {**_SCORE_DEFAULT, **config}
+    config = {**SCORE_DEFAULT, **config}
     ctas = config.get("min_ctas", 0)
     if ctas <= 1:
         return None
@@ -47,7 +47,7 @@ def _register_cap(config: Config, shape: Shape, arch: Arch) -> str | None:
     return None if cap >= 48 else f"min_ctas={ctas} x {2 * config['threads']} threads leaves {cap} registers per thread (< 48)"
 
 
-def _fragment_rows(config: Config, shape: Shape, arch: Arch) -> str | None:
+def fragment_rows(config: Config, shape: Shape, arch: Arch) -> str | None:
     """The register-fragment paths (wgmma RS) need exactly one 64-row wgmma tile per warpgroup when there are two.
 
     With block_n 256 and two warpgroups TileLang gives the A fragment (k_deq) to each warpgroup as rows
@@ -58,38 +58,38 @@ def _fragment_rows(config: Config, shape: Shape, arch: Arch) -> str | None:
     {"dequant": "fragment_bits", "block_n": 256, "stages": 4, "tiles_per_cta": 4}. One warpgroup, or one m-tile each, has
     no such mismatch.
     """
-    config = {**_SCORE_DEFAULT, **config}
+    config = {**SCORE_DEFAULT, **config}
     wgs = config["threads"] // 128
     if config["dequant"] in ("registers", "fragment_bits", *RS_DEQUANTS) and wgs > 1 and config["block_n"] // wgs > 64:
         return f"dequant={config['dequant']} with {wgs} warpgroups needs block_n = {64 * wgs} (one 64-row wgmma tile each), got {config['block_n']}"
     return None
 
 
-def _rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
+def rs_registers(config: Config, shape: Shape, arch: Arch) -> str | None:
     """dequant="prmt_rs" / "fma_rs" under min_ctas: the consumers' setmaxnreg share must hold the A fragment and accumulator.
 
     A consumer thread holds 32 A + 16 accumulator registers per 64-row m-tile of its warpgroup, plus ~32 of
     addresses and tables (ptxas, sm_90a: 74 registers for one m-tile, 122 for two, with no cap). Below that ptxas
     spills and serialises the wgmmas (C7512), e.g. 128 threads, block_n 128, min_ctas 4 (104 registers).
     """
-    config = {**_SCORE_DEFAULT, **config}
+    config = {**SCORE_DEFAULT, **config}
     if config["dequant"] not in REGISTER_A_DEQUANTS or config.get("min_ctas", 0) <= 1:
         return None
     mtiles = max(1, config["block_n"] // (config["threads"] // 128) // 64)
     # fp8_rs: 16 A + 64 accumulator registers an m-tile (four groups), all live while the four wgmmas are in flight;
     # at one m-tile and min_ctas 4 (104 registers) ptxas serialised them (C7512)
     need = 32 + (80 if config["dequant"] == "fp8_rs" else 48) * mtiles
-    have = _rs_register_split(config["threads"], config["min_ctas"])[1]
+    have = rs_register_split(config["threads"], config["min_ctas"])[1]
     if have >= need:
         return None
     return f"{config['dequant']}: {mtiles} m-tiles per warpgroup need ~{need} registers, min_ctas={config['min_ctas']} leaves {have}"
 
 
-def _epilogue_fits(config: Config, shape: Shape | None, arch: Arch) -> str | None:
+def epilogue_fits(config: Config, shape: Shape | None, arch: Arch) -> str | None:
     """epilogue="hoisted" / "fused" are built for the RS dequants only (their weights and store live in the consumer
     registers); "fused" also for one consumer warpgroup only (its hand-written epilogue reads the wgmma accumulator
     layout of one warpgroup: threads 128)."""
-    config = {**_SCORE_DEFAULT, **config}
+    config = {**SCORE_DEFAULT, **config}
     epilogue = config.get("epilogue", "per_tile")
     if epilogue != "per_tile" and config["dequant"] not in REGISTER_A_DEQUANTS:
         return f"epilogue={epilogue} needs dequant in {list(REGISTER_A_DEQUANTS)}, got {config['dequant']}"
@@ -100,22 +100,22 @@ def _epilogue_fits(config: Config, shape: Shape | None, arch: Arch) -> str | Non
     return None
 
 
-def _dequant_arch(config: Config, shape: Shape, arch: Arch) -> str | None:
+def dequant_arch(config: Config, shape: Shape, arch: Arch) -> str | None:
     """dequant="prmt_rs2" and "fp8_rs" are built for sm_90a only; the kernel builder refuses other targets."""
-    config = {**_SCORE_DEFAULT, **config}
+    config = {**SCORE_DEFAULT, **config}
     if config["dequant"] in HOPPER_ONLY_DEQUANTS and arch.family != "hopper":
         return f"dequant={config['dequant']} is built for Hopper (sm_90a) only, got {arch.family}"
     return None
 
 
-def _warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
-    config = {**_SCORE_DEFAULT, **config}
+def warps_fit(config: Config, shape: Shape, arch: Arch) -> str | None:
+    config = {**SCORE_DEFAULT, **config}
     # FullRow splits the entry tile across warpgroups: each needs at least 64 rows for wgmma.
     rows = config["block_n"] // (config["threads"] // 128)
     return None if rows >= 64 else f"block_n={config['block_n']} gives {rows} rows per warpgroup (< 64)"
 
 
-def _score_params() -> tuple[Param, ...]:
+def score_params() -> tuple[Param, ...]:
     return (
         Param("block_n", (64, 128, 256), "entries per MMA tile (the wgmma M side)"),
         Param("threads", (128, 256), "consumer threads (one or two warpgroups; the TMA producer is added by TileLang)"),
@@ -164,7 +164,7 @@ def _score_params() -> tuple[Param, ...]:
     )
 
 
-_SELECT_ALGO = Param(
+SELECT_ALGO = Param(
     "select_algo",
     ("multipass", "two_pass"),
     "top-k select: radix passes over the row in global memory (select_threads, radix_bits, select_split), or "
@@ -174,44 +174,44 @@ _SELECT_ALGO = Param(
 
 # The two-pass select's knobs in the indexer's space: the structural ones that matter when few rows are long (B=1
 # decode: 8 CTAs on the whole GPU at radix_select's default; its row staged in shared memory at 512 threads ran one
-# 128K row 25.4 -> 21.0 us on the H200, 0f2e979). Defaults are radix_select.DEFAULT_CONFIG's.
-_RADIX_PARAMS = (
-    Param("radix_threads", radix_select.PARAMS["threads"], "two_pass select: threads per CTA (tiles.indexer.radix_select)"),
+# 128K row 25.4 -> 21.0 us on the H200, 0f2e979). Defaults are DEFAULT_CONFIG's.
+RADIX_PARAMS = (
+    Param("radix_threads", PARAMS["threads"], "two_pass select: threads per CTA (tiles.indexer.radix_select)"),
     Param(
         "radix_stage",
-        radix_select.STAGES,
+        STAGES,
         "two_pass select: its passes read each row part from global memory (L2) or from a copy in shared memory",
     ),
     Param("radix_parts", ("auto", 8, 16, 32), "two_pass select: row parts selected apart before their merge"),
 )
 
 
-def _radix_two_pass_only(config: Config, shape: Shape, arch: Arch) -> str | None:
+def radix_two_pass_only(config: Config, shape: Shape, arch: Arch) -> str | None:
     """The radix_* knobs configure select_algo="two_pass" only: other values under multipass would repeat a config."""
     if config.get("select_algo", "multipass") == "two_pass":
         return None
-    moved = sorted(name for name, default in _RADIX_DEFAULT.items() if config.get(name, default) != default)
+    moved = sorted(name for name, default in RADIX_DEFAULT.items() if config.get(name, default) != default)
     return f"{', '.join(moved)} apply to select_algo=two_pass only" if moved else None
 
 
-def _radix_smem(config: Config, shape: Shape, arch: Arch) -> str | None:
+def radix_smem(config: Config, shape: Shape, arch: Arch) -> str | None:
     """The two-pass select's shared memory must fit the arch (a staged part needs 104 KiB: not on sm86/89/120)."""
     if config.get("select_algo", "multipass") != "two_pass":
         return None
-    need = radix_select.smem_bytes(radix_config(config))
+    need = smem_bytes(radix_config(config))
     return (
         f"the select needs {need // 1024} KiB of shared memory > {arch.smem_per_block // 1024} KiB" if need > arch.smem_per_block else None
     )
 
 
-def _select_params() -> tuple[Param, ...]:
+def select_params() -> tuple[Param, ...]:
     return (
         Param("select_threads", (512, 1024), "threads of the one-CTA-per-row radix select"),
         Param("radix_bits", (8, 11), "bits per radix pass: 4 passes of 8 or 3 of 11 (2048 bins)"),
     )
 
 
-_SCORE_DEFAULT = {
+SCORE_DEFAULT = {
     "block_n": 128,
     "threads": 256,
     "stages": 2,
@@ -220,13 +220,13 @@ _SCORE_DEFAULT = {
     "min_ctas": 0,
     "epilogue": "per_tile",
 }
-_SELECT_DEFAULT = {"select_threads": 1024, "radix_bits": 8}
+SELECT_DEFAULT = {"select_threads": 1024, "radix_bits": 8}
 # Hopper: word-wise integer dequant (no per-value float chain, one barrier per tile), two
 # consumer warpgroups so 8 warps share the dequant of a 128-entry tile, and 16 tiles (2048
 # entries) per CTA so the 8 KiB query load and the pipeline prologue are paid once per 2048
 # entries, not per 512. On the H200 its score kernel ran 0.84 ms at decode B=64 x 128K against 2.52 ms
 # for the first default (`shared`), level with `lut` (260003f).
-_SCORE_DEFAULT_SM90 = {
+SCORE_DEFAULT_SM90 = {
     "block_n": 128,
     "threads": 256,
     "stages": 2,

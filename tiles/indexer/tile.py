@@ -21,31 +21,31 @@ from tiles.core.contract import (
     poisoned,
 )
 from tiles.core.shapes import flash, indexer_shapes, reindex_shapes
-from tiles.indexer import radix_select
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS, NEG_INF, SCORE_RTOL
 from tiles.indexer.dequant import FP8_MAX_BLOCK_N, REGISTER_A_DEQUANTS
-from tiles.indexer.launch import _build_score, _build_two_pass, _index_k_words, _launch_pool, _launch_reindex, _launch_topk
-from tiles.indexer.policy import _RADIX_DEFAULT, SELECT_SPLITS, radix_config, resolve_select_split, resolve_tiles_per_cta
-from tiles.indexer.reference import _indexer_inputs, _merge, _random_pool, _reference_scores, compare_topk_sets
+from tiles.indexer.launch import build_score, build_two_pass, index_k_words, launch_pool, launch_reindex, launch_topk
+from tiles.indexer.policy import RADIX_DEFAULT, SELECT_SPLITS, radix_config, resolve_select_split, resolve_tiles_per_cta
+from tiles.indexer.radix_select import remapped_kernel
+from tiles.indexer.reference import compare_topk_sets, indexer_inputs, merge, random_pool, reference_scores
 from tiles.indexer.score_kernel import HIDDEN_TILES
-from tiles.indexer.select_kernel import _block_max_kernel, _select_kernel
+from tiles.indexer.select_kernel import block_max_kernel, build_select_kernel
 from tiles.indexer.space import (
-    _RADIX_PARAMS,
-    _SCORE_DEFAULT,
-    _SCORE_DEFAULT_SM90,
-    _SELECT_ALGO,
-    _SELECT_DEFAULT,
-    _dequant_arch,
-    _epilogue_fits,
-    _fragment_rows,
-    _radix_smem,
-    _radix_two_pass_only,
-    _register_cap,
-    _rs_registers,
-    _score_params,
-    _select_params,
-    _smem_score,
-    _warps_fit,
+    RADIX_PARAMS,
+    SCORE_DEFAULT,
+    SCORE_DEFAULT_SM90,
+    SELECT_ALGO,
+    SELECT_DEFAULT,
+    dequant_arch,
+    epilogue_fits,
+    fragment_rows,
+    radix_smem,
+    radix_two_pass_only,
+    register_cap,
+    rs_registers,
+    score_params,
+    select_params,
+    smem_score,
+    warps_fit,
 )
 
 
@@ -54,22 +54,22 @@ class _ScoreAndSelectTile(Tile):
 
     def search_space(self, arch: Arch) -> SearchSpace:
         return SearchSpace(
-            _score_params() + _select_params(),
+            score_params() + select_params(),
             (
-                Constraint("smem", _smem_score),
-                Constraint("warpgroups", _warps_fit),
-                Constraint("fragment_rows", _fragment_rows),
-                Constraint("register_cap", _register_cap),
-                Constraint("rs_registers", _rs_registers),
-                Constraint("epilogue", _epilogue_fits),
-                Constraint("dequant_arch", _dequant_arch),
+                Constraint("smem", smem_score),
+                Constraint("warpgroups", warps_fit),
+                Constraint("fragment_rows", fragment_rows),
+                Constraint("register_cap", register_cap),
+                Constraint("rs_registers", rs_registers),
+                Constraint("epilogue", epilogue_fits),
+                Constraint("dequant_arch", dequant_arch),
             ),
         )
 
     def default_config(self, arch: Arch) -> Config:
         if arch.family == "hopper":
-            return {**_SCORE_DEFAULT_SM90, **_SELECT_DEFAULT}
-        return {**_SCORE_DEFAULT, **_SELECT_DEFAULT}
+            return {**SCORE_DEFAULT_SM90, **SELECT_DEFAULT}
+        return {**SCORE_DEFAULT, **SELECT_DEFAULT}
 
     def with_defaults(self, arch: Arch, config: Config) -> Config:
         """``config`` over the default. A config that picks a dequant other than the RS ones without naming
@@ -81,7 +81,7 @@ class _ScoreAndSelectTile(Tile):
             cfg["block_n"] = min(cfg["block_n"], FP8_MAX_BLOCK_N)
         if "epilogue" not in config and cfg["dequant"] not in REGISTER_A_DEQUANTS:
             cfg["epilogue"] = "per_tile"
-        elif "epilogue" not in config and cfg["epilogue"] == "fused" and _epilogue_fits(cfg, None, arch):
+        elif "epilogue" not in config and cfg["epilogue"] == "fused" and epilogue_fits(cfg, None, arch):
             cfg["epilogue"] = "hoisted"  # fused reads one warpgroup's accumulator layout: {"threads": 256} alone is valid
         return cfg
 
@@ -107,8 +107,8 @@ class IndexerTopkTile(_ScoreAndSelectTile):
             "and written -inf (skip; a prefill token sees the cache up to itself)",
         )
         return SearchSpace(
-            space.params + (hidden, split, _SELECT_ALGO) + _RADIX_PARAMS,
-            space.constraints + (Constraint("radix_two_pass_only", _radix_two_pass_only), Constraint("radix_smem", _radix_smem)),
+            space.params + (hidden, split, SELECT_ALGO) + RADIX_PARAMS,
+            space.constraints + (Constraint("radix_two_pass_only", radix_two_pass_only), Constraint("radix_smem", radix_smem)),
         )
 
     def default_config(self, arch: Arch) -> Config:
@@ -118,7 +118,7 @@ class IndexerTopkTile(_ScoreAndSelectTile):
             "hidden_tiles": "score",
             "select_split": "auto",
             "select_algo": "multipass",
-            **_RADIX_DEFAULT,
+            **RADIX_DEFAULT,
         }
         if arch.family == "hopper":
             # H200, one run (281866f): byte-permute dequant, two CTAs per SM
@@ -183,11 +183,11 @@ class IndexerTopkTile(_ScoreAndSelectTile):
 
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
-        kernels = {"score": _build_score(arch, cfg, False, 8, shape["B"] * shape["S"], shape["N"])}
+        kernels = {"score": build_score(arch, cfg, False, 8, shape["B"] * shape["S"], shape["N"])}
         if cfg.get("select_algo", "multipass") == "two_pass":
-            kernels.update(_build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"], radix_config(cfg)))
+            kernels.update(build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"], radix_config(cfg)))
         else:
-            kernels["select"] = _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], 0)
+            kernels["select"] = build_select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], 0)
         return kernels
 
     def build(self, shape: Shape, config: Config, arch: Arch):
@@ -199,7 +199,7 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         return kernel_sources_of(self._kernels(shape, self.with_defaults(arch, config), arch))
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
-        return _indexer_inputs(shape["B"], shape["S"], shape["N"], seed, device, causal=shape.phase == "prefill")
+        return indexer_inputs(shape["B"], shape["S"], shape["N"], seed, device, causal=shape.phase == "prefill")
 
     def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
         _, _, k = kernel
@@ -212,16 +212,16 @@ class IndexerTopkTile(_ScoreAndSelectTile):
 
     def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
         cfg, arch, _ = kernel
-        words, scales = _index_k_words(inputs["k_packed"], inputs["k_scales"])
-        _launch_topk(cfg, arch, inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], outputs["scores"], outputs["topk"])
+        words, scales = index_k_words(inputs["k_packed"], inputs["k_scales"])
+        launch_topk(cfg, arch, inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], outputs["scores"], outputs["topk"])
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
-        scores = _reference_scores(inputs)
+        scores = reference_scores(inputs)
         return {"topk": topk_positions(scores, flash().index_topk), "scores": scores}
 
     def compare(self, outputs, expected) -> Comparison:
         sc = relative_l2({"scores": outputs["scores"]}, {"scores": expected["scores"]}, SCORE_RTOL)
-        return _merge(sc, compare_topk_sets(outputs["topk"], expected["topk"], expected["scores"]))
+        return merge(sc, compare_topk_sets(outputs["topk"], expected["topk"], expected["scores"]))
 
     def flops(self, shape: Shape) -> float:
         B, S, N = shape["B"], shape["S"], shape["N"]
@@ -244,23 +244,23 @@ class CandidatePoolTile(Tile):
         return reindex_shapes()
 
     def search_space(self, arch: Arch) -> SearchSpace:
-        return SearchSpace((Param("block_threads", (128, 256, 512), "threads of the block-max pass"),) + _select_params() + (_SELECT_ALGO,))
+        return SearchSpace((Param("block_threads", (128, 256, 512), "threads of the block-max pass"),) + select_params() + (SELECT_ALGO,))
 
     def default_config(self, arch: Arch) -> Config:
         # Hopper: the two-pass select, H200, one run (84d7a8c):
         # decode B=64 x 128K 0.121 -> 0.034 ms per call, pools bit-exact. Elsewhere not measured: multipass.
         algo = "two_pass" if arch.family == "hopper" else "multipass"
-        return {"block_threads": 256, **_SELECT_DEFAULT, "select_algo": algo}
+        return {"block_threads": 256, **SELECT_DEFAULT, "select_algo": algo}
 
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
         nb = -(-shape["N"] // shape["block"])
         k = min(shape["P"], nb)
-        kernels = {"block_max": _block_max_kernel(arch.nvcc_arch, shape["block"], cfg["block_threads"])}
+        kernels = {"block_max": block_max_kernel(arch.nvcc_arch, shape["block"], cfg["block_threads"])}
         if cfg["select_algo"] == "two_pass":
-            kernels.update(_build_two_pass(arch, shape["B"] * shape["S"], nb, k))
+            kernels.update(build_two_pass(arch, shape["B"] * shape["S"], nb, k))
         else:
-            kernels["select"] = _select_kernel(arch.nvcc_arch, k, cfg["select_threads"], cfg["radix_bits"], 0)
+            kernels["select"] = build_select_kernel(arch.nvcc_arch, k, cfg["select_threads"], cfg["radix_bits"], 0)
         return kernels
 
     def build(self, shape: Shape, config: Config, arch: Arch):
@@ -277,7 +277,7 @@ class CandidatePoolTile(Tile):
         # Scores on a coarse grid so many blocks tie: the tie rule is exercised on every row.
         scores = torch.randint(-400, 400, (B, S, N), generator=gen, device=device).float() / 64  # [B, S, N]
         n_visible = N - torch.randint(0, max(1, N // 4), (B, S), generator=gen, device=device)
-        if B * S > 2:  # a short row among many (a single row, as at decode B=1, sees the cache: see _indexer_inputs)
+        if B * S > 2:  # a short row among many (a single row, as at decode B=1, sees the cache: see indexer_inputs)
             n_visible.view(-1)[0] = min(N, 13)
         scores.masked_fill_(torch.arange(N, device=device) >= n_visible.unsqueeze(-1), NEG_INF)
         return {"scores": scores, "n_visible": n_visible.to(torch.int32)}
@@ -295,7 +295,7 @@ class CandidatePoolTile(Tile):
         scores = inputs["scores"]
         B, S, N = scores.shape
         nvis = inputs["n_visible"].view(B * S)
-        _launch_pool(cfg, arch, scores.view(B * S, N), nvis, block, outputs["block_scores"], outputs["pool"])
+        launch_pool(cfg, arch, scores.view(B * S, N), nvis, block, outputs["block_scores"], outputs["pool"])
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         return {"pool": candidate_blocks(inputs["scores"], inputs["n_visible"], flash().pool_block, flash().pool_max_blocks)}
@@ -321,7 +321,7 @@ class ReindexTopkTile(_ScoreAndSelectTile):
 
     def search_space(self, arch: Arch) -> SearchSpace:
         space = super().search_space(arch)
-        return SearchSpace(space.params + (_SELECT_ALGO,), space.constraints)
+        return SearchSpace(space.params + (SELECT_ALGO,), space.constraints)
 
     def default_config(self, arch: Arch) -> Config:
         # Hopper: the two-pass select, H200, one run (84d7a8c):
@@ -338,11 +338,11 @@ class ReindexTopkTile(_ScoreAndSelectTile):
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
         blk = shape["block"]
-        kernels = {"score": _build_score(arch, cfg, True, blk, shape["B"] * shape["S"], shape["P"] * blk)}
+        kernels = {"score": build_score(arch, cfg, True, blk, shape["B"] * shape["S"], shape["P"] * blk)}
         if cfg["select_algo"] == "two_pass":
-            kernels["select"] = radix_select.remapped_kernel(arch, shape["K"], shape["B"] * shape["S"], block=blk)
+            kernels["select"] = remapped_kernel(arch, shape["K"], shape["B"] * shape["S"], block=blk)
         else:
-            kernels["select"] = _select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], blk)
+            kernels["select"] = build_select_kernel(arch.nvcc_arch, shape["K"], cfg["select_threads"], cfg["radix_bits"], blk)
         return kernels
 
     def build(self, shape: Shape, config: Config, arch: Arch):
@@ -355,9 +355,9 @@ class ReindexTopkTile(_ScoreAndSelectTile):
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
         B, S, N, P, blk = shape["B"], shape["S"], shape["N"], shape["P"], shape["block"]
-        inputs = _indexer_inputs(B, S, N, seed, device, causal=False)
+        inputs = indexer_inputs(B, S, N, seed, device, causal=False)
         gen = torch.Generator(device=device).manual_seed(seed + 7919)
-        inputs["pool_blocks"] = _random_pool(inputs["n_visible"], N, P, blk, gen)  # [B, S, P]
+        inputs["pool_blocks"] = random_pool(inputs["n_visible"], N, P, blk, gen)  # [B, S, P]
         return inputs
 
     def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
@@ -370,12 +370,12 @@ class ReindexTopkTile(_ScoreAndSelectTile):
 
     def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
         cfg, arch, _, blk = kernel
-        words, scales = _index_k_words(inputs["k_packed"], inputs["k_scales"])
+        words, scales = index_k_words(inputs["k_packed"], inputs["k_scales"])
         args = (inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], inputs["pool_blocks"], blk)
-        _launch_reindex(cfg, arch, *args, outputs["pool_scores"], outputs["topk"])
+        launch_reindex(cfg, arch, *args, outputs["pool_scores"], outputs["topk"])
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
-        scores = _reference_scores(inputs)  # [B, S, N]: the reference scores everything
+        scores = reference_scores(inputs)  # [B, S, N]: the reference scores everything
         pool = inputs["pool_blocks"]
         B, S, P = pool.shape
         N = scores.shape[-1]
@@ -396,7 +396,7 @@ class ReindexTopkTile(_ScoreAndSelectTile):
 
     def compare(self, outputs, expected) -> Comparison:
         sc = relative_l2({"pool_scores": outputs["pool_scores"]}, {"pool_scores": expected["pool_scores"]}, SCORE_RTOL)
-        return _merge(sc, compare_topk_sets(outputs["topk"], expected["topk"], expected["scores"]))
+        return merge(sc, compare_topk_sets(outputs["topk"], expected["topk"], expected["scores"]))
 
     def flops(self, shape: Shape) -> float:
         return 2.0 * shape["B"] * shape["S"] * shape["P"] * shape["block"] * HEADS * HEAD_DIM

@@ -5,7 +5,7 @@ import torch
 
 from tiles.core.arch import Arch, device_arch
 from tiles.core.contract import Config, Shape, TileError
-from tiles.sparse_attn.launch import _DEFAULT_SCALE, compiled
+from tiles.sparse_attn.launch import DEFAULT_SCALE, compiled
 from tiles.sparse_attn.tile import BF16_TILE, DECODE_TILE, PREFILL_TILE, SparseAttnTile
 
 DECODE_MAX_TOKENS = 256  # B * S at or below this runs the decode tile (split-KV), above it the prefill tile
@@ -106,7 +106,7 @@ def sparse_attention(
     main_scales: torch.Tensor,
     topk_idx: torch.Tensor,
     sink: torch.Tensor | None,
-    scale: float = _DEFAULT_SCALE,
+    scale: float = DEFAULT_SCALE,
     config: Config | None = None,
     check_indices: bool = False,
 ) -> torch.Tensor:
@@ -168,7 +168,7 @@ def sparse_attention_bf16(
     main_kv: torch.Tensor,
     topk_idx: torch.Tensor,
     sink: torch.Tensor | None,
-    scale: float = _DEFAULT_SCALE,
+    scale: float = DEFAULT_SCALE,
     config: Config | None = None,
     check_indices: bool = False,
 ) -> torch.Tensor:

@@ -4,10 +4,10 @@ shifts and multiplies or by byte-permute lookups)."""
 
 import tilelang.language as T
 
-from tiles.fp4 import PRMT_ASM_CUDA
+from tiles.fp4.kernel import PRMT_ASM_CUDA
 
 
-def _e2m1(nib):
+def e2m1_value(nib):
     """E2M1 code (int32, 0..15) -> float32 value (0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign), branch-free.
 
     Codes 2..7 are normal numbers whose exponent and mantissa bits are the code's ``e m`` bits moved into
@@ -20,7 +20,7 @@ def _e2m1(nib):
     return T.if_then_else(nib >= 8, -mag, mag)
 
 
-def _e8m0(byte):
+def e8m0_value(byte):
     """E8M0 byte -> float32 2^(byte - 127), built from the exponent bits (exact, no exp2 rounding)."""
     return T.reinterpret(T.shift_left(T.cast(byte, "int32"), 23), "float32")
 
@@ -119,9 +119,9 @@ __device__ __forceinline__ void csa2_fp4x8_bf16_prmt(void* dst, int w, unsigned 
 """
 )
 # The FP4 main-word dequant the ws batched/prefetch producer calls, per ``fp4_decode``.
-_FP4X8_FUNCTIONS = {"fma": "csa2_fp4x8_bf16", "prmt": "csa2_fp4x8_bf16_prmt"}
+FP4X8_FUNCTIONS = {"fma": "csa2_fp4x8_bf16", "prmt": "csa2_fp4x8_bf16_prmt"}
 
 
-def _decode_helpers_cuda(fp4_decode: str) -> str:
+def decode_helpers_cuda(fp4_decode: str) -> str:
     """The producer's decode helpers for ``fp4_decode`` (the FP8 window's and the FP4 main word's)."""
     return _DEQUANT_CUDA + (_FP4_PRMT_CUDA if fp4_decode == "prmt" else "")

@@ -3,10 +3,10 @@ warp-specialised one to :mod:`tiles.sparse_attn.ws_kernel`) and ``combine_kernel
 
 import tilelang.language as T
 
-from tiles.sparse_attn.dequant import _e2m1, _e8m0
-from tiles.sparse_attn.online_softmax import LOG2E, _online_softmax
-from tiles.sparse_attn.options import IOS, PARTIALS, UNUSED_ROWS, _halves_refusal, _overlapped_refusal, blocks_per_token
-from tiles.sparse_attn.ws_kernel import _sparse_attn_ws
+from tiles.sparse_attn.dequant import e2m1_value, e8m0_value
+from tiles.sparse_attn.online_softmax import LOG2E, online_softmax
+from tiles.sparse_attn.options import IOS, PARTIALS, UNUSED_ROWS, blocks_per_token, halves_refusal, overlapped_refusal
+from tiles.sparse_attn.ws_kernel import sparse_attn_ws
 
 
 def sparse_attn_kernel(
@@ -64,13 +64,13 @@ def sparse_attn_kernel(
         raise ValueError(f"unknown io {io!r}: use one of {', '.join(IOS)} ('auto' is resolved per call first: resolve_io)")
     blocks = blocks_per_token(window, topk, block_I)
     if io == "overlapped" and (
-        why := _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, blocks)
+        why := overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, kv_format, blocks)
     ):
         raise ValueError(why)
-    if consumers == "paired_halves" and (why := _halves_refusal(schedule, produce, tokens_per_cta, kv_format, io)):
+    if consumers == "paired_halves" and (why := halves_refusal(schedule, produce, tokens_per_cta, kv_format, io)):
         raise ValueError(why)
     if schedule == "ws":
-        return _sparse_attn_ws(
+        return sparse_attn_ws(
             heads,
             dim,
             window,
@@ -168,7 +168,7 @@ def sparse_attn_kernel(
                 if fp4:
                     for bi, d in T.Parallel(BI, D):
                         row = T.max(idx_shared[bi], 0)
-                        val = T.cast(WinA[b_i, row, d], f32) * _e8m0(WinB[b_i, row, d // 32])
+                        val = T.cast(WinA[b_i, row, d], f32) * e8m0_value(WinB[b_i, row, d // 32])
                         KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
                 else:
                     for bi, d in T.Parallel(BI, D):
@@ -189,13 +189,13 @@ def sparse_attn_kernel(
                         rawsc_shared[bi, j] = MainB[b_i, T.max(TopkIdx[b_i, s_i, T.min(blk * BI + bi, K - 1)], 0), j]
                     for bi, d in T.Parallel(BI, D):
                         nib = T.shift_right(raw_shared[bi, d // 8], (d % 8) * 4) & 15
-                        val = _e2m1(nib) * T.cast(rawsc_shared[bi, d // 16], f32)
+                        val = e2m1_value(nib) * T.cast(rawsc_shared[bi, d // 16], f32)
                         KV_shared[bi, d] = T.if_then_else(idx_k_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
                 elif fp4:
                     for bi, d in T.Parallel(BI, D):
                         row = T.max(idx_shared[bi], 0)
                         nib = T.shift_right(MainA[b_i, row, d // 8], (d % 8) * 4) & 15
-                        val = _e2m1(nib) * T.cast(MainB[b_i, row, d // 16], f32)
+                        val = e2m1_value(nib) * T.cast(MainB[b_i, row, d // 16], f32)
                         KV_shared[bi, d] = T.if_then_else(idx_shared[bi] >= 0, T.cast(val, bf16), T.cast(0, bf16))
                 else:
                     for bi, d in T.Parallel(BI, D):
@@ -248,7 +248,7 @@ def _attend(Q_shared, KV_shared, S_shared, idx_shared, acc_s, acc_o, sumexp, sum
     for h, bi in T.Parallel(HB, BI):
         acc_s[h, bi] = T.if_then_else(idx_shared[bi] >= 0, 0, -T.infinity("float32"))
     T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-    _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
+    online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D, scale2)
     # When a row of S spans warps (e.g. 32 heads over 4 warps), the softmax's row max and sum go through a shared
     # workspace that TileLang's planner places on S_shared's bytes, and no barrier separates the last read of it
     # (inside tl::AllReduce, after its own bar.sync) from a faster warp's store of P below: a race that changed

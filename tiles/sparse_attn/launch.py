@@ -8,7 +8,7 @@ import torch
 
 from tiles.core.arch import Arch
 from tiles.core.contract import Config
-from tiles.sparse_attn.dequant import _FP4X8_FUNCTIONS, _decode_helpers_cuda
+from tiles.sparse_attn.dequant import FP4X8_FUNCTIONS, decode_helpers_cuda
 from tiles.sparse_attn.kernels import combine_kernel, sparse_attn_kernel
 from tiles.sparse_attn.kv_expand import expand_caches, expand_kernel
 from tiles.sparse_attn.options import BF16_ROW_KEYS
@@ -20,7 +20,7 @@ _PASS_CONFIGS = {
 
 
 _KERNELS: dict[tuple, Any] = {}
-_DEFAULT_SCALE = 512**-0.5
+DEFAULT_SCALE = 512**-0.5
 
 
 class CompiledAttention:
@@ -71,7 +71,7 @@ class CompiledAttention:
         # the batched producer reads FP8 window codes as int32 words and E4M3 scales as bytes
         self.word_views = kv_format == "fp4" and config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         prim = sparse_attn_kernel(heads, dim, window, topk, scale, kv_format=kv_format, n_split=self.n_split, **params)
-        # The batched producer masks out-of-range indices itself (_ws_fetch_rows); TileLang's bounds guards
+        # The batched producer masks out-of-range indices itself (ws_fetch_rows); TileLang's bounds guards
         # would turn its cp.async copies back into synchronous loads.
         batched = config.get("schedule") == "ws" and config.get("produce") in ("batched", "prefetch")
         passes = {**_PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True} if batched else dict(_PASS_CONFIGS)
@@ -126,7 +126,7 @@ class ExpandedAttention:
 
     def __init__(self, heads: int, dim: int, window: int, topk: int, scale: float, config: Config, arch: Arch):
         fp4_decode = config.get("fp4_decode", "fma")
-        self.expand = expand_kernel(dim, _decode_helpers_cuda(fp4_decode), _FP4X8_FUNCTIONS[fp4_decode], arch)
+        self.expand = expand_kernel(dim, decode_helpers_cuda(fp4_decode), FP4X8_FUNCTIONS[fp4_decode], arch)
         bf16_config = {k: v for k, v in config.items() if k not in FP4_ONLY_KEYS}
         self.attend = compiled(heads, dim, window, topk, scale, "bf16", bf16_config, arch)
 

@@ -6,7 +6,7 @@ LOG2E = 1.4426950408889634
 
 
 @T.macro
-def _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, DO, scale2):
+def online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, DO, scale2):
     """The online-softmax update of one block: S [HB, BI] (scores in, P out, unnormalised), the running max m_i and
     sum, alpha = the old max's rescale, and the [HB, DO] accumulator O rescaled by it (log2 domain, ``scale2`` =
     softmax scale x log2 e)."""

@@ -4,15 +4,15 @@
 from tiles.core.contract import Config
 
 SPLIT_CHOICES = ("auto", 1, 2, 4, 8)
-IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see _sparse_attn_ws)
-PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see _sparse_attn_ws)
+IOS = ("direct", "staged", "overlapped")  # how the ws kernel reads Q and writes O (see sparse_attn_ws)
+PARTIALS = ("fp32", "bf16")  # the dtype of the split partials of O (see sparse_attn_ws)
 BF16_ROW_KEYS = ("unused_rows",)  # keys of the ws batched producer's bf16 row copies: no effect on FP4/FP8 rows
 UNUSED_ROWS = ("row0", "zeros")  # bf16 KV, ws batched producer: an unused slot's row copied from row 0, or zero-filled
 # Hopper (ws): zero-filled, H200, one run against row0 (945825d): prefill 4K with the expansion 0.8263 -> 0.7672 ms,
 # 512-token prompt 0.1831 -> 0.1093; the bf16 tile by lab bench, prefill 4K 0.8272 ms with row0 and 0.7653 with zeros
 # in the next call (98a05fe), decode unchanged (its lists have no unused slots). Every CTA copying the same
 # row 0 for its unused slots was the expansion's loss at short prompts (most of their slots are unused).
-_UNUSED_ROWS_DEFAULT = "zeros"
+UNUSED_ROWS_DEFAULT = "zeros"
 
 
 KV_STAGINGS = ("gather", "expand", "auto")  # prefill: decode in the producer per read, or expand both caches once
@@ -23,14 +23,14 @@ def blocks_per_token(window: int, topk: int, block_I: int) -> int:
     return -(-window // block_I) + -(-topk // block_I)
 
 
-def _kernel_rows(kv_format: str, kv_staging: str) -> str:
+def kernel_rows(kv_format: str, kv_staging: str) -> str:
     """The KV rows the attention kernel reads ("bf16" or "fp4"), ``kv_staging`` resolved: the expansion's are bf16."""
     return "bf16" if kv_format == "bf16" or kv_staging == "expand" else "fp4"
 
 
-def _halves_refusal(schedule, produce, tokens_per_cta, rows, io="staged") -> str | None:
+def halves_refusal(schedule, produce, tokens_per_cta, rows, io="staged") -> str | None:
     """Why ``consumers="paired_halves"`` cannot run (its producer copies bf16 rows half by half, several tokens per CTA
-    only with io="overlapped"), or None. ``rows``: the kernel's row format (_kernel_rows)."""
+    only with io="overlapped"), or None. ``rows``: the kernel's row format (kernel_rows)."""
     if schedule != "ws" or produce != "batched" or rows != "bf16" or (int(tokens_per_cta) != 1 and io != "overlapped"):
         return (
             "consumers=paired_halves hands bf16 KV rows over in halves: schedule=ws, produce=batched, bf16 KV or "
@@ -39,7 +39,7 @@ def _halves_refusal(schedule, produce, tokens_per_cta, rows, io="staged") -> str
     return None
 
 
-def _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, blocks=None) -> str | None:
+def overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, n_split, block_I, rows, blocks=None) -> str | None:
     """Why ``io="overlapped"`` cannot be built with these choices (``n_split`` resolved or "auto"; ``rows``: the
     kernel's KV rows, "bf16" or "fp4"; ``blocks``: the blocks per token, None when not known here), or None."""
     if schedule != "ws" or produce != "batched" or consumers not in ("wg0_scores", "paired_halves") or int(wg1_rows):
@@ -59,7 +59,7 @@ def _overlapped_refusal(schedule, produce, consumers, wg1_rows, tokens_per_cta, 
     return None
 
 
-def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
+def bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     """Why partials="bf16" cannot run with config ``c``, or None (either KV format)."""
     # consumers="auto" is wg0_scores wherever there are splits (its paired_halves runs io=overlapped: one split)
     consumers = c.get("consumers", "wg0_scores")
@@ -68,7 +68,7 @@ def _bf16_partials_refusal(c: Config, kv_format: str) -> str | None:
     return None
 
 
-def _bf16_copy_refusal(c: Config, kv_format: str) -> str | None:
+def bf16_copy_refusal(c: Config, kv_format: str) -> str | None:
     """Why unused_rows="zeros" cannot run with config ``c``, or None. It concerns bf16 rows: bf16 KV, or FP4 KV under
     kv_staging "expand" or "auto" (which may expand); the FP4/FP8 rows the producer decodes have their own path, where
     the key does not apply."""
@@ -78,7 +78,7 @@ def _bf16_copy_refusal(c: Config, kv_format: str) -> str | None:
     return None
 
 
-def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
+def prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
     """Why fp4_decode="prmt" cannot run with config ``c``, or None."""
     if kv_format != "fp4" or c["schedule"] != "ws" or c.get("produce", "serial") not in ("batched", "prefetch"):
         return (
@@ -89,8 +89,8 @@ def _prmt_decode_refusal(c: Config, kv_format: str) -> str | None:
 
 
 # (key, its Hopper default built for one path only, the choice every path has, why the default cannot run with a config)
-_NARROW_DEFAULTS = (
-    ("fp4_decode", "prmt", "fma", _prmt_decode_refusal),  # the ws batched producer's packed word decode
-    ("partials", "bf16", "fp32", _bf16_partials_refusal),  # the ws wg0_scores consumers' split epilogue
-    ("unused_rows", "zeros", "row0", _bf16_copy_refusal),  # the ws batched producer's bf16 cp.async
+NARROW_DEFAULTS = (
+    ("fp4_decode", "prmt", "fma", prmt_decode_refusal),  # the ws batched producer's packed word decode
+    ("partials", "bf16", "fp32", bf16_partials_refusal),  # the ws wg0_scores consumers' split epilogue
+    ("unused_rows", "zeros", "row0", bf16_copy_refusal),  # the ws batched producer's bf16 cp.async
 )

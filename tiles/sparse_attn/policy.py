@@ -5,7 +5,7 @@ from collections.abc import Mapping
 
 from tiles.core.arch import Arch
 from tiles.core.contract import Config, Shape
-from tiles.sparse_attn.options import _kernel_rows, _overlapped_refusal, blocks_per_token
+from tiles.sparse_attn.options import blocks_per_token, kernel_rows, overlapped_refusal
 
 
 def resolve_split(n_split, B: int, S: int, heads: int, heads_per_block: int, arch: Arch, schedule: str = "pipelined") -> int:
@@ -40,10 +40,10 @@ def resolve_kv_staging(kv_staging: str, dims: Mapping[str, int]) -> str:
     (B * (Nw + Nc)) at least EXPAND_MIN_READS times on average, else "gather"."""
     if kv_staging != "auto":
         return kv_staging
-    return "expand" if dims["B"] * dims["S"] >= EXPAND_MIN_TOKENS and _rereads_rows(dims) else "gather"
+    return "expand" if dims["B"] * dims["S"] >= EXPAND_MIN_TOKENS and rereads_rows(dims) else "gather"
 
 
-def _rereads_rows(dims: Mapping[str, int]) -> bool:
+def rereads_rows(dims: Mapping[str, int]) -> bool:
     """True when the call's W + K gathered rows a token read every row of its caches (B * (Nw + Nc)) at least
     EXPAND_MIN_READS times on average: a prefill, whose rows stay in L2 between their reads."""
     rows = dims["B"] * (dims["Nw"] + dims["Nc"])
@@ -92,13 +92,13 @@ def resolve_io(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: s
     io, tpc = config.get("io", "direct"), int(config.get("tokens_per_cta", 1))
     if io != "auto":
         return io, tpc
-    rows = _kernel_rows(kv_format, config.get("kv_staging", "gather"))
+    rows = kernel_rows(kv_format, config.get("kv_staging", "gather"))
     args = (config["schedule"], config.get("produce", "serial"), config.get("consumers", "wg0_scores"), config.get("wg1_rows", 0))
 
     blocks = blocks_per_token(dims["W"], dims["K"], config["block_I"])
 
     def overlaps(tokens: int) -> bool:
-        return _overlapped_refusal(*args, tokens, config.get("n_split", 1), config["block_I"], rows, blocks=blocks) is None
+        return overlapped_refusal(*args, tokens, config.get("n_split", 1), config["block_I"], rows, blocks=blocks) is None
 
     if tpc > 1:
         return ("overlapped" if overlaps(tpc) else "staged"), tpc

@@ -13,15 +13,15 @@ from tiles.sparse_attn.options import (
     PARTIALS,
     SPLIT_CHOICES,
     UNUSED_ROWS,
-    _bf16_copy_refusal,
-    _bf16_partials_refusal,
-    _halves_refusal,
-    _kernel_rows,
-    _overlapped_refusal,
-    _prmt_decode_refusal,
+    bf16_copy_refusal,
+    bf16_partials_refusal,
     blocks_per_token,
+    halves_refusal,
+    kernel_rows,
+    overlapped_refusal,
+    prmt_decode_refusal,
 )
-from tiles.sparse_attn.policy import _rereads_rows, resolve_io, resolve_kv_staging, resolve_split, smem_bytes
+from tiles.sparse_attn.policy import rereads_rows, resolve_io, resolve_kv_staging, resolve_split, smem_bytes
 
 
 def resolve_consumers(config: Config, dims: Mapping[str, int], arch: Arch, kv_format: str) -> Config:
@@ -39,7 +39,7 @@ def resolve_consumers(config: Config, dims: Mapping[str, int], arch: Arch, kv_fo
     resolved = {**probe, "kv_staging": staging, "n_split": n_split}
     halves = (
         config.get("io") == "auto"
-        and _rereads_rows(dims)
+        and rereads_rows(dims)
         and resolve_io(resolved, dims, arch, kv_format)[0] == "overlapped"
         and not any(con.check(probe, dims, arch) for con in constraints(kv_format))
     )
@@ -89,10 +89,10 @@ def constraints(kv_format: str) -> tuple[Constraint, ...]:
             )
         if c.get("io", "direct") == "overlapped":
             n_split = resolve_split(c.get("n_split", 1), s["B"], s["S"], s["H"], c["heads_per_block"], a, c["schedule"])
-            rows = _kernel_rows(kv_format, resolve_kv_staging(c.get("kv_staging", "gather"), s))
+            rows = kernel_rows(kv_format, resolve_kv_staging(c.get("kv_staging", "gather"), s))
             args = (c["schedule"], c.get("produce", "serial"), c.get("consumers", "wg0_scores"), c.get("wg1_rows", 0))
             blocks = blocks_per_token(s["W"], s["K"], c["block_I"])
-            if why := _overlapped_refusal(*args, c.get("tokens_per_cta", 1), n_split, c["block_I"], rows, blocks=blocks):
+            if why := overlapped_refusal(*args, c.get("tokens_per_cta", 1), n_split, c["block_I"], rows, blocks=blocks):
                 return why
         if c.get("handoff", "after_pv") != "after_pv" and (c["schedule"] != "ws" or c.get("consumers", "wg0_scores") != "wg0_scores"):
             return "handoff=before_pv is when the ws warpgroup 0 hands P to warpgroup 1: schedule=ws, consumers=wg0_scores"
@@ -112,18 +112,18 @@ def constraints(kv_format: str) -> tuple[Constraint, ...]:
             return "produce=prefetch keeps a block of packed FP4 words in registers: FP4 main KV only (bf16 rows go by cp.async)"
         if c.get("produce", "serial") in ("batched", "prefetch") and c["schedule"] != "ws":
             return "produce=batched is the ws producer warpgroup's fill strategy: schedule=ws"
-        if c.get("fp4_decode", "fma") != "fma" and (why := _prmt_decode_refusal(c, kv_format)):
+        if c.get("fp4_decode", "fma") != "fma" and (why := prmt_decode_refusal(c, kv_format)):
             return why
         expands = resolve_kv_staging(c.get("kv_staging", "gather"), s) == "expand"
         if c.get("consumers", "wg0_scores") == "paired_halves":
-            rows = _kernel_rows(kv_format, "expand" if expands else "gather")
+            rows = kernel_rows(kv_format, "expand" if expands else "gather")
             io = c.get("io", "direct")
             if io == "auto":  # resolved as per call: kv_staging first (the rows), then io
                 io = resolve_io({**c, "kv_staging": "expand" if expands else "gather"}, s, a, kv_format)[0]
-            if why := _halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
+            if why := halves_refusal(c["schedule"], c.get("produce", "serial"), c.get("tokens_per_cta", 1), rows, io=io):
                 return why
         fp4_rows = c.get("produce", "serial") == "prefetch" or int(c.get("wg1_rows", 0)) or c.get("dequant", "direct") != "direct"
-        if c.get("unused_rows", "row0") != "row0" and (why := _bf16_copy_refusal(c, kv_format)):
+        if c.get("unused_rows", "row0") != "row0" and (why := bf16_copy_refusal(c, kv_format)):
             return why
         if expands and fp4_rows:
             return "kv_staging=expand runs the bf16 kernel, which has no FP4 rows to prefetch, split or stage: produce=serial or batched, wg1_rows=0, dequant=direct"
@@ -142,7 +142,7 @@ def constraints(kv_format: str) -> tuple[Constraint, ...]:
         return None if int(c.get("n_split", 1)) <= blocks else f"{c['n_split']} splits > {blocks} index blocks"
 
     def combine(c, s, a):
-        if c.get("partials", "fp32") == "bf16" and (why := _bf16_partials_refusal(c, kv_format)):
+        if c.get("partials", "fp32") == "bf16" and (why := bf16_partials_refusal(c, kv_format)):
             return why
         if c.get("combine", "separate") != "fused":
             return None

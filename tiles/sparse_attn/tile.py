@@ -12,12 +12,12 @@ from tiles.core.arch import Arch
 from tiles.core.compare import relative_l2
 from tiles.core.contract import Comparison, Config, Inputs, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
 from tiles.core.shapes import attention_shapes
-from tiles.sparse_attn.launch import _DEFAULT_SCALE, CompiledAttention, ExpandedAttention, compiled
+from tiles.sparse_attn.launch import DEFAULT_SCALE, CompiledAttention, ExpandedAttention, compiled
 from tiles.sparse_attn.options import (
-    _NARROW_DEFAULTS,
-    _UNUSED_ROWS_DEFAULT,
     BF16_ROW_KEYS,
-    _kernel_rows,
+    NARROW_DEFAULTS,
+    UNUSED_ROWS_DEFAULT,
+    kernel_rows,
 )
 from tiles.sparse_attn.policy import resolve_io, resolve_kv_staging, resolve_split
 from tiles.sparse_attn.space import attention_search_space, resolve_consumers
@@ -88,13 +88,13 @@ class SparseAttnTile(Tile):
             # 1.0081 ms, decode B=128/S=2 0.0775 -> 0.0765 ms, B=64/S=1 0.0326 -> 0.0315 ms.
             cfg["fp4_decode"] = "prmt" if cfg["schedule"] == "ws" else "fma"
             if not self.splits:
-                cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
+                cfg["unused_rows"] = UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
                 # Hopper prefill: both caches expanded to bf16 once for long prompts that reread their rows (auto; short
                 # ones gather, see EXPAND_MIN_TOKENS), H200, one run against gather (6c9d184): 4K 1.0195 -> 0.8290 ms,
                 # 16K 3.954 -> 3.093, 64K 15.83 -> 12.74 (the expansion 4 / 13 / 54 us of it). Elsewhere unmeasured.
                 cfg["kv_staging"] = "auto" if arch.family == "hopper" else "gather"
         if self.kv_format == "bf16":
-            cfg["unused_rows"] = _UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
+            cfg["unused_rows"] = UNUSED_ROWS_DEFAULT if cfg["schedule"] == "ws" else "row0"
         if self.splits:
             cfg["n_split"] = "auto" if self.phase != "prefill" else 1
             cfg["combine"] = "separate"  # "fused" measured slower on the H200 (decode B=64/S=1 0.0369 vs 0.0316 ms, 84d7a8c)
@@ -120,7 +120,7 @@ class SparseAttnTile(Tile):
                 cfg[key] = config.get(key, plain)
         # Hopper-default choices built for one path only give way, when not named, to the choice every path has:
         # {"produce": "serial"} or {"consumers": "seesaw"} alone is valid.
-        for key, narrow, broad, refusal in _NARROW_DEFAULTS:
+        for key, narrow, broad, refusal in NARROW_DEFAULTS:
             if key not in config and cfg.get(key) == narrow and refusal(cfg, self.kv_format):
                 cfg[key] = broad
         return cfg
@@ -130,14 +130,14 @@ class SparseAttnTile(Tile):
         if reason:
             raise TileError(f"{self.name} does not support {arch.name}: {reason}")
         cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
-        return compiled(shape["H"], shape["D"], shape["W"], shape["K"], _DEFAULT_SCALE, self.kv_format, cfg, arch)
+        return compiled(shape["H"], shape["D"], shape["W"], shape["K"], DEFAULT_SCALE, self.kv_format, cfg, arch)
 
     def kernel_key(self, shape: Shape, config: Config, arch: Arch) -> str:
         """The resolved config's key: a config naming "auto" (consumers, io, n_split, kv_staging) and one naming what it
         resolves to at ``shape`` build the same kernels (e.g. the prefill default and paired_halves, io=overlapped,
         8 tokens per CTA at 4K)."""
         cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
-        if _kernel_rows(self.kv_format, cfg.get("kv_staging", "gather")) != "bf16":
+        if kernel_rows(self.kv_format, cfg.get("kv_staging", "gather")) != "bf16":
             for key in BF16_ROW_KEYS:  # as CompiledAttention: FP4/FP8 rows decoded by the producer ignore them
                 cfg.pop(key, None)
         return canonical_key(cfg)
@@ -189,7 +189,7 @@ class SparseAttnTile(Tile):
         else:
             window_kv, main_kv = inputs["window_kv"], inputs["main_kv"]
         out = _ref_sparse_attention(
-            inputs["q"], window_kv, inputs["window_idx"], main_kv, inputs["topk_idx"], inputs["sink"], _DEFAULT_SCALE
+            inputs["q"], window_kv, inputs["window_idx"], main_kv, inputs["topk_idx"], inputs["sink"], DEFAULT_SCALE
         )
         return {"out": out}
 

@@ -6,12 +6,12 @@ from typing import Any, NamedTuple
 
 import tilelang.language as T
 
-from tiles.sparse_attn.online_softmax import LOG2E, _online_softmax
-from tiles.sparse_attn.ws_producer import _ws_fetch_rows, _ws_issue_main_loads, _ws_wg1_fill
+from tiles.sparse_attn.online_softmax import LOG2E, online_softmax
+from tiles.sparse_attn.ws_producer import ws_fetch_rows, ws_issue_main_loads, ws_wg1_fill
 
 # The fused combine's release fence (see _ws_fused_combine). TileLang 0.1.15 has atomics with a memory order
 # (T.atomic_add(..., memory_order=, return_prev=)) but no standalone fence.
-_FUSE_CUDA = r"""
+FUSE_CUDA = r"""
 // Orders this thread's earlier global stores before its later operations at GPU scope (a release fence, cheaper
 // than __threadfence's fence.sc.gpu).
 __device__ __forceinline__ void csa2_fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
@@ -41,7 +41,7 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ovl=None):
         # S_shared and alpha_shared are reused: warpgroup 1 must be done with the previous step.
         T.barrier_arrive(bar_s_free)
         T.barrier_wait(bar_s_free, (it & 1) ^ 1)
-    _online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D2, scale2)
+    online_softmax(acc_s, acc_o, sumexp, sumexp_i, alpha, m_i, m_i_prev, HB, BI, D2, scale2)
     T.copy(alpha, alpha_shared)
     T.copy(acc_s, S_shared)
     if early_p:
@@ -57,7 +57,7 @@ def _ws_softmax_step(sm, buf, it, HB, BI, D2, scale2, early_p=False, ovl=None):
 @T.macro
 def _ws_hand_back(bar_free, ovl):
     """A consumer warpgroup is done with a KV buffer: arrive on its free barrier. ``ovl`` (``io="overlapped"``: the
-    _WsCta, the token j, its block it): the token's last block's buffer is kept, O is staged into it
+    WsCta, the token j, its block it): the token's last block's buffer is kept, O is staged into it
     (:func:`_ws_ovl_stage_o` hands it back)."""
     if ovl is None:
         T.barrier_arrive(bar_free)
@@ -69,7 +69,7 @@ def _ws_hand_back(bar_free, ovl):
 BALANCED_NREG = 200  # per consumer thread under consumers="balanced": O half (128) + S half (16) + softmax + addresses
 
 
-class _WsHalf(NamedTuple):
+class WsHalf(NamedTuple):
     """One consumer warpgroup's part under ``consumers="balanced"``: which half it is, the Q half it loads (and, with
     one split, stages its O half through), and its own fragments."""
 
@@ -84,7 +84,7 @@ class _WsHalf(NamedTuple):
     m_i_prev: Any
 
 
-class _WsPair(NamedTuple):
+class WsPair(NamedTuple):
     """What the two balanced consumer warpgroups share: Q, the outputs, the P tile, and the exchange buffers/barriers."""
 
     Q: Any
@@ -103,9 +103,9 @@ class _WsPair(NamedTuple):
 
 
 @T.macro
-def _ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse):
+def ws_balanced_consumer(half, pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse):
     """Consumer warpgroup ``half.w`` under ``consumers="balanced"`` (or ``"balanced_overlap"``: ``overlap``): Q load,
-    the block loop, the sink and the O store (``fuse``: the fused combine's :class:`_WsFuse`, else None)."""
+    the block loop, the sink and the O store (``fuse``: the fused combine's :class:`WsFuse`, else None)."""
     Sink, Out, LsePart = pair.Sink, pair.Out, pair.LsePart
     _ws_halves_prologue(half, pair.Q, pair.bar_q, b_i, s_i, h0, HB, D2, io)
     for it in T.serial(n_blk):
@@ -254,7 +254,7 @@ def _ws_balanced_step(half, pair, buf, prev_buf, it, HB, BI2, D2, scale2, overla
 SEESAW_NREG = 208  # per consumer thread under consumers="seesaw": O half (128) + all of S (32) + softmax + addresses
 
 
-class _WsSeesaw(NamedTuple):
+class WsSeesaw(NamedTuple):
     """What the two seesaw consumer warpgroups share: Q, the outputs, each one's P tile and hand-over values, barriers."""
 
     Q: Any
@@ -289,7 +289,7 @@ def _ws_seesaw_take(half, see, other_buf, kp, HB, D2):
 
 
 @T.macro
-def _ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io):
+def ws_seesaw_consumer(half, see, bufs, b_i, s_i, h0, bz, n_blk, max_blk, HB, BI, D2, NS, scale2, io):
     """Consumer warpgroup ``half.w`` under ``consumers="seesaw"``: Q load, its blocks g = w, w + 2, ... (in buffer w),
     the other's blocks in between, the sink and the O store. ``n_blk``: the split's blocks, at most ``max_blk`` (a
     Python int).
@@ -378,13 +378,13 @@ def _ws_paired_consumer(
     they meet at the end (:func:`_ws_halves_epilogue`).
 
     ``halves`` (consumers="paired_halves"): each half of a KV buffer is handed over on its own barriers
-    (:func:`_ws_produce_halves`). Warpgroup w's own half (the one its P V reads: left for 0, right for 1) has two
+    (:func:`ws_produce_halves`). Warpgroup w's own half (the one its P V reads: left for 0, right for 1) has two
     readers, its QK^T and its own P V, and warpgroup w frees it right after that P V; the other half is read last by
     the other warpgroup's P V, which frees it. Each warpgroup's QK^T starts on its own half, which the producer
     refills first.
 
     ``nxt`` (io="overlapped", paired_halves, an even block count; the prefill default since 8e69e80): token ``j`` of the CTA's run
-    (the _WsTokens), its pairs numbered on from the tokens before (barrier phases). In a token's last pair each
+    (the WsTokens), its pairs numbered on from the tokens before (barrier phases). In a token's last pair each
     warpgroup, once both QK^T are done (past its wait for the other's max), copies its half of the next token's Q by
     cp.async, arriving on the Q barrier as it lands. Its O half goes out through its own P tile (``bar_own``: its
     128-arrival barrier), so that no KV half waits for O: the producer refills them for the next token's first pair
@@ -399,7 +399,7 @@ def _ws_paired_consumer(
     ovl = nxt is not None
     npairs = (max_blk + 1) // 2  # with io=overlapped: n_blk == max_blk, even
     _ws_halves_prologue(half, see.Q, see.bar_q, b_i, s_i, h0, HB, D2, io, j)
-    # A static trip count and a guard, as in _ws_seesaw_consumer (TileLang 0.1.15 unrolls a trip count of 0 or 1).
+    # A static trip count and a guard, as in ws_seesaw_consumer (TileLang 0.1.15 unrolls a trip count of 0 or 1).
     for kk in T.serial(npairs):
         k = j * npairs + kk  # the CTA's pair index: barrier phases run on across its tokens
         if 2 * kk < n_blk:
@@ -482,7 +482,7 @@ def _ws_paired_consumer(
 
 
 @T.macro
-def _ws_paired_warpgroup(half, P_own, bar_own, seesaw_args, halves, TPC, bx, S, REP, nxt):
+def ws_paired_warpgroup(half, P_own, bar_own, seesaw_args, halves, TPC, bx, S, REP, nxt):
     """Consumer warpgroup ``half.w`` under the paired consumers: its one token (:func:`_ws_paired_consumer`), or, with
     paired_halves and io="overlapped", the CTA's run of tokens one after another (``bar_own``: its barrier for the O
     store through its P tile)."""
@@ -514,7 +514,7 @@ def _ws_paired_prefetch_q(see, nxt, Q_own, b_i, w, j, last, HB, D2):
             T.cp_async_barrier_noinc(see.bar_q)
 
 
-class _WsCta(NamedTuple):
+class WsCta(NamedTuple):
     """What the ws consumer warpgroups share for the whole CTA: tensors, shared tiles, barriers, the split's block range."""
 
     Q: Any
@@ -526,7 +526,7 @@ class _WsCta(NamedTuple):
     S_shared: Any
     alpha_shared: Any
     final_shared: Any
-    bufs: Any  # the two _WsBuffer
+    bufs: Any  # the two WsBuffer
     bar_q: Any
     bar_final: Any
     bar_s_ready: Any
@@ -541,13 +541,13 @@ class _WsCta(NamedTuple):
     NS: int
     scale2: float
     io: str
-    fuse: Any = None  # combine="fused": the _WsFuse of the fused combine
+    fuse: Any = None  # combine="fused": the WsFuse of the fused combine
     early_p: bool = False  # handoff="before_pv": warpgroup 1 gets P before warpgroup 0's own P V (see _ws_softmax_step)
     bf16_parts: bool = False  # partials="bf16": the split's partial O staged out as bf16 through the freed Q half
-    nxt: Any = None  # io="overlapped": the _WsTokens of the CTA's run of tokens
+    nxt: Any = None  # io="overlapped": the WsTokens of the CTA's run of tokens
 
 
-class _WsTokens(NamedTuple):
+class WsTokens(NamedTuple):
     """``io="overlapped"``: the CTA's run of (token, head block) items, for the next token's Q and the previous O."""
 
     first: Any  # the CTA's first item, bx * tokens_per_cta (token item // REP, head block item % REP)
@@ -579,7 +579,7 @@ def _ws_ovl_prefetch_q(cta, j, it):
 def _ws_ovl_stage_o(cta, acc, w, j):
     """``io="overlapped"``, after token ``j``'s final scale: warpgroup ``w``'s O half into its half of the token's
     last KV buffer (both P V of that block are done), which is then handed back. The producer stores it to Out before
-    it refills that buffer (:func:`_ws_ovl_store_o`, one block into the next token; after its last block for the
+    it refills that buffer (:func:`ws_ovl_store_o`, one block into the next token; after its last block for the
     CTA's last tokens). Storing here instead costs warpgroup 1 spills (ptxas), and the time on the consumers' path."""
     if (j * cta.n_blk + cta.n_blk - 1) % 2 == 0:
         _ws_ovl_stage_into(cta, cta.bufs[0], acc, w, j)
@@ -594,8 +594,8 @@ def _ws_ovl_stage_into(cta, buf, acc, w, j):
     T.barrier_arrive(buf.free)
 
 
-class _WsHelper(NamedTuple):
-    """Consumer warpgroup 1's producer registers and sources under ``wg1_rows`` (see :func:`_ws_wg1_fill`)."""
+class WsHelper(NamedTuple):
+    """Consumer warpgroup 1's producer registers and sources under ``wg1_rows`` (see :func:`ws_wg1_fill`)."""
 
     src: Any
     regs: Any
@@ -604,7 +604,7 @@ class _WsHelper(NamedTuple):
 
 
 @T.macro
-def _ws_wg0_token(cta, sm, s_i, h0, j):
+def ws_wg0_token(cta, sm, s_i, h0, j):
     """Consumer warpgroup 0 on token ``s_i`` (head block ``h0``), the CTA's ``j``-th: Q_l, the block loop (S, online
     softmax, left half of O), the sink and the O_l store. Block ``it`` of the token is the CTA's ``j * n_blk + it``-th:
     buffer and barrier phases run on across the CTA's tokens."""
@@ -664,7 +664,7 @@ def _ws_wg0_token(cta, sm, s_i, h0, j):
 
 
 @T.macro
-def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
+def ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
     """Consumer warpgroup 1 on token ``s_i``, the CTA's ``j``-th: Q_r, the right half of O += P V per block (P and
     its rescale from warpgroup 0 through S_shared/alpha_shared), the final scale and the O_r store. ``helper``
     (``wg1_rows``, one token per CTA only): also fill the last 16 rows of each main block, one block ahead."""
@@ -684,22 +684,22 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
     if helper is not None:
         hsrc, hregs, hdims, q = helper
         last = (hdims.BI // hdims.ROWS - 1,)
-        _ws_fetch_rows(hsrc, hdims, hregs.rows_cur, b_i, s_i, lo, q, last)
-        _ws_fetch_rows(hsrc, hdims, hregs.rows_next, b_i, s_i, lo + 1, q, last)
+        ws_fetch_rows(hsrc, hdims, hregs.rows_cur, b_i, s_i, lo, q, last)
+        ws_fetch_rows(hsrc, hdims, hregs.rows_next, b_i, s_i, lo + 1, q, last)
         if lo >= hdims.NBW:
-            _ws_issue_main_loads(hsrc, hregs, hdims, b_i, q, last)
+            ws_issue_main_loads(hsrc, hregs, hdims, b_i, q, last)
         # the CTA's first block: both buffers start free
-        _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo, q, n_blk > 1)
+        ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo, q, n_blk > 1)
     for it in T.serial(n_blk):
         if helper is not None:  # noqa: SIM102  (a Python flag around a TileLang condition)
             # block it + 1 goes to the buffer block it - 1 used: free once both P V of it - 1 are done
             if it + 1 < n_blk:
                 if it % 2 == 0:
                     T.barrier_wait(bufs[1].free, (((it + 1) // 2) & 1) ^ 1)
-                    _ws_wg1_fill(hsrc, hregs, hdims, bufs[1], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
+                    ws_wg1_fill(hsrc, hregs, hdims, bufs[1], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
                 else:
                     T.barrier_wait(bufs[0].free, (((it + 1) // 2) & 1) ^ 1)
-                    _ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
+                    ws_wg1_fill(hsrc, hregs, hdims, bufs[0], b_i, s_i, lo + it + 1, q, it + 2 < n_blk)
         T.barrier_arrive(cta.bar_s_ready)
         T.barrier_wait(cta.bar_s_ready, (j * n_blk + it) & 1)
         if ovl:  # warpgroup 0's last QK^T of the token has completed: Q is free for the next token's
@@ -734,7 +734,7 @@ def _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, j):
         _ws_fused_combine(cta.fuse, 1, acc_o_r, Q_r, b_i, s_i, h0, bz, HB, D2, NS, cta.io)
 
 
-class _WsFuse(NamedTuple):
+class WsFuse(NamedTuple):
     """What the fused combine (``combine="fused"``) needs besides a warpgroup's own accumulator."""
 
     OPart: Any  # fp32 [B, S, NS, H, D]: every split's partial O, normalised by its own sum (global scratch, in L2)
@@ -823,7 +823,7 @@ def _ws_fused_combine(fz, w, acc_o, Q_own, b_i, s_i, h0, bz, HB, D2, NS, io):
             T.copy(acc_o, fz.Out[b_i, s_i, h0 : h0 + HB, w * D2 : (w + 1) * D2])
 
 
-class _WsSoftmax(NamedTuple):
+class WsSoftmax(NamedTuple):
     """Warpgroup 0's operands and online-softmax state (and the S/alpha hand-over barriers to warpgroup 1)."""
 
     Q_l: Any

@@ -3,47 +3,47 @@ consumers, one producer) dispatched to the macros of :mod:`.ws_consumers` and :m
 
 import tilelang.language as T
 
-from tiles.sparse_attn.dequant import _decode_helpers_cuda
+from tiles.sparse_attn.dequant import decode_helpers_cuda
 from tiles.sparse_attn.online_softmax import LOG2E
 from tiles.sparse_attn.ws_consumers import (
-    _FUSE_CUDA,
     BALANCED_NREG,
+    FUSE_CUDA,
     PAIRED_NREG,
     PAIRED_OVL_NREG,
     SEESAW_NREG,
-    _ws_balanced_consumer,
-    _ws_paired_warpgroup,
-    _ws_seesaw_consumer,
-    _ws_wg0_token,
-    _ws_wg1_token,
-    _WsCta,
-    _WsFuse,
-    _WsHalf,
-    _WsHelper,
-    _WsPair,
-    _WsSeesaw,
-    _WsSoftmax,
-    _WsTokens,
+    WsCta,
+    WsFuse,
+    WsHalf,
+    WsHelper,
+    WsPair,
+    WsSeesaw,
+    WsSoftmax,
+    WsTokens,
+    ws_balanced_consumer,
+    ws_paired_warpgroup,
+    ws_seesaw_consumer,
+    ws_wg0_token,
+    ws_wg1_token,
 )
 from tiles.sparse_attn.ws_producer import (
-    _lane_col,
-    _lane_row,
-    _ws_fetch_rows,
-    _ws_issue_main_loads,
-    _ws_ovl_store_o,
-    _ws_produce_batched,
-    _ws_produce_halves,
-    _ws_produce_halves_tokens,
-    _ws_produce_into,
-    _ws_produce_row,
-    _WsBuffer,
-    _WsDims,
-    _WsRegisters,
-    _WsSources,
+    WsBuffer,
+    WsDims,
+    WsRegisters,
+    WsSources,
+    lane_col,
+    lane_row,
+    ws_fetch_rows,
+    ws_issue_main_loads,
+    ws_ovl_store_o,
+    ws_produce_batched,
+    ws_produce_halves,
+    ws_produce_halves_tokens,
+    ws_produce_into,
+    ws_produce_row,
 )
 
 
-def _sparse_attn_ws(
+def sparse_attn_ws(
     heads,
     dim,
     window,
@@ -118,7 +118,7 @@ def _sparse_attn_ws(
       shared memory, and both add their half of O += P V for every block. The softmaxes still run one after the
       other, but each warpgroup's QK^T of its next block runs on the tensor cores under the other's softmax, and
       both do the same work (warpgroup 1 no longer idles through QK^T and the softmax). Each keeps the row sum of
-      its own blocks; the two meet once at the end. See :func:`_ws_seesaw_consumer`.
+      its own blocks; the two meet once at the end. See :func:`ws_seesaw_consumer`.
     * ``paired`` (FlashMLA's sparse prefill schedule): the warpgroups take the two blocks of a pair at once (block
       2 k + w in buffer w), so both QK^T run together; warpgroup 0's softmax hands its new max to warpgroup 1, whose
       max is the pair's and goes back; each adds its own block by an RS wgmma from its P registers and the other's
@@ -149,7 +149,7 @@ def _sparse_attn_ws(
     completed; ``before_pv`` before it (see :func:`_ws_softmax_step`). Measured on the H200 (34010dc): no gain with FP4
     KV, 6% at bf16 decode B=128/S=2.
 
-    ``lanes`` is which of a block's (row, 32-column slice) pairs each producer lane owns (:func:`_lane_row`):
+    ``lanes`` is which of a block's (row, 32-column slice) pairs each producer lane owns (:func:`lane_row`):
 
     * ``row``: the 8 lanes of a quarter-warp share a row, lane c its columns 32 c .. 32 c + 31 of each half. The KV
       buffers are 128-byte swizzled for wgmma (64-column atoms, 16-byte chunk k of row r at k ^ (r % 8)), so at one
@@ -201,7 +201,7 @@ def _sparse_attn_ws(
     batched = produce in ("batched", "prefetch")
     fused = combine == "fused"  # the last split CTA of each (token, head block) merges the partials itself
     # the producer's packed-integer helpers (bound here, outside the kernel macro, so the macro sees one name)
-    dequant_cuda = _decode_helpers_cuda(fp4_decode) if batched and fp4 else ""
+    dequant_cuda = decode_helpers_cuda(fp4_decode) if batched and fp4 else ""
     win_args = ([B, Nw, D], "float8_e4m3fn", [B, Nw, D // 32], "uint8") if fp4 else ([B, Nw, D], bf16, [1], "uint8")
     # Packed FP4 is read as int32 words (8 codes each, inside one 16-wide scale group): one load per 8 values.
     main_args = ([B, Nc, D // 8], "int32", [B, Nc, D // 16], "float8_e4m3fn") if fp4 else ([B, Nc, D], bf16, [1], "uint8")
@@ -216,7 +216,7 @@ def _sparse_attn_ws(
         """The whole CTA; OPart and Counter are None unless ``combine="fused"``."""
         with T.Kernel(T.ceildiv(S * REP, TPC) if TPC > 1 else S * REP, B, NS, threads=384) as (bx, by, bz):
             if (batched and fp4) or fused:  # one import: the producer's and the fused combine's helpers
-                T.import_source(dequant_cuda + (_FUSE_CUDA if fused else ""))
+                T.import_source(dequant_cuda + (FUSE_CUDA if fused else ""))
             Q_l = T.alloc_shared([HB, D2], bf16)
             Q_r = T.alloc_shared([HB, D2], bf16)
             KV0_l = T.alloc_shared([BI, D2], bf16)
@@ -261,7 +261,7 @@ def _sparse_attn_ws(
                 raw = T.alloc_local([RAW_WORDS], "int32")  # packed codes of one batch of rows
                 rawsc = T.alloc_local([RAW_SCALES], "uint8")  # their scale bytes
                 vals = T.alloc_local([8], bf16)
-            if helped:  # warpgroup 1's registers for its pass of rows (see _ws_wg1_fill)
+            if helped:  # warpgroup 1's registers for its pass of rows (see ws_wg1_fill)
                 h_rows_cur = T.alloc_local([1], "int32")
                 h_rows_next = T.alloc_local([1], "int32")
                 h_raw = T.alloc_local([8], "int32")
@@ -306,8 +306,8 @@ def _sparse_attn_ws(
                 bar_last = T.alloc_barrier(arrive_count=1)  # thread 0 has counted the CTA's arrival
             # the two KV buffers, used in turn: block it goes to buffer it % 2
             bufs = (
-                _WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free, *((bar_k0r_ready, bar_k0r_free) if halves else ())),
-                _WsBuffer(KV1_l, KV1_r, valid1, bar_k1_ready, bar_k1_free, *((bar_k1r_ready, bar_k1r_free) if halves else ())),
+                WsBuffer(KV0_l, KV0_r, valid0, bar_k0_ready, bar_k0_free, *((bar_k0r_ready, bar_k0r_free) if halves else ())),
+                WsBuffer(KV1_l, KV1_r, valid1, bar_k1_ready, bar_k1_free, *((bar_k1r_ready, bar_k1r_free) if halves else ())),
             )
 
             b_i, s_i = by, bx // REP
@@ -317,17 +317,17 @@ def _sparse_attn_ws(
             tx = T.get_thread_binding()
             nxt = None
             if io == "overlapped":
-                nxt = _WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128)
+                nxt = WsTokens(bx * TPC, T.min(TPC, S * REP - bx * TPC), REP, tx % 128)
             fuse = None
             if fused:
-                fuse = _WsFuse(OPart, LsePart, Counter, Sink, Out, comb_shared, last_shared, bar_arrived, bar_last, tx)
+                fuse = WsFuse(OPart, LsePart, Counter, Sink, Out, comb_shared, last_shared, bar_arrived, bar_last, tx)
 
             if io == "direct":
                 T.copy(Q[b_i, s_i, h0 : h0 + HB, 0:D2], Q_l)
                 T.copy(Q[b_i, s_i, h0 : h0 + HB, D2:D], Q_r)
                 T.barrier_arrive(bar_q)
 
-            cta = _WsCta(
+            cta = WsCta(
                 Q,
                 Q_l,
                 Q_r,
@@ -358,10 +358,10 @@ def _sparse_attn_ws(
                 nxt,
             )
             if balanced:  # what both balanced consumer warpgroups are given besides their own fragments
-                pair = _WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
+                pair = WsPair(Q, Q_l, Q_r, Out, LsePart, Sink, S_shared, rowmax_shared, rowsum_shared, bar_q, bar_max, bar_p, bar_final)
                 balanced_args = (pair, bufs, b_i, s_i, h0, bz, n_blk, HB, BI, D2, NS, scale2, io, overlap, fuse)
             if seesaw or paired:  # what both seesaw (paired) consumer warpgroups share
-                see = _WsSeesaw(
+                see = WsSeesaw(
                     Q,
                     Q_l,
                     Q_r,
@@ -381,57 +381,57 @@ def _sparse_attn_ws(
 
             if balanced or seesaw or paired:  # each consumer warpgroup's own fragments (warpgroup 1's exist only here)
                 wg_half = (
-                    _WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev),
-                    _WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1),
+                    WsHalf(0, Q_l, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev),
+                    WsHalf(1, Q_r, acc_s1, acc_o_r, sumexp1, sumexp_i1, alpha1, m_i1, m_i_prev1),
                 )
 
             if tx < 128:
                 if paired:
                     T.set_max_nreg(PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG, 1)
-                    _ws_paired_warpgroup(wg_half[0], P0_frag, bar_o0, seesaw_args, halves, TPC, bx, S, REP, nxt)
+                    ws_paired_warpgroup(wg_half[0], P0_frag, bar_o0, seesaw_args, halves, TPC, bx, S, REP, nxt)
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
-                    _ws_seesaw_consumer(wg_half[0], *seesaw_args)
+                    ws_seesaw_consumer(wg_half[0], *seesaw_args)
                 elif balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
-                    _ws_balanced_consumer(wg_half[0], *balanced_args)
+                    ws_balanced_consumer(wg_half[0], *balanced_args)
                 else:
                     T.set_max_nreg(240, 1)
-                    sm = _WsSoftmax(
+                    sm = WsSoftmax(
                         Q_l, Q_r, S_shared, alpha_shared, acc_s, acc_o_l, sumexp, sumexp_i, alpha, m_i, m_i_prev, bar_s_ready, bar_s_free
                     )
                     if TPC == 1:
-                        _ws_wg0_token(cta, sm, s_i, h0, 0)
+                        ws_wg0_token(cta, sm, s_i, h0, 0)
                     else:
                         for j in T.serial(TPC):
                             if bx * TPC + j < S * REP:
-                                _ws_wg0_token(cta, sm, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
+                                ws_wg0_token(cta, sm, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif tx < 256:
                 if paired:
                     T.set_max_nreg(PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG, 1)
-                    _ws_paired_warpgroup(wg_half[1], P1_frag, bar_o1, seesaw_args, halves, TPC, bx, S, REP, nxt)
+                    ws_paired_warpgroup(wg_half[1], P1_frag, bar_o1, seesaw_args, halves, TPC, bx, S, REP, nxt)
                 elif seesaw:
                     T.set_max_nreg(SEESAW_NREG, 1)
-                    _ws_seesaw_consumer(wg_half[1], *seesaw_args)
+                    ws_seesaw_consumer(wg_half[1], *seesaw_args)
                 elif balanced:
                     T.set_max_nreg(BALANCED_NREG, 1)
-                    _ws_balanced_consumer(wg_half[1], *balanced_args)
+                    ws_balanced_consumer(wg_half[1], *balanced_args)
                 else:
                     T.set_max_nreg(168, 1)
                     if helped:
                         q = tx - 128
-                        hsrc = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
-                        hregs = _WsRegisters(h_rows_cur, h_rows_next, h_raw, h_rawsc, h_vals)
-                        hdims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode)
-                        helper = _WsHelper(hsrc, hregs, hdims, q)
+                        hsrc = WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
+                        hregs = WsRegisters(h_rows_cur, h_rows_next, h_raw, h_rawsc, h_vals)
+                        hdims = WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode)
+                        helper = WsHelper(hsrc, hregs, hdims, q)
                     else:
                         helper = None
                     if TPC == 1:
-                        _ws_wg1_token(cta, acc_o_r, helper, s_i, h0, 0)
+                        ws_wg1_token(cta, acc_o_r, helper, s_i, h0, 0)
                     else:
                         for j in T.serial(TPC):
                             if bx * TPC + j < S * REP:
-                                _ws_wg1_token(cta, acc_o_r, helper, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
+                                ws_wg1_token(cta, acc_o_r, helper, (bx * TPC + j) // REP, ((bx * TPC + j) % REP) * HB, j)
             elif batched:
                 # 240 + 168 + 96 (balanced: 200 + 200 + 104; seesaw: 2 x SEESAW_NREG + the rest) = 504 registers per
                 # thread slot: what the 384-thread launch allocates (168 x 3)
@@ -439,16 +439,16 @@ def _sparse_attn_ws(
                 consumer_nreg.update(paired=PAIRED_NREG, paired_halves=PAIRED_NREG if TPC == 1 else PAIRED_OVL_NREG)
                 T.set_max_nreg(504 - 2 * consumer_nreg[consumers] if consumers in consumer_nreg else 96, 0)
                 p = tx - 256
-                src = _WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
-                regs = _WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
-                dims = _WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, unused_rows)
+                src = WsSources(WinA, WinB, WinIdx, MainA, MainB, TopkIdx)
+                regs = WsRegisters(rows_cur, rows_next, raw, rawsc, vals)
+                dims = WsDims(W, K, BI, NBW, ROWS, D2, Nw, Nc, lanes, fp4_decode, unused_rows)
                 if TPC > 1 and halves:  # io=overlapped (the constraints)
                     pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
-                    _ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt)
+                    ws_produce_halves_tokens(src, dims, bufs, pair_rows, b_i, lo, n_blk, TPC, p, nxt)
                 elif TPC > 1:
                     # the CTA's tokens in turn, the row prefetch crossing into the next token (past the last one it
                     # reads a clamped token's rows, never used)
-                    _ws_fetch_rows(src, dims, rows_cur, b_i, (bx * TPC) // REP, lo, p)
+                    ws_fetch_rows(src, dims, rows_cur, b_i, (bx * TPC) // REP, lo, p)
                     for j in T.serial(TPC):
                         if bx * TPC + j < S * REP:
                             for it in T.serial(n_blk):
@@ -458,13 +458,13 @@ def _sparse_attn_ws(
                                 if (j * n_blk + it) % 2 == 0:
                                     T.barrier_wait(bar_k0_free, (((j * n_blk + it) // 2) & 1) ^ 1)
                                     if io == "overlapped":
-                                        _ws_ovl_store_o(Out, bufs[0], dims, b_i, nxt, j, it, n_blk, p)
-                                    _ws_produce_batched(src, regs, dims, bufs[0], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
+                                        ws_ovl_store_o(Out, bufs[0], dims, b_i, nxt, j, it, n_blk, p)
+                                    ws_produce_batched(src, regs, dims, bufs[0], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
                                 else:
                                     T.barrier_wait(bar_k1_free, (((j * n_blk + it) // 2) & 1) ^ 1)
                                     if io == "overlapped":
-                                        _ws_ovl_store_o(Out, bufs[1], dims, b_i, nxt, j, it, n_blk, p)
-                                    _ws_produce_batched(src, regs, dims, bufs[1], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
+                                        ws_ovl_store_o(Out, bufs[1], dims, b_i, nxt, j, it, n_blk, p)
+                                    ws_produce_batched(src, regs, dims, bufs[1], b_i, s_cur, lo + it, p, fp4, None, s_nxt, b_nxt)
                     if io == "overlapped":
                         # the O staged in the last tokens' buffers, which no block refills: as if blocks
                         # count * n_blk and count * n_blk + 1 were acquired (the second-to-last token's too when n_blk == 1)
@@ -472,30 +472,30 @@ def _sparse_attn_ws(
                             g = nxt.count * n_blk + e
                             if g % 2 == 0:
                                 T.barrier_wait(bar_k0_free, ((g // 2) & 1) ^ 1)
-                                _ws_ovl_store_o(Out, bufs[0], dims, b_i, nxt, 0, g, n_blk, p)
+                                ws_ovl_store_o(Out, bufs[0], dims, b_i, nxt, 0, g, n_blk, p)
                             else:
                                 T.barrier_wait(bar_k1_free, ((g // 2) & 1) ^ 1)
-                                _ws_ovl_store_o(Out, bufs[1], dims, b_i, nxt, 0, g, n_blk, p)
+                                ws_ovl_store_o(Out, bufs[1], dims, b_i, nxt, 0, g, n_blk, p)
                 else:
-                    _ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
+                    ws_fetch_rows(src, dims, rows_cur, b_i, s_i, lo, p)
                 if prefetch:  # noqa: SIM102  (a Python flag around a TileLang condition: they cannot be joined with `and`)
                     if lo >= NBW:  # the first block is a main one: its loads go out before the first free buffer
-                        _ws_issue_main_loads(src, regs, dims, b_i, p)
-                        _ws_fetch_rows(src, dims, rows_next, b_i, s_i, lo + 1, p)
+                        ws_issue_main_loads(src, regs, dims, b_i, p)
+                        ws_fetch_rows(src, dims, rows_next, b_i, s_i, lo + 1, p)
                 if TPC == 1 and halves:
                     pair_rows = (rows_cur, rows_next, rows_pair, rows_pair_next)
-                    _ws_produce_halves(src, dims, bufs, pair_rows, b_i, s_i, lo, n_blk, -(-NB // NS), p)
+                    ws_produce_halves(src, dims, bufs, pair_rows, b_i, s_i, lo, n_blk, -(-NB // NS), p)
                 elif TPC == 1:
                     for it in T.serial(n_blk):
                         blk = lo + it
                         if it % 2 == 0:
-                            _ws_produce_into(src, regs, dims, bufs[0], bar_k0_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
+                            ws_produce_into(src, regs, dims, bufs[0], bar_k0_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
                         else:
-                            _ws_produce_into(src, regs, dims, bufs[1], bar_k1_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
+                            ws_produce_into(src, regs, dims, bufs[1], bar_k1_free, it, b_i, s_i, blk, p, fp4, main_passes, prefetch, n_blk)
             else:
                 T.set_max_nreg(80, 0)
                 p = tx - 256
-                c = _lane_col(p, lanes)
+                c = lane_col(p, lanes)
                 for it in T.serial(n_blk):
                     blk = lo + it
                     if it % 2 == 0:
@@ -503,7 +503,7 @@ def _sparse_attn_ws(
                     else:
                         T.barrier_wait(bar_k1_free, ((it // 2) & 1) ^ 1)
                     for rr in T.serial(BI // ROWS):
-                        r = rr * ROWS + _lane_row(p, lanes)
+                        r = rr * ROWS + lane_row(p, lanes)
                         if blk < NBW:
                             pos = blk * BI + r
                             row_local[0] = T.if_then_else(pos < W, WinIdx[b_i, s_i, T.min(pos, W - 1)], -1)
@@ -511,9 +511,9 @@ def _sparse_attn_ws(
                             pos = (blk - NBW) * BI + r
                             row_local[0] = T.if_then_else(pos < K, TopkIdx[b_i, s_i, T.min(pos, K - 1)], -1)
                         if it % 2 == 0:
-                            _ws_produce_row(WinA, WinB, MainA, MainB, KV0_l, KV0_r, valid0, row_local, b_i, r, c, blk < NBW, fp4, D2)
+                            ws_produce_row(WinA, WinB, MainA, MainB, KV0_l, KV0_r, valid0, row_local, b_i, r, c, blk < NBW, fp4, D2)
                         else:
-                            _ws_produce_row(WinA, WinB, MainA, MainB, KV1_l, KV1_r, valid1, row_local, b_i, r, c, blk < NBW, fp4, D2)
+                            ws_produce_row(WinA, WinB, MainA, MainB, KV1_l, KV1_r, valid1, row_local, b_i, r, c, blk < NBW, fp4, D2)
                     # generic-proxy stores must be visible to wgmma's async-proxy reads
                     T.fence_proxy_async()
                     if it % 2 == 0:
