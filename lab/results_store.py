@@ -98,11 +98,17 @@ def accounted(arch_dir: Path) -> set[Path]:
     return keep
 
 
+# Local state a run leaves beside the results (git-ignored, never published): tuning studies and their side files.
+LOCAL_STATE = ("*.db", "*.db-journal", "*.db-wal", "*.db-shm", "*.log")
+
+
 def unaccounted(root: Path) -> list[Path]:
-    """Files under the results tree ``root`` that :func:`accounted` does not name (sorted)."""
+    """Files under the results tree ``root`` that :func:`accounted` does not name, local state (:data:`LOCAL_STATE`)
+    aside (sorted)."""
     if not root.is_dir():
         return []
     keep: set[Path] = set()
     for arch_dir in (p for p in root.iterdir() if p.is_dir()):
         keep |= accounted(arch_dir)
-    return sorted(p for p in root.rglob("*") if p.is_file() and p not in keep)
+    files = (p for p in root.rglob("*") if p.is_file() and not any(p.match(pattern) for pattern in LOCAL_STATE))
+    return sorted(p for p in files if p not in keep)

@@ -43,6 +43,8 @@ def test_a_stray_file_is_unaccounted(tmp_path):
         "notes.txt",
         "bench/compressor_session9.json",
         "bench/nope.json",
+        "compressor.db",  # a tuning study and its side file: local state, not a result
+        "compressor.db-wal",
     ):
         (tmp_path / "sm90" / name).write_text("x")
     assert [p.name for p in unaccounted(tmp_path)] == ["compressor_session9.json", "nope.json", "notes.txt"]
