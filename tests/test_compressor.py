@@ -70,6 +70,7 @@ def test_default_compiles_sm90(shape_name):
     assert cp.COMPRESSOR.build(shape, cfg, SM90) is not None
 
 
+@pytest.mark.slow
 def test_staged_load_compiles_sm90_and_is_the_hopper_default():
     cfg = cp.COMPRESSOR.default_config(SM90)
     assert cfg["load"] == "staged"
@@ -346,6 +347,7 @@ def test_e8m0_inverse_multiply_equals_division():
 
 
 @pytest.mark.parametrize("ratio", [2, 1])
+@pytest.mark.slow
 def test_threshold_encode_compiles_sm90_and_is_in_the_space(ratio):
     shape = cp.COMPRESSOR.shape(f"prefill_r{ratio}_s4k")
     space = cp.COMPRESSOR.search_space(SM90)
@@ -448,6 +450,7 @@ def _build_without_producer(ratio: int, cfg: dict, ctas: int):
 
 
 @pytest.mark.parametrize("ratio, block_g, ctas, wk", MULTI_CTA)
+@pytest.mark.slow
 def test_multi_cta_compiles_sm90_and_fits(ratio, block_g, ctas, wk, tmp_path):
     """Compiles at the 64K shapes (the same kernel serves every B and G, decode included), launch bounds ask for
     ``ctas`` CTAs, no producer warpgroup, the shared-memory model equals what the host code launches with, and
@@ -469,6 +472,7 @@ def test_multi_cta_compiles_sm90_and_fits(ratio, block_g, ctas, wk, tmp_path):
 
 
 @pytest.mark.parametrize("schedule", ["two_ctas", "flat_bg64"])
+@pytest.mark.slow
 def test_the_early_main_cache_stores_are_waited_for(schedule):
     """The main cache is stored by bulk copies before the projection and its buffers are reused for the Wk stages
     (two CTAs per SM, and the flat kernel at block_g 64): a CTA-wide barrier must sit between the electing thread's
@@ -635,6 +639,7 @@ def _assert_flat_build_fits(kernel, src: str, cfg, ratio: int, ctas: int, tmp_pa
 
 
 @pytest.mark.parametrize("ratio, block_g, ctas, wk, stages, kv_load", FLAT_BUILDS)
+@pytest.mark.slow
 def test_flat_compiles_sm90_and_fits(ratio, block_g, ctas, wk, stages, kv_load, tmp_path):
     """Compiles at the 64K shape (the same kernel serves decode), no producer warpgroup, the Wk pipeline is ``stages``
     deep, the shared-memory model equals the launch, and ptxas keeps the registers within the occupancy, no spills."""
@@ -822,6 +827,7 @@ def _proj_registers_config(block_g, ctas, kv_load="direct"):
 
 
 @pytest.mark.parametrize("ratio, block_g, ctas, kv_load", PROJ_REG_BUILDS)
+@pytest.mark.slow
 def test_proj_registers_compiles_sm90_and_fits(ratio, block_g, ctas, kv_load, tmp_path):
     """Compiles at the 64K shape (the same kernel serves decode), one call of the register projection and no T.gemm,
     ldmatrix or Wk copies, the shared-memory model equals the launch, and ptxas keeps the registers within the
@@ -981,6 +987,7 @@ def test_pool_math_in_the_space_and_refused_when_unknown():
 
 
 @pytest.mark.parametrize("label, over", POOL_FAST, ids=[c[0] for c in POOL_FAST])
+@pytest.mark.slow
 def test_fast_pool_compiles_sm90_without_accurate_exp_or_division(label, over):
     """At ratio 2 the fast pooling has no expf and no IEEE division left in the kernel (the only ones were the
     pooling's), only __expf and __fdividef; at ratio 1 (nothing to pool) the source is the ieee build's."""
@@ -1033,6 +1040,7 @@ def test_fast_pool_decode_tail_and_repeatable(label, over):
     _two_runs_bitwise_equal(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg)
 
 
+@pytest.mark.slow
 def test_fast_pool_fits_three_ctas_with_direct_loads(tmp_path):
     """kv_load=direct at ratio 2 and 3 CTAs per SM: refused with the reference's pooling (ptxas spilled 36-40 bytes at
     the 80-register cap), accepted with pool_math=fast, whose build launches with the modelled shared memory and fits
@@ -1069,6 +1077,7 @@ def test_split_accumulator_source_is_the_shared_template_with_a_second_accumulat
 
 
 @pytest.mark.parametrize("label, over", SPLIT_ACC, ids=[c[0] for c in SPLIT_ACC])
+@pytest.mark.slow
 def test_split_accumulators_compile_sm90_and_fit(label, over, tmp_path):
     """In the space at both ratios, refused without the register projection (and by the builder), the split function
     called, the shared memory as modelled and ptxas within the occupancy's registers without spilling."""
@@ -1171,6 +1180,7 @@ def test_proj_wgmma_split_layout_is_what_the_descriptor_addresses():
 
 
 @pytest.mark.parametrize("ratio", [2, 1])
+@pytest.mark.slow
 def test_proj_wgmma_compiles_sm90_and_fits(ratio, tmp_path):
     """Compiles at both ratios: one call of the wgmma projection, no mma.sync or ldmatrix, the latent's remainder and
     k_s in one buffer (the shared memory as modelled: 68,352 B, three CTAs per SM), ptxas within 80 registers without
@@ -1228,6 +1238,7 @@ def test_norm_in_pool_in_the_space_and_refused_without_direct_loads():
 
 
 @pytest.mark.parametrize("label, over", IN_POOL, ids=[c[0] for c in IN_POOL])
+@pytest.mark.slow
 def test_norm_in_pool_compiles_sm90_and_fits(label, over, tmp_path):
     """Both ratios: the row sums are one warp-wide shuffle reduction per pooled row (no all-reduce through shared
     memory), the norm's own passes and their barrier are gone, and the build fits its CTAs (shared memory as modelled,
@@ -1314,6 +1325,7 @@ def test_wk_fragment_order_k_split_is_what_the_kernel_reads():
 
 
 @pytest.mark.parametrize("label, over", K_SPLIT, ids=[c[0] for c in K_SPLIT])
+@pytest.mark.slow
 def test_proj_k_split_compiles_sm90_and_fits(label, over, tmp_path):
     """Both ratios: the k-split function called once with the Wk in its order, the shared memory as modelled, ptxas
     within the occupancy's registers without spilling."""
@@ -1376,6 +1388,7 @@ def test_main_pass_in_pool_stores_the_latent_before_rope():
 
 
 @pytest.mark.parametrize("ratio", [2, 1])
+@pytest.mark.slow
 def test_main_pass_in_pool_compiles_sm90_and_fits(ratio, tmp_path):
     """One call of csa2_main_from_rows per 8-row batch, the RoPE and encode passes gone (four barriers fewer than the
     separate passes: three between them, one before they restore the pre-RoPE dims), bytes_m stored unswizzled in one TMA store, the build within the default's shared memory and 80
@@ -1510,6 +1523,7 @@ def test_f16x3_in_the_space_and_refused_outside_the_register_projection():
 
 
 @pytest.mark.parametrize("label, over", F16X3, ids=[c[0] for c in F16X3])
+@pytest.mark.slow
 def test_f16x3_compiles_sm90_and_fits(label, over, tmp_path):
     """Both ratios: the f16x3 projection called once with its layout's template arguments, no TF32 MMA left, the Wk in its
     fp16 fragment order, the shared memory as modelled (rows padded to 520 words), ptxas within the occupancy's
@@ -1574,6 +1588,7 @@ def test_f16_split_in_the_space_and_refused_without_its_prerequisites():
 
 
 @pytest.mark.parametrize("label, layout", F16_SPLIT_LAYOUTS, ids=[c[0] for c in F16_SPLIT_LAYOUTS])
+@pytest.mark.slow
 def test_f16_split_compiles_sm90_and_fits(label, layout, tmp_path):
     """Both ratios: the main pass's split store and the projection's ldmatrix reads (PRESPLIT), no split left in the
     projection's call, rows of 516 words (1032 halves), the shared memory as modelled, ptxas within the occupancy without
@@ -1656,6 +1671,7 @@ def test_compact_options_in_the_space_and_refused_without_their_prerequisites():
 
 
 @pytest.mark.parametrize("label, layout", COMPACT_LAYOUTS, ids=[c[0] for c in COMPACT_LAYOUTS])
+@pytest.mark.slow
 def test_compact_options_compile_sm90_and_fit(label, layout, tmp_path):
     """Both ratios: the projection's OVER_ROT argument exactly when proj_out=rot_s; with main_store=registers the main
     pass's rows go to the caches (no bulk store of the main cache left) and the shared memory is as modelled; ptxas
@@ -1714,6 +1730,7 @@ def test_deep_pipeline_in_the_space_and_refused_without_its_prerequisites():
 
 
 @pytest.mark.parametrize("label, layout", DEEP_LAYOUTS, ids=[c[0] for c in DEEP_LAYOUTS])
+@pytest.mark.slow
 def test_deep_pipeline_compiles_sm90_and_fits(label, layout, tmp_path):
     """Both ratios: the deep projection called once in place of the default one, the shared memory as modelled (the same
     buffers), ptxas within the occupancy's registers without spilling (three CTAs included)."""
@@ -1737,6 +1754,7 @@ def test_deep_pipeline_equals_the_near_one(label, layout):
 
 
 @pytest.mark.parametrize("ratio", [2, 1])
+@pytest.mark.slow
 def test_direct_rows_stream_past_l1_at_two_ctas_an_sm_only(ratio):
     """kv_load="direct" with norm_pass="in_pool": at two CTAs an SM every kv/gate row loads through
     csa2_load_row_stream (ld.global.nc.L1::no_allocate; none of TileLang's plain float4 loads of kv or gate is left);

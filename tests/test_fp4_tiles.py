@@ -67,6 +67,7 @@ def test_compiles_default_config(name, arch):
 
 @pytest.mark.parametrize("arch", ["sm90", "sm89", "sm80"])
 @pytest.mark.parametrize("name, option", TILE_OPTIONS)
+@pytest.mark.slow
 def test_compiles_every_option(name, option, arch):
     """Each new option compiles per arch, and the source has what it is for: shuffles, 16-byte vectors, no division."""
     tile, a = get_tile(name), get_arch(arch)
@@ -98,6 +99,7 @@ def test_compiles_every_option(name, option, arch):
     ],
     ids=["quant-main-shared-persistent", "dequant-index-shared-persistent"],
 )
+@pytest.mark.slow
 def test_compiles_structural_variants(name, config):
     tile, a = get_tile(name), get_arch("sm90")
     assert tile.search_space(a).violations(config, _small(tile), a) == []

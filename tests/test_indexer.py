@@ -45,6 +45,7 @@ def test_default_compiles_sm90(tile):
 
 @pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
 @pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs"])
+@pytest.mark.slow
 def test_dequant_options_compile_sm90(tile, dequant):
     shape = tile.shapes()[0]
     assert tile.build(shape, tile.with_defaults(SM90, {"dequant": dequant}), SM90) is not None
@@ -278,6 +279,7 @@ def _rs_source_reads(src: str, threads: int, producer: int) -> dict:
     ],
     ids=["t256_bn128", "t128_bn64", "t128_bn128", "gather_t256", "t256_bn128_hoisted"],
 )
+@pytest.mark.slow
 def test_prmt_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cfg, gather):
     """The CUDA TileLang generates for the prmt_rs dequant, evaluated for every consumer thread: every (row, word,
     byte) of the tile is converted exactly once, the scale byte is the word's own group's of the same row, and each
@@ -473,6 +475,7 @@ def _fma_source_reads(src: str, threads: int, producer: int) -> dict:
     ],
     ids=["t256_bn128", "t128_bn64", "t128_bn128", "gather_t256"],
 )
+@pytest.mark.slow
 def test_fma_rs_generated_dequant_covers_every_pair_once_one_group_per_thread(cfg, gather):
     """The CUDA TileLang generates for the fma_rs dequant, evaluated for every consumer thread: every (row, word, k) of
     the tile converted exactly once (k: nibbles k and k + 4), with the scale byte of the word's own group and row, one
@@ -612,6 +615,7 @@ def _rs2_source_reads(src: str, threads: int, producer: int) -> dict:
     ],
     ids=["default_fused", "default_hoisted", "bn64_mc4", "t256_bn128_hoisted", "gather_bn256"],
 )
+@pytest.mark.slow
 def test_prmt_rs2_generated_dequant_covers_every_pair_once_one_group_per_thread(cfg, gather):
     """The CUDA TileLang generates for prmt_rs2, evaluated for every consumer thread: every (row, word, k) converted once,
     the table row of the word's own row and group, one scale group per thread and row; the rest of the kernel (q load,
@@ -630,6 +634,7 @@ def test_prmt_rs2_generated_dequant_covers_every_pair_once_one_group_per_thread(
 
 
 @pytest.mark.parametrize("epilogue", ["fused", "hoisted"])
+@pytest.mark.slow
 def test_prmt_rs2_builds_at_the_indexer_shapes_without_spills(epilogue, tmp_path):
     """prmt_rs2 on the Hopper default's layout (256 entries, one warpgroup, one stage, 2 CTAs per SM) with either
     epilogue: valid and built (score + select) at decode B=64 x 128K, decode B=1 x 128K and prefill 4K; ptxas keeps the
@@ -682,6 +687,7 @@ def _tile_loop(src: str) -> str:
 
 
 @pytest.mark.parametrize("name", list(HOISTED_BUILDS))
+@pytest.mark.slow
 def test_hoisted_epilogue_keeps_per_cta_work_out_of_the_tile_loop(name):
     """epilogue=hoisted: w / 2 is loaded into registers once per CTA (no w_s, no weights read or 0.5 multiply inside
     the tile loop), the stores index the CTA's pinned output pointer (no int64 index of ``out`` in the loop), and the
@@ -728,6 +734,7 @@ def test_hoisted_epilogue_is_an_rs_only_search_space_option():
 
 
 @pytest.mark.parametrize("shape_name", ["decode_b64_n128k", "decode_b1_n128k", "prefill_s4k"])
+@pytest.mark.slow
 def test_hoisted_epilogue_builds_at_the_indexer_shapes(shape_name):
     """The default config with epilogue=hoisted, prmt_rs and fma_rs: score and select kernels for sm_90a."""
     shape = ix.INDEXER_TOPK.shape(shape_name)
@@ -741,6 +748,7 @@ def test_hoisted_epilogue_builds_at_the_indexer_shapes(shape_name):
 
 
 @pytest.mark.parametrize("rows, n", [(4096, 4096), DECODE_GRID, (1, 131072)], ids=["prefill_s4k", "decode_b64", "decode_b1"])
+@pytest.mark.slow
 def test_hidden_tiles_skip_bounds_the_tile_loop(rows, n, tmp_path):
     """hidden_tiles=skip (the Hopper default since session 17): both roles' tile loops end at ceil((nvis - span start)
     / block_n) (at most tiles_per_cta), the rest of the span is written -inf after the loop; no spills. "score" builds
@@ -829,6 +837,7 @@ def test_fp8_q_factor_puts_each_head_max_in_range():
     "name, cfg", [("bn128_mc2", {"block_n": 128, "min_ctas": 2}), ("bn64_mc3", {"block_n": 64, "min_ctas": 3, "stages": 3})]
 )
 @pytest.mark.parametrize("gather", [False, True], ids=["contiguous", "gather"])
+@pytest.mark.slow
 def test_fp8_rs_builds_four_fp8_wgmmas_without_spills(name, cfg, gather, tmp_path):
     """fp8_rs: per tile four k32 E4M3 wgmmas from registers with one wait, the combine (which reads the stage's scale
     words) before the consumer releases the stage, the fused store; ptxas: no spills, no serialised wgmma."""
@@ -903,6 +912,7 @@ def _ptxas(src: str, tmp_path) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("name", list(FUSED_BUILDS))
+@pytest.mark.slow
 def test_fused_epilogue_replaces_the_head_sum_and_store(name, tmp_path):
     """epilogue=fused: the tile loop hands the accumulator to csa2_relu_wsum_store<m-tiles> (no TileLang head sum, no
     4-lane AllReduce, no row fragment, no w_half), w / 2 sits in a plain local array loaded once per CTA, no proxy
@@ -1012,6 +1022,7 @@ def test_fused_epilogue_model_stores_every_row_once_with_its_score(mtiles):
     assert np.linalg.norm(err) <= 1e-6 * np.linalg.norm(want)
 
 
+@pytest.mark.slow
 def test_prmt_compiles_with_two_ctas_per_sm():
     """prmt at two CTAs per SM (the Hopper default from profile_indexer_prmt_two_pass.json until prmt_rs replaced it,
     profile_compressor_multi_cta_indexer_prmt_rs.json); the reindex tile's default (profile_attn_decode_reindex_prmt.json:
@@ -1318,6 +1329,7 @@ def test_radix_knobs_default_to_radix_selects_defaults():
     assert {**cfg, "radix_stage": "shared", "radix_threads": 512} in seeded
 
 
+@pytest.mark.slow
 def test_radix_knobs_reach_the_select_kernels():
     """A staged 512-thread select in 16 parts compiles for one 128K row, and its kernels differ from the default's."""
     arch, tile = SM90, ix.INDEXER_TOPK
@@ -1566,6 +1578,7 @@ def test_ties_and_wrappers():
 
 
 @pytest.mark.parametrize("tile", [ix.CANDIDATE_POOL, ix.REINDEX_TOPK], ids=lambda t: t.name)
+@pytest.mark.slow
 def test_pool_and_reindex_select_defaults(tile):
     """Hopper's default is the two-pass select (timed on the H200); other arches keep the multipass select
     (not timed there); both stay in the space and compile."""

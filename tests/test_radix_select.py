@@ -22,6 +22,7 @@ SM90, SM80 = get_arch("sm90"), get_arch("sm80")
 
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
 @pytest.mark.parametrize("parts", [1, 4])
+@pytest.mark.slow
 def test_compiles(arch, parts):
     first, merge = rs._kernels(arch, K, rs.check_config({}, K), parts, rows=64)
     assert first is not None
@@ -34,6 +35,7 @@ def test_other_knobs_compile_sm90():
 
 
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
+@pytest.mark.slow
 def test_shared_stage_compiles_without_spills(arch, tmp_path):
     """stage="shared" (the part's scores copied into shared memory, both passes read there; wider parts run the global
     path): the parts launch and the merge build, no spills, and the staged source calls the staged row."""
@@ -49,6 +51,7 @@ def test_shared_stage_compiles_without_spills(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
 @pytest.mark.parametrize("threads", [256, 1024])
+@pytest.mark.slow
 def test_compact_pass_compiles_without_spills(arch, threads, tmp_path):
     """compaction="compact_pass" (one ballot per load kept across the barrier): the parts launch and the merge build,
     call the row with the flag set, and keep every register (E = 8 ballots more live across the barrier)."""
@@ -61,6 +64,7 @@ def test_compact_pass_compiles_without_spills(arch, threads, tmp_path):
         assert resource_usage(src, tmp_path, arch.nvcc_arch)[1] == 0
 
 
+@pytest.mark.slow
 def test_ordered_compaction_is_still_built():
     """compaction="ordered_pass" (the general ordered pass moves the candidates; the default before session 16)."""
     src = rs._kernels(SM90, K, rs.check_config({"compaction": "ordered_pass"}, K), 1, rows=4096)[0].get_kernel_source()

@@ -41,6 +41,7 @@ def test_hashes_are_stable_and_name_every_kernel(capsys):
     assert {k for t, _, k in kernels if t == "indexer_topk"} >= {"score", "select"}
 
 
+@pytest.mark.slow
 def test_a_config_changes_the_source_and_an_invalid_one_is_named(capsys):
     default = _lines(capsys, "--arch", "sm90", "--tile", "sparse_attn_prefill")
     column = _lines(capsys, "--arch", "sm90", "--tile", "sparse_attn_prefill", "--config", '{"lanes": "column"}')

@@ -53,6 +53,7 @@ def test_default_config_valid_everywhere(tile, arch_name):
 
 
 @pytest.mark.parametrize("tile", sa.TILES, ids=lambda t: t.name)
+@pytest.mark.slow
 def test_search_space_has_structural_choices(tile):
     space = tile.search_space(SM90)
     assert {"schedule", "block_I", "num_stages", "threads", "heads_per_block"} <= set(space.names())
@@ -126,6 +127,7 @@ def test_default_compiles_for_sm90(tile, shape_name):
 @pytest.mark.parametrize(
     "tile,shape_name", [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k")], ids=["decode", "prefill"]
 )
+@pytest.mark.slow
 def test_prefetch_producer_compiles_for_sm90(tile, shape_name):
     """produce=prefetch (unmeasured so far: its GPU check is in GPU_CASES) compiles, and is refused for bf16 KV."""
     config = {**_gathering_default(tile), "produce": "prefetch"}
@@ -139,6 +141,7 @@ def test_prefetch_producer_compiles_for_sm90(tile, shape_name):
 @pytest.mark.parametrize(
     "tile,shape_name", [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k")], ids=["decode", "prefill"]
 )
+@pytest.mark.slow
 def test_balanced_consumers_compile_for_sm90(tile, shape_name, consumers):
     """consumers=balanced[_overlap] (GPU checks in GPU_CASES): both consumer warpgroups issue QK^T over half of the
     block's rows (N = block_I / 2) and exchange row maxima; overlap leaves P V in flight (no wgmma wait after it)."""
@@ -160,6 +163,7 @@ def test_balanced_consumers_compile_for_sm90(tile, shape_name, consumers):
     [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k"), (sa.BF16_TILE, "decode_b128_s2")],
     ids=["decode", "prefill", "bf16"],
 )
+@pytest.mark.slow
 def test_seesaw_consumers_compile_for_sm90(tile, shape_name, tmp_path):
     """consumers=seesaw (GPU checks in GPU_CASES): each consumer warpgroup issues the whole QK^T of its own blocks
     (N = block_I) from its own buffer, hands P over in its own tile, leaves the taken block's P V in flight under its
@@ -185,6 +189,7 @@ def test_seesaw_consumers_compile_for_sm90(tile, shape_name, tmp_path):
     [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k"), (sa.BF16_TILE, "decode_b128_s2")],
     ids=["decode", "prefill", "bf16"],
 )
+@pytest.mark.slow
 def test_paired_consumers_compile_for_sm90(tile, shape_name, tmp_path):
     """consumers=paired (FlashMLA's sparse prefill schedule; GPU checks in GPU_CASES): each warpgroup computes a whole
     64 x 64 S of its own block, adds its own block to its half of O by an RS wgmma from its P fragment and the other's
@@ -243,6 +248,7 @@ def test_paired_halves_hand_each_buffer_over_in_halves():
         )
 
 
+@pytest.mark.slow
 def test_paired_halves_overlapped_loads_q_ahead_and_stores_o_through_the_p_tiles(tmp_path):
     """paired_halves with io="overlapped" (the prefill default since session 22, consumers="auto"): io="auto" picks it
     for the paired_halves config at prefill 4K (8 tokens per CTA) and not at decode B=64/S=1 (two splits); each warpgroup cp.asyncs its Q half for the next token and stores
@@ -270,6 +276,7 @@ def test_paired_halves_overlapped_loads_q_ahead_and_stores_o_through_the_p_tiles
     assert tile.resolve_call(config, w37.dims, SM90)["io"] == "staged"  # auto: not for odd counts
 
 
+@pytest.mark.slow
 def test_bf16_partials_compile_for_sm90():
     """partials=bf16 (GPU checks in GPU_CASES): the split CTAs store their partial O as bf16 in 16-byte vectors through
     the freed Q halves (fp32 partials: 8-byte fragment stores), the combine kernel reads bf16; refused where it is not
@@ -294,6 +301,7 @@ def test_bf16_partials_compile_for_sm90():
     assert tile.default_config(SM90)["partials"] == "bf16" and tile.default_config(get_arch("sm80"))["partials"] == "fp32"
 
 
+@pytest.mark.slow
 def test_seesaw_guards_own_blocks_of_short_splits():
     """At 8 splits of 10 blocks (1 or 2 per split), warpgroup 1's own block (the second) exists only in the 2-block
     splits: its wait on the buffer is guarded in the generated CUDA (TileLang had replaced a loop of trip count 0 or 1
@@ -308,6 +316,7 @@ def test_seesaw_guards_own_blocks_of_short_splits():
 @pytest.mark.parametrize(
     "tile,shape_name", [(sa.DECODE_TILE, "decode_b64_s1"), (sa.PREFILL_TILE, "prefill_s4k")], ids=["decode", "prefill"]
 )
+@pytest.mark.slow
 def test_wg1_rows_compiles_for_sm90(tile, shape_name):
     """wg1_rows=16 (GPU checks in GPU_CASES): consumer warpgroup 1 dequantises the last 16 rows of each main block,
     so both it and the producer arrive on the buffers' ready barriers (256 arrivals); refused with other producers."""
@@ -358,6 +367,7 @@ def _kv_store_conflict_ways(src: str) -> list[int]:
     return ways
 
 
+@pytest.mark.slow
 def test_column_lanes_store_without_bank_conflicts():
     """lanes=column (GPU checks in GPU_CASES): a quarter-warp's producer lanes store the same columns of 8 rows, which
     the KV buffer's 128-byte swizzle spreads over all 32 banks; the default (a quarter-warp on one row) stores 4-way
@@ -479,6 +489,7 @@ def test_prmt_emulation_follows_the_cuda_source():
         assert stmt in fma, stmt
 
 
+@pytest.mark.slow
 def test_prmt_fp4_decode_is_bit_identical_to_fma_for_every_code_and_scale():
     """fp4_decode=prmt gives csa2_fp4x8_bf16's bf16 bits for every code in every nibble position (all 2^16 codes of
     the low four nibbles with varied high ones, and the same with the halves swapped: every code next to every
@@ -510,6 +521,7 @@ def test_prmt_fp4_decode_is_bit_identical_to_fma_for_every_code_and_scale():
     assert int(fma_1[0, 0]) == 0 and int(_fp4x8_prmt(torch.tensor([8]), 0x3F803F80)[0, 0]) == 0x8000
 
 
+@pytest.mark.slow
 def test_prmt_fp4_decode_compiles_for_sm90_and_is_refused_elsewhere():
     """fp4_decode=prmt (GPU checks in GPU_CASES): the ws producer's FP4 main words go through csa2_fp4x8_bf16_prmt, in
     the batched and prefetch producers and warpgroup 1's wg1_rows share; the FP8 window path keeps its helper. Refused
@@ -593,6 +605,7 @@ def test_kv_staging_expand_refuses_the_fp4_only_producer_choices():
         assert space.violations(cfg, shape, SM90) == [], other
 
 
+@pytest.mark.slow
 def test_unused_rows_zeros_predicates_the_bf16_copies():
     """unused_rows=zeros (GPU checks in GPU_CASES; Hopper's default): every cp.async of the ws batched producer's bf16
     rows carries the slot's used flag as its predicate (zero-fill, no read); row0 copies row 0 unpredicated. Refused
@@ -649,6 +662,7 @@ def test_kernel_key_is_what_the_auto_choices_resolve_to():
 
 
 @pytest.mark.parametrize("arch_name", ["sm80", "sm86", "sm89", "sm90"])
+@pytest.mark.slow
 def test_kv_staging_expand_compiles_everywhere(arch_name):
     """The expansion calls the gathering producer's own decode helpers (so the bf16 rows are its bits), and the
     attention behind it is the bf16 tile's kernel for the same config."""
@@ -668,6 +682,7 @@ def test_kv_staging_expand_compiles_everywhere(arch_name):
 
 
 @pytest.mark.parametrize("tpc", [2, 4])
+@pytest.mark.slow
 def test_tokens_per_cta_compiles_for_sm90(tpc):
     """tokens_per_cta (GPU checks in GPU_CASES): each CTA loops over tpc (token, head block) items, the barrier phases
     running on across them; the grid shrinks by tpc. Refused with the producers and consumers it does not cover."""
@@ -681,6 +696,7 @@ def test_tokens_per_cta_compiles_for_sm90(tpc):
 
 
 @pytest.mark.parametrize("tpc", [2, 4, 8])
+@pytest.mark.slow
 def test_overlapped_io_compiles_for_sm90_without_spills(tpc, tmp_path):
     """io="overlapped" (GPU checks in test_overlapped_io_odd_shapes and gpu/sparse_attn_check.py): warpgroup 1 copies
     the next token's Q by cp.async onto the Q barrier, the consumers stage O into the token's last KV buffer and only
@@ -809,6 +825,7 @@ def test_constraints_resolve_consumers_auto_once_per_config_and_shape(monkeypatc
     assert any("whole pairs" in r for r in space.violations(named, odd, SM90))
 
 
+@pytest.mark.slow
 def test_pipelined_softmax_workspace_is_fenced_before_p_is_stored():
     """With 32 heads over 4 warps the pipelined schedule's row max and sum cross warps through a shared workspace that
     TileLang places on S_shared's bytes (checked here too): every store of P into S_shared must come after a barrier,
@@ -823,6 +840,7 @@ def test_pipelined_softmax_workspace_is_fenced_before_p_is_stored():
     assert stores and all(lines[i - 1] == "__syncthreads();" for i in stores)
 
 
+@pytest.mark.slow
 def test_the_prefill_kernels_producer_and_consumers_move_what_they_should():
     """The default FP4 prefill kernel's producer, in the generated CUDA (two buffer-parity copies): 8 FP4 main-word
     decodes, 4 FP8 window-word decodes and 10 16-byte row stores each; the bf16 kernel's consumers (wg0_scores, staged
@@ -858,6 +876,7 @@ W37 = _shape("w37", "decode", B=5, S=1, Nc=700, Nw=38, W=37)
     ],
     ids=["b64_s1", "b64_s1_split4", "w37_split8", "h128_split2"],
 )
+@pytest.mark.slow
 def test_fused_combine_compiles_for_sm90(shape, extra, n_split):
     """combine=fused (GPU checks in GPU_CASES, unmeasured): no combine kernel; each split CTA stores its partial,
     fences, and thread 0 counts the CTA in with an acq_rel atomic that returns the old value; the last CTA resets the
@@ -1424,6 +1443,7 @@ def _buffer_offsets(src: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("block_I, n_split", STAGED_SPLITS)
+@pytest.mark.slow
 def test_staged_topk_indices_keep_both_pipeline_versions(block_I, n_split):
     """The cause of the staged/split wrong results: with one window block per split the window loop is not pipelined,
     and TileLang allocated the [block_I] index buffer shared by both loops at one version while the staged top-k loop

@@ -107,6 +107,7 @@ def test_a_winner_that_beats_the_default_again_in_its_rematch_is_kept(tuned):
 
 
 @pytest.mark.parametrize("rematch", ["slower", "tie", "split", "fails"])
+@pytest.mark.slow
 def test_a_lucky_winner_gives_the_study_back_to_the_default(tmp_path, monkeypatch, rematch):
     """A config that won its study by luck (the serial schedule, timed 1.2 ms under its cost in its trials) is slower
     than the default in its rematch, ahead by less than REMATCH_MARGIN, ahead by its median but behind in one round,
@@ -327,6 +328,7 @@ def test_valid_configs_survive_a_constraint_that_raises():
     assert len(valid) == 0 and valid.nearest({"block_m": 16}, exclude=set()) is None and "KeyError" in valid.error
 
 
+@pytest.mark.slow
 def test_valid_configs_match_the_constraints_on_a_real_space():
     from tiles.core.registry import get_tile
 
