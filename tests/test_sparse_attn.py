@@ -20,7 +20,7 @@ from tiles.core.contract import Shape, TileError
 from tiles.core.ptxas import parse_resource_usage, ptxas_log
 from tiles.core.registry import all_tiles
 from tiles.sparse_attn import dequant
-from tiles.sparse_attn import tile as sa_tile
+from tiles.sparse_attn import space as sa_space
 
 SM90 = get_arch("sm90")
 SCALE = 512**-0.5
@@ -809,7 +809,7 @@ def test_constraints_resolve_consumers_auto_once_per_config_and_shape(monkeypatc
     constraints of one config and shape (the tuner enumerates millions of configs), and again for another shape."""
     calls = []
     real = sa.resolve_consumers
-    monkeypatch.setattr(sa_tile, "resolve_consumers", lambda c, s, a, k: calls.append(s["W"]) or real(c, s, a, k))
+    monkeypatch.setattr(sa_space, "resolve_consumers", lambda c, s, a, k: calls.append(s["W"]) or real(c, s, a, k))
     tile = sa.BF16_TILE
     space, config = tile.search_space(SM90), tile.with_defaults(SM90, {})
     s4k, w37 = tile.shape("prefill_s4k"), _shape("w37", "prefill", B=1, S=4096, Nc=4096, Nw=4096, W=37)
