@@ -32,15 +32,17 @@ def run(args: argparse.Namespace) -> int:
         if tuned:
             reports["tuning.md"] = tuning_markdown(tuned)
         e2e = sorted(arch_dir.glob("e2e/*.json"))
+        try:
+            documents = [(path, load(path)) for path in e2e]
+        except ValueError as exc:
+            raise LabError(str(exc)) from None
+        # the plots before e2e.md, which links the ones that exist
+        for path, doc in documents:
+            render_plots(doc, path.parent, prefix=e2e_plot_prefix(path))
         if e2e:
-            try:
-                reports["e2e.md"] = results_markdown(e2e)
-            except ValueError as exc:
-                raise LabError(str(exc)) from None
+            reports["e2e.md"] = results_markdown(e2e)
         for name, text in reports.items():
             write_atomic(arch_dir / name, text)
-        for path in e2e:
-            render_plots(load(path), path.parent, prefix=e2e_plot_prefix(path))  # load() checked each one above
         print(f"{arch_dir}: {', '.join(reports) or 'nothing to render'}")
     extra = unaccounted(root)
     if extra:
