@@ -94,29 +94,36 @@ def check_cell(cell: Cell, seed: int = 0, time_it: bool = False, repeats: int = 
     return cell
 
 
-def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, root=None) -> list[Cell]:
-    """For every shape with a stored winner (``results/<arch>/<tile>.yaml``): a ``tuned`` cell with
-    the winner and a ``default`` cell, both to be checked and timed, carrying the recorded latencies."""
-    from tiles.core.config_store import read_results, results_path, stale_params
+def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, gpu: str | None, root=None) -> list[Cell]:
+    """For every shape with a stored winner that would run on GPU model ``gpu`` (``results/<arch>/tuned/<gpu>/<tile>.yaml``,
+    else the nearest model's: :func:`tiles.core.config_store.candidate_files`): a ``tuned`` cell with the winner and a
+    ``default`` cell, both to be checked and timed. Cells of ``gpu``'s own winners carry the latencies recorded on that
+    model; a winner borrowed from another model carries ``extra["borrowed"]`` (its slug) and no record to compare with."""
+    from tiles.core.config_store import candidate_files, read_results, stale_params
+    from tiles.core.gpu import gpu_slug
 
     cells = []
     for tile in tiles:
-        stored = read_results(results_path(tile.name, arch, root), tile.name, arch)
-        if not stored:
-            continue
         known = {s.name for s in tile.shapes()}
-        for shape_name, entry in sorted(stored["shapes"].items()):
-            if shape_name not in known:
-                continue
-            recorded = {"recorded_ms": entry.get("ms"), "recorded_default_ms": entry.get("default_ms")}
-            missing = stale_params(tile, arch, entry["config"], entry.get("default_config"))
-            if missing:  # tuned before these options existed: run time uses the default (tiles.core.config_store.load_winner)
-                recorded["stale"] = ", ".join(missing)
-            tie = _unconfirmed_tie(entry)
-            if tie:
-                recorded["unconfirmed"] = tie
-            cells.append(Cell(tile.name, arch.name, shape_name, "tuned", dict(entry["config"]), extra=dict(recorded)))
-            cells.append(Cell(tile.name, arch.name, shape_name, "default", None, extra=dict(recorded)))
+        seen: set[str] = set()
+        for slug, path in candidate_files(tile.name, arch, gpu, root):
+            stored = read_results(path, tile.name, arch)
+            for shape_name, entry in sorted(stored["shapes"].items()):
+                if shape_name not in known or shape_name in seen:
+                    continue
+                seen.add(shape_name)
+                if gpu is not None and slug == gpu_slug(gpu):
+                    recorded = {"recorded_ms": entry.get("ms"), "recorded_default_ms": entry.get("default_ms")}
+                else:  # latencies recorded on another model say nothing about this one
+                    recorded = {"borrowed": slug}
+                missing = stale_params(tile, arch, entry["config"], entry.get("default_config"))
+                if missing:  # tuned before these options existed: run time uses the default (tiles.core.config_store.load_winner)
+                    recorded["stale"] = ", ".join(missing)
+                tie = _unconfirmed_tie(entry)
+                if tie:
+                    recorded["unconfirmed"] = tie
+                cells.append(Cell(tile.name, arch.name, shape_name, "tuned", dict(entry["config"]), extra=dict(recorded)))
+                cells.append(Cell(tile.name, arch.name, shape_name, "default", None, extra=dict(recorded)))
     return cells
 
 
@@ -148,9 +155,11 @@ def regressions(cells: list[Cell], tolerance: float = 0.10) -> list[tuple[Cell, 
     """What regressed among timed stored-winner cells.
 
     A tuned cell regresses when it fails its check, when it runs more than ``tolerance``
-    slower than its recorded latency, or more than ``tolerance`` slower than the default
+    slower than its latency recorded on this GPU model, or more than ``tolerance`` slower than the default
     measured in the same run (the winner is then no longer a winner); in both cases by more
-    than :data:`REGRESSION_FLOOR_MS` as well.
+    than :data:`REGRESSION_FLOOR_MS` as well. A winner borrowed from another model (``extra["borrowed"]``) regresses
+    only by failing its check: that it loses to the default here is a reason to tune this model (:func:`lost_here`),
+    not a regression of a record.
     """
     out = []
     defaults = {(c.tile, c.shape): c for c in cells if c.label == "default" and "ms" in c.extra}
@@ -166,10 +175,22 @@ def regressions(cells: list[Cell], tolerance: float = 0.10) -> list[tuple[Cell, 
         if ms is not None and recorded and _slower(ms, recorded, tolerance):
             out.append((c, f"{ms:.4f} ms vs {recorded:.4f} ms recorded ({ms / recorded:.2f}x slower)"))
         dflt = defaults.get((c.tile, c.shape))
-        if c.extra.get("stale"):
-            continue  # a stale winner no longer runs: losing to a newer default is why, not a regression
+        if c.extra.get("stale") or c.extra.get("borrowed"):
+            continue  # a stale winner no longer runs; a borrowed one was never timed against this GPU's default
         if ms is not None and dflt is not None and _slower(ms, dflt.extra["ms"], tolerance):
             out.append((c, f"{ms:.4f} ms vs the default's {dflt.extra['ms']:.4f} ms now: the stored winner lost"))
+    return out
+
+
+def lost_here(cells: list[Cell], tolerance: float = 0.10) -> dict[tuple[str, str], str]:
+    """Borrowed winners (tuned on another GPU model) that run more than ``tolerance`` slower than the default timed in
+    the same run: ``{(tile, shape): why}``."""
+    defaults = {(c.tile, c.shape): c for c in cells if c.label == "default" and "ms" in c.extra}
+    out = {}
+    for c in cells:
+        d = defaults.get((c.tile, c.shape))
+        if c.label == "tuned" and c.extra.get("borrowed") and "ms" in c.extra and d and _slower(c.extra["ms"], d.extra["ms"], tolerance):
+            out[(c.tile, c.shape)] = f"{c.extra['ms']:.4f} ms vs the default's {d.extra['ms']:.4f} ms here"
     return out
 
 

@@ -3,7 +3,7 @@
 ::
 
     results/<arch>/
-        <tile>.yaml                     tuned configs (``lab tune``; read by the kernels at run time)  -> tuning.md
+        tuned/<gpu>/<tile>.yaml         tuned configs per GPU model (``lab tune``; read at run time)  -> tuning.md
         bench/<tile>.json               ``lab bench --save`` rows with the default config           -> bench.md
         bench/<tile>_tuned.json         ``lab bench --config tuned --save`` rows (stored winners)    -> bench.md
         e2e/<gpu>.json                  ``lab e2e`` documents, the latest run per GPU model          -> e2e.md
@@ -18,20 +18,14 @@ results tree holds beyond this (a test keeps the lab's own tree clean).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from lab.cli import LabError
+from tiles.core.gpu import gpu_slug
 
 BENCH_SCHEMA = "csa2-lab/bench/v2"
 REPORTS = ("bench.md", "tuning.md", "e2e.md")
 PLOTS = ("latency", "breakdown")
-
-
-def gpu_slug(gpu: str | None) -> str:
-    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``: a file-name form of a GPU model."""
-    name = re.sub(r"^nvidia\s+", "", (gpu or "unknown").strip(), flags=re.IGNORECASE)
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
 def bench_path(arch_dir: Path, tile: str, tuned: bool) -> Path:
@@ -91,7 +85,7 @@ def accounted(arch_dir: Path) -> set[Path]:
 
     names = set(all_tiles())
     keep = {arch_dir / r for r in REPORTS}
-    keep |= {p for p in arch_dir.glob("*.yaml") if p.stem in names}
+    keep |= {p for p in arch_dir.glob("tuned/*/*.yaml") if p.stem in names}
     keep |= {p for p in arch_dir.glob("bench/*.json") if p.stem.removesuffix("_tuned") in names}
     for doc in arch_dir.glob("e2e/*.json"):
         keep |= {doc} | {doc.with_name(f"{e2e_plot_prefix(doc)}{plot}.png") for plot in PLOTS}

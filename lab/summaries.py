@@ -73,19 +73,38 @@ def _stale(tile_name: str | None, arch_name: str | None, entry: dict) -> list[st
 
 
 def tuning_markdown(paths: list[Path]) -> str:
-    """Winners against defaults from ``results/<arch>/<tile>.yaml`` files, with the geometric mean speedup."""
+    """Winners against defaults from ``results/<arch>/tuned/<gpu>/<tile>.yaml`` files: one section per GPU model,
+    each with the geometric mean speedup of its winners."""
     lines = [
         "# Tuned configs",
         "",
-        "Winner vs the tile's default config, both timed by the tuner in the same study (correctness-gated: a trial that is",
-        "wrong, faults, hangs or is nondeterministic is never a winner).",
+        "Winner vs the tile's default config, both timed by the tuner in the same study on the GPU model of the section",
+        "(correctness-gated: a trial that is wrong, faults, hangs or is nondeterministic is never a winner). At run time a",
+        "GPU uses its own model's winners, else those of the nearest model of its arch (`tiles.core.gpu`).",
+    ]
+    commands: set[str] = set()
+    by_gpu: dict[str, list[Path]] = {}
+    for path in sorted(paths):
+        by_gpu.setdefault(path.parent.name, []).append(path)
+    for slug, group in by_gpu.items():
+        lines += _tuning_section(slug, group, commands)
+    lines += ["", "Commands:", ""] + [f"- `{c}`" for c in sorted(c for c in commands if c)]
+    return "\n".join(lines) + "\n"
+
+
+def _tuning_section(slug: str, paths: list[Path], commands: set[str]) -> list[str]:
+    """The table of one GPU model's results files (``commands`` collects the commands that made them)."""
+    docs = [(path, yaml.safe_load(path.read_text())) for path in paths]
+    gpus = sorted({str(doc.get("environment", {}).get("gpu")) for _, doc in docs})
+    lines = [
+        "",
+        f"## {', '.join(gpus)} (`tuned/{slug}/`)",
         "",
         "| tile | shape | trials | outcomes | default ms | best ms | speedup | winner | date |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    speedups, commands, n_stale = [], set(), 0
-    for path in sorted(paths):
-        doc = yaml.safe_load(path.read_text())
+    speedups, n_stale = [], 0
+    for _, doc in docs:
         env = doc.get("environment", {})
         for name, entry in sorted(doc.get("shapes", {}).items()):
             # an entry kept from an earlier run carries that run's date and command
@@ -110,5 +129,4 @@ def tuning_markdown(paths: list[Path]) -> str:
         ]
     if n_stale:
         lines += ["", f"{n_stale} stale winners (tuned against an older default and search space) are left out of the mean."]
-    lines += ["", "Commands:", ""] + [f"- `{c}`" for c in sorted(c for c in commands if c)]
-    return "\n".join(lines) + "\n"
+    return lines

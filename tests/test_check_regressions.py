@@ -65,9 +65,9 @@ def test_stored_winner_cells_pair_each_winner_with_the_default(tmp_path):
             "retired_shape": {"phase": "decode", "dims": {"rows": 3, "dim": 512}, "config": winner, "ms": 1.0, "default_ms": 1.0},
         },
     }
-    (tmp_path / "sm90").mkdir()
-    (tmp_path / "sm90" / f"{tile.name}.yaml").write_text(yaml.safe_dump(doc))
-    cells = stored_winner_cells([tile, get_tile("fp4_quant_index")], arch, root=tmp_path)
+    (tmp_path / "sm90" / "tuned" / "h200").mkdir(parents=True)
+    (tmp_path / "sm90" / "tuned" / "h200" / f"{tile.name}.yaml").write_text(yaml.safe_dump(doc))
+    cells = stored_winner_cells([tile, get_tile("fp4_quant_index")], arch, "NVIDIA H200", root=tmp_path)
     assert [(c.label, c.shape) for c in cells] == [("tuned", shape.name), ("default", shape.name)]
     assert cells[0].config == winner and cells[1].config is None
     assert cells[0].extra == {"recorded_ms": 0.04, "recorded_default_ms": 0.05}
@@ -120,7 +120,34 @@ def test_a_tie_stored_before_the_rematch_rule_is_unconfirmed(tmp_path, speedup, 
     if rematch is not None:
         entry["rematch"] = rematch
     doc = {"schema": SCHEMA, "tile": tile.name, "arch": "sm90", "environment": {}, "shapes": {shape.name: entry}}
-    (tmp_path / "sm90").mkdir()
-    (tmp_path / "sm90" / f"{tile.name}.yaml").write_text(yaml.safe_dump(doc))
-    tuned = stored_winner_cells([tile], arch, root=tmp_path)[0]
+    (tmp_path / "sm90" / "tuned" / "h200").mkdir(parents=True)
+    (tmp_path / "sm90" / "tuned" / "h200" / f"{tile.name}.yaml").write_text(yaml.safe_dump(doc))
+    tuned = stored_winner_cells([tile], arch, "NVIDIA H200", root=tmp_path)[0]
     assert tuned.extra.get("unconfirmed") == unconfirmed
+
+
+def test_a_winner_borrowed_from_another_gpu_model_has_no_record_to_regress_from(tmp_path):
+    """On an H100 with only H200 winners stored: the H200's winners are checked (they are what runs here) but carry no
+    recorded latency, so being slower than the H200's record is not a regression, and losing to the default here is
+    reported as a reason to tune this GPU (lost_here), not a regression. A wrong result still is one."""
+    from lab.matrix import lost_here
+
+    tile, arch = get_tile("fp4_quant_main"), get_arch("sm90")
+    shape = tile.shapes()[0]
+    entry = {"phase": shape.phase, "dims": dict(shape.dims), "config": {**tile.default_config(arch), "threads": 128}, "ms": 0.001}
+    entry |= {"default_ms": 0.002, "default_config": tile.default_config(arch), "rematch": {"kept": True}}
+    doc = {"schema": SCHEMA, "tile": tile.name, "arch": "sm90", "environment": {"gpu": "NVIDIA H200"}, "shapes": {shape.name: entry}}
+    (tmp_path / "sm90" / "tuned" / "h200").mkdir(parents=True)
+    (tmp_path / "sm90" / "tuned" / "h200" / f"{tile.name}.yaml").write_text(yaml.safe_dump(doc))
+
+    tuned, default = stored_winner_cells([tile], arch, "NVIDIA H100 80GB HBM3", root=tmp_path)
+    assert tuned.extra == {"borrowed": "h200"} and default.extra == {"borrowed": "h200"}
+    tuned.outcome = default.outcome = "ok"
+    tuned.extra["ms"], default.extra["ms"] = 0.010, 0.005  # 10x its H200 record, 2x the default here
+    assert regressions([tuned, default]) == []
+    assert "vs the default's 0.0050 ms here" in lost_here([tuned, default])[(tile.name, shape.name)]
+    tuned.outcome, tuned.message = "wrong_result", "max error 1.0"
+    assert [why for _, why in regressions([tuned, default])] == ["wrong_result: max error 1.0"]
+    # the H200 itself compares with its records
+    tuned, _ = stored_winner_cells([tile], arch, "NVIDIA H200", root=tmp_path)
+    assert tuned.extra["recorded_ms"] == 0.001 and "borrowed" not in tuned.extra

@@ -45,7 +45,7 @@ def written(tmp_path):
 
 def test_export_round_trip_and_nearest_bucket(written):
     toy, root, path, cfg = written
-    assert path == results_path("toy_scale", "sm90", root)
+    assert path == results_path("toy_scale", "sm90", "test", root)
     data = yaml.safe_load(path.read_text())
     assert data["schema"] == SCHEMA and data["environment"]["command"] == "lab tune --arch sm90"
     assert data["shapes"]["decode_n4k"]["speedup"] == 1.5
@@ -64,7 +64,7 @@ def test_sources_in_the_labs_results_are_repo_relative(written, monkeypatch):
 
     monkeypatch.setattr(results, "RESULTS_DIR", root)  # as if root were <repo>/results
     config, source = load_winner("toy_scale", SM90, toy.shapes()[0], default=toy.default_config(SM90), root=root)
-    assert config == cfg and source == f"tuned:{root.name}/sm90/toy_scale.yaml#decode_n4k"
+    assert config == cfg and source == f"tuned:{root.name}/sm90/tuned/test/toy_scale.yaml#decode_n4k"
 
 
 def test_default_when_no_file_or_no_comparable_bucket(written, tmp_path):
@@ -128,7 +128,7 @@ def test_export_is_atomic(written, monkeypatch):
     ],
 )
 def test_bad_file_errors_name_the_file(tmp_path, text, match):
-    path = results_path("toy_scale", "sm90", tmp_path)
+    path = results_path("toy_scale", "sm90", "test", tmp_path)
     path.parent.mkdir(parents=True)
     path.write_text(text)
     with pytest.raises(ResultsError, match=match) as info:
@@ -219,5 +219,51 @@ def test_a_winner_timed_against_another_default_is_stale(tmp_path, timed_against
     else:
         assert config == tile.default_config(SM90)
         assert source.startswith("default (stale:") and "predates the current default" in source
-    stored = yaml.safe_load(results_path(tile.name, "sm90", tmp_path).read_text())["shapes"][shape.name]
+    stored = yaml.safe_load(results_path(tile.name, "sm90", "test", tmp_path).read_text())["shapes"][shape.name]
     assert stored["default_config"] == timed[timed_against]
+
+
+def test_winners_are_kept_per_gpu_model(tmp_path):
+    """Tuning on an H100 writes the H100's file and leaves the H200's alone; a call on each model gets its own winner,
+    a model of the same family with none gets its family's (then any model of the arch), each source naming the file
+    and, when borrowed, the model it was tuned on."""
+    toy = ScaleToy()
+    h200_cfg, h100_cfg = {"block": 256, "schedule": "ws", "stages": 3}, {"block": 512, "schedule": "ws", "stages": 2}
+    h200 = export_results(toy, SM90, [_summary("decode_n4k", h200_cfg, 1.0, 1.5)], "c", tmp_path, environment={**ENV, "gpu": "NVIDIA H200"})
+    before = h200.read_text()
+    h100 = export_results(
+        toy, SM90, [_summary("decode_n4k", h100_cfg, 1.0, 1.2)], "c", tmp_path, environment={**ENV, "gpu": "NVIDIA H100 80GB HBM3"}
+    )
+    assert h200 == tmp_path / "sm90" / "tuned" / "h200" / "toy_scale.yaml" and h200.read_text() == before
+    assert h100 == tmp_path / "sm90" / "tuned" / "h100-80gb-hbm3" / "toy_scale.yaml"
+    shape, default = toy.shapes()[0], toy.default_config(SM90)
+
+    def winner(gpu):
+        return load_winner("toy_scale", SM90, shape, default=default, root=tmp_path, gpu=gpu)
+
+    assert winner("NVIDIA H200") == (h200_cfg, f"tuned:{h200}#decode_n4k")
+    assert winner("NVIDIA H100 80GB HBM3") == (h100_cfg, f"tuned:{h100}#decode_n4k")
+    assert winner("NVIDIA H100 PCIe") == (h100_cfg, f"tuned:{h100}#decode_n4k (nearest GPU: h100-80gb-hbm3)")
+    assert winner("NVIDIA GH200 480GB") == (h100_cfg, f"tuned:{h100}#decode_n4k (nearest GPU: h100-80gb-hbm3)")
+    h100.unlink()
+    assert winner("NVIDIA H100 PCIe") == (h200_cfg, f"tuned:{h200}#decode_n4k (nearest GPU: h200)")
+    assert load_winner("toy_scale", get_arch("sm100"), shape, default=default, root=tmp_path, gpu="NVIDIA B200") == (default, "default")
+
+
+def test_an_installed_package_finds_its_shipped_configs(tmp_path, monkeypatch):
+    """Outside a source tree, the tuned configs come from the package's data (``csa2_lab_results``), behind the
+    user's own results tree."""
+    from tiles.core import config_store
+
+    toy = ScaleToy()
+    shipped = tmp_path / "site" / "csa2_lab_results"
+    cfg = {"block": 256, "schedule": "ws", "stages": 3}
+    export_results(toy, SM90, [_summary("decode_n4k", cfg, 1.0, 1.5)], "c", shipped, environment={**ENV, "gpu": "NVIDIA H200"})
+    monkeypatch.setattr(config_store, "RESULTS_DIR", tmp_path / "no-checkout" / "results")
+    monkeypatch.setattr(config_store, "packaged_dir", lambda: shipped)
+    monkeypatch.delenv("CSA2_RESULTS_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert config_store.results_dir() == tmp_path / "results"
+    assert config_store.tuned_roots() == [tmp_path / "results", shipped]
+    config, source = load_winner("toy_scale", SM90, toy.shapes()[0], default=toy.default_config(SM90), gpu="NVIDIA H200")
+    assert config == cfg and source == "tuned:csa2_lab_results/sm90/tuned/h200/toy_scale.yaml#decode_n4k"

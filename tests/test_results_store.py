@@ -8,8 +8,9 @@ import json
 import pytest
 
 from lab.cli import main
-from lab.results_store import BENCH_SCHEMA, gpu_slug, merge_bench, read_bench, unaccounted
+from lab.results_store import BENCH_SCHEMA, merge_bench, read_bench, unaccounted
 from tiles.core.config_store import results_dir
+from tiles.core.gpu import gpu_slug
 
 
 def _run(gpu: str, date: str, shapes: dict[str, float]) -> dict:
@@ -36,9 +37,11 @@ def test_the_labs_results_tree_holds_reports_and_their_data_only():
 
 def test_a_stray_file_is_unaccounted(tmp_path):
     (tmp_path / "sm90" / "bench").mkdir(parents=True)
+    (tmp_path / "sm90" / "tuned" / "h200").mkdir(parents=True)
     for name in (
         "bench.md",
-        "compressor.yaml",
+        "tuned/h200/compressor.yaml",
+        "compressor.yaml",  # the layout before configs were kept per GPU model: not read any more
         "bench/compressor_tuned.json",
         "notes.txt",
         "bench/compressor_session9.json",
@@ -47,7 +50,7 @@ def test_a_stray_file_is_unaccounted(tmp_path):
         "compressor.db-wal",
     ):
         (tmp_path / "sm90" / name).write_text("x")
-    assert [p.name for p in unaccounted(tmp_path)] == ["compressor_session9.json", "nope.json", "notes.txt"]
+    assert [p.name for p in unaccounted(tmp_path)] == ["compressor_session9.json", "nope.json", "compressor.yaml", "notes.txt"]
 
 
 def test_merge_keeps_the_latest_row_per_shape_and_gpu(tmp_path):

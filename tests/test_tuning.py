@@ -90,7 +90,7 @@ def test_default_enqueued_first_and_winner_beats_it(tuned):
     assert summary.default_ms == pytest.approx(1.5)
     assert summary.best.params == {"block": 256, "schedule": "ws", "stages": 3} and summary.speedup == pytest.approx(1.5)
     # the winner went to results/sm90/toy_scale.yaml with its environment and command
-    text = (opts.results_root / "sm90" / "toy_scale.yaml").read_text()
+    text = (opts.results_root / "sm90" / "tuned" / "unknown" / "toy_scale.yaml").read_text()
     assert "command: pytest" in text and "decode_n4k" in text
 
 
@@ -101,7 +101,7 @@ def test_a_winner_that_beats_the_default_again_in_its_rematch_is_kept(tuned):
     assert summary.rematch["kept"] and summary.rematch["error"] is None
     assert summary.rematch["challenger"] == {"block": 256, "schedule": "ws", "stages": 3}
     assert summary.rematch["challenger_ms"] == [pytest.approx(1.0)] * 3 and summary.rematch["default_ms"] == [pytest.approx(1.5)] * 3
-    entry = read_results(opts.results_root / "sm90" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
+    entry = read_results(opts.results_root / "sm90" / "tuned" / "unknown" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
     assert entry["config"] == {"block": 256, "schedule": "ws", "stages": 3} and entry["rematch"]["kept"] is True
     assert summary.rematch["rounds_won"] == 3 and "1.500x 3/3 kept" in _table_text(summary)
 
@@ -129,7 +129,7 @@ def test_a_lucky_winner_gives_the_study_back_to_the_default(tmp_path, monkeypatc
         assert summary.rematch["speedup"] == pytest.approx(1 / 0.95, rel=1e-3) and summary.rematch["rounds_won"] == 2
         assert "2/3 lost" in _table_text(summary)
     assert summary.best.params == default and summary.speedup == pytest.approx(1.0)
-    entry = read_results(opts.results_root / "sm90" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
+    entry = read_results(opts.results_root / "sm90" / "tuned" / "unknown" / "toy_scale.yaml", "toy_scale", SM90)["shapes"]["decode_n4k"]
     assert entry["config"] == default and entry["speedup"] == 1.0 and entry["rematch"]["kept"] is False
     assert ("failed" if fails else "/3 lost") in _table_text(summary)
 

@@ -1,4 +1,4 @@
-"""Writes a tuning run's winners to ``results/<arch>/<tile>.yaml`` (the file :mod:`tiles.core.config_store` reads).
+"""Writes a tuning run's winners to ``results/<arch>/tuned/<gpu>/<tile>.yaml`` (the file :mod:`tiles.core.config_store` reads).
 
 Buckets of shapes not tuned in this run are kept; a bucket tuned again is replaced. The
 file is written to a temporary file in the same directory and moved over the old one with
@@ -40,8 +40,10 @@ def _round(x: float | None, digits: int = 5) -> float | None:
 def export_results(
     tile: Tile, arch: Arch, summaries: list, command: str, root: Path | None = None, environment: dict | None = None
 ) -> Path:
-    """Merge this run's winners (``tuning.study.StudySummary`` list) into the tile's results file; returns its path."""
-    path = results_path(tile.name, arch, root)
+    """Merge this run's winners (``tuning.study.StudySummary`` list) into the tile's results file of the GPU model
+    they were measured on (``environment["gpu"]``; the other models' files are left alone); returns its path."""
+    env = environment if environment is not None else describe_environment()
+    path = results_path(tile.name, arch, env.get("gpu"), root)
     try:
         old = read_results(path, tile.name, arch)
     except ResultsError:
@@ -52,7 +54,6 @@ def export_results(
         for entry in shapes.values():
             entry.setdefault("date", old.get("environment", {}).get("date"))
             entry.setdefault("command", old.get("environment", {}).get("command"))
-    env = environment if environment is not None else describe_environment()
     for s in summaries:
         if s.best is None:
             continue

@@ -11,14 +11,15 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from tiles.core.arch import ARCHS, Arch
-from tiles.core.config_store import ResultsError, load_winner, results_path
+from tiles.core.config_store import ResultsError, candidate_files, load_winner
 from tiles.core.contract import Config, SearchSpace, Shape, Tile
+from tiles.core.gpu import present_gpu
 
 
 def distributions(space: SearchSpace) -> dict:
@@ -60,10 +61,12 @@ def seed_configs(tile: Tile, shape: Shape, arch: Arch, root: Path | None = None)
     space = tile.search_space(arch)
     seeds: list[tuple[Config, str]] = [(dict(tile.default_config(arch)), "default")]
     for other in [arch, *similarity_order(arch)]:
-        if not results_path(tile.name, other, root).exists():
+        if not candidate_files(tile.name, other, None, root):
             continue
         try:
-            config, source = load_winner(tile.name, other, shape, default={}, root=root, allow_stale=True)
+            # this arch: the GPU present's winner first (tiles.core.gpu.nearest_order); another arch: any model's
+            gpu = present_gpu() if other.name == arch.name else None
+            config, source = load_winner(tile.name, other, shape, default={}, root=root, allow_stale=True, gpu=gpu)
         except ResultsError:
             continue  # a bad file for another arch must not stop tuning this one; `lab check` reports it
         if source != "default" and not space.violations(config, shape, arch):
@@ -78,6 +81,24 @@ def seed_configs(tile: Tile, shape: Shape, arch: Arch, root: Path | None = None)
             seen.add(config_key(config))
             unique.append((config, source))
     return unique
+
+
+# Compile-only compiles every config of a space up to this size (each point a trial, constraint-refused ones recorded
+# as invalid); a larger space is sampled (the compressor's 53.7M points, the attention's and the indexer's millions):
+# compiling every valid config of those would take months, and listing their points took 22.7 GB.
+MAX_COMPILE_GRID = 10_000
+
+
+def grid_configs(space: SearchSpace, first: Config | None = None) -> Iterator[Config]:
+    """Every point of ``space``, ``first`` (the default) before the others, one at a time: the grid is never held
+    whole (:meth:`tiles.core.contract.SearchSpace.all_configs` lists it)."""
+    names = space.names()
+    if first is not None:
+        yield dict(first)
+    for values in itertools.product(*(p.choices for p in space.params)):
+        config = dict(zip(names, values, strict=True))
+        if config != first:
+            yield config
 
 
 # Spaces up to this size are enumerated to find their valid configs (4M points take ~7 s on one core, in the

@@ -79,15 +79,16 @@ def _shapes(tile: Tile, name: str):
         raise LabError(str(exc)) from None
 
 
-def shape_configs(tile: Tile, arch, shapes: list, config_text: str | None, root=None) -> list[tuple[Config, str]]:
+def shape_configs(tile: Tile, arch, shapes: list, config_text: str | None, root=None, gpu: str | None = None) -> list[tuple[Config, str]]:
     """(config, where it came from) per shape: ``--config`` over the tile's default ("override"/"default"), or with
-    ``tuned`` each shape's stored winner by :func:`tiles.core.config_store.load_winner` (its source: the winner's file and bucket,
-    or why the default runs); every config checked against the search space at its shape (a :class:`LabError` if not)."""
+    ``tuned`` each shape's stored winner for GPU model ``gpu`` by :func:`tiles.core.config_store.load_winner` (its source:
+    the winner's file and bucket, the nearest model's when ``gpu`` has none, or why the default runs); every config
+    checked against the search space at its shape (a :class:`LabError` if not)."""
     if (config_text or "").strip() == "tuned":
         from tiles.core.config_store import ResultsError, load_winner
 
         try:
-            pairs = [load_winner(tile.name, arch, shape, root=root) for shape in shapes]
+            pairs = [load_winner(tile.name, arch, shape, root=root, gpu=gpu) for shape in shapes]
         except ResultsError as exc:
             raise LabError(str(exc)) from None
         pairs = [(tile.with_defaults(arch, config), source) for config, source in pairs]
@@ -118,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         require_present(arch)
     except ArchError as exc:
         raise LabError(f"{exc}; `lab bench` times on a GPU (use `lab check --compile-only` to only compile)") from None
-    configs = shape_configs(tile, arch, shapes, args.config)
+    from tiles.core.gpu import present_gpu
+
+    configs = shape_configs(tile, arch, shapes, args.config, gpu=present_gpu())
 
     from tiles.core.harness import evaluate, time_reference
     from tiles.core.timing import describe_environment, device_copy_bandwidth

@@ -16,9 +16,10 @@ import sys
 from dataclasses import replace
 
 from lab.cli import LabError
-from lab.matrix import SKIPPED, UNSUPPORTED, Cell, check_cell, plan, regressions, run_compile, stored_winner_cells
+from lab.matrix import SKIPPED, UNSUPPORTED, Cell, check_cell, lost_here, plan, regressions, run_compile, stored_winner_cells
 from tiles.core.arch import ArchError, detect, get_arch
 from tiles.core.contract import TileError
+from tiles.core.gpu import present_gpu
 from tiles.core.registry import select
 from tiles.core.timing import describe_environment
 
@@ -95,9 +96,10 @@ def run(args: argparse.Namespace) -> int:
         gpu_cells = plan(tiles, [present], all_shapes=True)
 
     winner_cells: list[Cell] = []
+    gpu = present_gpu()
     if present is not None:
         try:
-            winner_cells = stored_winner_cells(tiles, present)
+            winner_cells = stored_winner_cells(tiles, present, gpu)
         except TileError as exc:  # a corrupt or foreign results file
             raise LabError(str(exc)) from None
         # every kernel the GPU part runs, compiled first in parallel into TileLang's disk cache (copies: the outcomes
@@ -127,19 +129,20 @@ def run(args: argparse.Namespace) -> int:
         doc = {"command": args.invocation, "environment": describe_environment()}
         doc["cells"] = [c.to_dict() for c in done + timed]
         doc["regressions"] = [{"tile": c.tile, "shape": c.shape, "why": why} for c, why in regressed]
+        doc["lost_here"] = [{"tile": t, "shape": s, "why": why} for (t, s), why in lost_here(timed, args.tolerance).items()]
         print(json.dumps(doc, indent=1))
     else:
         _print_table(done, [t.name for t in tiles], [a.name for a in archs])
         if timed:
-            _print_winners(timed, regressed)
+            _print_winners(timed, regressed, gpu, lost_here(timed, args.tolerance))
     return 0 if all(c.ok for c in done) and not regressed else 1
 
 
-def _print_winners(cells: list[Cell], regressed: list[tuple[Cell, str]]) -> None:
+def _print_winners(cells: list[Cell], regressed: list[tuple[Cell, str]], gpu: str | None, lost: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="stored winners vs defaults, timed now")
+    table = Table(title=f"stored winners vs defaults, timed now on {gpu}")
     for col in ("tile", "shape", "tuned ms", "recorded", "default ms", "recorded default", "speedup now", "verdict"):
         table.add_column(col)
     defaults = {(c.tile, c.shape): c for c in cells if c.label == "default"}
@@ -155,7 +158,11 @@ def _print_winners(cells: list[Cell], regressed: list[tuple[Cell, str]]) -> None
         now, dnow = c.extra.get("ms"), d.extra.get("ms") if d else None
         speed = f"{dnow / now:.2f}x" if now and dnow else "-"
         verdict = f"[red]regressed: {bad[(c.tile, c.shape)]}[/red]" if (c.tile, c.shape) in bad else "[green]ok[/green]"
-        if c.extra.get("stale") and (c.tile, c.shape) not in bad:
+        if c.extra.get("borrowed") and (c.tile, c.shape) not in bad:
+            verdict = f"[yellow]no record for this GPU (tuned on {c.extra['borrowed']})[/yellow]"
+            if (c.tile, c.shape) in lost:
+                verdict = f"[yellow]tuned on {c.extra['borrowed']}, slower than the default here: tune this GPU[/yellow]"
+        elif c.extra.get("stale") and (c.tile, c.shape) not in bad:
             verdict = f"[yellow]stale (predates {c.extra['stale']}): the default runs; re-tune[/yellow]"
         elif c.extra.get("unconfirmed") and (c.tile, c.shape) not in bad:
             verdict = f"[yellow]unconfirmed: a {c.extra['unconfirmed']} tie stored before the rematch rule; re-tune[/yellow]"

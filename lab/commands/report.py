@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         bench = sorted(arch_dir.glob("bench/*.json"))
         if bench:
             reports["bench.md"] = bench_markdown(bench)
-        tuned = sorted(arch_dir.glob("*.yaml"))
+        tuned = sorted(arch_dir.glob("tuned/*/*.yaml"))
         if tuned:
             reports["tuning.md"] = tuning_markdown(tuned)
         e2e = sorted(arch_dir.glob("e2e/*.json"))

@@ -1,16 +1,21 @@
-"""Tuned configs as data: ``results/<arch>/<tile>.yaml``, read at run time.
+"""Tuned configs as data: ``results/<arch>/tuned/<gpu>/<tile>.yaml``, read at run time.
 
-A results file holds, per shape bucket, the winning config of a tuning run with its
-latency, the default's latency, the speedup, the trials run, and the environment that
-produced it (written by :mod:`tuning.export`). :func:`load_winner` picks the bucket
-nearest to the shape asked for (:meth:`tiles.core.contract.Shape.distance`) and falls back to
-the tile's default config when there is no file or no comparable bucket, and says which
-one it used. A file that does not parse, or that belongs to another tile, arch or schema,
-raises :class:`ResultsError` naming the file.
+A results file holds, per shape bucket, the winning config of a tuning run on one GPU model with its latency, the
+default's latency, the speedup, the trials run, and the environment that produced it (written by :mod:`tuning.export`).
+Winners are kept per GPU model within an arch (:mod:`tiles.core.gpu`): an H100 and an H200 are both sm90, and a
+tuning run on one leaves the other's file alone. :func:`load_winner` takes the GPU present's file, else the nearest
+model's of the same arch (:func:`tiles.core.gpu.nearest_order`), picks the bucket nearest to the shape asked for
+(:meth:`tiles.core.contract.Shape.distance`), and falls back to the tile's default config when no file has a
+comparable bucket; it says which one it used. A file that does not parse, or that belongs to another tile, arch or
+schema, raises :class:`ResultsError` naming the file.
+
+Where the files are (:func:`tuned_roots`): ``$CSA2_RESULTS_DIR``, else ``results/`` of the source tree the lab runs
+from, and for an installed package (``pip install .``) the configs it ships (package ``csa2_lab_results``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -20,9 +25,11 @@ import yaml
 
 from tiles.core.arch import Arch, get_arch
 from tiles.core.contract import Config, Shape, TileError
+from tiles.core.gpu import gpu_slug, nearest_order
 
 SCHEMA = "csa2-lab/tuned-configs/v1"
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
+PACKAGED = "csa2_lab_results"  # the wheel's copy of results/<arch>/tuned/ (setup.py maps it onto results/)
 
 
 class ResultsError(TileError):
@@ -30,13 +37,56 @@ class ResultsError(TileError):
 
 
 def results_dir() -> Path:
-    """``$CSA2_RESULTS_DIR`` when set (tests, other checkouts), else ``results/`` in the repo."""
-    return Path(os.environ.get("CSA2_RESULTS_DIR", RESULTS_DIR))
+    """The results tree the lab reads and writes: ``$CSA2_RESULTS_DIR`` when set (tests, other checkouts), else
+    ``results/`` of the source tree the lab runs from, else (an installed package) ``./results``."""
+    if "CSA2_RESULTS_DIR" in os.environ:
+        return Path(os.environ["CSA2_RESULTS_DIR"])
+    return RESULTS_DIR if RESULTS_DIR.is_dir() else Path.cwd() / "results"
 
 
-def results_path(tile_name: str, arch: Arch | str, root: Path | None = None) -> Path:
+def packaged_dir() -> Path | None:
+    """The tuned configs an installed package ships (a results tree holding ``<arch>/tuned/``), or None."""
+    spec = importlib.util.find_spec(PACKAGED)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations else None
+
+
+def tuned_roots(root: Path | None = None) -> list[Path]:
+    """The results trees searched for tuned configs, first first: ``root`` alone when given, else
+    :func:`results_dir` and the packaged configs (when installed and not the same tree)."""
+    if root is not None:
+        return [Path(root)]
+    roots = [results_dir()]
+    shipped = packaged_dir()
+    if shipped is not None and shipped.resolve() != roots[0].resolve():
+        roots.append(shipped)
+    return roots
+
+
+def results_path(tile_name: str, arch: Arch | str, gpu: str, root: Path | None = None) -> Path:
+    """``<root>/<arch>/tuned/<gpu slug>/<tile>.yaml``; ``gpu`` a model name or its slug (``"NVIDIA H200"``, ``"h200"``)."""
     arch = get_arch(arch) if isinstance(arch, str) else arch
-    return (root or results_dir()) / arch.name / f"{tile_name}.yaml"
+    return (root or results_dir()) / arch.name / "tuned" / gpu_slug(gpu) / f"{tile_name}.yaml"
+
+
+def tuned_gpus(arch: Arch | str, root: Path | None = None) -> list[str]:
+    """The GPU slugs with a tuned-config folder for ``arch`` under ``root`` (default :func:`results_dir`), by name."""
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    folder = (root or results_dir()) / arch.name / "tuned"
+    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+
+def candidate_files(tile_name: str, arch: Arch, gpu: str | None, root: Path | None = None) -> list[tuple[str, Path]]:
+    """``(gpu slug, path)`` of every existing results file of ``tile_name`` on ``arch``, in the order their winners
+    are tried for ``gpu`` (:func:`tiles.core.gpu.nearest_order`; a root listed earlier wins a tie of the same GPU)."""
+    found = []
+    for tree in tuned_roots(root):
+        for slug in tuned_gpus(arch, tree):
+            path = results_path(tile_name, arch, slug, tree)
+            if path.is_file():
+                found.append((slug, path))
+    order = nearest_order(gpu_slug(gpu) if gpu else None, list(dict.fromkeys(slug for slug, _ in found)))
+    return sorted(found, key=lambda hit: order.index(hit[0]))
 
 
 _CACHE: dict[Path, tuple[float, dict]] = {}
@@ -119,12 +169,15 @@ def _registered(tile_name: str):
 
 
 def _shown(path: Path) -> str:
-    """``path`` relative to the repo when it is in the lab's own ``results/`` (sources land in JSON reports, which
-    should not carry one machine's checkout path), else as given."""
-    try:
-        return str(path.relative_to(RESULTS_DIR.parent))
-    except ValueError:
-        return str(path)
+    """``path`` relative to its results tree's parent when it is in the lab's own ``results/`` or the packaged configs
+    (sources land in JSON reports, which should not carry one machine's checkout path), else as given."""
+    for tree in (RESULTS_DIR, packaged_dir()):
+        if tree is not None:
+            try:
+                return str(path.relative_to(tree.parent))
+            except ValueError:
+                pass
+    return str(path)
 
 
 def load_winner(
@@ -135,14 +188,18 @@ def load_winner(
     root: Path | None = None,
     allow_stale: bool = False,
     tile=None,
+    gpu: str | None = None,
 ) -> tuple[Config, str]:
-    """The config to run ``tile_name`` with on (arch, shape), and where it came from.
+    """The config to run ``tile_name`` with on (arch, GPU model, shape), and where it came from.
 
-    Returns ``(config, "tuned:<file>#<bucket>")`` (``<file>`` repo-relative for the lab's own ``results/``) for the nearest stored bucket within
-    :data:`MAX_TRANSFER_DISTANCE`, else ``(default, "default")``. ``default`` is the tile's default config for ``arch``; when not
-    given it is looked up through :mod:`tiles.core.registry`. A stored config that the tile's
-    current search space rejects at its own bucket's shape raises :class:`ResultsError` (the file is stale); one
-    valid there but not at ``shape`` (a nearer bucket was not stored) gives the default, with source
+    ``gpu``: the model name of the GPU the call runs on (``torch.cuda.get_device_name``); its own winners are tried
+    first, then those of the nearest model of the arch (:func:`candidate_files`); None tries every model by name.
+    Returns ``(config, "tuned:<file>#<bucket>")`` (``<file>`` repo-relative for the lab's own ``results/``, and
+    ``" (nearest GPU: <slug>)"`` appended when the winner was tuned on another model than ``gpu``) for the first file
+    with a bucket within :data:`MAX_TRANSFER_DISTANCE`, else ``(default, "default")``. ``default`` is the tile's
+    default config for ``arch``; when not given it is looked up through :mod:`tiles.core.registry`. A stored config
+    that the tile's current search space rejects at its own bucket's shape raises :class:`ResultsError` (the file is
+    stale); one valid there but not at ``shape`` (a nearer bucket was not stored) gives the default, with source
     ``"default (tuned:<file>#<bucket> does not apply to <shape>: ...)"``. ``tile``: the tile object (else looked up by
     name; unregistered tiles are not checked against a search space).
 
@@ -158,12 +215,18 @@ def load_winner(
 
             get_tile(tile_name)  # raises the registry's error for an unknown name
         default = tile.default_config(arch)
-    path = results_path(tile_name, arch, root)
-    data = read_results(path, tile_name, arch)
-    hit = nearest_entry(data, shape) if data else None
-    if hit is None:
-        return dict(default), "default"
-    bucket, entry = hit
+    for slug, path in candidate_files(tile_name, arch, gpu, root):
+        data = read_results(path, tile_name, arch)
+        hit = nearest_entry(data, shape) if data else None
+        if hit is not None:
+            nearest = f" (nearest GPU: {slug})" if gpu is not None and slug != gpu_slug(gpu) else ""
+            return _usable(tile, arch, shape, path, *hit, default, allow_stale, nearest)
+    return dict(default), "default"
+
+
+def _usable(tile, arch: Arch, shape: Shape, path: Path, bucket: str, entry: dict, default: Config, allow_stale: bool, nearest: str):
+    """:func:`load_winner`'s answer for the stored ``entry`` of ``bucket`` in ``path``: the winner, or the default
+    when it is stale or does not apply at ``shape``."""
     config = dict(entry["config"])
     missing = stale_params(tile, arch, config, entry.get("default_config")) if tile is not None else []
     if missing and not allow_stale:
@@ -180,9 +243,10 @@ def load_winner(
             # Valid where it was tuned, not at this nearby shape (a constraint that depends on the shape, e.g. a
             # choice that needs bf16 rows): not evidence here, so the default runs.
             return dict(default), f"default (tuned:{_shown(path)}#{bucket} does not apply to {shape.name}: {'; '.join(bad)})"
-    return config, f"tuned:{_shown(path)}#{bucket}"
+    return config, f"tuned:{_shown(path)}#{bucket}{nearest}"
 
 
-def config_for(tile, shape: Shape, arch: Arch) -> tuple[Config, str]:
-    """What a tile calls at run time: its tuned config for (arch, shape) or its default, with the source."""
-    return load_winner(tile.name, arch, shape, default=tile.default_config(arch), tile=tile)
+def config_for(tile, shape: Shape, arch: Arch, gpu: str | None = None) -> tuple[Config, str]:
+    """What a tile calls at run time on GPU model ``gpu``: its tuned config for (arch, gpu, shape) or its default, with
+    the source."""
+    return load_winner(tile.name, arch, shape, default=tile.default_config(arch), tile=tile, gpu=gpu)
