@@ -68,7 +68,9 @@ def merge_bench(run: dict, arch_dir: Path, tuned: bool) -> Path:
     stored = read_bench(path) if path.exists() else {"schema": BENCH_SCHEMA, "tile": run["tile"], "arch": run["arch"], "rows": []}
     env = run["environment"]
     new = [
-        {**row, "gpu": env.get("gpu"), "copy_gbps": run["copy_gbps"], "environment": env, "command": run["command"]} for row in run["rows"]
+        {**row, "gpu": env.get("gpu"), "copy_gbps": run["copy_gbps"], "tilelang_call_us": run.get("tilelang_call_us"), "environment": env}
+        | {"command": run["command"]}
+        for row in run["rows"]
     ]
     replaced = {(r["shape"], r["gpu"]) for r in new}
     rows = [r for r in stored["rows"] if (r["shape"], r.get("gpu")) not in replaced] + new

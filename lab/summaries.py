@@ -29,10 +29,11 @@ def bench_markdown(paths: list[Path]) -> str:
         "timed in the same run; `of copy` = GB/s over the device copy bandwidth measured at the start of that run.",
         "`timing`: `cuda-graph` = device time per launch replayed from a CUDA graph (kernel and torch reference alike),",
         "`eager` = each launch between its own events, the host's launch overhead included; `per-call ms` is the eager",
-        "time beside it. A row whose check failed has no speed.",
+        "time beside it. `host us`: CPU time per call of the tile's public function (checks, config, allocation, launch),",
+        "in brackets a plain TileLang kernel call's in the same run (`tiles.core.hostcost`). A row whose check failed has no speed.",
         "",
-        "| tile | shape | GPU | config | ms | timing | per-call ms | TFLOPS | GB/s | of copy | torch ms | vs torch | check | date | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tile | shape | GPU | config | ms | timing | per-call ms | host us | TFLOPS | GB/s | of copy | torch ms | vs torch | check | date | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     environments = {}
     for path in sorted(paths):
@@ -43,9 +44,12 @@ def bench_markdown(paths: list[Path]) -> str:
             if str(env.get("date")) >= (environments.get(env.get("gpu"), {}).get("date") or ""):
                 environments[env.get("gpu")] = env
             speed = r.get("outcome") == "ok"
+            host = _f(r.get("host_us") if speed else None, ".1f")
+            if host != "-" and r.get("tilelang_call_us") is not None:
+                host += f" ({r['tilelang_call_us']:.1f})"
             lines.append(
                 f"| {doc.get('tile')} | {r['shape']} | {env.get('gpu')} | {kind} | {_f(r.get('ms') if speed else None, '.4f')}"
-                f" | {r.get('timing') or '-'} | {_f(r.get('eager_ms') if speed else None, '.4f')} | {_f(r.get('tflops'), '.1f')}"
+                f" | {r.get('timing') or '-'} | {_f(r.get('eager_ms') if speed else None, '.4f')} | {host} | {_f(r.get('tflops'), '.1f')}"
                 f" | {_f(r.get('gbps'), '.0f')} | {_f(r.get('copy_fraction'), '.0%')} | {_f(r.get('ref_ms'), '.3f')}"
                 f" | {_f(r.get('speedup'), '.1f')}x | {r.get('check')} | {env.get('date')} | `{r.get('command')}` |"
             )

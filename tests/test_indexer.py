@@ -1666,3 +1666,17 @@ def test_indexer_kernel_key_follows_what_its_launch_resolves():
         assert key != tile.kernel_key(shape, {"tiles_per_cta": 1}, sm90)
         multipass = {"select_algo": "multipass"}
         assert tile.kernel_key(shape, multipass, sm90) != tile.kernel_key(shape, {**multipass, "select_threads": 512}, sm90)
+
+
+def test_reference_scores_in_chunks_equal_one_piece(monkeypatch):
+    """The reference scores a few batch rows at a time when the whole batch would not fit (the 1M-entry decode shape
+    asked for 64 GiB at once); the chunks compute exactly what one piece does."""
+    from tiles.indexer import reference
+
+    inputs = reference.indexer_inputs(5, 2, 300, seed=3, device="cpu", causal=False)
+    whole = reference.reference_scores(inputs)
+    assert reference.reference_rows_per_chunk(5, 2, 300) == 5
+    assert reference.reference_rows_per_chunk(64, 1, 1 << 20) == 2  # the 1M decode shape: 32 chunks of 1.5 GiB
+    monkeypatch.setattr(reference, "REFERENCE_CHUNK_BYTES", 300 * (128 * 4 + 2 * 2 * 32 * 4) * 2)  # two rows a chunk
+    assert reference.reference_rows_per_chunk(5, 2, 300) == 2
+    assert torch.equal(reference.reference_scores(inputs), whole)

@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     configs = shape_configs(tile, arch, shapes, args.config, gpu=present_gpu())
 
     from tiles.core.harness import evaluate, time_reference
+    from tiles.core.hostcost import tilelang_call_us
     from tiles.core.timing import describe_environment, device_copy_bandwidth
 
     copy_bw = device_copy_bandwidth()
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
                 ref_ms=ref_ms,
                 speedup=ref_ms / ev.ms if ref_ms else None,
             )
+            row.update(_host_time(tile, shape, config, args.seed))
         rows.append(row)
         if not args.json:
             print(f"  {shape.name}: {ev.outcome}", file=sys.stderr)
@@ -166,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         "command": args.invocation,
         "environment": describe_environment(),
         "copy_gbps": copy_bw / 1e9,
+        "tilelang_call_us": tilelang_call_us(arch),
         "rows": rows,
     }
     if args.json:
@@ -175,6 +178,21 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         _save(doc, arch, tuned)
     return 0 if all(r["outcome"] == "ok" for r in rows) else 1
+
+
+def _host_time(tile: Tile, shape, config: Config, seed: int) -> dict:
+    """``host_us``: CPU microseconds per call of the tile's public function at ``shape`` with ``config``
+    (:func:`tiles.core.hostcost.host_us`); None for a tile without one, or with why the call failed."""
+    from tiles.core.hostcost import host_us
+
+    inputs = tile.make_inputs(shape, seed)
+    call = tile.public_call(shape, inputs, config)
+    if call is None:
+        return {"host_us": None}
+    try:
+        return {"host_us": host_us(call)}
+    except TileError as exc:  # the public function picks another tile at this shape, say: no host figure for this one
+        return {"host_us": None, "host_note": str(exc)}
 
 
 def _save(doc: dict, arch, tuned: bool) -> None:
@@ -197,12 +215,15 @@ def _print_table(doc: dict) -> None:
 
     any_flops = any(r["flops"] for r in doc["rows"])
     table = Table(title=f"lab bench {doc['tile']} on {doc['environment'].get('gpu', doc['arch'])} (copy {doc['copy_gbps']:.0f} GB/s)")
-    for col in ["shape", "ms", "per-call ms", "GB/s"] + (["TFLOPS"] if any_flops else []) + ["of copy", "torch ms", "speedup", "check"]:
+    cols = (
+        ["shape", "ms", "per-call ms", "host us", "GB/s"] + (["TFLOPS"] if any_flops else []) + ["of copy", "torch ms", "speedup", "check"]
+    )
+    for col in cols:
         table.add_column(col, justify="left" if col in ("shape", "check") else "right")
     for r in doc["rows"]:
         if r["outcome"] != "ok":
             cells = (
-                [r["shape"], "-", "-", "-"]
+                [r["shape"], "-", "-", "-", "-"]
                 + (["-"] if any_flops else [])
                 + ["-", "-", "-", f"[red]{r['outcome']}: {escape(r['check'])}[/red]"]
             )
@@ -211,8 +232,9 @@ def _print_table(doc: dict) -> None:
             ref = f"{r['ref_ms']:.4f}" if r["ref_ms"] else "n/a"
             sp = f"{r['speedup']:.1f}x" if r["speedup"] else "n/a"
             eager = f"{r['eager_ms']:.4f}" if r.get("eager_ms") else "-"
+            host = f"{r['host_us']:.1f}" if r.get("host_us") is not None else "-"
             cells = (
-                [r["shape"], f"{r['ms']:.4f}", eager, f"{r['gbps']:.0f}"]
+                [r["shape"], f"{r['ms']:.4f}", eager, host, f"{r['gbps']:.0f}"]
                 + tf
                 + [f"{100 * r['copy_fraction']:.0f}%", ref, sp, "[green]ok[/green]"]
             )
@@ -223,3 +245,9 @@ def _print_table(doc: dict) -> None:
         console.print(f"{r['shape']}: config ({r['config_source']}) {r['config']}", highlight=False)
     console.print("ms: device time per launch, replayed from a CUDA graph (per call where the launch cannot be captured);", highlight=False)
     console.print("per-call ms: each launch between its own events, the host's launch overhead included.", highlight=False)
+    if doc.get("tilelang_call_us") is not None:
+        console.print(
+            f"host us: CPU time per call of the public function (checks, config, allocation, launch); a plain TileLang kernel "
+            f"call costs {doc['tilelang_call_us']:.1f} us here (tiles.core.hostcost).",
+            highlight=False,
+        )

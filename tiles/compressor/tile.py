@@ -314,6 +314,14 @@ class CompressorTile(Tile):
         )
         kernel(kv, gate, *args, outputs["main_packed"], outputs["main_scales"], outputs["idx_packed"], outputs["idx_scales"])
 
+    def public_call(self, shape: Shape, inputs: Inputs, config: Config):
+        from tiles.compressor.api import compress
+
+        i, ratio = inputs, int(inputs["ratio"])
+        gate = i["gate"] if ratio == 2 else None
+        args = (i["kv"], gate, ratio, i["norm_weight"], i["cos"], i["sin"], i["wk"], i["k_norm_weight"], flash().norm_eps)
+        return lambda: compress(*args, config=config)
+
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         ratio, first = int(inputs["ratio"]), int(inputs["first_group"])
         gate = inputs["gate"] if ratio == 2 else None

@@ -167,6 +167,16 @@ class Tile:
         """``config`` over the default (a tile whose default choices depend on each other overrides this)."""
         return {**self.default_config(arch), **config}
 
+    def fit_call(self, config: Config, shape: Shape, arch: Arch) -> Config:
+        """A picked (not caller-given) config adjusted to a call shape that its default choices do not fit, e.g. a row
+        width the default vector does not divide (:func:`tiles.core.dispatch.call_config`). Unchanged by default."""
+        return config
+
+    def resolve_call(self, config: Config, dims: Mapping[str, int], arch: Arch) -> Config:
+        """``config`` (full) with its per-call choices ("auto" values) resolved for one call of ``dims``. Unchanged by
+        default; a tile with such choices resolves them here, once per call shape (:mod:`tiles.core.dispatch`)."""
+        return config
+
     def kernel_key(self, shape: Shape, config: Config, arch: Arch) -> str:
         """What identifies the kernel(s) :meth:`build` makes of ``config`` at ``shape``: configs with equal keys build the
         same kernels, so the tuner measures one of them and answers the others from its record. The default: the config
@@ -218,6 +228,11 @@ class Tile:
         """Write the kernel's results into ``outputs``. Timing brackets this call alone, so
         filling the poisoned buffers is not counted as the kernel's traffic."""
         raise NotImplementedError
+
+    def public_call(self, shape: Shape, inputs: Inputs, config: Config) -> Callable[[], object] | None:
+        """A zero-argument call of the tile's public function on ``inputs`` with ``config`` (what a user calls: input
+        checks, config pick, allocation, launch), for its host time (``lab bench``'s host column); None for a tile with
+        no public function of its own."""
 
     def times_launch_only(self) -> bool:
         """True when the tile splits :meth:`run` into :meth:`alloc_outputs` + :meth:`launch`."""

@@ -71,7 +71,7 @@ The package, in reading order: ``kernel`` (layout, code arithmetic, the builders
 defaults), ``tile`` (the four tiles) and ``api`` (the public functions).
 """
 
-from tiles.fp4.api import fp4_dequantize, fp4_quantize, pick_config, tile_for
+from tiles.fp4.api import fp4_dequantize, fp4_quantize, tile_for
 from tiles.fp4.kernel import CODES, FLT_MAX, INDEX_DIM, LANE_VALUES, MAIN_DIM, PRMT_ASM_CUDA, SCALE_GROUP, SIXTH, build_dequant, build_quant
 from tiles.fp4.space import fp4_default_config, fp4_search_space
 from tiles.fp4.tile import TILES, FP4DequantTile, FP4QuantTile, bit_exact_nan_canonical, dequant_inputs, quant_inputs
@@ -96,7 +96,6 @@ __all__ = [
     "fp4_dequantize",
     "fp4_quantize",
     "fp4_search_space",
-    "pick_config",
     "quant_inputs",
     "tile_for",
 ]

@@ -1,15 +1,14 @@
 """The public functions ``fp4_quantize`` / ``fp4_dequantize``: checks with clear errors, the config for the call (explicit,
-tuned winner, or default), one launch."""
+tuned winner, or default: :func:`tiles.core.dispatch.call_config`), one launch."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from tiles.core.arch import Arch, detect
 from tiles.core.contract import Config, Shape, Tile, TileError
+from tiles.core.dispatch import call_config, target
 from tiles.fp4.kernel import SCALE_GROUP, TL_DTYPE
 from tiles.fp4.space import staging_fits
 from tiles.fp4.tile import TILES, dequant_kernel, quant_kernel
@@ -32,39 +31,6 @@ def _check_cuda(t: torch.Tensor, what: str) -> None:
         raise TileError(f"{what} is on {t.device}: the FP4 kernels run on a CUDA device (model.formats has the CPU reference)")
     if not t.is_contiguous():
         raise TileError(f"{what} must be contiguous (call .contiguous() first)")
-
-
-def pick_config(tile: Tile, shape: Shape, arch: Arch, config: Config | None) -> Config:
-    """The config to run: the caller's (validated), else a stored tuned winner when the results store has one, else the default."""
-    if config is None:
-        config = _tuned_config(tile, shape, arch)
-    full = tile.with_defaults(arch, config or {})
-    if config is None and tile.search_space(arch).violations(full, shape, arch):
-        full["groups_per_thread"] = 1  # a row width the default vector does not divide
-    reasons = tile.search_space(arch).violations(full, shape, arch)
-    if reasons:
-        raise TileError(f"config {full} is invalid for {tile.name} at {dict(shape.dims)} on {arch.name}: {'; '.join(reasons)}")
-    return full
-
-
-def _tuned_config(tile: Tile, shape: Shape, arch: Arch) -> Config | None:
-    """The stored winner for (arch, shape) from :func:`tiles.core.config_store.config_for`, None when only the default exists."""
-    found = _stored_winner(tile.name, tuple(sorted(shape.dims.items())), arch.name)
-    return dict(found) if found is not None else None
-
-
-@functools.lru_cache(maxsize=256)
-def _stored_winner(tile_name: str, dims: tuple, arch_name: str) -> tuple | None:
-    # cached: the public functions sit on the decode path and must not read a YAML file per call
-    try:
-        from tiles.core.config_store import config_for
-    except ImportError:  # the results store is optional: without it every call runs the default
-        return None
-    from tiles.core.arch import get_arch
-    from tiles.core.registry import get_tile
-
-    config, source = config_for(get_tile(tile_name), Shape("call", "any", dict(dims)), get_arch(arch_name))
-    return tuple(config.items()) if source.startswith("tuned:") else None
 
 
 def tile_for(quantise: bool, scale_format: str) -> Tile:
@@ -99,11 +65,11 @@ def fp4_quantize(
     scales = torch.empty(*x.shape[:-1], n // group_size, dtype=torch.uint8, device=x.device)  # [..., N // group]
     if rows == 0:
         return packed, scales
-    arch = detect()
+    arch, gpu = target(x, "fp4_quantize")
     tile = tile_for(True, scale_format)
-    shape = Shape("call", "any", {"rows": rows, "dim": n})
-    c = pick_config(tile, shape, arch, config)
-    if x.dtype == torch.float32 and (why := staging_fits(c, shape, arch, 4, scale_format)):
+    dims = {"rows": rows, "dim": n}
+    c = call_config(tile, dims, arch, gpu, config)
+    if x.dtype == torch.float32 and (why := staging_fits(c, Shape("call", "any", dims), arch, 4, scale_format)):
         raise TileError(f"config {c} does not fit float32 input: {why}")
     kernel = quant_kernel(n, scale_format, TL_DTYPE[x.dtype], c, arch)
     kernel(x2, packed.view(rows, n // 2), scales.view(rows, n // group_size))
@@ -145,11 +111,11 @@ def fp4_dequantize(
     out = torch.empty(*packed.shape[:-1], n, dtype=out_dtype, device=packed.device)  # [..., N]
     if rows == 0:
         return out
-    arch = detect()
+    arch, gpu = target(packed, "fp4_dequantize")
     tile = tile_for(False, scale_format)
-    shape = Shape("call", "any", {"rows": rows, "dim": n})
-    c = pick_config(tile, shape, arch, config)
-    if out_dtype == torch.float32 and (why := staging_fits(c, shape, arch, 4, scale_format)):
+    dims = {"rows": rows, "dim": n}
+    c = call_config(tile, dims, arch, gpu, config)
+    if out_dtype == torch.float32 and (why := staging_fits(c, Shape("call", "any", dims), arch, 4, scale_format)):
         raise TileError(f"config {c} does not fit float32 output: {why}")
     kernel = dequant_kernel(n, scale_format, TL_DTYPE[out_dtype], c, arch)
     kernel(packed.view(rows, n // 2), scales.view(rows, n // group_size), out.view(rows, n))

@@ -124,6 +124,12 @@ class FP4QuantTile(Tile):
     def default_config(self, arch: Arch) -> Config:
         return fp4_default_config(self.scale_format)
 
+    def fit_call(self, config: Config, shape: Shape, arch: Arch) -> Config:
+        """A row width the picked vector does not divide runs one group per thread."""
+        if self.search_space(arch).violations(config, shape, arch):
+            return {**config, "groups_per_thread": 1}
+        return config
+
     def build(self, shape: Shape, config: Config, arch: Arch):
         c = self.with_defaults(arch, config)
         return quant_kernel(shape["dim"], self.scale_format, "bfloat16", c, arch)
@@ -139,6 +145,11 @@ class FP4QuantTile(Tile):
 
     def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
         kernel(inputs["x"], outputs["packed"], outputs["scales"])
+
+    def public_call(self, shape: Shape, inputs: Inputs, config: Config):
+        from tiles.fp4.api import fp4_quantize
+
+        return lambda: fp4_quantize(inputs["x"], self.group, self.scale_format, config=config)
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         packed, scales = formats.fp4_quantize(inputs["x"], self.group, self.scale_format)
@@ -178,6 +189,11 @@ class FP4DequantTile(FP4QuantTile):
 
     def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
         kernel(inputs["packed"], inputs["scales"], outputs["out"])
+
+    def public_call(self, shape: Shape, inputs: Inputs, config: Config):
+        from tiles.fp4.api import fp4_dequantize
+
+        return lambda: fp4_dequantize(inputs["packed"], inputs["scales"], self.group, self.scale_format, config=config)
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         out = formats.fp4_dequantize(inputs["packed"], inputs["scales"], self.group, self.scale_format)

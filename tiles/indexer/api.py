@@ -1,12 +1,16 @@
 """The public functions (``indexer_topk``, ``candidate_pool``, ``reindex_topk``): input checks with clear errors, the
-config for the call (explicit, tuned winner, or default), then the launch."""
+config for the call (explicit, tuned winner, or default: :func:`tiles.core.dispatch.call_config`), then the launch.
+
+Each function builds its launch (checks, config, kernels, constant buffers) on the first call of a signature (its
+tensors' shapes, dtypes, devices and layouts, and its scalar arguments) and keeps it (:func:`tiles.core.dispatch.plan`);
+later calls of that signature allocate their outputs and launch."""
 
 import torch
 
-from tiles.core.calls import pick_config, tensor_arch
-from tiles.core.contract import Config, Shape, TileError
+from tiles.core.contract import Config, TileError
+from tiles.core.dispatch import call_config, frozen, plan, signature, target
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS
-from tiles.indexer.launch import index_k_words, launch_pool, launch_reindex, launch_topk
+from tiles.indexer.launch import PoolLaunch, ReindexLaunch, TopkLaunch, index_k_words
 from tiles.indexer.tile import CANDIDATE_POOL, INDEXER_TOPK, REINDEX_TOPK
 
 
@@ -66,18 +70,35 @@ def indexer_topk(
         int32 [B, S, topk]: ascending positions, -1 fill (ties: lower position wins);
         with ``return_scores`` also fp32 [B, S, N] scores, -inf where not visible.
     """
-    B, S, N = _check_indexer_inputs(q, weights, k_packed, k_scales, n_visible)
-    if topk <= 0:
-        raise TileError(f"topk must be positive, got {topk}")
-    arch = tensor_arch(q, "indexer_topk")
-    shape = Shape("call", "any", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk})
-    cfg = pick_config(INDEXER_TOPK, shape, arch, config)
+    tensors = (q, weights, k_packed, k_scales, n_visible)
+    launch = _cached(
+        ("indexer_topk", topk, frozen(config)), tensors, lambda: _topk_launch(q, weights, k_packed, k_scales, n_visible, topk, config)
+    )
+    B, S, N = q.shape[0], q.shape[1], k_packed.shape[1]
     words, scales = index_k_words(k_packed, k_scales)
     nvis = n_visible.to(torch.int32).contiguous()
     scores = torch.empty(B, S, N, dtype=torch.float32, device=q.device)  # [B, S, N]
     out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)  # [B, S, K]
-    launch_topk(cfg, arch, q, weights, words, scales, nvis, scores, out)
+    launch(q, weights, words, scales, nvis, scores, out)
     return (out, scores) if return_scores else out
+
+
+def _cached(key: tuple, tensors: tuple, build):
+    """The launch kept for ``key`` and the tensors' signature, built (every check included) on its first call."""
+    try:
+        key = (*key, signature(*tensors))
+    except (AttributeError, TypeError):  # not tensors, or an unhashable config: the checks say what is wrong
+        return build()
+    return plan(key, build)
+
+
+def _topk_launch(q, weights, k_packed, k_scales, n_visible, topk: int, config: Config | None) -> TopkLaunch:
+    B, S, N = _check_indexer_inputs(q, weights, k_packed, k_scales, n_visible)
+    if topk <= 0:
+        raise TileError(f"topk must be positive, got {topk}")
+    arch, gpu = target(q, "indexer_topk")
+    cfg = call_config(INDEXER_TOPK, {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk}, arch, gpu, config)
+    return TopkLaunch(cfg, arch, B, S, N, topk, q.device)
 
 
 def candidate_pool(
@@ -95,24 +116,38 @@ def candidate_pool(
     Returns:
         int32 [B, S, min(max_blocks, ceil(N / block))]: ascending block ids, -1 fill.
     """
-    if scores.dim() != 3 or scores.dtype != torch.float32:
-        raise TileError(f"scores must be float32 [B, S, N], got {scores.dtype} {tuple(scores.shape)}")
+    launch = _cached(
+        ("candidate_pool", block, max_blocks, frozen(config)),
+        (scores, n_visible),
+        lambda: _pool_launch(scores, n_visible, block, max_blocks, config),
+    )
+    B, S, N = scores.shape
+    nb = -(-N // block)
+    nvis = n_visible.to(torch.int32).contiguous().view(B * S)
+    block_scores = torch.empty(B * S, nb, dtype=torch.float32, device=scores.device)  # [B*S, nb]
+    out = torch.empty(B, S, min(max_blocks, nb), dtype=torch.int32, device=scores.device)  # [B, S, P]
+    launch(scores.contiguous().view(B * S, N), nvis, block_scores, out)
+    return out
+
+
+def _pool_launch(scores, n_visible, block: int, max_blocks: int, config: Config | None) -> PoolLaunch:
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 3 or scores.dtype != torch.float32:
+        raise TileError(
+            f"scores must be float32 [B, S, N], got {getattr(scores, 'dtype', type(scores).__name__)} {tuple(getattr(scores, 'shape', ()))}"
+        )
     B, S, N = scores.shape
     _check(n_visible, "n_visible", (B, S), (torch.int32, torch.int64))
     if block <= 0 or max_blocks <= 0:
         raise TileError(f"block and max_blocks must be positive, got {block} and {max_blocks}")
     if N == 0:
         raise TileError("scores have no entries (N = 0)")
-    arch = tensor_arch(scores, "candidate_pool")
+    if n_visible.device != scores.device:
+        raise TileError(f"n_visible is on {n_visible.device} but scores are on {scores.device}")
+    arch, gpu = target(scores, "candidate_pool")
     nb = -(-N // block)
-    P = min(max_blocks, nb)
-    shape = Shape("call", "decode", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": 512, "P": max_blocks, "block": block})
-    cfg = pick_config(CANDIDATE_POOL, shape, arch, config)
-    nvis = n_visible.to(torch.int32).contiguous().view(B * S)
-    block_scores = torch.empty(B * S, nb, dtype=torch.float32, device=scores.device)  # [B*S, nb]
-    out = torch.empty(B, S, P, dtype=torch.int32, device=scores.device)  # [B, S, P]
-    launch_pool(cfg, arch, scores.contiguous().view(B * S, N), nvis, block, block_scores, out)
-    return out
+    dims = {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": 512, "P": max_blocks, "block": block}
+    cfg = call_config(CANDIDATE_POOL, dims, arch, gpu, config, "decode")
+    return PoolLaunch(cfg, arch, B * S, nb, min(max_blocks, nb), block, scores.device)
 
 
 def reindex_topk(
@@ -144,20 +179,32 @@ def reindex_topk(
         int32 [B, S, topk]: ascending cache positions, -1 fill; with ``return_scores`` also
         fp32 [B, S, P * block] scores of the pool's slots (-inf for unused or invisible slots).
     """
-    B, S, N = _check_indexer_inputs(q, weights, k_packed, k_scales, n_visible)
-    if pool_blocks.dim() != 3:
-        raise TileError(f"pool_blocks must be int32 [B, S, P], got {tuple(pool_blocks.shape)}")
-    _check(pool_blocks, "pool_blocks", (B, S, None), (torch.int32,))
-    if block <= 0 or topk <= 0:
-        raise TileError(f"block and topk must be positive, got {block} and {topk}")
-    arch = tensor_arch(q, "reindex_topk")
-    P = pool_blocks.shape[-1]
-    shape = Shape("call", "decode", {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk, "P": P, "block": block})
-    cfg = pick_config(REINDEX_TOPK, shape, arch, config)
+    tensors = (q, weights, k_packed, k_scales, n_visible, pool_blocks)
+    launch = _cached(
+        ("reindex_topk", block, topk, frozen(config)),
+        tensors,
+        lambda: _reindex_launch(q, weights, k_packed, k_scales, n_visible, pool_blocks, block, topk, config),
+    )
+    B, S, P = pool_blocks.shape
     words, scales = index_k_words(k_packed, k_scales)
     nvis = n_visible.to(torch.int32).contiguous()
-    pool = pool_blocks.contiguous()
     scores = torch.empty(B, S, P * block, dtype=torch.float32, device=q.device)  # [B, S, P*block]
     out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)  # [B, S, K]
-    launch_reindex(cfg, arch, q, weights, words, scales, nvis, pool, block, scores, out)
+    launch(q, weights, words, scales, nvis, pool_blocks.contiguous(), scores, out)
     return (out, scores) if return_scores else out
+
+
+def _reindex_launch(q, weights, k_packed, k_scales, n_visible, pool_blocks, block: int, topk: int, config: Config | None) -> ReindexLaunch:
+    B, S, N = _check_indexer_inputs(q, weights, k_packed, k_scales, n_visible)
+    if not isinstance(pool_blocks, torch.Tensor) or pool_blocks.dim() != 3:
+        raise TileError(f"pool_blocks must be int32 [B, S, P], got {tuple(getattr(pool_blocks, 'shape', ()))}")
+    _check(pool_blocks, "pool_blocks", (B, S, None), (torch.int32,))
+    if pool_blocks.device != q.device:
+        raise TileError(f"pool_blocks is on {pool_blocks.device} but q is on {q.device}")
+    if block <= 0 or topk <= 0:
+        raise TileError(f"block and topk must be positive, got {block} and {topk}")
+    arch, gpu = target(q, "reindex_topk")
+    P = pool_blocks.shape[-1]
+    dims = {"B": B, "S": S, "N": N, "Hi": HEADS, "Di": HEAD_DIM, "K": topk, "P": P, "block": block}
+    cfg = call_config(REINDEX_TOPK, dims, arch, gpu, config, "decode")
+    return ReindexLaunch(cfg, arch, B, S, P * block, topk, block, q.device)

@@ -21,13 +21,6 @@ def index_k_words(k_packed: torch.Tensor, k_scales: torch.Tensor) -> tuple[torch
     return words, scales
 
 
-def _score(cfg: Config, arch: Arch, gather: bool, block: int, q, weights, words, scales, nvis, pool, scores) -> None:
-    """Launch the score kernel the config names (scores [B, S, n_out] give ``tiles_per_cta="auto"`` its grid)."""
-    B, S, n_out = scores.shape
-    score = build_score(arch, cfg, gather, block, B * S, n_out)
-    score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, scores)
-
-
 def build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | None = None, n_out: int | None = None):
     """The score kernel for ``cfg``; ``tiles_per_cta="auto"`` is resolved for ``rows`` token rows of ``n_out`` scores."""
     if cfg["tiles_per_cta"] == "auto" and (rows is None or n_out is None):
@@ -39,19 +32,35 @@ def build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | N
     return build_score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), cfg.get("epilogue", "per_tile"), hidden)
 
 
+class TopkLaunch:
+    """The launches of one ``indexer_topk`` call shape (R = B * S score rows of N, top k) and config, built once: the
+    score kernel, then the select (two-pass launcher with its merge buffers, or the multipass kernel in parts).
+    Calls of one object share those buffers: run them on one stream (as a captured CUDA graph does)."""
+
+    def __init__(self, cfg: Config, arch: Arch, B: int, S: int, N: int, k: int, device: torch.device):
+        self.R, self.N = B * S, N
+        self.score = build_score(arch, cfg, False, 8, self.R, N)
+        self.dummy_pool = torch.empty(B, S, 1, dtype=torch.int32, device=device)  # [B, S, 1]: the contiguous variant reads no pool
+        self.two_pass = cfg.get("select_algo", "multipass") == "two_pass"
+        if self.two_pass:  # tiles.indexer.radix_select: two passes over each row in global memory, the rest in shared memory
+            self.select = select_launcher(self.R, N, k, device, arch=arch, config=radix_config(cfg))
+        else:
+            self.select = build_select_kernel(arch.nvcc_arch, k, cfg["select_threads"], cfg["radix_bits"], 0)
+            self.parts = resolve_select_split(cfg.get("select_split", 1), self.R, N, k, arch)
+
+    def __call__(self, q, weights, words, scales, nvis, scores, out) -> None:
+        self.score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, self.dummy_pool, scores)
+        rows, nv, picked = scores.view(self.R, self.N), nvis.view(self.R), out.view(self.R, -1)
+        if self.two_pass:
+            self.select(rows, nv, picked)
+        else:
+            _select_in_parts(self.select, self.parts, rows, nv, picked)
+
+
 def launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
+    """Build and run :class:`TopkLaunch` for one call (the tile's harness; the public function keeps its launch)."""
     B, S, N = scores.shape
-    dummy_pool = torch.empty(B, S, 1, dtype=torch.int32, device=q.device)  # the contiguous variant reads no pool
-    _score(cfg, arch, False, 8, q, weights, words, scales, nvis, dummy_pool, scores)
-    if cfg.get("select_algo", "multipass") == "two_pass":
-        # tiles.indexer.radix_select: two passes over each row in global memory, the rest in shared memory
-        select_launcher(B * S, N, out.shape[-1], q.device, arch=arch, config=radix_config(cfg))(
-            scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1)
-        )
-        return
-    select = build_select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)
-    parts = resolve_select_split(cfg.get("select_split", 1), B * S, N, out.shape[-1], arch)
-    _select_in_parts(select, parts, scores.view(B * S, N), nvis.view(B * S), out.view(B * S, -1))
+    TopkLaunch(cfg, arch, B, S, N, out.shape[-1], q.device)(q, weights, words, scales, nvis, scores, out)
 
 
 def _select_in_parts(select, parts: int, scores: torch.Tensor, nvis: torch.Tensor, out: torch.Tensor) -> None:
@@ -86,33 +95,63 @@ def _select_in_parts(select, parts: int, scores: torch.Tensor, nvis: torch.Tenso
     out.copy_(torch.where(pick >= 0, pos.gather(1, pick.clamp(min=0).long()), -1))
 
 
+class PoolLaunch:
+    """The launches of one ``candidate_pool`` call shape (R rows of nb blocks, pool of P) and config, built once: the
+    block max, then the select of the best blocks (every block id a candidate; -inf blocks are skipped)."""
+
+    def __init__(self, cfg: Config, arch: Arch, R: int, nb: int, P: int, block: int, device: torch.device):
+        self.R = R
+        self.block_max = block_max_kernel(arch.nvcc_arch, block, cfg["block_threads"])
+        self.all_blocks = torch.full((R,), nb, dtype=torch.int32, device=device)  # [R]
+        self.two_pass = cfg.get("select_algo", "multipass") == "two_pass"
+        if self.two_pass:
+            self.select = select_launcher(R, nb, P, device, arch=arch)
+        else:
+            self.select = build_select_kernel(arch.nvcc_arch, P, cfg["select_threads"], cfg["radix_bits"], 0)
+            self.dummy = torch.empty(R, 1, dtype=torch.int32, device=device)  # [R, 1]: not read
+
+    def __call__(self, scores2d, nvis, block_scores, out) -> None:
+        self.block_max(scores2d, nvis, block_scores)
+        if self.two_pass:
+            self.select(block_scores, self.all_blocks, out.view(self.R, -1))
+        else:
+            self.select(block_scores, self.all_blocks, self.dummy, out.view(self.R, -1))
+
+
 def launch_pool(cfg: Config, arch: Arch, scores2d, nvis, block: int, block_scores, out) -> None:
     R, nb = block_scores.shape
-    block_max_kernel(arch.nvcc_arch, block, cfg["block_threads"])(scores2d, nvis, block_scores)
-    nvis_blocks = torch.full_like(nvis, nb)  # every block id is a candidate; -inf blocks are skipped
-    if cfg.get("select_algo", "multipass") == "two_pass":
-        select_launcher(R, nb, out.shape[-1], out.device, arch=arch)(block_scores, nvis_blocks, out.view(R, -1))
-        return
-    dummy = torch.empty(R, 1, dtype=torch.int32, device=out.device)
-    build_select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], 0)(
-        block_scores, nvis_blocks, dummy, out.view(R, -1)
-    )
+    PoolLaunch(cfg, arch, R, nb, out.shape[-1], block, out.device)(scores2d, nvis, block_scores, out)
+
+
+class ReindexLaunch:
+    """The launches of one ``reindex_topk`` call shape (R = B * S rows of C = P * block candidate slots, top k) and
+    config, built once: the gathering score kernel, then the select mapped back to cache positions."""
+
+    def __init__(self, cfg: Config, arch: Arch, B: int, S: int, C: int, k: int, block: int, device: torch.device):
+        self.R, self.C = B * S, C
+        self.score = build_score(arch, cfg, True, block, self.R, C)
+        self.two_pass = cfg.get("select_algo", "multipass") == "two_pass"
+        if self.two_pass:
+            # slot c -> cache position pool[c // block] * block + c % block, in the select's output (an unused block's
+            # slots map to negative positions; their scores are -inf, never chosen)
+            self.select = remapped_kernel(arch, k, self.R, block=block)
+            self.dummy = torch.empty(self.R, 1, dtype=torch.float32, device=device)  # [R, 1]: not read
+        else:
+            self.select = build_select_kernel(arch.nvcc_arch, k, cfg["select_threads"], cfg["radix_bits"], block)
+            self.n_cand = torch.full((self.R,), C, dtype=torch.int32, device=device)  # [R]
+
+    def __call__(self, q, weights, words, scales, nvis, pool, scores, out) -> None:
+        self.score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, scores)
+        rows, pool2d, picked = scores.view(self.R, self.C), pool.view(self.R, -1), out.view(self.R, -1)
+        if self.two_pass:
+            self.select(rows, nvis.view(self.R), pool2d, picked, self.dummy)
+        else:
+            self.select(rows, self.n_cand, pool2d, picked)
 
 
 def launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, pool, block: int, scores, out) -> None:
     B, S, C = scores.shape
-    _score(cfg, arch, True, block, q, weights, words, scales, nvis, pool, scores)
-    if cfg.get("select_algo", "multipass") == "two_pass":
-        # slot c -> cache position pool[c // block] * block + c % block, in the select's output (an unused block's
-        # slots map to negative positions; their scores are -inf, never chosen)
-        R = B * S
-        dummy = torch.empty(R, 1, dtype=torch.float32, device=q.device)
-        select = remapped_kernel(arch, out.shape[-1], R, block=block)
-        select(scores.view(R, C), nvis.view(R), pool.view(R, -1), out.view(R, -1), dummy)
-        return
-    select = build_select_kernel(arch.nvcc_arch, out.shape[-1], cfg["select_threads"], cfg["radix_bits"], block)
-    n_cand = torch.full((B * S,), C, dtype=torch.int32, device=q.device)
-    select(scores.view(B * S, C), n_cand, pool.view(B * S, -1), out.view(B * S, -1))
+    ReindexLaunch(cfg, arch, B, S, C, out.shape[-1], block, q.device)(q, weights, words, scales, nvis, pool, scores, out)
 
 
 def build_two_pass(arch: Arch, rows: int, n: int, k: int, radix: Config | None = None) -> dict[str, Any]:

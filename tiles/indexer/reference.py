@@ -38,9 +38,31 @@ def indexer_inputs(B: int, S: int, N: int, seed: int, device, causal: bool) -> I
     return {"q": q, "weights": weights, "k_packed": k_packed, "k_scales": k_scales, "n_visible": n_visible.to(torch.int32)}
 
 
+# Working memory of one chunk of the reference (the dequantised keys and the per-head logits of its batch rows): the
+# 1M-entry decode shape at B = 64 asked for 64 GiB in one piece, more than an 80 GB H100 has beside its inputs.
+REFERENCE_CHUNK_BYTES = 2 << 30
+
+
+def reference_rows_per_chunk(B: int, S: int, N: int) -> int:
+    """Batch rows the reference scores at once: as many as fit :data:`REFERENCE_CHUNK_BYTES` (at least one)."""
+    per_row = N * HEAD_DIM * 4 + 2 * S * HEADS * N * 4  # fp32 keys, then logits and their ReLU
+    return max(1, min(B, REFERENCE_CHUNK_BYTES // per_row))
+
+
 def reference_scores(inputs: Inputs) -> torch.Tensor:
-    index_k = fp4_dequantize(inputs["k_packed"], inputs["k_scales"], GROUP, "e8m0")  # [B, N, Di]
-    return indexer_scores(inputs["q"], inputs["weights"], index_k, inputs["n_visible"])  # [B, S, N]
+    """:func:`model.ops.indexer.indexer_scores` on the dequantised keys, [B, S, N], computed a few batch rows at a
+    time (:func:`reference_rows_per_chunk`; rows are independent, so the chunks are the whole computation)."""
+    q, weights, n_visible = inputs["q"], inputs["weights"], inputs["n_visible"]
+    B, S = q.shape[:2]
+    N = inputs["k_packed"].shape[1]
+    step = reference_rows_per_chunk(B, S, N)
+    chunks = []
+    for b in range(0, B, step):
+        rows = slice(b, b + step)
+        index_k = fp4_dequantize(inputs["k_packed"][rows], inputs["k_scales"][rows], GROUP, "e8m0")  # [b, N, Di]
+        chunks.append(indexer_scores(q[rows], weights[rows], index_k, n_visible[rows]))  # [b, S, N]
+        del index_k
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def compare_topk_sets(out: torch.Tensor, ref: torch.Tensor, ref_scores: torch.Tensor, rtol: float = TIE_RTOL) -> Comparison:

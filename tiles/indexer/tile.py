@@ -215,6 +215,12 @@ class IndexerTopkTile(_ScoreAndSelectTile):
         words, scales = index_k_words(inputs["k_packed"], inputs["k_scales"])
         launch_topk(cfg, arch, inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], outputs["scores"], outputs["topk"])
 
+    def public_call(self, shape: Shape, inputs: Inputs, config: Config):
+        from tiles.indexer.api import indexer_topk
+
+        i = inputs
+        return lambda: indexer_topk(i["q"], i["weights"], i["k_packed"], i["k_scales"], i["n_visible"], shape["K"], config=config)
+
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         scores = reference_scores(inputs)
         return {"topk": topk_positions(scores, flash().index_topk), "scores": scores}
@@ -297,6 +303,11 @@ class CandidatePoolTile(Tile):
         nvis = inputs["n_visible"].view(B * S)
         launch_pool(cfg, arch, scores.view(B * S, N), nvis, block, outputs["block_scores"], outputs["pool"])
 
+    def public_call(self, shape: Shape, inputs: Inputs, config: Config):
+        from tiles.indexer.api import candidate_pool
+
+        return lambda: candidate_pool(inputs["scores"], inputs["n_visible"], shape["block"], shape["P"], config=config)
+
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         return {"pool": candidate_blocks(inputs["scores"], inputs["n_visible"], flash().pool_block, flash().pool_max_blocks)}
 
@@ -373,6 +384,13 @@ class ReindexTopkTile(_ScoreAndSelectTile):
         words, scales = index_k_words(inputs["k_packed"], inputs["k_scales"])
         args = (inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], inputs["pool_blocks"], blk)
         launch_reindex(cfg, arch, *args, outputs["pool_scores"], outputs["topk"])
+
+    def public_call(self, shape: Shape, inputs: Inputs, config: Config):
+        from tiles.indexer.api import reindex_topk
+
+        i = inputs
+        args = (i["q"], i["weights"], i["k_packed"], i["k_scales"], i["n_visible"], i["pool_blocks"], shape["block"], shape["K"])
+        return lambda: reindex_topk(*args, config=config)
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         scores = reference_scores(inputs)  # [B, S, N]: the reference scores everything

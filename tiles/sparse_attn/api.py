@@ -3,8 +3,8 @@ with their shape, dtype and index checks and the choice of tile and config."""
 
 import torch
 
-from tiles.core.arch import Arch, device_arch
-from tiles.core.contract import Config, Shape, TileError
+from tiles.core.contract import Config, TileError
+from tiles.core.dispatch import call_config, frozen, plan, signature, target
 from tiles.sparse_attn.launch import DEFAULT_SCALE, compiled
 from tiles.sparse_attn.tile import BF16_TILE, DECODE_TILE, PREFILL_TILE, SparseAttnTile
 
@@ -29,20 +29,7 @@ def _require_cuda(q: torch.Tensor) -> None:
     _require(q.is_cuda, "q must be on a CUDA device: the kernels run on the GPU (use model.ops.sparse_attention on the CPU)")
 
 
-_NO_SINK: dict[tuple, torch.Tensor] = {}
-
-
-def _sink_or_none(sink: torch.Tensor | None, heads: int, device: torch.device) -> torch.Tensor:
-    """No sink is a sink of -inf: exp(-inf) adds nothing to the denominator."""
-    if sink is not None:
-        return sink
-    key = (heads, str(device))
-    if key not in _NO_SINK:
-        _NO_SINK[key] = torch.full((heads,), float("-inf"), dtype=torch.float32, device=device)  # [H]
-    return _NO_SINK[key]
-
-
-def _check_common(q, window_idx, topk_idx, sink, nw: int, nc: int, check_indices: bool) -> tuple[int, int, int, int, int, int]:
+def _check_common(q, window_idx, topk_idx, sink, nw: int, nc: int) -> tuple[int, int, int, int, int, int]:
     _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
     B, S, H, D = q.shape
     _require(q.dtype == torch.bfloat16, f"q must be torch.bfloat16, got {q.dtype}")
@@ -58,36 +45,7 @@ def _check_common(q, window_idx, topk_idx, sink, nw: int, nc: int, check_indices
     _check_tensor(topk_idx, "topk_idx", torch.int32, (B, S, K), q.device)
     if sink is not None:
         _check_tensor(sink, "sink", torch.float32, (H,), q.device)
-    if check_indices:
-        for idx, n, name in ((window_idx, nw, "window_idx"), (topk_idx, nc, "topk_idx")):
-            lo_hi = torch.stack([idx.min(), idx.max()]).tolist() if idx.numel() else [-1, -1]
-            _require(lo_hi[0] >= -1 and lo_hi[1] < n, f"{name} holds values outside [-1, {n}): the cache has {n} entries")
     return B, S, H, D, W, K
-
-
-_PICKED: dict[tuple, Config] = {}
-
-
-def _pick_config(tile: "SparseAttnTile", arch: Arch, dims: dict[str, int], config: Config | None) -> Config:
-    """An explicit config over the default, else the tuned winner nearest this shape (tiles.core.config_store), else the default.
-
-    The winner lookup reads files, so its answer is kept per (tile, arch, dims)."""
-    shape = Shape("call", tile.phase, dims)
-    if config is not None:
-        cfg = tile.with_defaults(arch, config)
-    else:
-        key = (tile.name, arch.name, tuple(sorted(dims.items())))
-        if key not in _PICKED:
-            try:
-                from tiles.core.config_store import load_winner
-            except ImportError:  # the results module is optional: without it the default runs
-                _PICKED[key] = tile.default_config(arch)
-            else:
-                _PICKED[key] = dict(load_winner(tile.name, arch, shape, default=tile.default_config(arch))[0])
-        cfg = dict(_PICKED[key])
-    reasons = tile.search_space(arch).violations(cfg, shape, arch)
-    _require(not reasons, f"config {cfg} is not valid for {tile.name} at {dims}: {'; '.join(reasons)}")
-    return tile.resolve_call(cfg, dims, arch)
 
 
 def tile_for_tokens(B: int, S: int, bf16: bool) -> "SparseAttnTile":
@@ -95,6 +53,95 @@ def tile_for_tokens(B: int, S: int, bf16: bool) -> "SparseAttnTile":
     if bf16:
         return BF16_TILE
     return DECODE_TILE if B * S <= DECODE_MAX_TOKENS else PREFILL_TILE
+
+
+class _Launch:
+    """One call signature's launch: the compiled kernel and the tensors a call adds to its own (the -inf sink when it
+    has none; an SWA-only layer's one masked top-k slot over a one-row dummy cache)."""
+
+    def __init__(self, kernel, no_sink: torch.Tensor, swa_only: tuple | None, fp4: bool):
+        self.kernel, self.no_sink, self.swa_only, self.fp4 = kernel, no_sink, swa_only, fp4
+        self.dummy = torch.empty(1, dtype=torch.uint8, device=no_sink.device)  # [1], the bf16 kernel has no scale tensors
+
+    def __call__(self, q, win_a, win_b, window_idx, main_a, main_b, topk_idx, sink) -> torch.Tensor:
+        if self.swa_only is not None:
+            topk_idx, main_a, main_b = self.swa_only
+        sink = self.no_sink if sink is None else sink
+        if not self.fp4:
+            return self.kernel(q, win_a, self.dummy, window_idx, main_a, self.dummy, topk_idx, sink)
+        if win_a.dtype == torch.uint8:
+            win_a = win_a.view(torch.float8_e4m3fn)
+        if main_b.dtype == torch.uint8:
+            main_b = main_b.view(torch.float8_e4m3fn)
+        return self.kernel(q, win_a, win_b, window_idx, main_a.view(torch.int32), main_b, topk_idx, sink)
+
+
+def _check_index_range(window_idx: torch.Tensor, topk_idx: torch.Tensor, nw: int, nc: int) -> None:
+    for idx, n, name in ((window_idx, nw, "window_idx"), (topk_idx, nc, "topk_idx")):
+        lo_hi = torch.stack([idx.min(), idx.max()]).tolist() if idx.numel() else [-1, -1]
+        _require(lo_hi[0] >= -1 and lo_hi[1] < n, f"{name} holds values outside [-1, {n}): the cache has {n} entries")
+
+
+def _checked(fp4: bool, tensors: tuple) -> tuple[int, int, int, int, int, int, int, int]:
+    """Every check of the public functions but the device's: (B, S, H, D, W, K, Nw, Nc)."""
+    if fp4:
+        q, window_codes, window_scales, window_idx, main_packed, main_scales, topk_idx, sink = tensors
+    else:
+        q, window_codes, window_idx, main_packed, topk_idx, sink = tensors
+    _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
+    if fp4:
+        _require(window_codes.dim() == 3 and main_packed.dim() == 3, "window_codes and main_packed must be [B, Nw, D] and [B, Nc, D/2]")
+    else:
+        _require(window_codes.dim() == 3 and main_packed.dim() == 3, "window_kv and main_kv must be [B, Nw, D] and [B, Nc, D]")
+    nw, nc = window_codes.shape[1], main_packed.shape[1]
+    B, S, H, D, W, K = _check_common(q, window_idx, topk_idx, sink, nw, nc)
+    if fp4:
+        codes = window_codes.view(torch.uint8) if window_codes.dtype == torch.float8_e4m3fn else window_codes
+        mscales = main_scales.view(torch.uint8) if main_scales.dtype == torch.float8_e4m3fn else main_scales
+        _check_tensor(codes, "window_codes", torch.uint8, (B, nw, D), q.device)
+        _check_tensor(window_scales, "window_scales", torch.uint8, (B, nw, D // 32), q.device)
+        _check_tensor(main_packed, "main_packed", torch.uint8, (B, nc, D // 2), q.device)
+        _check_tensor(mscales, "main_scales", torch.uint8, (B, nc, D // 16), q.device)
+    else:
+        _check_tensor(window_codes, "window_kv", torch.bfloat16, (B, nw, D), q.device)
+        _check_tensor(main_packed, "main_kv", torch.bfloat16, (B, nc, D), q.device)
+    return B, S, H, D, W, K, nw, nc
+
+
+def _launch(fp4: bool, scale: float, config: Config | None, tensors: tuple) -> _Launch:
+    """Check one call's tensors (every check of the public functions) and build its launch."""
+    B, S, H, D, W, K, nw, nc = _checked(fp4, tensors)
+    q = tensors[0]
+    _require_cuda(q)
+    arch, gpu = target(q, "sparse_attention" if fp4 else "sparse_attention_bf16")
+    swa_only = None
+    if K == 0 or nc == 0:  # SWA-only layer: one masked top-k slot over a one-row dummy cache
+        swa_only = (
+            torch.full((B, S, 1), -1, dtype=torch.int32, device=q.device),  # [B, S, 1]
+            torch.zeros(B, 1, D // 2 if fp4 else D, dtype=torch.uint8 if fp4 else torch.bfloat16, device=q.device),  # [B, 1, D/2 | D]
+            torch.zeros(B, 1, D // 16, dtype=torch.uint8, device=q.device).view(torch.float8_e4m3fn) if fp4 else None,  # [B, 1, D/16]
+        )
+        nc, K = 1, 1
+    tile = tile_for_tokens(B, S, bf16=not fp4)
+    dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
+    cfg = call_config(tile, dims, arch, gpu, config, tile.phase)
+    kernel = compiled(H, D, W, K, scale, "fp4" if fp4 else "bf16", cfg, arch)
+    no_sink = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)  # [H]: exp(-inf) adds nothing
+    return _Launch(kernel, no_sink, swa_only, fp4)
+
+
+def _launch_for(name: str, fp4: bool, scale: float, config: Config | None, tensors: tuple, check_indices: bool) -> _Launch:
+    """The cached launch of this call's signature (:func:`tiles.core.dispatch.plan`): built, with every check, on the
+    first call of a signature; later calls with an equal signature pass the same checks. ``check_indices``: the
+    tensors are checked and the index ranges read (a host sync) on every call."""
+    if check_indices:
+        *_, nw, nc = _checked(fp4, tensors)
+        _check_index_range(tensors[3 if fp4 else 2], tensors[6 if fp4 else 4], nw, nc)
+    try:
+        key = (name, signature(*tensors), float(scale), frozen(config))
+    except (AttributeError, TypeError):  # not tensors, or an unhashable config: the checks say what is wrong
+        return _launch(fp4, scale, config, tensors)
+    return plan(key, lambda: _launch(fp4, scale, config, tensors))
 
 
 def sparse_attention(
@@ -126,39 +173,12 @@ def sparse_attention(
         check_indices: reject indices outside [-1, N) with a TileError (costs one host sync).
     Returns:
         bf16 [B, S, H, D]. A row whose indices are all -1 is zero.
+
+    The first call of a signature (shapes, dtypes, devices, layouts, scale, config) checks every tensor and picks the
+    kernel; later calls of that signature launch it directly (:mod:`tiles.core.dispatch`).
     """
-    _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
-    B, S, _, D = q.shape
-    _require(window_codes.dim() == 3 and main_packed.dim() == 3, "window_codes and main_packed must be [B, Nw, D] and [B, Nc, D/2]")
-    nw, nc = window_codes.shape[1], main_packed.shape[1]
-    B, S, H, D, W, K = _check_common(q, window_idx, topk_idx, sink, nw, nc, check_indices)
-    codes = window_codes.view(torch.uint8) if window_codes.dtype == torch.float8_e4m3fn else window_codes
-    mscales = main_scales.view(torch.uint8) if main_scales.dtype == torch.float8_e4m3fn else main_scales
-    _check_tensor(codes, "window_codes", torch.uint8, (B, nw, D), q.device)
-    _check_tensor(window_scales, "window_scales", torch.uint8, (B, nw, D // 32), q.device)
-    _check_tensor(main_packed, "main_packed", torch.uint8, (B, nc, D // 2), q.device)
-    _check_tensor(mscales, "main_scales", torch.uint8, (B, nc, D // 16), q.device)
-    _require_cuda(q)
-    if K == 0 or nc == 0:  # SWA-only layer: one masked top-k slot over a one-row dummy cache
-        topk_idx = torch.full((B, S, 1), -1, dtype=torch.int32, device=q.device)  # [B, S, 1]
-        main_packed = torch.zeros(B, 1, D // 2, dtype=torch.uint8, device=q.device)  # [B, 1, D/2]
-        mscales = torch.zeros(B, 1, D // 16, dtype=torch.uint8, device=q.device)  # [B, 1, D/16]
-        nc, K = 1, 1
-    tile = tile_for_tokens(B, S, bf16=False)
-    arch = device_arch(q.device)
-    dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
-    cfg = _pick_config(tile, arch, dims, config)
-    kernel = compiled(H, D, W, K, scale, "fp4", cfg, arch)
-    return kernel(
-        q,
-        codes.view(torch.float8_e4m3fn),
-        window_scales,
-        window_idx,
-        main_packed.view(torch.int32),
-        mscales.view(torch.float8_e4m3fn),
-        topk_idx,
-        _sink_or_none(sink, H, q.device),
-    )
+    tensors = (q, window_codes, window_scales, window_idx, main_packed, main_scales, topk_idx, sink)
+    return _launch_for("sparse_attention", True, scale, config, tensors, check_indices)(*tensors)
 
 
 def sparse_attention_bf16(
@@ -179,21 +199,6 @@ def sparse_attention_bf16(
     Returns:
         bf16 [B, S, H, D].
     """
-    _require(isinstance(q, torch.Tensor) and q.dim() == 4, "q must be a 4-d tensor [B, S, H, D]")
-    _require(window_kv.dim() == 3 and main_kv.dim() == 3, "window_kv and main_kv must be [B, Nw, D] and [B, Nc, D]")
-    nw, nc = window_kv.shape[1], main_kv.shape[1]
-    B, S, H, D, W, K = _check_common(q, window_idx, topk_idx, sink, nw, nc, check_indices)
-    _check_tensor(window_kv, "window_kv", torch.bfloat16, (B, nw, D), q.device)
-    _check_tensor(main_kv, "main_kv", torch.bfloat16, (B, nc, D), q.device)
-    _require_cuda(q)
-    if K == 0 or nc == 0:  # SWA-only layer: one masked top-k slot over a one-row dummy cache
-        topk_idx = torch.full((B, S, 1), -1, dtype=torch.int32, device=q.device)  # [B, S, 1]
-        main_kv = torch.zeros(B, 1, D, dtype=torch.bfloat16, device=q.device)  # [B, 1, D]
-        nc, K = 1, 1
-    tile = tile_for_tokens(B, S, bf16=True)
-    arch = device_arch(q.device)
-    dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
-    cfg = _pick_config(tile, arch, dims, config)
-    dummy = torch.empty(1, dtype=torch.uint8, device=q.device)  # [1], the bf16 kernel has no scale tensors
-    kernel = compiled(H, D, W, K, scale, "bf16", cfg, arch)
-    return kernel(q, window_kv, dummy, window_idx, main_kv, dummy, topk_idx, _sink_or_none(sink, H, q.device))
+    tensors = (q, window_kv, window_idx, main_kv, topk_idx, sink)
+    launch = _launch_for("sparse_attention_bf16", False, scale, config, tensors, check_indices)
+    return launch(q, window_kv, None, window_idx, main_kv, None, topk_idx, sink)

@@ -182,6 +182,25 @@ class SparseAttnTile(Tile):
                 q, inputs["window_kv"], dummy, inputs["window_idx"], inputs["main_kv"], dummy, inputs["topk_idx"], inputs["sink"], out=out
             )
 
+    def public_call(self, shape: Shape, inputs: Inputs, config: Config):
+        from tiles.sparse_attn.api import sparse_attention, sparse_attention_bf16  # the api picks among these tiles
+
+        i = inputs
+        if self.kv_format == "fp4":
+            args = (
+                i["q"],
+                i["window_codes"],
+                i["window_scales"],
+                i["window_idx"],
+                i["main_packed"],
+                i["main_scales"],
+                i["topk_idx"],
+                i["sink"],
+            )
+            return lambda: sparse_attention(*args, DEFAULT_SCALE, config=config)
+        args = (i["q"], i["window_kv"], i["window_idx"], i["main_kv"], i["topk_idx"], i["sink"])
+        return lambda: sparse_attention_bf16(*args, DEFAULT_SCALE, config=config)
+
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         if self.kv_format == "fp4":
             window_kv = fp8_dequantize(inputs["window_codes"], inputs["window_scales"])
