@@ -13,7 +13,8 @@ import pytest
 
 from lab.cli import main
 from lab.matrix import UNSUPPORTED, Cell, compile_cell, plan, run_compile
-from tiles.core.arch import parse_arch_list
+from tiles.core.arch import get_arch, parse_arch_list
+from tiles.core.harness import OK
 from tiles.core.registry import all_tiles, get_tile
 
 ARCHS = parse_arch_list("sm80,sm89,sm90,sm100")
@@ -30,13 +31,17 @@ def test_matrix_covers_every_tile_and_arch(matrix):
 
 
 def test_every_cell_compiles_or_says_why_not(matrix):
+    """Each cell compiled the tile's first shape with the arch's full default config (what a cell without a config
+    asks for), or names why the tile does not support the arch."""
     failed = [f"{c.tile}@{c.arch}: {c.outcome}: {c.message}" for c in matrix if not c.ok]
     assert not failed, "\n".join(failed)
     for c in matrix:
+        tile, arch = get_tile(c.tile), get_arch(c.arch)
+        assert c.shape == tile.shapes()[0].name and c.config == tile.with_defaults(arch, {}), c
         if c.outcome == UNSUPPORTED:
-            assert c.message, f"{c.tile}@{c.arch} is unsupported without a reason"
+            assert c.message and c.message == tile.support_reason(arch), f"{c.tile}@{c.arch} is unsupported without its reason"
         else:
-            assert c.compile_s is not None and c.config is not None
+            assert c.outcome == OK and c.compile_s > 0, c
 
 
 def test_bad_cells_are_reported_not_raised():

@@ -64,21 +64,35 @@ def _args(B=2, S=4, G=2, device="cpu"):
 
 @pytest.mark.parametrize("shape_name", ["prefill_r2_s4k", "decode_r1_b64"])
 def test_default_compiles_sm90(shape_name):
+    """The Hopper default as its config says: CTAs per SM in the launch bounds, the division-free encode, the fp16
+    projection from registers; at ratio 2 the gate among the parameters and the fast pooling's exponentials (ratio 1
+    pools nothing)."""
     shape = cp.COMPRESSOR.shape(shape_name)
     cfg = cp.COMPRESSOR.default_config(SM90)
     assert cp.COMPRESSOR.search_space(SM90).violations(cfg, shape, SM90) == []
-    assert cp.COMPRESSOR.build(shape, cfg, SM90) is not None
+    assert (cfg["encode"], cfg["proj"], cfg["proj_operands"], cfg["pool_math"]) == ("thresholds", "f16x3", "registers", "fast")
+    src = cp.COMPRESSOR.build(shape, cfg, SM90).get_kernel_source()
+    assert f"__launch_bounds__({cfg['threads']}, {cfg['ctas_per_sm']})" in src
+    assert "csa2_e2m1_pair_bounded(" in src and "csa2_proj_f16x3_regs(" in src
+    pools = shape["ratio"] == 2
+    assert ("const float* __restrict__ gate" in src, "__expf(" in src) == (pools, pools)
 
 
 @pytest.mark.slow
 def test_staged_load_compiles_sm90_and_is_the_hopper_default():
+    """load="staged" is Hopper's default, the only load its flat kernel is built for (the builder refuses "direct"
+    there); it builds at both ratios, prefill and decode (B and G are dynamic), with the gate a parameter at ratio 2."""
     cfg = cp.COMPRESSOR.default_config(SM90)
     assert cfg["load"] == "staged"
     assert cp.COMPRESSOR.default_config(get_arch("sm80"))["load"] == "direct"
     for name in ("prefill_r1_s4k", "decode_r2_b64"):
         shape = cp.COMPRESSOR.shape(name)
         assert cp.COMPRESSOR.search_space(SM90).violations(cfg, shape, SM90) == []
-        assert cp.COMPRESSOR.build(shape, {**cfg, "block_g": 16, "k_chunk": 64}, SM90) is not None
+        src = cp.COMPRESSOR.build(shape, cfg, SM90).get_kernel_source()
+        assert f"__launch_bounds__({cfg['threads']}, {cfg['ctas_per_sm']})" in src
+        assert ("const float* __restrict__ gate" in src) == (shape["ratio"] == 2)
+        with pytest.raises(TileError, match="is built for load=staged"):
+            cp.COMPRESSOR.build(shape, {**cfg, "load": "direct"}, SM90)
 
 
 def test_constraints_prune():

@@ -54,28 +54,20 @@ def _float_divisions(body: str) -> list[str]:
     return re.findall(r" / (?!0x1\.8p\+2f\b|\(?\d+\)?\b)[^;]*", body)
 
 
-# --- CPU: compile, search space, inputs, argument checks --------------------------------
-@pytest.mark.parametrize("arch", ["sm90", "sm89", "sm80"])
-@pytest.mark.parametrize("name", FP4_TILES)
-def test_compiles_default_config(name, arch):
-    tile, a = get_tile(name), get_arch(arch)
-    kernel = tile.build(_small(tile), tile.default_config(a), a)
-    src = kernel.get_kernel_source()
-    # exactness needs IEEE division and kept denormals: no fast-math intrinsics in the source
-    assert "__fdividef" not in src and "__frcp" not in src and "__expf" not in src
-
-
-@pytest.mark.parametrize("arch", ["sm90", "sm89", "sm80"])
-@pytest.mark.parametrize("name, option", TILE_OPTIONS)
-@pytest.mark.slow
-def test_compiles_every_option(name, option, arch):
-    """Each new option compiles per arch, and the source has what it is for: shuffles, 16-byte vectors, no division."""
-    tile, a = get_tile(name), get_arch(arch)
-    config = {**tile.default_config(a), **option}
-    assert tile.search_space(a).violations(config, _small(tile), a) == []
-    body = _kernel_body(tile.build(_small(tile), config, a).get_kernel_source())
-    quant = "code" in config
-    if config["mapping"] == "lanes":
+def _assert_body_follows_config(tile, config: dict, body: str) -> None:
+    """The kernel ``body`` (:func:`_kernel_body`) is the one ``config`` (a full config) describes: its block size, its
+    grid (a grid-stride loop when persistent), its staging (buffers in shared memory and barriers, or neither), the
+    groups or chunks each thread loops over, and for the lanes mapping the shuffles and vector moves it is for; for a
+    quantiser, the code's own instructions (the packed helper, the seven thresholds, or IEEE division for E4M3)."""
+    assert f"__launch_bounds__({config['threads']}, 1)" in body
+    persistent = re.search(r"for \(int step = 0; step < \(\(rows \+ \d+\) / \d+\); \+\+step\)", body)
+    assert bool(persistent) == (config["grid"] == "persistent"), "a persistent grid strides over the rows"
+    shared = config["staging"] == "shared"
+    assert ("buf_dyn_shmem" in body, "__syncthreads()" in body) == (shared, shared), "staging=shared: shared buffers and barriers"
+    lanes, quant = config["mapping"] == "lanes", "code" in config
+    per_thread = config["chunks_per_thread"] if lanes else config["groups_per_thread"]
+    assert re.findall(r"for \(int g = 0; g < (\d+); \+\+g\)", body) == ([str(per_thread)] if per_thread > 1 else [])
+    if lanes:
         # the group amax over 2 (E4M3) or 4 (E8M0) lanes: one or two butterfly steps; dequant needs no exchange
         assert body.count("__shfl_xor_sync") == ((tile.group // fp4.LANE_VALUES).bit_length() - 1 if quant else 0)
         wide = r"\*\(uint4\*\)\(xin \+ .*\) = \*\(uint4\*\)\(X " if quant else r"\*\(uint4\*\)\(Y .*\) = \*\(uint4\*\)\(yo "
@@ -86,6 +78,32 @@ def test_compiles_every_option(name, option, arch):
         # E8M0's divide path multiplies by the exact 2^-e already; E4M3's divides per value
         divides = config["code"] == "divide" and tile.scale_format == "e4m3"
         assert bool(_float_divisions(body)) == divides, _float_divisions(body)
+        assert ("csa2_fp4_codes8_bf16(" in body) == (config["code"] == "packed")
+        assert ("thr[7]" in body) == (config["code"] == "thresholds")
+
+
+# --- CPU: compile, search space, inputs, argument checks --------------------------------
+@pytest.mark.parametrize("arch", ["sm90", "sm89", "sm80"])
+@pytest.mark.parametrize("name", FP4_TILES)
+def test_compiles_default_config(name, arch):
+    tile, a = get_tile(name), get_arch(arch)
+    kernel = tile.build(_small(tile), tile.default_config(a), a)
+    src = kernel.get_kernel_source()
+    # exactness needs IEEE division and kept denormals: no fast-math intrinsics in the source
+    assert "__fdividef" not in src and "__frcp" not in src and "__expf" not in src
+    _assert_body_follows_config(tile, tile.default_config(a), _kernel_body(src))
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm89", "sm80"])
+@pytest.mark.parametrize("name, option", TILE_OPTIONS)
+@pytest.mark.slow
+def test_compiles_every_option(name, option, arch):
+    """Each new option compiles per arch, and the source has what it is for: shuffles, 16-byte vectors, the code's own
+    instructions, the loop over its chunks (:func:`_assert_body_follows_config`)."""
+    tile, a = get_tile(name), get_arch(arch)
+    config = {**tile.default_config(a), **option}
+    assert tile.search_space(a).violations(config, _small(tile), a) == []
+    _assert_body_follows_config(tile, config, _kernel_body(tile.build(_small(tile), config, a).get_kernel_source()))
 
 
 @pytest.mark.parametrize(
@@ -101,10 +119,11 @@ def test_compiles_every_option(name, option, arch):
 )
 @pytest.mark.slow
 def test_compiles_structural_variants(name, config):
+    """Staging in shared memory, a persistent grid, several groups per thread and a small block: each in the source."""
     tile, a = get_tile(name), get_arch("sm90")
     assert tile.search_space(a).violations(config, _small(tile), a) == []
     src = tile.build(_small(tile), config, a).get_kernel_source()
-    assert "__shared__" in src
+    _assert_body_follows_config(tile, {**tile.default_config(a), **config}, _kernel_body(src))
 
 
 @pytest.mark.parametrize("name", FP4_TILES)

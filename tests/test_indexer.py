@@ -35,20 +35,70 @@ def _odd(B: int, S: int, N: int) -> Shape:
 
 # ---------------------------------------------------------------------------------- CPU
 
+# What each dequant leaves in the score kernel (the kernel itself, not the helpers it imports): the wgmma's A operand
+# (registers, or a bf16 tile in shared memory) and how the codes become bf16: through the scale's exponent bits as a
+# float (<< 23), as the integer bf16 patterns of the bits paths, through the byte LUT, or by the path's own helper.
+DEQUANT_MARKS = {
+    "rs": "wgmma_rs",
+    "ss": "wgmma_ss",
+    "float_scale": "<< (uint)23",
+    "int_bits": "- 1) << 7)",
+    "lut": "void* lut",
+    "prmt": "csa2_fp4_group_bf16(",
+    "prmt_rs": "csa2_fp4_pair_bf16(",
+    "fma_rs": "csa2_fp4_pair_fma(",
+}
+DEQUANT_SOURCES = {
+    "shared": {"ss", "float_scale"},
+    "registers": {"rs", "float_scale"},
+    "lut": {"ss", "float_scale", "lut"},
+    "bits": {"ss", "int_bits"},
+    "fragment_bits": {"rs", "int_bits"},
+    "prmt": {"ss", "prmt"},
+    "prmt_rs": {"rs", "prmt_rs"},
+    "fma_rs": {"rs", "fma_rs"},
+}
+
+
+def _kernel_part(src: str) -> str:
+    """A generated source from the kernel's declaration on: the helpers it imports left out."""
+    return src[src.index('extern "C"') :]
+
+
+def _dequant_marks(src: str) -> set[str]:
+    """The DEQUANT_MARKS a score kernel's source shows."""
+    kernel = _kernel_part(src)
+    return {mark for mark, text in DEQUANT_MARKS.items() if text in kernel}
+
 
 @pytest.mark.parametrize("tile", ix.TILES, ids=lambda t: t.name)
 def test_default_compiles_sm90(tile):
-    shape = tile.shapes()[0]
-    assert tile.search_space(SM90).violations(tile.default_config(SM90), shape, SM90) == []
-    assert tile.build(shape, tile.default_config(SM90), SM90) is not None
+    """The kernels one call launches, as the default configures them: the score kernel's dequant (DEQUANT_SOURCES) and
+    signature (Reindex's gathered variant reads the pool's block ids and K by pointer, the contiguous one K through a
+    TMA descriptor); the select's row maps its columns through the pool's blocks in Reindex only."""
+    shape, cfg = tile.shapes()[0], tile.default_config(SM90)
+    assert tile.search_space(SM90).violations(cfg, shape, SM90) == []
+    sources = tile.kernel_sources(shape, cfg, SM90)
+    assert set(sources) == ({"block_max", "select"} if tile is ix.CANDIDATE_POOL else {"score", "select"})
+    if "score" in sources:
+        assert _dequant_marks(sources["score"]) == DEQUANT_SOURCES[cfg["dequant"]]
+        signature = _kernel_part(sources["score"]).split(";")[0]
+        gather = tile is ix.REINDEX_TOPK
+        assert ("const int* __restrict__ pool" in signature, "CUtensorMap k_words_desc" in signature) == (gather, not gather)
+    remap = shape["block"] if tile is ix.REINDEX_TOPK else 1
+    assert f"11, 8, 4096, false, true, {remap}>(" in _kernel_part(sources["select"])
 
 
 @pytest.mark.parametrize("tile", [ix.INDEXER_TOPK, ix.REINDEX_TOPK], ids=lambda t: t.name)
 @pytest.mark.parametrize("dequant", ["shared", "registers", "lut", "bits", "fragment_bits", "prmt", "prmt_rs", "fma_rs"])
 @pytest.mark.slow
 def test_dequant_options_compile_sm90(tile, dequant):
+    """Each dequant builds the score kernel it names and no other's: its A operand and its decode (DEQUANT_SOURCES, one
+    set of marks per dequant)."""
+    assert len({frozenset(marks) for marks in DEQUANT_SOURCES.values()}) == len(DEQUANT_SOURCES)
     shape = tile.shapes()[0]
-    assert tile.build(shape, tile.with_defaults(SM90, {"dequant": dequant}), SM90) is not None
+    sources = tile.kernel_sources(shape, tile.with_defaults(SM90, {"dequant": dequant}), SM90)
+    assert _dequant_marks(sources["score"]) == DEQUANT_SOURCES[dequant]
 
 
 def _bits_dequant(codes: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
@@ -643,7 +693,9 @@ def test_prmt_rs2_builds_at_the_indexer_shapes_without_spills(epilogue, tmp_path
     for name in ("decode_b64_n128k", "decode_b1_n128k", "prefill_s4k"):
         shape = ix.INDEXER_TOPK.shape(name)
         assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
-        assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
+        sources = ix.INDEXER_TOPK.kernel_sources(shape, cfg, SM90)
+        _assert_rs_score_kernel(sources["score"], "prmt_rs2", epilogue, shape, cfg)
+        assert "csa2_rs::select_row<" in _kernel_part(sources["select"]), name
     src = ix_launch.build_score(SM90, cfg, False, 8, *DECODE_GRID).get_kernel_source()
     assert "__launch_bounds__(256, 2)" in src and "mul.hi.u32" in src
     regs, spills = _ptxas(src, tmp_path)
@@ -741,7 +793,25 @@ def test_hoisted_epilogue_builds_at_the_indexer_shapes(shape_name):
     for dequant in ix.RS_DEQUANTS:
         cfg = {**ix.INDEXER_TOPK.default_config(SM90), "dequant": dequant, "epilogue": "hoisted"}
         assert ix.INDEXER_TOPK.search_space(SM90).violations(cfg, shape, SM90) == []
-        assert ix.INDEXER_TOPK.build(shape, cfg, SM90) is not None
+        sources = ix.INDEXER_TOPK.kernel_sources(shape, cfg, SM90)
+        _assert_rs_score_kernel(sources["score"], dequant, "hoisted", shape, cfg)
+        assert "csa2_rs::select_row<" in _kernel_part(sources["select"]), dequant
+
+
+# The helper each RS dequant calls in the tile loop to build its A fragment.
+RS_PAIR_HELPERS = {"prmt_rs": "csa2_fp4_pair_bf16(", "fma_rs": "csa2_fp4_pair_fma(", "prmt_rs2": "csa2_fp4_pair2_bf16("}
+
+
+def _assert_rs_score_kernel(src: str, dequant: str, epilogue: str, shape, cfg: dict) -> None:
+    """The score kernel of an RS dequant as built for ``shape``: the dequant's own pair helper (no other's) into RS
+    wgmmas, the epilogue's (hoisted: the pinned output pointer; fused: also the hand-written store), and the tile loop
+    bounded by the tiles per CTA that "auto" resolves to at the shape."""
+    kernel = _kernel_part(src)
+    assert [d for d, helper in RS_PAIR_HELPERS.items() if helper in kernel] == [dequant]
+    assert "wgmma_rs" in kernel and "wgmma_ss" not in kernel
+    assert ("csa2_pin_ptr(" in kernel, "csa2_relu_wsum_store<" in kernel) == (True, epilogue == "fused")
+    tiles = ix.resolve_tiles_per_cta(cfg["tiles_per_cta"], shape["B"] * shape["S"], shape["N"], cfg["block_n"], SM90)
+    assert f"for (int t = 0; t < max(0, min({tiles}, " in kernel, (shape.name, tiles)
 
 
 # hidden_tiles=skip (session 17): the contiguous score kernel's tile loop ends at the last tile with a visible entry.

@@ -7,6 +7,8 @@ at the decode shape (64 x 128K), one long row, odd lengths and several configs (
 capacity small enough to force the in-global fallback, the part staged in shared memory, the dedicated compaction).
 """
 
+import re
+
 import pytest
 import torch
 
@@ -20,18 +22,55 @@ SM90, SM80 = get_arch("sm90"), get_arch("sm80")
 # ---------------------------------------------------------------------------------- CPU
 
 
+def _select_call(src: str) -> tuple[list[str], list[str]]:
+    """(template arguments, call arguments) of a select kernel's one ``csa2_rs::select_row`` call. The arguments:
+    values, L, row, part, parts, n_valid, k, out, out_val, emit_values, pos_map, remap_block, M, then the buffers."""
+    calls = re.findall(r"csa2_rs::select_row(?:_staged)?<([^>]*)>\((.*)\);", src)
+    assert len(calls) == 1, calls
+    return calls[0][0].split(", "), calls[0][1].split(", ")
+
+
+def _signature(src: str) -> str:
+    """The kernel's parameter list, from its declaration."""
+    return re.search(r'extern "C" __global__ void \w+\(([^)]*)\);', src).group(1)
+
+
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)
 @pytest.mark.parametrize("parts", [1, 4])
 @pytest.mark.slow
 def test_compiles(arch, parts):
+    """The default knobs at the width "auto" resolves to for the first launch's CTAs, in both launches. The first selects
+    its part of the row (the part from grid y) among the valid columns and writes the candidates' values when there are
+    parts; the merge reads no n_valid (every column a candidate) and maps its columns through the candidates' positions."""
     first, merge = rs._kernels(arch, K, rs.check_config({}, K), parts, rows=64)
-    assert first is not None
     assert (merge is None) == (parts == 1)
+    threads = rs.resolve_threads("auto", 64 * parts, arch)
+    src = first.get_kernel_source()
+    template, args = _select_call(src)
+    assert template == [str(threads), "11", "8", "4096", "false", "true", "1"] and f"__launch_bounds__({threads}, 1)" in src
+    part = ["((int)blockIdx.y)", str(parts)] if parts > 1 else ["0", "1"]
+    assert args[3:7] == [*part, "n_valid[((int64_t)((int)blockIdx.x))]", str(K)]
+    assert (args[9], args[11]) == (str(int(parts > 1)), "0")  # values written by the parts launch; no position map
+    if merge is not None:
+        src = merge.get_kernel_source()
+        template, args = _select_call(src)
+        assert template == [str(threads), "11", "8", "4096", "false", "true", "1"]
+        assert args[3:7] == ["0", "1", "L", str(K)] and (args[9], args[11]) == ("0", "1")
+        assert "n_valid" not in _signature(src) and "n_valid" in _signature(first.get_kernel_source())
 
 
 def test_other_knobs_compile_sm90():
+    """Each knob reaches the row's template in both launches (threads, digit bits, loads in flight, capacity,
+    warp-aggregated atomics), and the shared memory is laid out for them: 2^hist_bits bins, then cap keys and cap
+    positions, then the scratch words."""
     cfg = rs.check_config({"threads": 256, "hist_bits": 12, "loads": 4, "cap": 2048, "agg": True}, K)
-    assert rs._kernels(SM90, K, cfg, 2, rows=1)[0] is not None
+    kernels = rs._kernels(SM90, K, cfg, 2, rows=1)
+    for kernel in kernels:
+        src = kernel.get_kernel_source()
+        assert _select_call(src)[0] == ["256", "12", "4", "2048", "true", "true", "1"]
+        offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src))
+        assert offsets == {"hist": "0", "skey": str(4 << 12), "spos": str((4 << 12) + 4 * 2048), "scratch": str((4 << 12) + 8 * 2048)}
+    assert _select_call(kernels[0].get_kernel_source())[1][4] == "2"
 
 
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=lambda a: a.name)

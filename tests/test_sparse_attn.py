@@ -1230,19 +1230,41 @@ def test_bf16_partials_odd_shapes(shape):
     _check(sa.DECODE_TILE, shape, {"partials": "bf16"})
 
 
+# (tile, consumers): paired_halves hands bf16 KV rows over in halves, which the FP4 tiles' gathering producer does not
+# make (the space refuses it there: options.halves_refusal); the bf16 tile runs it.
+SEESAW_CONSUMERS = [
+    (sa.DECODE_TILE, "seesaw"),
+    (sa.DECODE_TILE, "paired"),
+    (sa.BF16_TILE, "seesaw"),
+    (sa.BF16_TILE, "paired"),
+    (sa.BF16_TILE, "paired_halves"),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("tile", [sa.DECODE_TILE, sa.BF16_TILE], ids=lambda t: t.name)
-@pytest.mark.parametrize("consumers", ["seesaw", "paired", "paired_halves"])
-def test_seesaw_consumers_odd_shapes(tile, shape, consumers):
+@pytest.mark.parametrize("tile,consumers", SEESAW_CONSUMERS, ids=[f"{t.name}-{c}" for t, c in SEESAW_CONSUMERS])
+def test_seesaw_consumers_odd_shapes(tile, consumers, shape):
     """Whole blocks in turn (seesaw) or in pairs (paired) with partial blocks (W=37, K=100: -1 rows), odd block counts
     (seesaw: the last block taken after the loop; paired: warpgroup 1 without a block in the last pair), H=128 (two
-    head blocks per token) and odd S."""
+    head blocks per token) and odd S. The FP4 cases run the prefill tile at the prefill shapes."""
     if tile is sa.DECODE_TILE and shape.phase == "prefill":
         tile = sa.PREFILL_TILE
-    if consumers == "paired_halves" and tile is not sa.BF16_TILE:
-        pytest.skip("paired_halves hands bf16 rows over: the bf16 tile's odd shapes cover it")
     _check(tile, shape, {"consumers": consumers})
+
+
+def test_seesaw_consumers_cases_are_valid_and_paired_halves_needs_bf16_rows():
+    """Every case of test_seesaw_consumers_odd_shapes is a valid config where it runs (none is skipped), and the one left
+    out is refused: paired_halves on the FP4 tiles' gathered rows."""
+    for (tile, consumers), shape in itertools.product(SEESAW_CONSUMERS, ODD_SHAPES):
+        run = sa.PREFILL_TILE if tile is sa.DECODE_TILE and shape.phase == "prefill" else tile
+        extra = {"kv_staging": "gather"} if run is sa.PREFILL_TILE else {}  # as _check pins it
+        cfg = run.with_defaults(SM90, {"consumers": consumers, **extra})
+        assert run.search_space(SM90).violations(cfg, shape, SM90) == [], (run.name, consumers, shape.name)
+    for tile, shape in ((sa.DECODE_TILE, ODD_SHAPES[0]), (sa.PREFILL_TILE, ODD_SHAPES[-1])):
+        extra = {"kv_staging": "gather"} if tile is sa.PREFILL_TILE else {}
+        cfg = tile.with_defaults(SM90, {"consumers": "paired_halves", **extra})
+        assert any("paired_halves hands bf16 KV rows" in r for r in tile.search_space(SM90).violations(cfg, shape, SM90))
 
 
 @pytest.mark.gpu

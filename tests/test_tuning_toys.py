@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 
+import pytest
 import torch
 
 from tiles.core.arch import Arch, get_arch
@@ -248,11 +250,12 @@ def test_fault_toy_compiles_for_sm90a_and_rejects_unknown_modes():
     toy = FaultToy()
     sm90 = get_arch("sm90")
     kernel, ev = compile_tile(toy, toy.shapes()[0], {"mode": "good_fast"}, sm90)
-    assert ev.outcome == OK and kernel is not None
-    assert "out[" in kernel[1].get_kernel_source()
+    assert ev.outcome == OK and kernel[0] == "good_fast"
+    src = kernel[1].get_kernel_source()
+    # good_fast's 256-thread blocks, the int64 indices, and out = 2 x (no bias: only the "wrong" mode adds 1)
+    assert "__launch_bounds__(256, 1)" in src and "const int64_t* __restrict__ idx" in src
+    assert re.search(r"out\[[^;]*\] = \(x\[idx\[[^;]*\]\] \* 0x1p\+1f(/\*[^*]*\*/)?\);", src), src
     _, ev = compile_tile(toy, toy.shapes()[0], {"mode": "nope"}, sm90)
     assert ev.outcome == "invalid" and "nope" in ev.message
-    try:
+    with pytest.raises(TileError, match="has no shape 'missing': choose one of n64k"):
         toy.shape("missing")
-    except TileError as exc:
-        assert "n64k" in str(exc)
