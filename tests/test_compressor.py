@@ -201,12 +201,16 @@ def _gpu_inputs(shape_name: str, seed: int):
 
 
 def _outputs_bitwise_equal(shape, inputs, config_a, config_b) -> None:
-    """Two compressor configs on the same inputs write byte-identical caches (all four outputs)."""
+    """Two compressor configs on the same inputs write byte-identical caches (all four outputs, poisoned before each
+    launch), and those caches are right against the torch reference (fp4-near-exact rule): two kernels equally wrong
+    would pass the byte comparison alone."""
     tile, arch = cp.COMPRESSOR, get_arch("sm90")
     a = tile.run(tile.build(shape, config_a, arch), inputs)
     b = tile.run(tile.build(shape, config_b, arch), inputs)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    cmp = tile.compare(a, tile.reference(inputs))
+    assert cmp.ok, f"{shape.name}: {cmp}"
 
 
 @pytest.mark.gpu
@@ -222,14 +226,9 @@ def test_staged_equals_direct_bitwise(shape_name, block_g, k_chunk):
 
 @pytest.mark.gpu
 def test_decode_tail_state():
-    tile = cp.COMPRESSOR
-    inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
-    rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], EPS)
-    full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest)
-    tail = cp.compress(inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0])
-    assert all(torch.equal(a, b) for a, b in zip(full, tail))
-    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
-    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    """The public compress with the config it picks: a decode step's tail state gives the whole group's entries, each
+    call twice on poisoned outputs, against the reference (:func:`_decode_tail_entries_equal`)."""
+    _decode_tail_entries_equal(None)
 
 
 def test_smem_constraint_refuses_what_the_h200_refused():
@@ -556,18 +555,48 @@ def test_multi_cta_matches_reference(block_g, ctas, wk):
         assert ev.outcome == OK, f"{shape.name}: {ev.message}"
 
 
-def _decode_tail_entries_equal(cfg) -> tuple:
-    """Compress decode_r2_b64 whole and with its first position given as the tail state of an unfinished group:
-    asserts the same entries, returns (the caches, the inputs)."""
+_TORCH_EMPTY = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs) -> torch.Tensor:
+    """torch.empty whose memory is poisoned (tiles.core.contract.poisoned's rule for the buffers compress allocates
+    itself): all bits set for bytes, NaN for floats."""
+    t = _TORCH_EMPTY(*args, **kwargs)
+    if t.dtype == torch.uint8:
+        t.fill_(0xFF)
+    elif t.dtype == torch.float32:
+        t.fill_(float("nan"))
+    return t
+
+
+def _call_twice(call) -> tuple[torch.Tensor, ...]:
+    """``call()`` of the public compress (it allocates its caches) twice, every torch.empty inside poisoned: the first
+    caches, after requiring the second call's to be byte-identical. A byte never written stays 0xFF, which the reference
+    comparison refuses (0xFF is a NaN scale); a race shows as two different results."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", _poisoned_empty)
+        first, second = call(), call()
+    for name, a, b in zip(("main_packed", "main_scales", "idx_packed", "idx_scales"), first, second, strict=True):
+        assert torch.equal(a, b), f"two calls differ in {name}"
+    return first
+
+
+def _decode_tail_entries_equal(cfg) -> None:
+    """Compress decode_r2_b64 whole and with its first position given as the tail state of an unfinished group, each
+    call twice on poisoned outputs (:func:`_call_twice`): the same entries, right against the torch reference
+    (fp4-near-exact rule)."""
     tile = cp.COMPRESSOR
     inputs = tile.make_inputs(tile.shape("decode_r2_b64"), 3, "cuda")
     rest = (inputs["norm_weight"], inputs["cos"], inputs["sin"], inputs["wk"], inputs["k_norm_weight"], EPS)
-    full = cp.compress(inputs["kv"], inputs["gate"], 2, *rest, config=cfg)
-    tail = cp.compress(
-        inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, config=cfg, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0]
+    full = _call_twice(lambda: cp.compress(inputs["kv"], inputs["gate"], 2, *rest, config=cfg))
+    tail = _call_twice(
+        lambda: cp.compress(
+            inputs["kv"][:, 1:], inputs["gate"][:, 1:], 2, *rest, config=cfg, tail_kv=inputs["kv"][:, 0], tail_gate=inputs["gate"][:, 0]
+        )
     )
-    assert all(torch.equal(a, b) for a, b in zip(full, tail))
-    return full, inputs
+    assert all(torch.equal(a, b) for a, b in zip(full, tail, strict=True))
+    cmp = tile.compare(dict(zip(("main_packed", "main_scales", "idx_packed", "idx_scales"), full)), tile.reference(inputs))
+    assert cmp.ok, str(cmp)
 
 
 def _two_runs_bitwise_equal(shape, cfg) -> None:
@@ -582,8 +611,8 @@ def _two_runs_bitwise_equal(shape, cfg) -> None:
 
 @pytest.mark.gpu
 def test_multi_cta_decode_tail_and_repeatable():
-    """ctas_per_sm 2: the decode tail state gives the same entries as the whole group, and two runs at 64K are
-    bitwise equal (a race on the reused shared memory would show as run-to-run differences)."""
+    """ctas_per_sm 2: the decode tail state gives the same entries as the whole group (and matches the reference), and
+    two runs at 64K are bitwise equal (a race on the reused shared memory would show as run-to-run differences)."""
     cfg = {**_default(), "block_g": 32, "k_chunk": 16, "ctas_per_sm": 2}
     _decode_tail_entries_equal(cfg)
     _two_runs_bitwise_equal(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg)
@@ -771,9 +800,7 @@ def test_flat_decode_tail_and_repeatable(label, block_g, ctas, wk, stages, kv_lo
     tile = cp.COMPRESSOR
     cfg = _flat_config(block_g, ctas, wk, stages, kv_load)
     if kv_load != "whole":
-        full, inputs = _decode_tail_entries_equal(cfg)
-        names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
-        assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+        _decode_tail_entries_equal(cfg)
     for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
         if kv_load == "whole" and shape["ratio"] == 2:
             continue
@@ -959,9 +986,7 @@ def test_proj_registers_decode_tail_and_repeatable(label, block_g, ctas, kv_load
     runs at 64K (both ratios) are bitwise equal."""
     tile = cp.COMPRESSOR
     cfg = _proj_registers_config(block_g, ctas, kv_load)
-    full, inputs = _decode_tail_entries_equal(cfg)
-    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
-    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    _decode_tail_entries_equal(cfg)
     for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
         _two_runs_bitwise_equal(shape, cfg)
 
@@ -1048,9 +1073,7 @@ def test_fast_pool_decode_tail_and_repeatable(label, over):
     """The decode tail state gives the same entries as the whole group (and matches the reference); two runs at 64K
     are bitwise equal."""
     cfg = cp.COMPRESSOR.with_defaults(SM90, over)
-    full, inputs = _decode_tail_entries_equal(cfg)
-    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
-    assert cp.compare_fp4_caches(dict(zip(names, full)), cp.COMPRESSOR.reference(inputs)).ok
+    _decode_tail_entries_equal(cfg)
     _two_runs_bitwise_equal(cp.COMPRESSOR.shape("prefill_r2_s64k"), cfg)
 
 
@@ -1122,9 +1145,7 @@ def _variant_matches_reference_and_base(cfg, base_over: dict, two_run_shapes=("p
         for name in ("main_packed", "main_scales"):
             assert torch.equal(base[name], new[name]), f"{shape.name}: {name}"
         assert cp.compare_fp4_caches(new, base).ok, shape.name
-    full, inputs = _decode_tail_entries_equal(cfg)
-    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
-    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    _decode_tail_entries_equal(cfg)
     for name in two_run_shapes:
         _two_runs_bitwise_equal(tile.shape(name), cfg)
 
@@ -1282,9 +1303,7 @@ def test_norm_in_pool_matches_reference(label, over):
         inputs = tile.make_inputs(shape, 11, "cuda")
         base = tile.run(tile.build(shape, {**cfg, "norm_pass": "separate"}, arch), inputs)
         assert cp.compare_fp4_caches(tile.run(tile.build(shape, cfg, arch), inputs), base).ok, shape.name
-    full, inputs = _decode_tail_entries_equal(cfg)
-    names = ("main_packed", "main_scales", "idx_packed", "idx_scales")
-    assert cp.compare_fp4_caches(dict(zip(names, full)), tile.reference(inputs)).ok
+    _decode_tail_entries_equal(cfg)
     for shape in [tile.shape(n) for n in ("prefill_r2_s64k", "prefill_r1_s64k")]:
         _two_runs_bitwise_equal(shape, cfg)
 

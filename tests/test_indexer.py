@@ -1428,24 +1428,77 @@ def test_radix_knobs_match_reference(radix):
         assert ev.outcome == OK, f"{radix} {name}: {ev.message}"
 
 
+_TORCH_EMPTY = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs) -> torch.Tensor:
+    """torch.empty whose memory is poisoned (tiles.core.contract.poisoned's rule for the buffers a public function
+    allocates itself): NaN for floats, the most negative value for int32 (neither a position nor the -1 fill), all bits
+    set for bytes."""
+    t = _TORCH_EMPTY(*args, **kwargs)
+    if t.dtype == torch.float32:
+        t.fill_(float("nan"))
+    elif t.dtype == torch.int32:
+        t.fill_(torch.iinfo(torch.int32).min)
+    elif t.dtype == torch.uint8:
+        t.fill_(0xFF)
+    return t
+
+
+def _call_twice(call):
+    """``call()`` of a public function (it allocates its outputs) twice, every torch.empty inside poisoned: the first
+    result (a tensor or a tuple of them), after requiring the second to hold the same bits. An element never written
+    stays poisoned, which the reference comparison refuses; a race shows as two different results."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", _poisoned_empty)
+        first, second = call(), call()
+    for a, b in zip(*((r,) if isinstance(r, torch.Tensor) else r for r in (first, second)), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "two calls differ"
+    return first
+
+
+def _indexer_call(inputs, config: dict | None, label: str, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """ix.indexer_topk (top 512, with the scores) with ``config``, called twice on poisoned outputs (:func:`_call_twice`)
+    and, with ``check``, compared with the torch reference (scores by relative L2, top-k sets by the tie rule): (top-k,
+    scores)."""
+    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+    out, scores = _call_twice(lambda: ix.indexer_topk(*args, 512, return_scores=True, config=config))
+    if check:
+        cmp = ix.INDEXER_TOPK.compare({"topk": out, "scores": scores}, ix.INDEXER_TOPK.reference(inputs))
+        assert cmp.ok, f"indexer_topk {label}: {cmp}"
+    return out, scores
+
+
+def _reindex_call(inputs, pool, config: dict, label: str, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """ix.reindex_topk (blocks of 8, top 512, with the slots' scores) over ``pool`` with ``config``, as
+    :func:`_indexer_call`: (top-k, slot scores)."""
+    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
+    out, scores = _call_twice(lambda: ix.reindex_topk(*args, pool, 8, 512, config=config, return_scores=True))
+    if check:
+        ref = ix.REINDEX_TOPK.reference({**inputs, "pool_blocks": pool})
+        cmp = ix.REINDEX_TOPK.compare({"topk": out, "pool_scores": scores}, ref)
+        assert cmp.ok, f"reindex_topk {label}: {cmp}"
+    return out, scores
+
+
 @pytest.mark.gpu
 def test_bits_scores_equal_shared_scores():
-    """Both paths feed the same exact bf16 K to the same MMA: the score rows must agree bitwise."""
+    """Both paths feed the same exact bf16 K to the same MMA: the score rows must agree bitwise (and each with the
+    reference)."""
     inputs = ix_reference.indexer_inputs(4, 1, 5000, 11, "cuda", causal=False)
-    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**ix_space.SCORE_DEFAULT, "dequant": "bits"})
-    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**ix_space.SCORE_DEFAULT, "dequant": "shared"})
+    _, a = _indexer_call(inputs, {**ix_space.SCORE_DEFAULT, "dequant": "bits"}, "bits")
+    _, b = _indexer_call(inputs, {**ix_space.SCORE_DEFAULT, "dequant": "shared"}, "shared")
     assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
 def test_prmt_scores_equal_bits_scores():
-    """dequant=prmt builds the bits path's bf16 patterns by byte permutes: the same K into the same MMA, bitwise."""
+    """dequant=prmt builds the bits path's bf16 patterns by byte permutes: the same K into the same MMA, bitwise (and
+    each against the reference)."""
     inputs = ix_reference.indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
-    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
     sm90 = ix_space.SCORE_DEFAULT_SM90
-    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "prmt", "min_ctas": 2})
-    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": "bits"})
+    _, a = _indexer_call(inputs, {**sm90, "dequant": "prmt", "min_ctas": 2}, "prmt")
+    _, b = _indexer_call(inputs, {**sm90, "dequant": "bits"}, "bits")
     assert torch.equal(a, b)
 
 
@@ -1485,12 +1538,11 @@ def test_rs_matches_reference(option):
 @pytest.mark.parametrize("dequant, against", [("prmt_rs", "prmt"), ("fma_rs", "prmt_rs")])
 def test_rs_scores_close_to_the_shared_memory_path(dequant, against):
     """Same K values and products as ``against`` (prmt_rs and fma_rs build the same A operands, bit for bit, CPU
-    tests), other summation order inside the MMA: equal to ~1 ulp of the row scale."""
+    tests), other summation order inside the MMA: equal to ~1 ulp of the row scale (and each against the reference)."""
     inputs = ix_reference.indexer_inputs(4, 1, 5000, 13, "cuda", causal=False)
-    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
     sm90 = ix_space.SCORE_DEFAULT_SM90
-    _, a = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": dequant, "min_ctas": 2})
-    _, b = ix.indexer_topk(*args, 512, return_scores=True, config={**sm90, "dequant": against, "min_ctas": 2})
+    _, a = _indexer_call(inputs, {**sm90, "dequant": dequant, "min_ctas": 2}, dequant)
+    _, b = _indexer_call(inputs, {**sm90, "dequant": against, "min_ctas": 2}, against)
     assert torch.equal(torch.isinf(a), torch.isinf(b))
     fin = torch.isfinite(b)
     assert float((a[fin] - b[fin]).norm() / b[fin].norm().clamp(min=1e-30)) < 1e-6
@@ -1501,17 +1553,10 @@ def test_rs_scores_close_to_the_shared_memory_path(dequant, against):
 def test_rs_wide_scale_bytes_match_reference(dequant):
     """Scale bytes 96..160 (K up to 6 x 2^33): fma_rs's second bf16 multiply (bytes > 128), the subnormal code-1 input of
     its first one, and prmt_rs on the same data, against the reference scores and top-k sets."""
-    from tiles.core.compare import relative_l2
-
     inputs = ix_reference.indexer_inputs(4, 2, 3000, 19, "cuda", causal=False)
     gen = torch.Generator(device="cuda").manual_seed(23)
     inputs["k_scales"] = torch.randint(96, 161, inputs["k_scales"].shape, generator=gen, device="cuda").to(torch.uint8)
-    args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-    cfg = {**ix_space.SCORE_DEFAULT_SM90, "dequant": dequant, "min_ctas": 2}
-    out, scores = ix.indexer_topk(*args, 512, return_scores=True, config=cfg)
-    ref = ix_reference.reference_scores(inputs)
-    assert relative_l2({"scores": scores}, {"scores": ref}, ix.SCORE_RTOL).ok
-    assert ix.compare_topk_sets(out, topk_positions(ref, 512), ref).ok
+    _indexer_call(inputs, {**ix_space.SCORE_DEFAULT_SM90, "dequant": dequant, "min_ctas": 2}, dequant)
 
 
 @pytest.mark.gpu
@@ -1519,19 +1564,19 @@ def test_rs_wide_scale_bytes_match_reference(dequant):
 def test_hoisted_epilogue_scores_bitwise_equal_per_tile(option):
     """Code motion only: the scores (and so the top-k) are bit for bit those of the same config with
     epilogue=per_tile, on indexer_topk (decode B=64 x 128K, partial last tiles, rows with n_visible 300 and 0) and on
-    reindex_topk's gathered variant (unused pool blocks, invisible slots)."""
+    reindex_topk's gathered variant (unused pool blocks, invisible slots); and against the reference."""
     per_tile = {**HOISTED_OPTIONS[option], "epilogue": "per_tile"}
     for B, S, N in [(64, 1, 131072), (3, 2, 1000), (2, 1, 77)]:
+        label = f"{option} B={B} S={S} N={N}"
         inputs = ix_reference.indexer_inputs(B, S, N, 29, "cuda", causal=False)
-        args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-        out_h, sc_h = ix.indexer_topk(*args, 512, return_scores=True, config=HOISTED_OPTIONS[option])
-        out_p, sc_p = ix.indexer_topk(*args, 512, return_scores=True, config=per_tile)
+        out_h, sc_h = _indexer_call(inputs, HOISTED_OPTIONS[option], label)
+        out_p, sc_p = _indexer_call(inputs, per_tile, label, check=False)
         assert torch.equal(sc_h.view(torch.int32), sc_p.view(torch.int32)), f"indexer_topk B={B} S={S} N={N}"
         assert torch.equal(out_h, out_p)
         gen = torch.Generator(device="cuda").manual_seed(31)
         pool = ix_reference.random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
-        out_h, sc_h = ix.reindex_topk(*args, pool, 8, 512, config=HOISTED_OPTIONS[option], return_scores=True)
-        out_p, sc_p = ix.reindex_topk(*args, pool, 8, 512, config=per_tile, return_scores=True)
+        out_h, sc_h = _reindex_call(inputs, pool, HOISTED_OPTIONS[option], label)
+        out_p, sc_p = _reindex_call(inputs, pool, per_tile, label, check=False)
         assert torch.equal(sc_h.view(torch.int32), sc_p.view(torch.int32)), f"reindex_topk B={B} S={S} N={N}"
         assert torch.equal(out_h, out_p)
 
@@ -1561,7 +1606,7 @@ def test_fused_epilogue_matches_reference(option):
 def test_fused_epilogue_scores_close_to_hoisted(option):
     """The same products as epilogue=hoisted, each rounded once inside the FFMA instead of once more on its own, and the
     same quad sum (bitwise the AllReduce's): the same -inf pattern, scores within ~1 ulp of the row scale, and top-k
-    sets equal up to the tie rule; on indexer_topk and on reindex_topk's gathered variant."""
+    sets equal up to the tie rule; on indexer_topk and on reindex_topk's gathered variant; and each against the reference."""
     from tiles.core.compare import relative_l2
 
     fused = {**ix.INDEXER_TOPK.default_config(SM90), **FUSED_OPTIONS[option]}
@@ -1569,17 +1614,17 @@ def test_fused_epilogue_scores_close_to_hoisted(option):
     score_keys = ("block_n", "threads", "stages", "tiles_per_cta", "dequant", "min_ctas", "epilogue")  # Reindex's space
     r_fused, r_hoisted = ({k: c[k] for k in score_keys} for c in (fused, hoisted))
     for B, S, N in [(64, 1, 131072), (3, 2, 1000), (2, 1, 77)]:
+        label = f"{option} B={B} S={S} N={N}"
         inputs = ix_reference.indexer_inputs(B, S, N, 29, "cuda", causal=False)
-        args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-        out_f, sc_f = ix.indexer_topk(*args, 512, return_scores=True, config=fused)
-        out_h, sc_h = ix.indexer_topk(*args, 512, return_scores=True, config=hoisted)
+        out_f, sc_f = _indexer_call(inputs, fused, f"fused {label}")
+        out_h, sc_h = _indexer_call(inputs, hoisted, f"hoisted {label}")
         assert torch.equal(torch.isinf(sc_f), torch.isinf(sc_h)), f"indexer_topk B={B} S={S} N={N}"
         assert relative_l2({"scores": sc_f}, {"scores": sc_h}, 1e-6).ok, f"indexer_topk B={B} S={S} N={N}"
         assert ix.compare_topk_sets(out_f, out_h, sc_h).ok
         gen = torch.Generator(device="cuda").manual_seed(31)
         pool = ix_reference.random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
-        out_f, sc_f = ix.reindex_topk(*args, pool, 8, 512, config=r_fused, return_scores=True)
-        out_h, sc_h = ix.reindex_topk(*args, pool, 8, 512, config=r_hoisted, return_scores=True)
+        out_f, sc_f = _reindex_call(inputs, pool, r_fused, f"fused {label}")
+        out_h, sc_h = _reindex_call(inputs, pool, r_hoisted, f"hoisted {label}")
         assert torch.equal(torch.isinf(sc_f), torch.isinf(sc_h)), f"reindex_topk B={B} S={S} N={N}"
         assert relative_l2({"scores": sc_f}, {"scores": sc_h}, 1e-6).ok, f"reindex_topk B={B} S={S} N={N}"
 
@@ -1599,25 +1644,26 @@ PRMT_RS2_OPTIONS = {
 def test_prmt_rs2_scores_bitwise_equal_prmt_rs(option):
     """prmt_rs2 and prmt_rs (same layout and epilogue): scores and top-k bitwise equal on indexer_topk (decode B=64 x
     128K, partial tiles, n_visible 300 and 0, and scale bytes 1..252 drawn uniformly: every table row the tile
-    reads in range) and on reindex_topk's gathered variant (unused pool blocks: the 0x7F7F7F7F scale fill)."""
+    reads in range) and on reindex_topk's gathered variant (unused pool blocks: the 0x7F7F7F7F scale fill); and against
+    the reference, except on the wide scale bytes (up to 2^125: the sums overflow, to inf or NaN by summation order)."""
     new = {**ix.INDEXER_TOPK.default_config(SM90), **PRMT_RS2_OPTIONS[option], "dequant": "prmt_rs2"}
     old = {**new, "dequant": "prmt_rs"}
     score_keys = ("block_n", "threads", "stages", "tiles_per_cta", "dequant", "min_ctas", "epilogue")
     for B, S, N, wide in [(64, 1, 131072, False), (3, 2, 1000, False), (2, 1, 77, False), (4, 2, 3000, True)]:
+        label = f"{option} B={B} S={S} N={N}"
         inputs = ix_reference.indexer_inputs(B, S, N, 41, "cuda", causal=False)
         if wide:
             gen = torch.Generator(device="cuda").manual_seed(43)
             inputs["k_scales"] = torch.randint(1, 253, inputs["k_scales"].shape, generator=gen, device="cuda").to(torch.uint8)
-        args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-        out_n, sc_n = ix.indexer_topk(*args, 512, return_scores=True, config=new)
-        out_o, sc_o = ix.indexer_topk(*args, 512, return_scores=True, config=old)
+        out_n, sc_n = _indexer_call(inputs, new, label, check=not wide)
+        out_o, sc_o = _indexer_call(inputs, old, label, check=False)
         assert torch.equal(sc_n.view(torch.int32), sc_o.view(torch.int32)), f"indexer_topk B={B} S={S} N={N}"
         assert torch.equal(out_n, out_o)
         gen = torch.Generator(device="cuda").manual_seed(47)
         pool = ix_reference.random_pool(inputs["n_visible"], N, 2048, 8, gen)  # [B, S, P]
         r_new, r_old = ({k: c[k] for k in score_keys} for c in (new, old))
-        out_n, sc_n = ix.reindex_topk(*args, pool, 8, 512, config=r_new, return_scores=True)
-        out_o, sc_o = ix.reindex_topk(*args, pool, 8, 512, config=r_old, return_scores=True)
+        out_n, sc_n = _reindex_call(inputs, pool, r_new, label, check=not wide)
+        out_o, sc_o = _reindex_call(inputs, pool, r_old, label, check=False)
         assert torch.equal(sc_n.view(torch.int32), sc_o.view(torch.int32)), f"reindex_topk B={B} S={S} N={N}"
         assert torch.equal(out_n, out_o)
 
@@ -1635,13 +1681,11 @@ def test_ties_and_wrappers():
     inputs["k_packed"] = inputs["k_packed"][:, :64].repeat(1, 512, 1).contiguous()  # 64 distinct keys: every score repeats
     inputs["k_scales"] = inputs["k_scales"][:, :64].repeat(1, 512, 1).contiguous()
     args = (inputs["q"], inputs["weights"], inputs["k_packed"], inputs["k_scales"], inputs["n_visible"])
-    out, scores = ix.indexer_topk(*args, 512, return_scores=True)
+    out, scores = _indexer_call(inputs, None, "ties")
     assert torch.equal(out, topk_positions(scores, 512))  # the select kernel follows the tie rule exactly
-    ref_scores = ix_reference.reference_scores(inputs)
-    assert ix.compare_topk_sets(out, topk_positions(ref_scores, 512), ref_scores).ok
-    pool = ix.candidate_pool(scores, inputs["n_visible"])
+    pool = _call_twice(lambda: ix.candidate_pool(scores, inputs["n_visible"]))
     assert torch.equal(pool, candidate_blocks(scores, inputs["n_visible"], 8, 2048))
-    got = ix.reindex_topk(*args, pool, 8, 512)
+    got = _call_twice(lambda: ix.reindex_topk(*args, pool, 8, 512))
     inputs["pool_blocks"] = pool
     ref = ix.REINDEX_TOPK.reference(inputs)
     assert ix.compare_topk_sets(got, ref["topk"], ref["scores"]).ok
