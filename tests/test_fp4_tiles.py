@@ -3,8 +3,11 @@ exhaustively on the CPU; bit-exact with model.formats on the GPU for every struc
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import re
 from fractions import Fraction
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -200,25 +203,83 @@ def test_builders_refuse_invalid_structures():
         fp4.build_dequant(512, "e4m3", "bfloat16", "registers", 2, 256, "tiles", "sm_90a", mapping="warp")
 
 
+# --- CPU: the emulations, tied to the shipped source ------------------------------------
+# A CPU mirror of kernel code proves nothing about the kernel unless it is that code: the TileLang element helpers run
+# here as they are, on torch tensors (_tilelang_as_torch); the CUDA snippets and the statements inside the kernel builders
+# are mirrored in Python and every mirrored statement is looked up in the shipped source, so a changed constant,
+# comparison or shift there fails a CPU test.
+def _source_text(src: str, comment: str) -> str:
+    """``src`` with its ``comment`` comments dropped and its whitespace normalised: what a statement is looked up in."""
+    return " ".join(re.sub(rf"{re.escape(comment)}.*", "", src).split())
+
+
+def _cuda_function(src: str, name: str) -> str:
+    """The CUDA helper ``name`` defined in ``src``, from its name to its closing brace (see :func:`_source_text`)."""
+    head = re.search(rf"__device__ __forceinline__ [\w *]+\b{name}\(", src)
+    assert head, f"{name} is not defined in the source"
+    body, depth = src.index("{", head.end()), 0
+    for end, ch in enumerate(src[body:], start=body):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth == 0:
+            return _source_text(src[head.start() : end + 1], "//")
+    raise AssertionError(f"{name}: its braces do not close")
+
+
+def _python_function(fn) -> str:
+    """The source of the Python function ``fn`` (unwrapped from functools.cache; see :func:`_source_text`)."""
+    return _source_text(inspect.getsource(fn), "#")
+
+
+@contextlib.contextmanager
+def _tilelang_as_torch():
+    """While active, fp4's TileLang element helpers compute on torch tensors: the tilelang.language calls they make
+    (abs, if_then_else, uint32, float32, reinterpret) done by torch, uint32 values held in int64 tensors."""
+    import tilelang.language as T
+
+    def reinterpret(bits, dtype: str) -> torch.Tensor:
+        assert dtype == "float32", dtype
+        u = torch.as_tensor(bits, dtype=torch.int64) & 0xFFFFFFFF
+        return torch.where(u >= 1 << 31, u - (1 << 32), u).to(torch.int32).view(torch.float32)
+
+    with mock.patch.multiple(T, abs=torch.abs, if_then_else=torch.where, uint32=int, float32=float, reinterpret=reinterpret):
+        yield
+
+
 def _bf16_patterns() -> torch.Tensor:
     """Every bf16 bit pattern (NaNs, +-Inf, +-0, denormals included) as float32 [65536]."""
     return torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
 
 
 def _threshold_codes(x: torch.Tensor, s: torch.Tensor, scale_format: str) -> torch.Tensor:
-    """CPU mirror of the kernel's ``code='thresholds'`` path (build_quant + fp4.e2m1_code_search), fp32 throughout."""
-    thr = s * torch.tensor(formats.E2M1_MIDPOINTS)  # [7]
+    """The kernel's ``code='thresholds'`` path on the CPU, fp32 throughout: build_quant's thresholds and negative bound
+    (mirrored: _THRESHOLD_STATEMENTS) and the shipped search, fp4.kernel.e2m1_code_search, itself."""
+    thr = s * torch.tensor(fp4.kernel._MIDPOINTS)  # [7]
     if scale_format == "e8m0":
-        thr = thr.clamp(max=fp4.FLT_MAX)
+        thr = torch.minimum(thr, torch.tensor(fp4.FLT_MAX))
         neg = -(s * 2.0**-75) * 2.0**-75
     else:
         neg = torch.zeros(1)
-    a = x.abs()
-    ge4 = a >= thr[3]
-    ge2 = a >= torch.where(ge4, thr[5], thr[1])
-    odd = a > torch.where(ge4, torch.where(ge2, thr[6], thr[4]), torch.where(ge2, thr[2], thr[0]))
-    mag = (ge4.to(torch.uint8) << 2) | (ge2.to(torch.uint8) << 1) | odd.to(torch.uint8)
-    return mag | ((x < neg).to(torch.uint8) << 3)
+    with _tilelang_as_torch():
+        return fp4.kernel.e2m1_code_search(x, thr, neg, 0).to(torch.uint8)
+
+
+# build_quant's statements that _threshold_codes mirrors (the scale itself is checked by the GPU tests)
+_THRESHOLD_STATEMENTS = (
+    *(f"thr[{k}] = s * T.float32(_MIDPOINTS[{k}])" for k in range(7)),
+    'if scale_format == "e8m0": for k in T.unroll(7): thr[k] = T.min(thr[k], T.float32(FLT_MAX))',
+    'neg = T.float32(0.0) else: bits = T.reinterpret(raw, "uint32")',  # E4M3's bound ends its branch, E8M0's follows
+    "neg = -(s * T.float32(2.0**-75)) * T.float32(2.0**-75)",
+    'pk[g * seg // 2 + j] = T.cast( e2m1_code_search(v_lo, thr, neg, 0) | e2m1_code_search(v_hi, thr, neg, 4), "uint8" )',
+)
+
+
+def test_thresholds_emulation_follows_build_quant():
+    """_threshold_codes computes the thresholds, the negative bound and the nibble shifts as build_quant does, in these
+    statements, and its search is the shipped one."""
+    src = _python_function(fp4.build_quant)
+    for stmt in _THRESHOLD_STATEMENTS:
+        assert stmt in src, stmt
+    assert fp4.kernel._MIDPOINTS == formats.E2M1_MIDPOINTS
 
 
 @pytest.mark.parametrize("scale_format, scale_bytes", [("e4m3", range(1, 0x7F)), ("e8m0", range(1, 255))], ids=["e4m3", "e8m0"])
@@ -234,21 +295,22 @@ def test_thresholds_match_division_on_every_bf16(scale_format, scale_bytes):
 
 
 def test_e4m3_scale_decode_by_bits_is_exact():
-    """CPU mirror of fp4._e4m3_scale_value_bits: the byte's bits as a tiny fp32, * 2^120; all 256 bytes."""
-    b = torch.arange(256, dtype=torch.int32)
-    got = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).view(torch.float32) * 2.0**120  # [256]
-    got = torch.where((b & 0x7F) == 0x7F, torch.full_like(got, float("nan")), got)
+    """fp4.kernel._e4m3_scale_value_bits, run on the CPU: the byte's bits as a tiny fp32, * 2^120; all 256 bytes."""
+    b = torch.arange(256, dtype=torch.int64)
+    with _tilelang_as_torch():
+        got = fp4.kernel._e4m3_scale_value_bits(b)  # [256] float32
     assert fp4.bit_exact_nan_canonical({"s": got}, {"s": formats.e4m3_decode(b.to(torch.uint8))}).ok
 
 
 @pytest.mark.parametrize("scale_format", ["e4m3", "e8m0"])
 def test_e2m1_decode_by_bits_is_exact(scale_format):
-    """CPU mirror of fp4._e2m1_times: code bits as a tiny fp32, * 2^126, * s; every code against every scale byte."""
-    codes = torch.arange(16, dtype=torch.int32)
-    tiny = (((codes & 7) << 22) | ((codes & 8) << 28)).view(torch.float32)  # [16]
+    """fp4.kernel._e2m1_times, run on the CPU: code bits as a tiny fp32, * 2^126, * s; every code against every scale
+    byte."""
+    codes = torch.arange(16, dtype=torch.int64)
     scale_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     s = formats.e4m3_decode(scale_bytes) if scale_format == "e4m3" else formats.e8m0_decode(scale_bytes)  # [256]
-    got = (tiny[None, :] * 2.0**126) * s[:, None]  # [256, 16]
+    with _tilelang_as_torch():
+        got = fp4.kernel._e2m1_times(codes, s[:, None])  # [256, 16]
     expected = formats.e2m1_decode(codes.to(torch.uint8))[None, :] * s[:, None]
     for dtype in (torch.float32, torch.bfloat16):
         assert fp4.bit_exact_nan_canonical({"y": got.to(dtype)}, {"y": expected.to(dtype)}).ok
@@ -262,12 +324,26 @@ def _round_f32(x: Fraction) -> Fraction:
     return Fraction(float(best))
 
 
+# fp4.kernel._div6_bf16, statement by statement, as the test below mirrors it with exact rationals
+_DIV6_STATEMENTS = (
+    "q = a * T.float32(SIXTH)",
+    'r = T.call_extern("float32", "__fmaf_rn", -q, T.float32(formats.FP4_MAX), a)',
+    'return T.min(T.call_extern("float32", "__fmaf_rn", r, T.float32(SIXTH), q), T.float32(FLT_MAX))',
+)
+
+
+def test_division_free_sixth_emulation_follows_div6_bf16():
+    src = _python_function(fp4.kernel._div6_bf16)
+    for stmt in _DIV6_STATEMENTS:
+        assert stmt in src, stmt
+
+
 def test_division_free_sixth_is_ieee_division_on_every_bf16():
     """fp4._div6_bf16 (q = a * RN(1/6), FMA residual, FMA correction) equals IEEE a / 6 for every bf16 a the scale
     computation divides: finite, >= 6 * 2^-126 (the E8M0 minimum; the E4M3 one is larger)."""
     patterns = torch.arange(0x0000, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     a_values = [Fraction(v) for v in patterns.tolist() if v >= 6 * 2.0**-126]
-    sixth, six = Fraction(fp4.SIXTH), Fraction(6)
+    sixth, six = Fraction(fp4.SIXTH), Fraction(formats.FP4_MAX)
     assert _round_f32(Fraction(1, 6)) == sixth
     for a in a_values:
         q = _round_f32(a * sixth)
@@ -278,7 +354,8 @@ def test_division_free_sixth_is_ieee_division_on_every_bf16():
 
 
 def _packed_pair(w: torch.Tensor, t: list[int]) -> torch.Tensor:
-    """CPU mirror of csa2_e2m1_pair (fp4._PACKED_CODES_CUDA), word for word: int64 pair words [N] -> code bytes [N].
+    """CPU mirror of csa2_e2m1_pair (fp4.kernel._PACKED_CODES_CUDA; _PACKED_STATEMENTS), word for word: int64 pair
+    words [N] -> code bytes [N].
 
     The bf16x2 compares are emulated per half on the bf16 values (NaN compares false), giving 0xFFFF per true half."""
 
@@ -307,6 +384,42 @@ def _packed_pair(w: torch.Tensor, t: list[int]) -> torch.Tensor:
     return (nib | (nib >> 12)) & 0xFF
 
 
+# The statements of _PACKED_CODES_CUDA that _packed_pair and the test below mirror, by helper
+_PACKED_STATEMENTS = {
+    "csa2_as_bf162": ("return *reinterpret_cast<__nv_bfloat162*>(&u);",),
+    "csa2_select": ("return (m & a) | (~m & b);",),
+    "csa2_e2m1_pair": (
+        "const __nv_bfloat162 a = csa2_as_bf162(w & 0x7FFF7FFFu);",
+        "const unsigned ge4 = __hge2_mask(a, csa2_as_bf162(t[3]));",
+        "const unsigned ge2 = __hge2_mask(a, csa2_as_bf162(csa2_select(ge4, t[5], t[1])));",
+        "const unsigned odd = __hgt2_mask(a, csa2_as_bf162(csa2_select(ge4, csa2_select(ge2, t[6], t[4]), csa2_select(ge2, t[2], t[0]))));",
+        "const unsigned neg = __hgt2_mask(a, csa2_as_bf162(0u)) & w & 0x80008000u;",
+        "const unsigned nib = (ge4 & 0x00040004u) | (ge2 & 0x00020002u) | (odd & 0x00010001u) | (neg >> 12);",
+        "return (nib | (nib >> 12)) & 0xFFu;",
+    ),
+    "csa2_fp4_codes8_bf16": (
+        "const __nv_bfloat162 s2 = __float2bfloat162_rn(s);",
+        "for (int k = 0; k < 7; ++k) t[k] = csa2_bits(__hmul2(s2, __float2bfloat162_rn(mids[k])));",
+        "csa2_e2m1_pair(x.x, t) | (csa2_e2m1_pair(x.y, t) << 8) | (csa2_e2m1_pair(x.z, t) << 16) | (csa2_e2m1_pair(x.w, t) << 24);",
+    ),
+}
+
+
+def _packed_midpoints() -> list[float]:
+    """The midpoints csa2_fp4_codes8_bf16 scales into its thresholds, read from its table in _PACKED_CODES_CUDA."""
+    table = re.search(r"const float mids\[7\] = \{([^}]*)\};", fp4.kernel._PACKED_CODES_CUDA)
+    assert table, "csa2_fp4_codes8_bf16 has no mids table"
+    return [float(v.strip().removesuffix("f")) for v in table.group(1).split(",")]
+
+
+@pytest.mark.parametrize("helper", list(_PACKED_STATEMENTS))
+def test_packed_codes_emulation_follows_the_cuda_source(helper):
+    """_packed_pair and the thresholds the test below gives it are _PACKED_CODES_CUDA's, statement by statement."""
+    src = _cuda_function(fp4.kernel._PACKED_CODES_CUDA, helper)
+    for stmt in _PACKED_STATEMENTS[helper]:
+        assert stmt in src, stmt
+
+
 def _bf16_bits(x: float) -> int:
     return int(torch.tensor([x]).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
 
@@ -316,7 +429,7 @@ def test_packed_codes_match_division_on_every_bf16(scale_byte):
     """code='packed': the bf16x2 thresholds m_k * s are exact bf16 values and the pair-word search gives the reference
     code for every bf16 pattern in either half of a word, for every E4M3 scale byte a group can get."""
     s = formats.e4m3_decode(torch.tensor([scale_byte], dtype=torch.uint8))  # [1]
-    mids = torch.tensor(formats.E2M1_MIDPOINTS)
+    mids = torch.tensor(_packed_midpoints())  # [7], the kernel's table: the reference below has its own
     assert torch.equal((s * mids).to(torch.bfloat16).float(), s * mids), "m_k * s is not a bf16 value"
     t = [_bf16_bits(v) * 0x10001 for v in (s * mids).tolist()]  # both halves
     x = _bf16_patterns()  # [65536]

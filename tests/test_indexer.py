@@ -6,6 +6,10 @@ against the torch reference on fresh random data (real and odd shapes, n_visible
 empty rows, heavy ties), outputs poisoned first, two runs bitwise equal (tiles.core.harness).
 """
 
+import ast
+import inspect
+import re
+
 import pytest
 import torch
 
@@ -101,11 +105,61 @@ def test_dequant_options_compile_sm90(tile, dequant):
     assert _dequant_marks(sources["score"]) == DEQUANT_SOURCES[dequant]
 
 
+# The dequant emulations below mirror the CUDA helpers (and the TileLang formula) the score kernels ship, statement by
+# statement; each is followed by a test that looks its statements up in the shipped source, so that a changed constant,
+# selector or shift there fails on the CPU (the attention's test_prmt_emulation_follows_the_cuda_source does the same).
+def _source_text(src: str, comment: str) -> str:
+    """``src`` with its ``comment`` comments dropped and its whitespace normalised: what a statement is looked up in."""
+    return " ".join(re.sub(rf"{re.escape(comment)}.*", "", src).split())
+
+
+def _cuda_function(src: str, name: str) -> str:
+    """The CUDA helper ``name`` defined in ``src``, from its name to its closing brace (see :func:`_source_text`)."""
+    head = re.search(rf"__device__ __forceinline__ [\w *]+\b{name}\(", src)
+    assert head, f"{name} is not defined in the source"
+    body, depth = src.index("{", head.end()), 0
+    for end, ch in enumerate(src[body:], start=body):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth == 0:
+            return _source_text(src[head.start() : end + 1], "//")
+    raise AssertionError(f"{name}: its braces do not close")
+
+
+def _assert_follows(src: str, helper: str, statements: tuple[str, ...]) -> None:
+    """Every one of ``statements`` is in the CUDA helper ``helper`` of ``src``."""
+    body = _cuda_function(src, helper)
+    for stmt in statements:
+        assert stmt in body, f"{helper}: {stmt}"
+
+
 def _bits_dequant(codes: torch.Tensor, sbyte: torch.Tensor) -> torch.Tensor:
-    """Torch mirror of the "bits" dequant's integer formula (tiles.indexer.dequant.dequant_words_bits)."""
+    """Torch mirror of the "bits" dequant's integer formula (tiles.indexer.dequant.dequant_words_bits; _BITS_STATEMENTS)."""
     mag, base = codes & 7, (sbyte - 1) << 7
     bits = torch.where(mag == 0, 0, base + torch.where(mag == 1, 0, mag << 6)) | ((codes & 8) << 12)
     return (bits.to(torch.int32) << 16).view(torch.float32)  # bf16 bits as the top half of an fp32
+
+
+# dequant_words_bits (a T.macro: TileLang) in the statements _bits_dequant mirrors; code e of a word is nibble e
+_BITS_STATEMENTS = (
+    "base = (((ks_s[i] >> ((c // (GROUP // 8)) * 8)) & 0xFF) - 1) << 7",
+    "code = (word >> (e * 4)) & 0xF",
+    "mag = code & 7",
+    "bits = T.if_then_else(mag == 0, 0, base + T.if_then_else(mag == 1, 0, mag << 6)) | ((code & 8) << 12)",
+    'vals[e] = T.reinterpret(T.Cast("uint16", bits), "bfloat16")',
+)
+
+
+def _python_function(module, name: str) -> str:
+    """The module-level function (or T.macro) ``name`` of ``module``, from its def on (see :func:`_source_text`)."""
+    src = inspect.getsource(module)
+    fn = next(f for f in ast.parse(src).body if isinstance(f, ast.FunctionDef) and f.name == name)
+    return _source_text(ast.get_source_segment(src, fn), "#")
+
+
+def test_bits_dequant_emulation_follows_the_tilelang_source():
+    src = _python_function(ix_dequant, "dequant_words_bits")
+    for stmt in _BITS_STATEMENTS:
+        assert stmt in src, stmt
 
 
 def test_fragment_bits_holds_no_bf16_tile_in_shared_memory():
@@ -129,6 +183,12 @@ def _prmt(x: int, y: int, sel: int) -> int:
     return out
 
 
+def test_prmt_emulation_is_the_default_mode_prmt():
+    """csa2_prmt (tiles.fp4.kernel.PRMT_ASM_CUDA, which the indexer's prmt helpers call) is prmt.b32 in the default mode
+    on (b:a) by sel, as _prmt models it."""
+    _assert_follows(ix_dequant.PRMT_ASM_CUDA, "csa2_prmt", ('asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));',))
+
+
 def _prmt_group(words: list[int], sbyte: int) -> list[int]:
     """Line-by-line model of tiles.indexer.dequant.PRMT_CUDA (csa2_fp4_group_bf16): 4 words -> 16 bf16x2 words."""
     m32 = 0xFFFFFFFF
@@ -145,6 +205,33 @@ def _prmt_group(words: list[int], sbyte: int) -> list[int]:
         h1 = _prmt(hi0, hi1, mh) | (_prmt(w, w4, 0x3726) & 0x80808080)
         out += [_prmt(l0, h0, 0x5140), _prmt(l0, h0, 0x7362), _prmt(l1, h1, 0x5140), _prmt(l1, h1, 0x7362)]
     return out
+
+
+_PRMT_GROUP_STATEMENTS = (  # csa2_fp4_group_bf16, in _prmt_group's order
+    "const unsigned base = (sbyte - 1u) << 7;",
+    "const unsigned b2 = base * 0x10001u;",
+    "const unsigned r0 = base << 16;",
+    "const unsigned r1 = b2 + 0x00C00080u;",
+    "const unsigned r2 = b2 + 0x01400100u;",
+    "const unsigned r3 = b2 + 0x01C00180u;",
+    "const unsigned lo0 = __byte_perm(r0, r1, 0x6420), lo1 = __byte_perm(r2, r3, 0x6420);",
+    "const unsigned hi0 = __byte_perm(r0, r1, 0x7531), hi1 = __byte_perm(r2, r3, 0x7531);",
+    "for (int k = 0; k < 4; ++k) { const unsigned w = src[k];",
+    "const unsigned m = w & 0x77777777u;",
+    "const unsigned mh = m >> 16;",
+    "const unsigned w4 = w << 4;",
+    "const unsigned l0 = __byte_perm(lo0, lo1, m), l1 = __byte_perm(lo0, lo1, mh);",
+    "const unsigned h0 = __byte_perm(hi0, hi1, m) | (__byte_perm(w, w4, 0x1504) & 0x80808080u);",
+    "const unsigned h1 = __byte_perm(hi0, hi1, mh) | (__byte_perm(w, w4, 0x3726) & 0x80808080u);",
+    "dst[4 * k + 0] = __byte_perm(l0, h0, 0x5140);",
+    "dst[4 * k + 1] = __byte_perm(l0, h0, 0x7362);",
+    "dst[4 * k + 2] = __byte_perm(l1, h1, 0x5140);",
+    "dst[4 * k + 3] = __byte_perm(l1, h1, 0x7362);",
+)
+
+
+def test_prmt_group_emulation_follows_the_cuda_source():
+    _assert_follows(ix_dequant.PRMT_CUDA, "csa2_fp4_group_bf16", _PRMT_GROUP_STATEMENTS)
 
 
 def test_prmt_dequant_equals_the_bits_formula():
@@ -176,6 +263,15 @@ def _rs_tables(sbyte: int) -> list[int]:
     return [_prmt(r0, r1, 0x6420), _prmt(r2, r3, 0x6420), _prmt(r0, r1, 0x7531), _prmt(r2, r3, 0x7531)]
 
 
+_RS_TABLES_STATEMENTS = (  # csa2_fp4_table_word: table word e of _rs_tables
+    "const unsigned base = ((unsigned)sbyte - 1u) << 7;",
+    "const unsigned b2 = base * 0x10001u;",
+    "const unsigned r0 = base << 16, r1 = b2 + 0x00C00080u, r2 = b2 + 0x01400100u, r3 = b2 + 0x01C00180u;",
+    "const unsigned sel = (e & 2) ? 0x7531 : 0x6420;",
+    "return (e & 1) ? __byte_perm(r2, r3, sel) : __byte_perm(r0, r1, sel);",
+)
+
+
 def _rs_pair(w: int, tables: list[int], k: int) -> int:
     """Model of csa2_fp4_pair_bf16: bf16x2 of nibbles 2k (low half), 2k + 1 of w from the scale byte's tables."""
     lo0, lo1, hi0, hi1 = tables
@@ -183,6 +279,24 @@ def _rs_pair(w: int, tables: list[int], k: int) -> int:
     sel, sign = (m & 0xFFFF, _prmt(w, w4, 0x1504)) if k < 2 else (m >> 16, _prmt(w, w4, 0x3726))  # prmt reads 16 bits
     lo, hi = _prmt(lo0, lo1, sel), _prmt(hi0, hi1, sel) | (sign & 0x80808080)
     return _prmt(lo, hi, 0x7362 if k & 1 else 0x5140)
+
+
+_RS_PAIR_STATEMENTS = (  # csa2_fp4_pair_bf16 (and its prmt_rs2 twin but for mh), in _rs_pair's order
+    "const unsigned w = (unsigned)w_;",
+    "const unsigned m = w & 0x77777777u;",
+    "const unsigned w4 = w << 4;",
+    "if (k < 2) { l = csa2_prmt(lo0, lo1, m); h = csa2_prmt(hi0, hi1, m) | (__byte_perm(w, w4, 0x1504) & 0x80808080u); } else {",
+    "l = csa2_prmt(lo0, lo1, mh); h = csa2_prmt(hi0, hi1, mh) | (__byte_perm(w, w4, 0x3726) & 0x80808080u); }",
+    "*(unsigned*)dst = __byte_perm(l, h, (k & 1) ? 0x7362 : 0x5140);",
+)
+
+
+def test_prmt_rs_emulation_follows_the_cuda_source():
+    """_rs_tables and _rs_pair are PRMT_PAIR_CUDA's csa2_fp4_table_word and csa2_fp4_pair_bf16 (the high-half selectors
+    m >> 16 by shr.b32), statement by statement."""
+    _assert_follows(ix_dequant.PRMT_PAIR_CUDA, "csa2_fp4_table_word", _RS_TABLES_STATEMENTS)
+    shr = 'unsigned mh; asm("shr.b32 %0, %1, 16;" : "=r"(mh) : "r"(m));'
+    _assert_follows(ix_dequant.PRMT_PAIR_CUDA, "csa2_fp4_pair_bf16", (*_RS_PAIR_STATEMENTS, f"}} else {{ {shr} l = csa2_prmt"))
 
 
 def test_rs_pair_equals_the_prmt_group_path():
@@ -419,6 +533,23 @@ def _fma_pair(w: int, sbyte: int, k: int) -> int:
     return _mul_bf16x2(_mul_bf16x2(u, m1), m2)
 
 
+_FMA_PAIR_STATEMENTS = (  # csa2_fp4_pair_fma, in _fma_pair's order
+    "const unsigned s = (unsigned)sbyte;",
+    "const unsigned m1 = ((s < 128u ? s : 128u) + 126u) * 0x00800080u;",
+    "const unsigned m2 = ((s > 128u ? s : 128u) - 1u) * 0x00800080u;",
+    "const unsigned w = k < 2 ? (unsigned)w_ : __umulhi((unsigned)w_, 1u << 24);",
+    "const unsigned x = w & ((k & 1) ? 0x00F000F0u : 0x000F000Fu);",
+    "const unsigned u = (x * ((k & 1) ? 0x104u : 0x1040u)) & 0x81C081C0u;",
+    "*(unsigned*)dst = csa2_mul_bf16x2(csa2_mul_bf16x2(u, m1), m2);",
+)
+
+
+def test_fma_rs_emulation_follows_the_cuda_source():
+    """_fma_pair and _mul_bf16x2 are FMA_PAIR_CUDA's csa2_fp4_pair_fma and csa2_mul_bf16x2, statement by statement."""
+    _assert_follows(ix_dequant.FMA_PAIR_CUDA, "csa2_fp4_pair_fma", _FMA_PAIR_STATEMENTS)
+    _assert_follows(ix_dequant.FMA_PAIR_CUDA, "csa2_mul_bf16x2", ('asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));',))
+
+
 # every code at every nibble position, plus random words
 _ALL_CODE_WORDS = [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567, 0x3F1E2D0C, 0xC0D1E2F3]
 
@@ -578,6 +709,16 @@ def _scale_byte2(sw: int, t: int) -> int:
     return _prmt(sw & 0xFFFFFFFF, 0, 0x4440 | t)
 
 
+def test_prmt_rs2_emulation_follows_the_cuda_source():
+    """_rs_pair2 is PRMT_PAIR2_CUDA's csa2_fp4_pair2_bf16 (prmt_rs's statements, mh = csa2_hi16(m), a mul.hi by 2^16),
+    and _scale_byte2 its csa2_scale_byte; the tables are prmt_rs's (PRMT_PAIR2_CUDA starts with PRMT_PAIR_CUDA)."""
+    src = ix_dequant.PRMT_PAIR2_CUDA
+    assert src.startswith(ix_dequant.PRMT_PAIR_CUDA)
+    _assert_follows(src, "csa2_fp4_pair2_bf16", (*_RS_PAIR_STATEMENTS, "} else { const unsigned mh = csa2_hi16(m); l = csa2_prmt"))
+    _assert_follows(src, "csa2_hi16", ('asm("mul.hi.u32 %0, %1, 65536;" : "=r"(d) : "r"(x));',))
+    _assert_follows(src, "csa2_scale_byte", ("return (int)csa2_prmt((unsigned)sw, 0u, 0x4440u | (unsigned)t);",))
+
+
 def test_prmt_rs2_pairs_equal_prmt_rs_for_every_code_position_and_scale_byte():
     """dequant=prmt_rs2 builds prmt_rs's A registers bit for bit: every code (0..15, both zeros and the sign) in every
     nibble position of a word, random words, every k, at every scale byte 0..255 (the table the kernel indexes has all
@@ -631,6 +772,37 @@ def test_prmt_rs2_fragment_emulation_equals_the_reference_dot_products():
     assert torch.equal(a, k[:, perm])
     q = torch.randint(-6, 7, (32, 128)).double() * 0.5
     assert torch.equal(a @ q[:, perm].T, k @ q.T)
+
+
+# The kernel's rule the three fragment emulations above fill their registers by, in the macros that build the A fragment
+_FRAGMENT_RULE = ("for i, c in T.Parallel(block_n, D): if c % 2 == 0: t, j = (c % 8) // 2, c // 8",)
+_FRAGMENT_STATEMENTS = {
+    "dequant_fragment_prmt": (
+        *_FRAGMENT_RULE,
+        "sb = (ks_s[i] >> (t * 8)) & 0xFF",
+        "tables = (tab[sb, 0], tab[sb, 1], tab[sb, 2], tab[sb, 3])",
+        'T.call_extern("handle", "csa2_fp4_pair_bf16", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], *tables, j % 4)',
+    ),
+    "dequant_fragment_prmt2": (
+        *_FRAGMENT_RULE,
+        'sb = T.call_extern("int32", "csa2_scale_byte", ks_s[i], t)',
+        "tables = (tab[sb, 0], tab[sb, 1], tab[sb, 2], tab[sb, 3])",
+        'T.call_extern("handle", "csa2_fp4_pair2_bf16", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], *tables, j % 4)',
+    ),
+    "dequant_fragment_fma": (
+        *_FRAGMENT_RULE,
+        "sb = (ks_s[i] >> (t * 8)) & 0xFF",
+        'T.call_extern("handle", "csa2_fp4_pair_fma", T.address_of(k_deq[i, c]), kw_s[i, t * 4 + j // 4], sb, j % 4)',
+    ),
+}
+
+
+@pytest.mark.parametrize("macro", list(_FRAGMENT_STATEMENTS))
+def test_fragment_emulations_follow_the_tilelang_source(macro):
+    """The fragment emulations' per-register rule (word, scale byte, pair index of element (i, c)) is the macro's."""
+    src = _python_function(ix_dequant, macro)
+    for stmt in _FRAGMENT_STATEMENTS[macro]:
+        assert stmt in src, stmt
 
 
 def _kernel_lines_but_dequant(src: str) -> list[str]:
@@ -877,6 +1049,23 @@ def _fp8_word_model(w: int, half: int) -> int:
     return ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C) & 0xFFFFFFFF
 
 
+def _fp8_q_factor_model(amax: float) -> float:
+    """csa2_fp8_q_factor's arithmetic on an fp32 amax >= 0."""
+    e = int(torch.tensor([amax]).view(torch.int32).item()) >> 23
+    return 1.0 if e == 0 else 2.0 ** (min(254, max(1, 261 - e)) - 127)
+
+
+def test_fp8_rs_emulation_follows_the_cuda_source():
+    """_fp8_word_model and _fp8_q_factor_model are FP8_CUDA's csa2_fp8_word and csa2_fp8_q_factor, statement by statement."""
+    word = "*(unsigned*)dst = half ? (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu) : ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);"
+    _assert_follows(ix_dequant.FP8_CUDA, "csa2_fp8_word", ("const unsigned w = (unsigned)w_;", word))
+    factor = (
+        "const int e = (int)(__float_as_uint(amax) >> 23);",
+        "return e == 0 ? 1.0f : __uint_as_float((unsigned)min(254, max(1, 261 - e)) << 23);",
+    )
+    _assert_follows(ix_dequant.FP8_CUDA, "csa2_fp8_q_factor", factor)
+
+
 def test_fp8_word_places_every_e2m1_code_exactly():
     """Every E2M1 code in every nibble: csa2_fp8_word's E4M3 bytes decode (torch float8_e4m3fn) to the code's value x
     2^-6, byte j of half h holding nibble 2j + h (the dims _fp8_dim gives q)."""
@@ -896,11 +1085,11 @@ def test_fp8_word_places_every_e2m1_code_exactly():
 
 
 def test_fp8_q_factor_puts_each_head_max_in_range():
-    """csa2_fp8_q_factor (mirrored): 2^(261 - e) for amax's biased exponent e, so amax x factor is in [128, 256)."""
+    """csa2_fp8_q_factor (mirrored): 2^(261 - e) for amax's biased exponent e, so amax x factor is in [128, 256); 1 for a
+    zero head."""
     for amax in [2.0**-20, 0.0123, 0.5, 1.0, 5.99, 6.0, 1000.0]:
-        e = int(torch.tensor([amax]).view(torch.int32).item()) >> 23
-        factor = 2.0 ** (261 - e - 127)
-        assert 128.0 <= amax * factor < 256.0
+        assert 128.0 <= amax * _fp8_q_factor_model(amax) < 256.0
+    assert _fp8_q_factor_model(0.0) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -1090,6 +1279,37 @@ def test_fused_epilogue_model_stores_every_row_once_with_its_score(mtiles):
     want = (np.maximum(acc.astype(np.float64), 0) * w.astype(np.float64)).sum(axis=1)
     err = np.array([got[i] for i in range(64 * mtiles)], dtype=np.float64) - want
     assert np.linalg.norm(err) <= 1e-6 * np.linalg.norm(want)
+
+
+_FUSED_EPILOGUE_STATEMENTS = {  # what _fused_epilogue_model mirrors of score_kernel._FUSED_EPI_CUDA, by helper
+    "csa2_load_w_half": (
+        "const int q = threadIdx.x & 3;",
+        "const float2 p = *(const float2*)(wrow + 8 * k + 2 * q); w[2 * k] = p.x * 0.5f; w[2 * k + 1] = p.y * 0.5f;",
+    ),
+    "csa2_relu_wsum_store": (
+        "const int l = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;",
+        "for (int r = 0; r < 2 * M; ++r) { const int base = (r >> 1) * 16 + (r & 1) * 2; float s = 0.0f;",
+        "const float x = acc[base + (rv & 3) * 4 + (rv >> 2)];",
+        "const float t = x + fabsf(x);",
+        "const float wh = w[(rv & 3) * 2 + (rv >> 2)];",
+        "s = rv == 0 ? t * wh : fmaf(t, wh, s);",
+        "const bool b = (l >> 1) & 1, c = l & 1;",
+        "const float send = b ? v[p] : v[p + M], keep = b ? v[p + M] : v[p];",
+        "u[p] = keep + __shfl_xor_sync(0xffffffffu, send, 2);",
+        "const float send = c ? u[p] : u[p + M / 2], keep = c ? u[p + M / 2] : u[p];",
+        "const float z = keep + __shfl_xor_sync(0xffffffffu, send, 1);",
+        "const int vi = p + c * (M / 2) + b * M;",
+        "const int row = (vi >> 1) * 64 + warp * 16 + (vi & 1) * 8 + (l >> 2);",
+        "const float z = u[0] + __shfl_xor_sync(0xffffffffu, u[0], 1);",
+        "const int row = warp * 16 + b * 8 + (l >> 2);",
+        "if (!c && off + row < n_left)",
+    ),
+}
+
+
+@pytest.mark.parametrize("helper", list(_FUSED_EPILOGUE_STATEMENTS))
+def test_fused_epilogue_model_follows_the_cuda_source(helper):
+    _assert_follows(ix_score_kernel._FUSED_EPI_CUDA, helper, _FUSED_EPILOGUE_STATEMENTS[helper])
 
 
 @pytest.mark.slow
