@@ -127,6 +127,23 @@ def stored_winner_cells(tiles: Iterable[Tile], arch: Arch, gpu: str | None, root
     return cells
 
 
+def stored_compile_cells(tiles: Iterable[Tile], archs: Iterable[Arch], root=None) -> list[Cell]:
+    """A compile cell (label ``tuned:<gpu>``) for every stored winner of every GPU model of each arch that would run
+    (not stale): ``lab check --compile-only`` builds what the tuned configs ask for, not only the defaults. A corrupt
+    results file raises :class:`tiles.core.config_store.ResultsError` naming it."""
+    from tiles.core.config_store import candidate_files, read_results, stale_params
+
+    cells = []
+    for tile in tiles:
+        known = {s.name for s in tile.shapes()}
+        for arch in archs:
+            for slug, path in candidate_files(tile.name, arch, None, root):
+                for shape_name, entry in sorted(read_results(path, tile.name, arch)["shapes"].items()):
+                    if shape_name in known and not stale_params(tile, arch, entry["config"], entry.get("default_config")):
+                        cells.append(Cell(tile.name, arch.name, shape_name, f"tuned:{slug}", dict(entry["config"])))
+    return cells
+
+
 def _unconfirmed_tie(entry: dict) -> str | None:
     """For a stored winner (not the default) that no rematch confirmed and whose own record puts it less than
     tuning.rematch.REMATCH_MARGIN ahead of the default: its recorded speedup ("1.003x"), else None. Such entries were

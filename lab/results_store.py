@@ -52,9 +52,34 @@ def read_bench(path: Path) -> dict:
     if not isinstance(doc, dict) or doc.get("schema") != BENCH_SCHEMA:
         raise LabError(f"{path}: not a bench file of schema {BENCH_SCHEMA} (written by `lab bench --save`)")
     rows = doc.get("rows")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and "shape" in r and "environment" in r for r in rows):
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "shape" in r and isinstance(r.get("environment"), dict) for r in rows):
         raise LabError(f"{path}: 'rows' must be a list of rows, each with its 'shape' and 'environment'")
+    for i, row in enumerate(rows):
+        for key in ROW_NUMBERS:
+            value = row.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise LabError(f"{path}: rows[{i}].{key} is {value!r}, not a number")
     return doc
+
+
+# The figures of a bench row (numbers or null): what bench.md formats as numbers.
+ROW_NUMBERS = (
+    "ms",
+    "p10_ms",
+    "p90_ms",
+    "eager_ms",
+    "gbps",
+    "tflops",
+    "copy_fraction",
+    "ref_ms",
+    "speedup",
+    "host_us",
+    "tilelang_call_us",
+    "copy_gbps",
+    "flops",
+    "bytes",
+    "compile_s",
+)
 
 
 def merge_bench(run: dict, arch_dir: Path, tuned: bool) -> Path:
@@ -62,9 +87,17 @@ def merge_bench(run: dict, arch_dir: Path, tuned: bool) -> Path:
 
     A row replaces the stored row of the same shape and GPU model; the other rows stay. Returns the file written.
     """
-    from tuning.export import write_atomic
+    from tuning.export import locked
 
     path = bench_path(arch_dir, run["tile"], tuned)
+    with locked(path.parent):  # another run saving to this file waits, then merges over what this one wrote
+        _merge_rows(run, path)
+    return path
+
+
+def _merge_rows(run: dict, path: Path) -> None:
+    from tuning.export import write_atomic
+
     stored = read_bench(path) if path.exists() else {"schema": BENCH_SCHEMA, "tile": run["tile"], "arch": run["arch"], "rows": []}
     env = run["environment"]
     new = [
@@ -75,9 +108,7 @@ def merge_bench(run: dict, arch_dir: Path, tuned: bool) -> Path:
     replaced = {(r["shape"], r["gpu"]) for r in new}
     rows = [r for r in stored["rows"] if (r["shape"], r.get("gpu")) not in replaced] + new
     stored["rows"] = sorted(rows, key=lambda r: (r["shape"], str(r.get("gpu"))))
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(stored, indent=1) + "\n")
-    return path
 
 
 def accounted(arch_dir: Path) -> set[Path]:

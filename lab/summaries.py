@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import yaml
-
 
 def _f(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
@@ -97,9 +95,21 @@ def tuning_markdown(paths: list[Path]) -> str:
 
 
 def _tuning_section(slug: str, paths: list[Path], commands: set[str]) -> list[str]:
-    """The table of one GPU model's results files (``commands`` collects the commands that made them)."""
-    docs = [(path, yaml.safe_load(path.read_text())) for path in paths]
-    gpus = sorted({str(doc.get("environment", {}).get("gpu")) for _, doc in docs})
+    """The table of one GPU model's results files (``commands`` collects the commands that made them); a file that does
+    not pass :func:`tiles.core.config_store.read_results` is a :class:`LabError` naming it and its bad key."""
+    from lab.cli import LabError
+    from tiles.core.arch import ArchError
+    from tiles.core.config_store import ResultsError, read_results
+
+    docs = []
+    for path in paths:
+        try:
+            docs.append((path, read_results(path, path.stem, path.parents[2].name)))
+        except ArchError:
+            raise LabError(f"{path}: not under a results/<arch>/tuned/<gpu>/ folder of a known arch") from None
+        except ResultsError as exc:
+            raise LabError(str(exc)) from None
+    gpus = sorted({str(doc.get("environment", {}).get("gpu") or slug) for _, doc in docs})
     lines = [
         "",
         f"## {', '.join(gpus)} (`tuned/{slug}/`)",

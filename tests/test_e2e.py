@@ -169,11 +169,13 @@ def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
             "s2": {"config": {"threads": 64}, "ms": 1.0, "default_ms": 8.0, "speedup": 8.0, "trials": 3, "outcomes": {"ok": 3}},
         },
     }
-    (arch / "toy.yaml").write_text(yaml.safe_dump(tuned))
+    (arch / "tuned" / "g").mkdir(parents=True)
+    (arch / "tuned" / "g" / "toy.yaml").write_text(yaml.safe_dump(tuned))
     assert main(["report", "--results", str(tmp_path)]) == 0
     bench_md = (arch / "bench.md").read_text()
     assert "| toy | s1 | G | default | 0.5000 |" in bench_md and "4.0x" in bench_md and "25%" in bench_md
     tuning_md = (arch / "tuning.md").read_text()
+    assert "## g (`tuned/g/`)" in tuning_md  # a section per GPU model (no model recorded: its folder's name)
     assert "Geometric mean speedup of the current winners over the defaults: 4.00x over 2 shapes" in tuning_md
 
 

@@ -16,7 +16,18 @@ import sys
 from dataclasses import replace
 
 from lab.cli import LabError
-from lab.matrix import SKIPPED, UNSUPPORTED, Cell, check_cell, lost_here, plan, regressions, run_compile, stored_winner_cells
+from lab.matrix import (
+    SKIPPED,
+    UNSUPPORTED,
+    Cell,
+    check_cell,
+    lost_here,
+    plan,
+    regressions,
+    run_compile,
+    stored_compile_cells,
+    stored_winner_cells,
+)
 from tiles.core.arch import ArchError, detect, get_arch
 from tiles.core.contract import TileError
 from tiles.core.gpu import present_gpu
@@ -95,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         # every shape on the GPU present: that is the point of checking for real
         gpu_cells = plan(tiles, [present], all_shapes=True)
 
+    try:  # what the stored winners of every GPU model ask for, compiled for the archs not checked on this GPU
+        compile_cells += stored_compile_cells(tiles, [a for a in archs if present is None or a.name != present.name])
+    except TileError as exc:  # a corrupt or foreign results file
+        raise LabError(str(exc)) from None
     winner_cells: list[Cell] = []
     gpu = present_gpu()
     if present is not None:

@@ -120,8 +120,37 @@ def read_results(path: Path, tile_name: str, arch: Arch | str) -> dict | None:
     shapes = data.get("shapes")
     if not isinstance(shapes, dict) or not all(isinstance(e, dict) and isinstance(e.get("config"), dict) for e in shapes.values()):
         raise ResultsError(f"results file {path} is corrupt (every entry under 'shapes' needs a 'config' mapping): re-run `lab tune`")
+    tile = _registered(tile_name)
+    for bucket, entry in shapes.items():
+        why = entry_problem(entry, tile, arch)
+        if why:
+            raise ResultsError(f"results file {path}: shapes.{bucket}.{why}: fix or delete the entry, or re-run `lab tune`")
     _CACHE[path] = (mtime, data)
     return data
+
+
+_NUMBERS = ("ms", "default_ms", "speedup", "tflops", "gbps")
+
+
+def entry_problem(entry: dict, tile, arch: Arch) -> str | None:
+    """What is wrong with one stored bucket, as ``"<key>: <why>"`` under it, or None: its config names only parameters
+    of the tile's search space with values among their choices (unregistered tiles: not checked), its latencies are
+    positive numbers (or null), its dims whole numbers."""
+    if tile is not None:
+        params = {p.name: p for p in tile.search_space(arch).params}
+        for key, value in entry["config"].items():
+            if key not in params:
+                return f"config.{key}: not a parameter of {tile.name} (its parameters: {', '.join(sorted(params))})"
+            if not any(type(value) is type(choice) and value == choice for choice in params[key].choices):
+                return f"config.{key}: {value!r} is not one of {list(params[key].choices)}"
+    for key in _NUMBERS:
+        value = entry.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
+            return f"{key}: {value!r} is not a positive number"
+    dims = entry.get("dims", {})
+    if not isinstance(dims, dict) or not all(isinstance(k, str) and type(v) is int for k, v in dims.items()):
+        return f"dims: {dims!r} is not a mapping of names to whole numbers"
+    return None
 
 
 # A winner transfers to shapes within a factor of 4 in all dims together (sum of |log2 ratio|).
