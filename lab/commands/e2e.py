@@ -13,15 +13,15 @@ from lab.cli import LabError
 def parse_tokens(text: str) -> list[int]:
     """``"8K,32K,131072"`` -> [8192, 32768, 131072]."""
     out = []
-    for part in text.split(","):
-        part = part.strip().upper()
+    for given in text.split(","):
+        part = given.strip().upper()
         if not part:
             continue
         mult = 1024 if part.endswith("K") else 1024 * 1024 if part.endswith("M") else 1
         try:
             out.append(int(part.rstrip("KM")) * mult)
         except ValueError:
-            raise LabError(f"cannot read {part!r} as a token count: write e.g. 8K,32K,131072") from None
+            raise LabError(f"cannot read {given.strip()!r} as a token count: write e.g. 8K,32K,131072") from None
     return out
 
 
