@@ -83,3 +83,12 @@ def test_the_host_time_reference_kernel_compiles_for_hopper():
     assert 'extern "C" __global__ void main_kernel(' in src
     for param in ("indices", "q", "kv", "out"):
         assert param in src.split("main_kernel(", 1)[1].split(")", 1)[0]
+
+
+def test_the_cache_is_bounded(monkeypatch):
+    """A serving process meets a new signature per prompt length: the oldest entries go past MAX_ENTRIES."""
+    dispatch.clear()
+    monkeypatch.setattr(dispatch, "MAX_ENTRIES", 3)
+    built = [dispatch.plan(("p", n), lambda n=n: n) for n in range(5)]
+    assert built == [0, 1, 2, 3, 4] and list(dispatch._CACHE) == [("p", 2), ("p", 3), ("p", 4)]
+    dispatch.clear()

@@ -22,6 +22,16 @@ from tiles.core.contract import Config, Shape, Tile, TileError
 from tiles.core.gpu import device_gpu
 
 _CACHE: dict[Hashable, Any] = {}
+# Entries kept: a serving process sees a new call signature per prompt length at prefill; past this many, the oldest
+# entry goes (a plan is rebuilt in tens of microseconds once its kernel is compiled; the kernels have their own caches).
+MAX_ENTRIES = 4096
+
+
+def _keep(key: Hashable, value: Any) -> Any:
+    if len(_CACHE) >= MAX_ENTRIES:
+        del _CACHE[next(iter(_CACHE))]
+    _CACHE[key] = value
+    return value
 
 
 def clear() -> None:
@@ -38,7 +48,7 @@ def target(t: torch.Tensor, caller: str) -> tuple[Arch, str]:
     key = ("target", index)
     hit = _CACHE.get(key)
     if hit is None:
-        hit = _CACHE[key] = (device_arch(index), device_gpu(index))
+        hit = _keep(key, (device_arch(index), device_gpu(index)))
     return hit
 
 
@@ -53,7 +63,7 @@ def call_config(tile: Tile, dims: Mapping[str, int], arch: Arch, gpu: str, confi
     key = ("config", tile.name, arch.name, gpu, tuple(sorted(dims.items())), frozen(config))
     hit = _CACHE.get(key)
     if hit is None:
-        hit = _CACHE[key] = _resolve(tile, Shape("call", phase, dict(dims)), arch, gpu, config)
+        hit = _keep(key, _resolve(tile, Shape("call", phase, dict(dims)), arch, gpu, config))
     return dict(hit)
 
 
@@ -78,7 +88,7 @@ def plan(key: Hashable, build: Callable[[], Any]) -> Any:
     on the first call of that signature."""
     hit = _CACHE.get(key)
     if hit is None:
-        hit = _CACHE[key] = build()
+        hit = _keep(key, build())
     return hit
 
 
