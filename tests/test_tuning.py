@@ -515,7 +515,7 @@ def test_compile_only_never_compiles_a_trial_the_sampler_made_up(tmp_path):
     makes trials up; two processes with the same seed make up the same config, each before the other's params are
     written, and both compiled it (CI, PostgreSQL). A made-up trial is dropped as a duplicate, never compiled (no
     compile pool here: a compile would raise)."""
-    opts = _opts(tmp_path, compile_only=True)
+    opts = _opts(tmp_path, compile_only=True, trials=None)  # no --trials: the walk of the whole grid
     tile = toys.ScaleToy()
     runner = study_mod.StudyRunner(tile, tile.shapes()[0], opts, open_storage(opts.storage), compile_pool=None, gpu_pool=None)
     made_up = runner.study.ask(runner.dists)  # nothing enqueued: the sampler's own proposal

@@ -10,7 +10,13 @@ COMPLETE with a value, so a wrong or nondeterministic result can never be the be
 Several lanes (threads) run trials concurrently so compilation overlaps timing; several
 processes or hosts may share one study through any Optuna storage. A run that is killed
 resumes: finished trials count toward ``--trials``, and trials left RUNNING by a dead
-process on this host are failed as ``interrupted`` and their configs enqueued again.
+process on this host are failed as ``interrupted`` and their configs enqueued again. An
+interrupted run (Ctrl-C) records nothing more: its trials in flight are retried the same way.
+
+Compile-only studies compile a space's every config, walking its grid one point at a time,
+or, for a space larger than :data:`tuning.space.MAX_COMPILE_GRID` or a ``--trials`` smaller
+than the space, a sample: the seeds, then random proposals (each invalid one replaced by the
+nearest valid config, as when tuning).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,8 +41,18 @@ from tiles.core import harness
 from tiles.core.arch import Arch, require_present
 from tiles.core.config_store import results_dir
 from tiles.core.contract import Config, Shape, Tile
+from tuning.credentials import mask_argv, mask_url, scrub
 from tuning.rematch import needs_rematch, rematch
-from tuning.space import NearbyValidConfigs, ValidConfigs, config_key, distributions, seed_configs, valid_configs
+from tuning.space import (
+    MAX_COMPILE_GRID,
+    NearbyValidConfigs,
+    ValidConfigs,
+    config_key,
+    distributions,
+    grid_configs,
+    seed_configs,
+    valid_configs,
+)
 from tuning.workers import WorkerDied, WorkerPool, WorkerTimeout, tile_ref
 
 INTERRUPTED, DUPLICATE = "interrupted", "duplicate"
@@ -43,6 +60,8 @@ INTERRUPTED, DUPLICATE = "interrupted", "duplicate"
 ORPHAN_GRACE_S = 60.0
 # Metrics copied from an Evaluation into the trial's user attributes.
 METRICS = ("ms", "p10_ms", "p90_ms", "tflops", "gbps", "compile_s", "error", "message")
+# Configs measured per study when --trials is not given (and sampled by compile-only from a space too large to walk).
+DEFAULT_TRIALS = 40
 
 
 class TuneError(ValueError):
@@ -52,7 +71,7 @@ class TuneError(ValueError):
 @dataclass
 class TuneOptions:
     arch: Arch
-    trials: int = 40
+    trials: int | None = None  # configs measured per study (None: DEFAULT_TRIALS); compile-only: compiled (see study_plan)
     timeout_s: float | None = None  # wall-clock budget per study
     trial_timeout_s: float = 120.0  # one GPU evaluation (load + check + time); a hang past it is killed
     compile_timeout_s: float = 300.0
@@ -68,7 +87,8 @@ class TuneOptions:
     compiler: str = "tuning.workers:compile_task"
     require_gpu: bool = True  # refuse to time for an arch that is not the GPU present
     export: bool = True
-    command: str = field(default_factory=lambda: shlex.join(["lab", *sys.argv[1:]]) if sys.argv else "")
+    # what results files record as the command that made them, passwords masked (tuning.credentials)
+    command: str = field(default_factory=lambda: shlex.join(["lab", *mask_argv(sys.argv[1:])]) if sys.argv else "")
 
 
 @dataclass
@@ -102,28 +122,103 @@ class StudySummary:
 # --- storage ---------------------------------------------------------------------------------
 
 
-def open_storage(url: str | None, root: Path | None = None):
-    """An Optuna storage for ``url``: RDB URLs (sqlite/postgresql/mysql), ``journal:PATH`` or a ``*.log`` path; default SQLite under results/."""
-    if url is None:
-        root = root or results_dir()
-        root.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite:///{(root / 'tuning.db').resolve()}"
-    if url.startswith("journal:") or url.endswith((".log", ".jsonl", ".journal")):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
+# SQLAlchemy dialects Optuna's RDB storage runs on (a driver may follow the name: postgresql+psycopg2://).
+RDB_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb")
+STORAGE_FORMS = "sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB, mysql://USER:PASSWORD@HOST/DB or journal:PATH"
+# A server that does not answer is reported after this long, not after the operating system's TCP timeout (minutes).
+CONNECT_TIMEOUT_S = 10
 
-        path = url.removeprefix("journal:")
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(path))
+
+def open_storage(url: str | None, root: Path | None = None):
+    """An Optuna storage for ``url``: RDB URLs (sqlite/postgresql/mysql), ``journal:PATH`` or a ``*.log`` path; default
+    SQLite under results/. Every way a URL can be wrong is a :class:`TuneError` of one line, its password masked
+    (:mod:`tuning.credentials`)."""
+    if url is None:
+        url = f"sqlite:///{(root or results_dir()).resolve() / 'tuning.db'}"
+    if url.startswith("journal:") or ("://" not in url and url.endswith((".log", ".jsonl", ".journal"))):
+        return _journal_storage(url.removeprefix("journal:"))
     if "://" not in url:
-        raise TuneError(f"storage {url!r} is not an Optuna storage URL: use sqlite:///PATH, postgresql://..., mysql://... or journal:PATH")
-    url = _with_available_driver(url)
-    # SQLite serialises writers; a generous busy timeout lets several lanes and processes share the file.
-    kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+        raise TuneError(f"storage {mask_url(url)!r} is not an Optuna storage URL: use {STORAGE_FORMS}")
+    dialect = url.partition("://")[0].partition("+")[0].lower()
+    if dialect not in (*RDB_DIALECTS, "postgres"):
+        raise TuneError(f"storage {mask_url(url)}: unknown scheme {dialect + '://'!r}: use {STORAGE_FORMS}")
+    if dialect == "sqlite":
+        _ensure_directory(_sqlite_file(url), url)
+    return _rdb_storage(url)
+
+
+def _journal_storage(path: str):
+    """Optuna's journal file storage at ``path`` (its directory made if missing)."""
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    if not path.strip():
+        raise TuneError("storage journal: names no file: give journal:PATH, e.g. journal:results/tuning.log")
+    file = Path(path).expanduser()
+    _ensure_directory(file, f"journal:{path}")
     try:
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-    except Exception as exc:  # noqa: BLE001  (driver missing, server down, bad URL: all one line for the user)
-        raise TuneError(f"cannot open storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
-    if url.startswith("sqlite"):
+        return JournalStorage(JournalFileBackend(str(file)))
+    except OSError as exc:
+        raise TuneError(f"cannot open storage journal:{path}: {exc.strerror or exc}") from None
+
+
+def _sqlite_file(url: str) -> Path:
+    """The database file of a ``sqlite:///PATH`` URL. An in-memory database is refused: SQLAlchemy gives each thread
+    its own connection, hence its own empty database, so the study's lanes would not see each other's trials, and no
+    other process (a second `lab tune`, `lab tune --replay`) could open it afterwards."""
+    import sqlalchemy
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sqlalchemy.exc.ArgumentError as exc:
+        raise TuneError(f"storage {mask_url(url)}: {exc}: use {STORAGE_FORMS}") from None
+    path = (parsed.database or "").removeprefix("file:").partition("?")[0]
+    if path in ("", ":memory:") or parsed.query.get("mode") == "memory" or "mode=memory" in (parsed.database or ""):
+        raise TuneError(
+            f"storage {mask_url(url)} is an in-memory SQLite database, which the tuner's threads and processes cannot share: "
+            "give a file, sqlite:///PATH (or leave --storage out for results/tuning.db)"
+        )
+    return Path(path).expanduser()
+
+
+def _ensure_directory(file: Path, shown: str) -> None:
+    """Make the directory ``file`` goes in; a :class:`TuneError` naming it when it cannot be made or written to."""
+    directory = file.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocking = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocking} is a file, not a directory" if blocking else exc.strerror or str(exc)
+        raise TuneError(f"storage {mask_url(shown)}: cannot make its directory {directory}: {why}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise TuneError(f"storage {mask_url(shown)}: its directory {directory} is not writable: choose a path you can write to")
+    if file.is_dir():
+        raise TuneError(f"storage {mask_url(shown)}: {file} is a directory: name a file in it")
+
+
+def _rdb_storage(url: str):
+    """Optuna's RDB storage on ``url``; a missing driver, a server that refuses or does not answer, a file SQLite cannot
+    open: one line each, the password masked."""
+    shown = mask_url(url)
+    dialect = url.partition("://")[0].partition("+")[0].lower()
+    engine_url = _with_available_driver(url)
+    if dialect == "sqlite":
+        # SQLite serialises writers; a generous busy timeout lets several lanes and processes share the file.
+        kwargs = {"connect_args": {"timeout": 120}}
+    else:
+        kwargs = {"pool_pre_ping": True}
+        if "connect_timeout" not in url:
+            kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    try:
+        storage = optuna.storages.RDBStorage(engine_url, engine_kwargs=kwargs)
+    except ImportError:
+        raise TuneError(
+            f"storage {shown}: no database driver for {dialect} is installed: PostgreSQL needs psycopg (pip install "
+            "'psycopg[binary]'), MySQL needs mysqlclient (or pymysql, with mysql+pymysql://)"
+        ) from None
+    except Exception as exc:  # noqa: BLE001  (server down, bad credentials, unreadable file: all one line for the user)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TuneError(scrub(f"cannot open storage {shown}: {type(exc).__name__}: {message}", url)) from None
+    if dialect == "sqlite":
         _sqlite_wal(storage.engine)
     return storage
 
@@ -143,11 +238,14 @@ def _sqlite_wal(engine) -> None:
 
 
 def _with_available_driver(url: str) -> str:
-    """``postgresql://`` means psycopg 3 to SQLAlchemy 2.1; use psycopg2 when only it is installed."""
+    """``postgresql://`` means psycopg 3 to SQLAlchemy 2.1; use psycopg2 when only it is installed. ``postgres://`` (what
+    Heroku and others hand out) is PostgreSQL's other name, which SQLAlchemy no longer takes."""
     import importlib.util
 
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url.split("://", 1)[1]
     no_psycopg3 = importlib.util.find_spec("psycopg") is None
-    if url.startswith(("postgresql://", "postgres://")) and no_psycopg3 and importlib.util.find_spec("psycopg2") is not None:
+    if url.startswith("postgresql://") and no_psycopg3 and importlib.util.find_spec("psycopg2") is not None:
         return "postgresql+psycopg2://" + url.split("://", 1)[1]
     return url
 
@@ -156,7 +254,24 @@ def study_name(tile: Tile, arch: Arch, shape: Shape, compile_only: bool = False)
     return f"{tile.name}:{arch.name}:{shape.name}" + (":compile" if compile_only else "")
 
 
-def _sampler(seed: int):
+def study_plan(space_size: int, trials: int | None, compile_only: bool) -> tuple[bool, int | None]:
+    """``(walk, budget)`` of a study: whether it walks the whole grid (compile-only, one point at a time) and how many
+    configs it may measure or compile (None: no limit but the grid's end).
+
+    Tuning measures ``trials`` (default :data:`DEFAULT_TRIALS`). Compile-only without ``--trials`` compiles every config
+    of a space up to :data:`MAX_COMPILE_GRID` points and a sample of :data:`DEFAULT_TRIALS` from a larger one; with
+    ``--trials N`` it compiles at most N configs, the whole grid when that has at most N points."""
+    if not compile_only:
+        return False, trials or DEFAULT_TRIALS
+    if trials is None:
+        return (True, None) if space_size <= MAX_COMPILE_GRID else (False, DEFAULT_TRIALS)
+    return space_size <= trials, trials
+
+
+def _sampler(seed: int, compile_only: bool = False):
+    if compile_only:
+        # a compile-only sample should cover the space; TPE would chase the shortest compile times
+        return optuna.samplers.RandomSampler(seed=seed)
     # constant_liar keeps concurrent lanes from all sampling the same point while results are pending.
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True, n_startup_trials=8)
 
@@ -265,8 +380,13 @@ class StudyRunner:
         self.default = dict(tile.default_config(self.arch))
         self.compile_pool, self.gpu_pool, self.progress = compile_pool, gpu_pool, progress
         self.name = study_name(tile, self.arch, shape, opts.compile_only)
+        self.walk, self.budget = study_plan(self.space.size(), opts.trials, opts.compile_only)
         self.study = optuna.create_study(
-            storage=storage, study_name=self.name, direction="minimize", sampler=_sampler(opts.seed), load_if_exists=True
+            storage=storage,
+            study_name=self.name,
+            direction="minimize",
+            sampler=_sampler(opts.seed, opts.compile_only),
+            load_if_exists=True,
         )
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self._lock = threading.Lock()
@@ -275,45 +395,70 @@ class StudyRunner:
         self._ran = 0
         # set by prepare() where invalid proposals are replaced (see ValidConfigs, NearbyValidConfigs)
         self.valid: ValidConfigs | NearbyValidConfigs | None = None
+        # a walk's grid, read as lanes ask for trials, and the configs the study holds or this run queued
+        self._grid: Iterator[Config] | None = None
+        self._queued: set[str] = set()
+        # set when the run is interrupted: lanes record nothing more (their trials are retried as interrupted)
+        self._stopping = threading.Event()
 
     # -- setup --
     def prepare(self) -> None:
-        """Recover interrupted trials; on a new study, enqueue the seeds (default first) or, compile-only, the whole grid."""
+        """Recover interrupted trials; on a new study, enqueue the seeds (default first), or the whole grid where the
+        budget covers it; a compile-only walk queues its grid's points one at a time instead (:meth:`_queue_from_grid`)."""
         self.study.set_user_attr("tile", self.tile.name)
         self.study.set_user_attr("arch", self.arch.name)
         self.study.set_user_attr("shape", self.shape.name)
         self.study.set_user_attr("default_key", config_key(self.default))
         recover_interrupted(self.study)
-        if self.opts.compile_only:
-            configs = [(c, "grid") for c in self.space.all_configs()]
-            configs.sort(key=lambda cs: config_key(cs[0]) != config_key(self.default))
-        else:
-            configs = seed_configs(self.tile, self.shape, self.arch, self.opts.results_root)
-            if self.space.size() <= self.opts.trials:
-                # The budget covers the whole grid: measuring every config beats sampling it.
-                configs += [(c, "grid") for c in self.space.all_configs()]
-            elif self.space.constraints:
-                self.valid = valid_configs(self.space, self.shape, self.arch, seed=self.opts.seed, kernel_key=self._kernel_key)
-        existing = {config_key(trial_config(t)) for t in self.study.get_trials(deepcopy=False)}
+        self._queued = {config_key(trial_config(t)) for t in self.study.get_trials(deepcopy=False)}
+        if self.walk:
+            self._grid = grid_configs(self.space, self.default)
+            return
+        configs = seed_configs(self.tile, self.shape, self.arch, self.opts.results_root)
+        if self.space.size() <= self.budget:
+            # The budget covers the whole grid: measuring every config beats sampling it.
+            configs += [(c, "grid") for c in grid_configs(self.space)]
+        elif self.space.constraints:
+            self.valid = valid_configs(self.space, self.shape, self.arch, seed=self.opts.seed, kernel_key=self._kernel_key)
+        if self.opts.compile_only and self.opts.trials is None and self.progress is not None:
+            self.progress.note(
+                f"{self.tile.name} {self.shape.name}: {self.space.size():,} configs, too many to compile each: "
+                f"{self.budget} sampled (--trials N for another number)"
+            )
         for config, source in configs:
-            if config_key(config) not in existing:
-                existing.add(config_key(config))
+            if config_key(config) not in self._queued:
+                self._queued.add(config_key(config))
                 self.study.enqueue_trial(config, user_attrs={"source": source})
+
+    def _queue_from_grid(self) -> bool:
+        """Enqueue the walk's next grid point the study does not hold yet; False at the grid's end. A point another
+        process queues at the same moment is compiled once (the later trial is a duplicate, see :meth:`run_trial`)."""
+        for config in self._grid:
+            key = config_key(config)
+            if key not in self._queued:
+                self._queued.add(key)
+                self.study.enqueue_trial(config, user_attrs={"source": "grid"})
+                return True
+        return False
 
     # -- the loop --
     def _next_trial(self, deadline: float | None):
         with self._lock:
-            if deadline is not None and time.monotonic() >= deadline:
+            if self._stopping.is_set() or (deadline is not None and time.monotonic() >= deadline):
                 return None
             trials = self.study.get_trials(deepcopy=False)
-            if self.opts.compile_only:
-                if not any(t.state == TrialState.WAITING for t in trials):
+            if self.budget is not None and sum(uses_budget(t) for t in trials) + self._in_flight >= self.budget:
+                return None
+            if self.walk:
+                # the grid is finite and every point is asked for once: none of the sampler's stopping rules apply
+                if not any(t.state == TrialState.WAITING for t in trials) and not self._queue_from_grid():
                     return None
-            elif sum(uses_budget(t) for t in trials) + self._in_flight >= self.opts.trials:
+                trial = self.study.ask(self.dists)
+                self._in_flight += 1
+                return trial
+            if sum(t.user_attrs.get("outcome") == harness.INVALID for t in trials) >= MAX_INVALID_PER_TRIAL * self.budget:
                 return None
-            if sum(t.user_attrs.get("outcome") == harness.INVALID for t in trials) >= MAX_INVALID_PER_TRIAL * self.opts.trials:
-                return None
-            if self._consecutive_repeats >= max(20, 2 * len(self.space.all_configs()) if self.space.size() <= 4096 else 20):
+            if self._consecutive_repeats >= max(20, 2 * self.space.size() if self.space.size() <= 4096 else 20):
                 return None  # the sampler keeps returning configs already measured: the space is exhausted
             if (
                 self.valid is not None
@@ -330,6 +475,10 @@ class StudyRunner:
         while (trial := self._next_trial(deadline)) is not None:
             try:
                 self.run_trial(trial)
+            except Exception:
+                if not self._stopping.is_set():
+                    raise
+                return  # interrupted: the pools were shut under this trial, which the next run retries
             finally:
                 with self._lock:
                     self._in_flight -= 1
@@ -342,8 +491,13 @@ class StudyRunner:
         lanes = [threading.Thread(target=self.lane, args=(deadline,), daemon=True) for _ in range(max(1, n_lanes))]
         for t in lanes:
             t.start()
-        for t in lanes:
-            t.join()
+        try:
+            for t in lanes:
+                t.join()
+        except KeyboardInterrupt:
+            # Ctrl-C reaches this thread only; the lanes stop recording, and tune() shuts the workers down
+            self._stopping.set()
+            raise
         summary = summarize(self.study, self.tile, self.shape, self.default, self.opts.compile_only)
         self._rematch(summary)
         summary.ran, summary.wall_s = self._ran, time.monotonic() - t0
@@ -372,6 +526,8 @@ class StudyRunner:
 
     # -- one trial --
     def _finish(self, trial: optuna.Trial, attrs: dict, state: TrialState, value: float | None = None) -> None:
+        if self._stopping.is_set():
+            return  # interrupted: a compile cut short is no result; the trial stays RUNNING and the next run retries it
         for k, v in attrs.items():
             trial.set_user_attr(k, v)
         with self._lock:
@@ -447,8 +603,8 @@ class StudyRunner:
         key = config_key(config)
         trial.set_user_attr("owner", self.owner)
         trial.set_user_attr("config_key", key)
-        if self.opts.compile_only and "fixed_params" not in self.study._storage.get_trial_system_attrs(trial._trial_id):
-            # Compile-only runs the enqueued grid. A trial the sampler made up (another lane or process took the last
+        if self.walk and "fixed_params" not in self.study._storage.get_trial_system_attrs(trial._trial_id):
+            # A compile-only walk runs the enqueued grid. A trial the sampler made up (another lane or process took the last
             # queued one between the check and the ask) is dropped: processes sharing a study sample with the same seed,
             # so two of them can make up the same config at once, each before the other's params are written, and the
             # duplicate check below would see neither (CI, PostgreSQL: one config compiled twice).
@@ -525,8 +681,15 @@ def tune(tiles: list[Tile], opts: TuneOptions, shapes: str = "all", progress=Non
     """Tune (or, compile-only, validate) every tile on every selected shape; exports winners unless compile-only."""
     from tuning.export import export_results
 
-    if opts.trials < 1:
+    if opts.trials is not None and opts.trials < 1:
         raise TuneError(f"--trials {opts.trials}: need at least 1")
+    for flag, seconds in (
+        ("--timeout", opts.timeout_s),
+        ("--trial-timeout", opts.trial_timeout_s),
+        ("--compile-timeout", opts.compile_timeout_s),
+    ):
+        if seconds is not None and not seconds > 0:
+            raise TuneError(f"{flag} {seconds:g}: give a number of seconds above 0")
     if not any(select_shapes(tile, shapes) for tile in tiles):
         known = sorted({s.name for tile in tiles for s in tile.shapes()})
         raise TuneError(f"--shapes {shapes!r} selects no shape of these tiles: use decode, prefill, all or names from {', '.join(known)}")
@@ -544,6 +707,7 @@ def tune(tiles: list[Tile], opts: TuneOptions, shapes: str = "all", progress=Non
     compile_pool = WorkerPool.compile_pool(opts.compile_jobs)
     gpu_pool = None if opts.compile_only else WorkerPool.gpu_pool(opts.workers)
     summaries: list[StudySummary] = []
+    grace_s = 3.0  # for a busy worker to finish at the end of a run; none on Ctrl-C
     try:
         for tile in tiles:
             why = tile.support_reason(opts.arch)
@@ -565,8 +729,11 @@ def tune(tiles: list[Tile], opts: TuneOptions, shapes: str = "all", progress=Non
                 path = export_results(tile, opts.arch, by_tile, opts.command, opts.results_root)
                 if progress is not None:
                     progress.note(f"{tile.name}: winners written to {path}")
+    except KeyboardInterrupt:
+        grace_s = 0.0
+        raise
     finally:
-        compile_pool.close()
+        compile_pool.close(grace_s)
         if gpu_pool is not None:
-            gpu_pool.close()
+            gpu_pool.close(grace_s)
     return summaries

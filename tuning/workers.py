@@ -15,6 +15,11 @@ cached binary instead of running nvcc again. Both sides record their build time
 
 Tiles are named across processes by a reference ``"module:tile_name"`` (the module defines
 ``TILES = [...]``), so tiles outside ``tiles/`` (the tests' toy tiles) work the same way.
+
+A worker writes nothing to the command's stdout (its stdout is the parent's stderr: TileLang
+logs every compile there) and is out of reach of Ctrl-C: it runs in a process group of its own,
+so the terminal's SIGINT reaches the parent alone, which reports the interrupt and shuts its
+workers down, killing each one's group (a compiler it started goes with it).
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 
 from tiles.core.contract import Tile
 
@@ -111,8 +119,41 @@ def kernel_resources(kernel) -> dict:
     return ({"registers": max(regs)} if regs else {}) | ({"spills": max(spills)} if spills else {})
 
 
+def _quiet_worker() -> None:
+    """Leave the terminal's process group and ignore SIGINT (a Ctrl-C printed a worker's traceback; the parent shuts
+    the workers down), then take SIGINT out of the mask the parent blocked it with while starting this process.
+
+    Point stdout at stderr: TileLang logs each compile with ``tqdm.write`` (stdout), 116 lines in one `lab tune
+    --compile-only`, and a compiler may print too; what a command prints on stdout is its output only. The descriptor
+    itself is redirected, so output written below Python (by a native library) follows."""
+    try:
+        os.setsid()
+    except OSError:  # already a group leader (not started by IsolatedWorker): SIG_IGN alone keeps Ctrl-C out
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no real stdout or stderr (an embedding host): nothing to redirect
+        pass
+
+
+def _thread_lock_for_tqdm() -> None:
+    """TileLang logs through ``tqdm.write``, which guards its writes with a multiprocessing lock: a named semaphore that
+    a worker killed mid-compile (Ctrl-C, a timeout) leaves to multiprocessing's resource tracker, which then warned
+    about "leaked semaphore objects" as `lab tune` exited. A worker is one process: a thread lock does."""
+    try:
+        import tqdm
+    except ImportError:
+        return
+    tqdm.tqdm.set_lock(threading.RLock())
+
+
 def _worker_main(conn, env: dict[str, str]) -> None:
+    _quiet_worker()
     os.environ.update(env)
+    _thread_lock_for_tqdm()
     try:
         import tilelang  # noqa: F401  (imported up front so compile_s / load_s time the build, not the import)
     except ImportError:
@@ -142,6 +183,7 @@ class IsolatedWorker:
         self.name = name
         self.env = dict(env or {})
         self.restarts = 0
+        self.stopped = False  # by stop(): no task starts it again (a lane still running at Ctrl-C would have)
         self._proc = None
         self._conn = None
 
@@ -149,14 +191,30 @@ class IsolatedWorker:
         parent, child = _CTX.Pipe()
         # The child applies env before anything touches CUDA (torch reads CUDA_VISIBLE_DEVICES at CUDA init, not import).
         self._proc = _CTX.Process(target=_worker_main, args=(child, self.env), name=self.name, daemon=True)
-        self._proc.start()
+        # SIGINT blocked while it starts: the child inherits the mask, so a Ctrl-C before it leaves the terminal's process
+        # group in _quiet_worker (its imports take seconds) stays pending, then is dropped, instead of ending it with a
+        # traceback. Only this thread's mask changes: a Ctrl-C meanwhile still reaches the parent's main thread.
+        # multiprocessing's resource tracker is started first: starting it unblocks SIGINT on its way out, which inside
+        # the block would undo it for the first worker.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self._conn = parent
 
     def kill(self) -> None:
+        """Kill the worker and its process group (a compiler it is running), and close the pipe."""
         if self._proc is not None:
             if self._proc.is_alive():
-                self._proc.kill()
+                try:
+                    if os.getpgid(self._proc.pid) == self._proc.pid:  # its own group (see _quiet_worker)
+                        os.killpg(self._proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._proc.kill()  # still starting (no group of its own yet), or already gone: a no-op then
             self._proc.join(5)
         if self._conn is not None:
             self._conn.close()
@@ -166,6 +224,7 @@ class IsolatedWorker:
         """End the worker at the close of a run: with its pipe closed it returns from its loop and exits normally,
         releasing what it holds (a killed worker leaves its semaphores to multiprocessing's resource tracker, which
         warned about them when `lab tune` exited). Killed if it is still busy after ``grace_s``."""
+        self.stopped = True
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -179,6 +238,8 @@ class IsolatedWorker:
 
     def call(self, fn_ref: str, args: tuple, timeout_s: float | None):
         """Run ``fn_ref(*args)`` in the worker; raises WorkerTimeout / WorkerDied (and respawns next call)."""
+        if self.stopped:
+            raise WorkerDied(f"worker {self.name} was stopped")
         if self._proc is None or not self._proc.is_alive():
             self._start()
         self._conn.send((fn_ref, args))
@@ -265,6 +326,7 @@ class WorkerPool:
     def restarts(self) -> int:
         return sum(w.restarts for w in self.workers)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 3.0) -> None:
+        """Stop every worker, each given ``grace_s`` to finish a task (0 on Ctrl-C: killed at once)."""
         for w in self.workers:
-            w.stop()
+            w.stop(grace_s)

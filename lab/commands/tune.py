@@ -1,7 +1,8 @@
 """`lab tune`: autotune tiles for a GPU architecture with Optuna (see :mod:`tuning`).
 
 lab tune --arch auto --tile all --trials 40              # tune on the GPU present, write results/<arch>/<tile>.yaml
-lab tune --arch sm100 --tile NAME --compile-only         # compile a whole search space for another arch, no GPU needed
+lab tune --arch sm100 --tile NAME --compile-only         # compile a search space for another arch, no GPU needed
+lab tune --arch sm90 --tile all --compile-only --trials 20   # at most 20 configs of each space
 lab tune --arch sm90 --storage postgresql://... --workers 8   # share one study across GPUs and hosts
 lab tune --replay TILE:sm90:SHAPE                        # how fast would each sampler have found the winner
 """
@@ -12,9 +13,8 @@ import argparse
 import os
 from pathlib import Path
 
-from lab.cli import LabError
-from tiles.core.arch import ARCHS, ArchError
-from tiles.core.contract import TileError
+from lab.cli import LabError, non_negative_int, positive_int, positive_seconds
+from tiles.core.arch import ARCHS  # torch-free: the parser stays light (lab.cli.CommandParser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,25 +23,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="all", help="decode, prefill, all, or comma-separated shape names")
     parser.add_argument(
         "--trials",
-        type=int,
-        default=40,
-        help="configs measured per (tile, shape) study, counting earlier runs (proposals a constraint refuses and repeats "
-        "answered from the record are free; a study with fewer valid configs measures them all)",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="configs measured per (tile, shape) study, counting earlier runs (default 40; proposals a constraint refuses "
+        "and repeats answered from the record are free; a study with fewer valid configs measures them all). With "
+        "--compile-only: configs compiled per study (default: every config of the space, or 40 sampled from one too "
+        "large to compile whole)",
     )
-    parser.add_argument("--timeout", type=float, default=None, metavar="S", help="wall-clock budget per study in seconds")
-    parser.add_argument("--trial-timeout", type=float, default=120.0, metavar="S", help="one GPU evaluation; a hang past it is killed")
-    parser.add_argument("--compile-timeout", type=float, default=300.0, metavar="S", help="one compile in the pool")
+    parser.add_argument("--timeout", type=positive_seconds, default=None, metavar="S", help="wall-clock budget per study in seconds")
     parser.add_argument(
-        "--storage", default=None, metavar="URL", help="Optuna storage: sqlite:///..., postgresql://..., mysql://..., journal:PATH"
+        "--trial-timeout", type=positive_seconds, default=120.0, metavar="S", help="one GPU evaluation; a hang past it is killed"
     )
-    parser.add_argument("--workers", type=int, default=1, metavar="N", help="GPU workers, one per local GPU")
-    parser.add_argument("--compile-jobs", type=int, default=os.cpu_count() or 1, metavar="N", help="compile pool size (default: all cores)")
-    parser.add_argument("--compile-only", action="store_true", help="compile every config of the search space; no GPU, no timing")
+    parser.add_argument("--compile-timeout", type=positive_seconds, default=300.0, metavar="S", help="one compile in the pool")
+    parser.add_argument(
+        "--storage",
+        default=None,
+        metavar="URL",
+        help="Optuna storage (default: results/tuning.db): sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB, "
+        "mysql://USER:PASSWORD@HOST/DB or journal:PATH (passwords are masked wherever the URL is shown or recorded)",
+    )
+    parser.add_argument("--workers", type=positive_int, default=1, metavar="N", help="GPU workers, one per local GPU")
+    parser.add_argument(
+        "--compile-jobs", type=positive_int, default=os.cpu_count() or 1, metavar="N", help="compile pool size (default: all cores)"
+    )
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile the search space (every config, or --trials of them) for --arch; no GPU, no timing",
+    )
     parser.add_argument("--replay", default=None, metavar="STUDY", help="replay samplers offline against a recorded study")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed")
     parser.add_argument(
         "--rematch",
-        type=int,
+        type=non_negative_int,
         default=3,
         metavar="N",
         help="a study's winner that is not the default is timed against the default N more times each, alternating, and "
@@ -53,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tiles.core.arch import resolve
+    from tiles.core.arch import ArchError, resolve
+    from tiles.core.contract import TileError
     from tiles.core.registry import select
     from tuning.progress import TuneProgress
     from tuning.study import TuneError, TuneOptions, tune
