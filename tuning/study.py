@@ -493,7 +493,11 @@ class StudyRunner:
             t.start()
         try:
             for t in lanes:
-                t.join()
+                # joined in short waits: a Ctrl-C that the kernel hands to another thread (the main thread blocks SIGINT
+                # while it starts a worker) is only acted on when this thread runs Python again, and a plain join()
+                # would not return until the study ended
+                while t.is_alive():
+                    t.join(0.1)
         except KeyboardInterrupt:
             # Ctrl-C reaches this thread only; the lanes stop recording, and tune() shuts the workers down
             self._stopping.set()

@@ -207,7 +207,9 @@ class IsolatedWorker:
 
     def kill(self) -> None:
         """Kill the worker and its process group (a compiler it is running), and close the pipe."""
-        if self._proc is not None:
+        # pid None: not started yet (a Ctrl-C reached the main thread while a lane was starting it); such a worker is a
+        # daemon, ended by multiprocessing when the parent exits
+        if self._proc is not None and self._proc.pid is not None:
             if self._proc.is_alive():
                 try:
                     if os.getpgid(self._proc.pid) == self._proc.pid:  # its own group (see _quiet_worker)
