@@ -75,12 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
 # --- argument types: a bad number is refused while parsing, in one line ----------------------------
 
 
-def positive_int(text: str) -> int:
-    """``type=`` of a count that must be at least 1 (trials, workers, jobs)."""
+def _whole_number(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def positive_int(text: str) -> int:
+    """``type=`` of a count that must be at least 1 (trials, workers, jobs)."""
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive count: give 1 or more")
     return value
@@ -88,10 +92,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """``type=`` of a count where 0 means none (rematch rounds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _whole_number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or more")
     return value

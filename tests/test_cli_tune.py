@@ -393,7 +393,7 @@ def test_sqlite_side_files_are_git_ignored():
 def test_lab_help_is_fast():
     """Building the parser imported every command's module, and with them torch: `lab --help` took 1.6 s. Measured as
     the child's CPU time (user + system), which another test compiling on the same cores does not inflate as it does
-    the wall time (0.6 s of wall under pytest -n 2 on 2 cores)."""
+    the wall time."""
     import resource
 
     times = []
