@@ -15,7 +15,10 @@ CASES = [
     (["bench", "--tile", "fp4_quant_main", "--config", "{bad json"], "--config is not valid JSON"),
     (["bench", "--tile", "fp4_quant_main", "--config", "[1, 2]"], "--config JSON must be an object"),
     (["bench", "--tile", "fp4_quant_main", "--config", "threads"], "--config item 'threads' is not key=value"),
-    (["bench", "--tile", "fp4_quant_main", "--config", "threads=128", "--save"], "--save stores the default config's or the stored winners'"),
+    (
+        ["bench", "--tile", "fp4_quant_main", "--config", "threads=128", "--save"],
+        "--save stores the default config's or the stored winners'",
+    ),
     (["bench", "--tile", "fp4_quant_main", "--runs", "0"], "--runs must be at least 1, got 0"),
     (["bench", "--tile", "fp4_quant_main"], "no CUDA GPU is present.*`lab bench` times on a GPU"),
     (["check", "--arch", ","], "--arch is empty"),

@@ -49,7 +49,9 @@ def test_a_call_shape_is_resolved_once_then_served_from_the_cache(h200_winner, m
 def test_an_explicit_config_is_checked_with_a_clear_error(h200_winner):
     tile, _ = h200_winner
     assert dispatch.call_config(tile, DIMS, SM90, "NVIDIA H200", {"threads": 512})["threads"] == 512
-    with pytest.raises(TileError, match=r"config \{'threads': 96\} is not valid for fp4_quant_main at \{'rows': 64, 'dim': 512\} on sm90: "):
+    with pytest.raises(
+        TileError, match=r"config \{'threads': 96\} is not valid for fp4_quant_main at \{'rows': 64, 'dim': 512\} on sm90: "
+    ):
         dispatch.call_config(tile, DIMS, SM90, "NVIDIA H200", {"threads": 96})
 
 

@@ -12,6 +12,8 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from cuda_source import cuda_function as _cuda_function
+from cuda_source import source_text as _source_text
 
 from model import formats
 from tiles import fp4
@@ -208,21 +210,6 @@ def test_builders_refuse_invalid_structures():
 # here as they are, on torch tensors (_tilelang_as_torch); the CUDA snippets and the statements inside the kernel builders
 # are mirrored in Python and every mirrored statement is looked up in the shipped source, so a changed constant,
 # comparison or shift there fails a CPU test.
-def _source_text(src: str, comment: str) -> str:
-    """``src`` with its ``comment`` comments dropped and its whitespace normalised: what a statement is looked up in."""
-    return " ".join(re.sub(rf"{re.escape(comment)}.*", "", src).split())
-
-
-def _cuda_function(src: str, name: str) -> str:
-    """The CUDA helper ``name`` defined in ``src``, from its name to its closing brace (see :func:`_source_text`)."""
-    head = re.search(rf"__device__ __forceinline__ [\w *]+\b{name}\(", src)
-    assert head, f"{name} is not defined in the source"
-    body, depth = src.index("{", head.end()), 0
-    for end, ch in enumerate(src[body:], start=body):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth == 0:
-            return _source_text(src[head.start() : end + 1], "//")
-    raise AssertionError(f"{name}: its braces do not close")
 
 
 def _python_function(fn) -> str:

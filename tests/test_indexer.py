@@ -12,6 +12,8 @@ import re
 
 import pytest
 import torch
+from cuda_source import cuda_function as _cuda_function
+from cuda_source import source_text as _source_text
 
 from model.ops.indexer import candidate_blocks, topk_positions
 from tiles import indexer as ix
@@ -108,21 +110,6 @@ def test_dequant_options_compile_sm90(tile, dequant):
 # The dequant emulations below mirror the CUDA helpers (and the TileLang formula) the score kernels ship, statement by
 # statement; each is followed by a test that looks its statements up in the shipped source, so that a changed constant,
 # selector or shift there fails on the CPU (the attention's test_prmt_emulation_follows_the_cuda_source does the same).
-def _source_text(src: str, comment: str) -> str:
-    """``src`` with its ``comment`` comments dropped and its whitespace normalised: what a statement is looked up in."""
-    return " ".join(re.sub(rf"{re.escape(comment)}.*", "", src).split())
-
-
-def _cuda_function(src: str, name: str) -> str:
-    """The CUDA helper ``name`` defined in ``src``, from its name to its closing brace (see :func:`_source_text`)."""
-    head = re.search(rf"__device__ __forceinline__ [\w *]+\b{name}\(", src)
-    assert head, f"{name} is not defined in the source"
-    body, depth = src.index("{", head.end()), 0
-    for end, ch in enumerate(src[body:], start=body):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth == 0:
-            return _source_text(src[head.start() : end + 1], "//")
-    raise AssertionError(f"{name}: its braces do not close")
 
 
 def _assert_follows(src: str, helper: str, statements: tuple[str, ...]) -> None:
@@ -393,7 +380,6 @@ def _per_thread_reads(src: str, var: str, exprs: tuple, threads: int, producer: 
     """Evaluate a generated dequant call's index expressions (packed word, scale row, scale shift, k) for every consumer
     thread and even fragment slot ``var`` of its loop (pipeline stage 0):
     {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)}."""
-    import re
 
     extent = int(re.search(rf"for \(int {var} = 0; {var} < (\d+); \+\+{var}\)", src).group(1))
     exprs = [e.replace("((int)threadIdx.x)", "tx") for e in exprs]
@@ -421,7 +407,6 @@ def _assert_every_pair_once_one_group_per_thread(reads: dict, block_n: int) -> N
 def _rs_source_reads(src: str, threads: int, producer: int) -> dict:
     """The generated prmt_rs dequant call, evaluated per consumer thread and A slot (pipeline stage 0):
     {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)} for the even slots it writes."""
-    import re
 
     dst, word, tab0, *tabs, k_e = _call_args(src, "csa2_fp4_pair_bf16")
     var = re.fullmatch(r"\(&\(k_deq\[(\w+)\]\)\)", dst).group(1)
@@ -637,7 +622,6 @@ def test_fma_rs_fragment_emulation_equals_the_reference_dot_products():
 def _fma_source_reads(src: str, threads: int, producer: int) -> dict:
     """The generated fma_rs dequant call evaluated per consumer thread and A slot (pipeline stage 0):
     {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)} for the even slots it writes."""
-    import re
 
     dst, word, sbyte, k_e = _call_args(src, "csa2_fp4_pair_fma")
     var = re.fullmatch(r"\(&\(k_deq\[(\w+)\]\)\)", dst).group(1)
@@ -814,7 +798,6 @@ def _kernel_lines_but_dequant(src: str) -> list[str]:
 def _rs2_source_reads(src: str, threads: int, producer: int) -> dict:
     """The generated prmt_rs2 dequant (csa2_scale_byte, then csa2_fp4_pair2_bf16 on the table row it names), evaluated
     per consumer thread and A slot: {(thread, slot): (row of the packed word, word, row of the scale, scale byte, k)}."""
-    import re
 
     sw, t_e = _call_args(src, "csa2_scale_byte")
     row_e = re.fullmatch(r"\(\(int\*\)ks_s\)\[(.*)\]", sw).group(1)

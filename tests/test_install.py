@@ -51,11 +51,15 @@ def test_the_wheel_ships_the_tuned_configs_and_loads_them(tmp_path):
     # plain site-packages folders, whose own .pth files (an editable install's finder) are not processed.
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
     python = venv / "bin" / "python"
-    venv_site = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    venv_site = Path(
+        subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+    )
     deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path}
     deps = [p for p in deps if p.endswith("-packages") and Path(p).is_dir()]
     (venv_site / "zz_lab_deps.pth").write_text("\n".join(deps) + "\n")
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True, timeout=300
+    )
 
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no CSA2_RESULTS_DIR, no PYTHONPATH
     out = subprocess.run([python, "-c", PROBE], cwd=elsewhere, env=env, check=True, capture_output=True, text=True, timeout=300)
