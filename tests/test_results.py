@@ -265,5 +265,8 @@ def test_an_installed_package_finds_its_shipped_configs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert config_store.results_dir() == tmp_path / "results"
     assert config_store.tuned_roots() == [tmp_path / "results", shipped]
+    monkeypatch.setenv("CSA2_RESULTS_DIR", str(tmp_path / "mine"))
+    assert config_store.tuned_roots() == [tmp_path / "mine"]  # an explicit tree hides the shipped configs
+    monkeypatch.delenv("CSA2_RESULTS_DIR")
     config, source = load_winner("toy_scale", SM90, toy.shapes()[0], default=toy.default_config(SM90), gpu="NVIDIA H200")
     assert config == cfg and source == "tuned:csa2_lab_results/sm90/tuned/h200/toy_scale.yaml#decode_n4k"

@@ -9,7 +9,8 @@ model's of the same arch (:func:`tiles.core.gpu.nearest_order`), picks the bucke
 comparable bucket; it says which one it used. A file that does not parse, or that belongs to another tile, arch or
 schema, raises :class:`ResultsError` naming the file.
 
-Where the files are (:func:`tuned_roots`): ``$CSA2_RESULTS_DIR``, else ``results/`` of the source tree the lab runs
+Where the files are (:func:`tuned_roots`): ``$CSA2_RESULTS_DIR`` alone when set (an explicit tree replaces the
+others, so tests and other checkouts see only their own files), else ``results/`` of the source tree the lab runs
 from, and for an installed package (``pip install .``) the configs it ships (package ``csa2_lab_results``).
 """
 
@@ -52,10 +53,12 @@ def packaged_dir() -> Path | None:
 
 
 def tuned_roots(root: Path | None = None) -> list[Path]:
-    """The results trees searched for tuned configs, first first: ``root`` alone when given, else
-    :func:`results_dir` and the packaged configs (when installed and not the same tree)."""
+    """The results trees searched for tuned configs, first first: ``root`` alone when given, ``$CSA2_RESULTS_DIR``
+    alone when set, else :func:`results_dir` and the packaged configs (when installed and not the same tree)."""
     if root is not None:
         return [Path(root)]
+    if "CSA2_RESULTS_DIR" in os.environ:
+        return [results_dir()]
     roots = [results_dir()]
     shipped = packaged_dir()
     if shipped is not None and shipped.resolve() != roots[0].resolve():
