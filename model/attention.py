@@ -7,6 +7,11 @@ KV**: the window and top-k keys meet the same query in one softmax, so they must
 with the same frequencies for ``q . k`` to depend on relative position consistently.
 
 Every accelerated op goes through ``step.backend`` (see :mod:`model.backend`).
+
+A step runs either on a contiguous :class:`KVCache` (every sequence at the same position) or on a
+:class:`PagedKVCache` (any live sequences, each at its own position): the paged step attends to the
+shared ring and page pools through rows and block tables, and the indexer keeps ranking logical
+positions, turned into pool rows (:func:`pool_rows`) only for the attention.
 """
 
 from __future__ import annotations
@@ -21,36 +26,58 @@ from model.cache import KVCache
 from model.config import LayerMode, LayerPlan, ModelConfig
 from model.layers import Compressor, Indexer, Linear, RMSNorm
 from model.ops.indexer import visible_entries
+from model.ops.paged import pool_rows
 from model.ops.rope import RopeConfig, apply_rope, rope_tables
+from model.paged import PagedKVCache
 
 
 @dataclass
 class Step:
     """One forward step over tokens at positions ``first .. first + S - 1`` of every sequence.
 
+    On a paged cache, batch row ``b`` is sequence ``seqs[b]`` at positions ``row_first[b] ..
+    row_first[b] + S - 1`` (``first`` is unused).
+
     Carries what layers publish for later layers of the same step: the latest top-k of
-    each index source and the candidate pool of the pool source.
+    each index source (logical positions) and the candidate pool of the pool source.
     """
 
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     backend: Backend
     first: int
     S: int
     prebuilt: frozenset[int] = frozenset()  # KV sources whose entries for this step already exist (CED)
+    seqs: tuple[int, ...] = ()  # paged: the sequence id of each batch row
+    row_first: tuple[int, ...] = ()  # paged: the position of each row's first token
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int32 [B, S, K]
     pool: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int32 [B, S, P]
     _tables: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _block_tables: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def paged(self) -> bool:
+        return isinstance(self.cache, PagedKVCache)
 
     @property
     def positions(self) -> torch.Tensor:
-        """int64 [S]."""
+        """int64 [S] (contiguous) or [B, S] (paged: each row at its own position)."""
+        if self.paged:
+            first = torch.tensor(self.row_first, dtype=torch.int64, device=self.cache.device)
+            return first[:, None] + torch.arange(self.S, device=self.cache.device)
         return torch.arange(self.first, self.first + self.S, device=self.cache.rings[0].codes.device)
 
     def rope(self, cfg: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin float32 [S, rope_dim/2] at this step's positions (computed once per RoPE config)."""
+        """cos, sin float32 [S, rope_dim/2] (paged: [B, S, rope_dim/2]) at this step's positions (once per RoPE config)."""
         if cfg not in self._tables:
             self._tables[cfg] = rope_tables(cfg, self.positions)
         return self._tables[cfg]
+
+    def block_table(self, source: int) -> torch.Tensor:
+        """Paged: int32 [B, max_pages] of ``source``'s group. The step's pages are taken before it starts, so one table
+        per group serves every layer of the step."""
+        if source not in self._block_tables:
+            self._block_tables[source] = self.cache.block_table(self.seqs, source)
+        return self._block_tables[source]
 
 
 class Attention(nn.Module):
@@ -98,10 +125,17 @@ class Attention(nn.Module):
             topk = torch.empty(B, S, 0, dtype=torch.int32, device=x.device)
         else:
             if self.compressor is not None and plan.index not in step.prebuilt:
-                self.append_global(x, step.cache, step.backend)
-            glob = step.cache.globals[plan.kv_source]
+                if step.paged:
+                    self.append_paged(x, step.cache, step.seqs, step.backend)
+                else:
+                    self.append_global(x, step.cache, step.backend)
             topk = self._topk(qr, x, step, cos, sin) if self.indexer is not None else step.topk[plan.index_source]
-            main_packed, main_scales = glob.main()
+            if step.paged:
+                group = step.cache.groups[plan.kv_source]
+                main_packed, main_scales = group.main_packed.unsqueeze(0), group.main_scales.unsqueeze(0)  # [1, R, ...] pool
+                topk = pool_rows(topk, step.block_table(plan.kv_source), group.page_size)
+            else:
+                main_packed, main_scales = step.cache.globals[plan.kv_source].main()
         out = step.backend.sparse_attention(q, win_codes, win_scales, win_idx, main_packed, main_scales, topk, self.sink, cfg.softmax_scale)
         # rotated wide, rounded once to wo_a's dtype (what a float32 rotation and a cast gave, without the float32 copy)
         out = apply_rope(out, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True, out_dtype=self.wo_a.dtype)  # [B, S, H, D]
@@ -114,6 +148,8 @@ class Attention(nn.Module):
         B, S = x.shape[:2]
         kv = apply_rope(self.kv_norm(self.wkv_swa(x)), cos, sin)  # [B, S, D]
         codes, scales = step.backend.fp8_quantize(kv)  # [B, S, D], [B, S, D/32]
+        if step.paged:
+            return step.cache.swa_step(step.seqs, self.plan.index, step.row_first, codes, scales)
         ring = step.cache.rings[self.plan.index]
         if S == 1:
             # One token overwrites only a slot no query of this step needs: attend in place.
@@ -155,6 +191,39 @@ class Attention(nn.Module):
             )
             glob.append(*entries)
 
+    def append_paged(self, x: torch.Tensor, cache: PagedKVCache, seqs: tuple[int, ...], backend: Backend) -> None:
+        """:meth:`append_global` on a paged cache: row ``b`` of x [B, S, dim] extends sequence ``seqs[b]``.
+
+        One compressor call per sequence: each row completes its own groups at its own entry index (RoPE position),
+        which the compressor's one ``first_group`` per call cannot express for a batch. The entries go into the
+        sequence's pages, taken before the step.
+        """
+        comp = self.compressor
+        assert comp is not None, "only Full layers own a compressor"
+        src, r = self.plan.index, comp.ratio
+        kv_all, gate_all = comp.project(x)  # [B, S, D] fp32 each (gate None for ratio 1)
+        for b, seq in enumerate(seqs):
+            kv, gate = kv_all[b : b + 1], gate_all[b : b + 1] if gate_all is not None else None  # [1, S, D]
+            if r > 1:
+                old_kv, old_gate = cache.tail(seq, src)  # [1, c, D]
+                kv, gate = torch.cat([old_kv, kv], 1), torch.cat([old_gate, gate], 1)
+            done = kv.shape[1] // r * r
+            if r > 1:
+                cache.store_tail(seq, src, kv[:, done:], gate[:, done:])
+            if done:
+                entries = backend.compressor(
+                    kv[:, :done],
+                    gate[:, :done] if gate is not None else None,
+                    r,
+                    cache.sequence(seq).entries[src],
+                    comp.norm.weight,
+                    comp.wk.weight,
+                    comp.k_norm.weight,
+                    self.rope,
+                    self.cfg.norm_eps,
+                )
+                cache.write_entries(seq, src, *entries)
+
     def _topk(self, qr: torch.Tensor, x: torch.Tensor, step: Step, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Run this layer's indexer (Full: full scan, plus the pool at the pool source; Reindex: inside the pool); publish top-k.
 
@@ -167,15 +236,22 @@ class Attention(nn.Module):
         q_idx, weights = self.indexer(qr, x)  # [B, S, Hi, Di], [B, S, Hi]
         q_idx = apply_rope(q_idx, cos.unsqueeze(-2), sin.unsqueeze(-2))
         q_packed, q_scales = backend.fp4_quantize(q_idx, INDEX_GROUP, INDEX_SCALE)  # [B, S, Hi, Di/2], [B, S, Hi, Di/32]
-        glob = step.cache.globals[plan.kv_source]
-        index_packed, index_scales = glob.index()
-        n_visible = visible_entries(step.positions.expand(B, S), plan.ratio, glob.n)  # [B, S]
+        if step.paged:
+            group = step.cache.groups[plan.kv_source]
+            index_packed, index_scales = group.index_packed.unsqueeze(0), group.index_scales.unsqueeze(0)  # [1, R, ...] pool
+            n_entries = step.cache.n_entries(step.seqs, plan.kv_source)  # [B, 1]
+            paging = {"block_table": step.block_table(plan.kv_source), "page_size": group.page_size}
+        else:
+            glob = step.cache.globals[plan.kv_source]
+            index_packed, index_scales = glob.index()
+            n_entries, paging = glob.n, {}  # the contiguous call keeps its original signature
+        n_visible = visible_entries(step.positions.expand(B, S), plan.ratio, n_entries)  # [B, S]
         args = (q_packed, q_scales, weights, index_packed, index_scales, n_visible)
         if plan.mode == LayerMode.FULL:
-            topk = backend.indexer_topk(*args, cfg.index_topk)
+            topk = backend.indexer_topk(*args, cfg.index_topk, **paging)
             if plan.index == cfg.pool_source_layer:
-                step.pool[plan.index] = backend.candidate_pool(*args, cfg.pool_block, cfg.pool_max_blocks)
+                step.pool[plan.index] = backend.candidate_pool(*args, cfg.pool_block, cfg.pool_max_blocks, **paging)
         else:
-            topk = backend.reindex_topk(*args, step.pool[plan.pool_source], cfg.pool_block, cfg.index_topk)
+            topk = backend.reindex_topk(*args, step.pool[plan.pool_source], cfg.pool_block, cfg.index_topk, **paging)
         step.topk[plan.index] = topk
         return topk

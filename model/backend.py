@@ -17,6 +17,16 @@ Every method speaks the stored formats, so a kernel can implement it directly:
 Cache tensors handed to a backend may be views of larger buffers (``buf[:, :n]``): the last
 dim is contiguous, the batch stride may be larger than the row count times the row size.
 Outputs are freshly allocated. Computation is float32 whatever the input float dtype.
+
+Paged caches (:mod:`model.paged`, continuous batching) use the same methods:
+
+* ``sparse_attention`` takes each of its two KV sources either per batch row ([B, N, ...]) or as one
+  pool shared by every row ([1, N, ...]), whose indices are then rows of that pool;
+* the indexer methods take ``block_table`` (int32 [B, max_pages], -1 past a row's pages) and
+  ``page_size``: ``index_packed`` / ``index_scales`` are then the group's pool [1, R, ...] and logical
+  entry ``j`` of row ``b`` is pool row ``block_table[b, j // page_size] * page_size + j % page_size``
+  (logical width ``max_pages * page_size``). Their outputs stay logical positions / block ids, exactly
+  the contiguous call's; :func:`model.ops.paged.pool_rows` turns a top-k into pool rows.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch
 import model.formats
 from model.ops.compressor import compressor_latents, index_keys, main_entries
 from model.ops.indexer import candidate_blocks, indexer_scores, pool_mask, topk_positions
+from model.ops.paged import check_block_table, gather_pages
 from model.ops.rope import RopeConfig
 from model.ops.sparse_attn import sparse_attention_quantized
 
@@ -76,6 +87,8 @@ class Backend(Protocol):
         index_scales: torch.Tensor,
         n_visible: torch.Tensor,
         k: int,
+        block_table: torch.Tensor | None = None,
+        page_size: int = 0,
     ) -> torch.Tensor: ...
 
     def candidate_pool(
@@ -88,6 +101,8 @@ class Backend(Protocol):
         n_visible: torch.Tensor,
         block: int,
         max_blocks: int,
+        block_table: torch.Tensor | None = None,
+        page_size: int = 0,
     ) -> torch.Tensor: ...
 
     def reindex_topk(
@@ -101,6 +116,8 @@ class Backend(Protocol):
         pool_blocks: torch.Tensor,
         block: int,
         k: int,
+        block_table: torch.Tensor | None = None,
+        page_size: int = 0,
     ) -> torch.Tensor: ...
 
     def sparse_attention(
@@ -204,6 +221,15 @@ class TorchBackend:
             parts.append(select(indexer_scores(q, weights[:, sl], k, n_visible[:, sl]), sl))  # scores [B, s, Nc]
         return torch.cat(parts, dim=1)
 
+    @staticmethod
+    def _logical_index(index_packed, index_scales, n_visible, block_table, page_size) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index K in the contiguous layout [B, N, ...]: as given, or gathered from the pool through the block table
+        (the reference materialises it; a kernel reads pool rows through the table instead)."""
+        if block_table is None:
+            return index_packed, index_scales
+        check_block_table(block_table, index_packed.shape[1], page_size, n_visible)
+        return gather_pages(index_packed, block_table, page_size), gather_pages(index_scales, block_table, page_size)
+
     def indexer_topk(
         self,
         q_packed: torch.Tensor,
@@ -213,6 +239,8 @@ class TorchBackend:
         index_scales: torch.Tensor,
         n_visible: torch.Tensor,
         k: int,
+        block_table: torch.Tensor | None = None,
+        page_size: int = 0,
     ) -> torch.Tensor:
         """Full indexer scan: ``score[t] = sum_h relu(q[h] . k[t]) * w[h]`` over visible entries, top-k.
 
@@ -222,10 +250,14 @@ class TorchBackend:
             index_packed: uint8 [B, Nc, Di/2]; index_scales: uint8 [B, Nc, Di/32] E8M0.
             n_visible: int64 [B, S]; entry j is visible to query s iff j < n_visible[b, s].
             k: top-k width.
+            block_table: None (contiguous), or int32 [B, max_pages] page ids (-1 past a row's pages): the index
+                tensors are then the group's pool, uint8 [1, R, Di/2] / [1, R, Di/32], read through the table.
+            page_size: entries per page (with ``block_table``).
         Returns:
             int32 [B, S, k]: the best ``min(k, n_visible)`` entries (ties: lower position wins),
-            sorted ascending by position, then -1.
+            sorted ascending by position, then -1. Logical positions also with a block table.
         """
+        index_packed, index_scales = self._logical_index(index_packed, index_scales, n_visible, block_table, page_size)
         args = (q_packed, q_scales, weights, index_packed, index_scales, n_visible)
         return self._select_by_query_chunks(lambda scores, sl: topk_positions(scores, k), *args)
 
@@ -239,15 +271,19 @@ class TorchBackend:
         n_visible: torch.Tensor,
         block: int,
         max_blocks: int,
+        block_table: torch.Tensor | None = None,
+        page_size: int = 0,
     ) -> torch.Tensor:
         """Candidate pool of the pool source layer: blocks of ``block`` entries ranked by their max score.
 
-        Inputs as in :meth:`indexer_topk`.
+        Inputs as in :meth:`indexer_topk` (``block_table`` too).
 
         Returns:
             int32 [B, S, P], P = min(max_blocks, ceil(Nc / block)): ascending block ids, -1 fill.
-            The newest (possibly partial) visible block is always kept.
+            The newest (possibly partial) visible block is always kept. With a block table Nc is the
+            logical width ``max_pages * page_size`` and the ids are logical blocks.
         """
+        index_packed, index_scales = self._logical_index(index_packed, index_scales, n_visible, block_table, page_size)
         args = (q_packed, q_scales, weights, index_packed, index_scales, n_visible)
         return self._select_by_query_chunks(lambda scores, sl: candidate_blocks(scores, n_visible[:, sl], block, max_blocks), *args)
 
@@ -262,6 +298,8 @@ class TorchBackend:
         pool_blocks: torch.Tensor,
         block: int,
         k: int,
+        block_table: torch.Tensor | None = None,
+        page_size: int = 0,
     ) -> torch.Tensor:
         """Reindex: top-k among the visible entries inside the candidate pool only.
 
@@ -271,11 +309,12 @@ class TorchBackend:
         it with arbitrary visible entries outside the pool, the tie order of -inf scores).
 
         Args:
-            pool_blocks: int32 [B, S, P] from :meth:`candidate_pool` (-1 fill).
-            Others as in :meth:`indexer_topk`.
+            pool_blocks: int32 [B, S, P] from :meth:`candidate_pool` (-1 fill; logical block ids).
+            Others as in :meth:`indexer_topk` (``block_table`` too).
         Returns:
             int32 [B, S, k], as :meth:`indexer_topk`.
         """
+        index_packed, index_scales = self._logical_index(index_packed, index_scales, n_visible, block_table, page_size)
 
         def select(scores: torch.Tensor, sl: slice) -> torch.Tensor:
             inside = pool_mask(pool_blocks[:, sl], scores.shape[-1], block)  # [B, s, Nc]
@@ -308,11 +347,13 @@ class TorchBackend:
             q: [B, S, H, D] queries (RoPE applied), any float dtype.
             window_codes: uint8 [B, Nw, D] FP8 E4M3; window_scales: uint8 [B, Nw, D/32] E8M0.
                 In decode (S = 1) this is the layer's ring (Nw = window); for S > 1 steps it is
-                the ring followed by the step's own tokens (Nw = window + S).
-            window_idx: int32 [B, S, W] rows of window_codes, -1 = unused.
+                the ring followed by the step's own tokens (Nw = window + S). Or [1, Nw, ...]: one
+                pool shared by every batch row (a paged cache's ring pool, Nw = n_slots * window).
+            window_idx: int32 [B, S, W] rows of window_codes (of the shared pool when its batch is 1), -1 = unused.
             main_packed: uint8 [B, Nc, D/2] FP4; main_scales: uint8 [B, Nc, D/16] E4M3
-                (Nc = 0 for SWA-only layers).
-            topk_idx: int32 [B, S, K] rows of main_packed, -1 = unused (K = 0 for SWA-only layers).
+                (Nc = 0 for SWA-only layers). Or [1, Nc, ...]: a group's page pool shared by every row.
+            topk_idx: int32 [B, S, K] rows of main_packed, -1 = unused (K = 0 for SWA-only layers); with a
+                page pool these are pool rows (:func:`model.ops.paged.pool_rows`), not logical positions.
             sink: float32 [H] or None.
             scale: softmax scale (head_dim^-0.5).
         Returns:

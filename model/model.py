@@ -14,7 +14,10 @@ Three entry points, all without autograd:
   (tokens [B, S] -> [B, S, vocab] steps S tokens at once).
 
 A batch holds sequences of equal length (equal-length prompts): one position counter
-serves every sequence. Logits are float32. A float64 model computes everything in float64
+serves every sequence. Continuous batching runs on a :class:`PagedKVCache` instead
+(:meth:`Model.new_paged_cache`): :meth:`Model.prefill_paged` fills one sequence from its own
+prompt (CED or not), :meth:`Model.decode_paged` steps any subset of live sequences, each at its
+own position; a sequence can join between any two steps and leave with ``cache.free(seq)``. Logits are float32. A float64 model computes everything in float64
 (the stored formats stay FP8/FP4): decode then reproduces forward to ~1e-12, which float32
 cannot promise, since batch-shape-dependent last-bit noise can flip an FP8/FP4 code or a
 near-tied top-k choice.
@@ -32,6 +35,7 @@ from model.config import ConfigError, LayerMode, LayerPlan, ModelConfig
 from model.inputs import InputError, check_length, check_tokens
 from model.layers import MoE, RMSNorm, SwiGLU
 from model.ops.precision import compute_dtype
+from model.paged import DEFAULT_PAGE_SIZE, PagedKVCache, SequenceError
 
 
 class Block(nn.Module):
@@ -77,6 +81,11 @@ class Model(nn.Module):
     def new_cache(self, batch: int, capacity_tokens: int = 256) -> KVCache:
         """An empty cache for ``batch`` sequences; global buffers start at ``capacity_tokens`` and grow."""
         return KVCache(self.cfg, batch, self.device, capacity_tokens, state_dtype=compute_dtype(self.embed.weight))
+
+    def new_paged_cache(self, n_pages: int | dict[int, int], n_slots: int, page_size: int = DEFAULT_PAGE_SIZE) -> PagedKVCache:
+        """An empty :class:`PagedKVCache`: ``n_pages`` pages of ``page_size`` entries per KV group (or source layer ->
+        pages) and ``n_slots`` state slots (the most live sequences), on this model's device, tails in its compute dtype."""
+        return PagedKVCache(self.cfg, n_pages, n_slots, page_size, self.device, state_dtype=compute_dtype(self.embed.weight))
 
     # -- entry points -------------------------------------------------------------------------
 
@@ -157,7 +166,99 @@ class Model(nn.Module):
         logits = self._logits(h)
         return logits[:, 0] if one else logits
 
+    @torch.no_grad()
+    def prefill_paged(self, tokens: torch.Tensor, cache: PagedKVCache, seq: int, ced: bool = True) -> torch.Tensor:
+        """Prefill one empty sequence of a paged cache from its own prompt (what :meth:`prefill` does for one row).
+
+        Args:
+            tokens: int [N] or [1, N] prompt ids, N <= max_seq_len.
+            cache: a :class:`PagedKVCache` of this model (:meth:`new_paged_cache`).
+            seq: a live sequence with no tokens yet (``cache.add()``).
+            ced: False runs every layer over every prompt token (exact; the non-CED baseline).
+        Returns:
+            float32 logits [vocab] for position N - 1 (float64 for a float64 model).
+        Raises:
+            OutOfPages when the prompt's pages do not fit; the cache is then unchanged.
+        """
+        cfg = self.cfg
+        tokens = check_tokens(tokens, cfg, (1, 2), "prefill_paged")
+        tokens = tokens.view(1, -1) if tokens.dim() == 1 or tokens.shape[0] == 1 else tokens
+        if tokens.shape[0] != 1:
+            raise InputError(f"prefill_paged: fills one sequence, got tokens of shape {tuple(tokens.shape)}; pass [N] or [1, N]")
+        self._check_paged_cache(cache, "prefill_paged")
+        N = tokens.shape[1]
+        check_length(N, cfg, "prefill_paged")
+        held = cache.sequence(seq, "prefill_paged").n_tokens
+        if held:
+            raise SequenceError(f"prefill_paged: sequence {seq} already holds {held} tokens; extend it with decode_paged")
+        src = self._decoder_kv_source() if ced else None
+        cache.extend([seq], N)
+        E, L = cfg.n_encoder_layers, cfg.n_layers
+        h = self.embed(tokens)  # [1, N, dim]
+        if not ced:
+            h = self._run_paged(h, cache, (seq,), (0,), range(L))
+        else:
+            h = self._run_paged(h, cache, (seq,), (0,), range(E))  # H_E [1, N, dim]
+            block = self.layers[src]
+            block.attn.append_paged(block.attn_norm(h).to(h.dtype), cache, (seq,), self.backend)
+            T = min(cfg.window, N)
+            for i in range(E, L):
+                cache.reset_ring(seq, i, N - T)
+            h = self._run_paged(h[:, N - T :], cache, (seq,), (N - T,), range(E, L), prebuilt=frozenset({src}))  # [1, T, dim]
+        cache.advance([seq], N)
+        return self._logits(h[0, -1])
+
+    @torch.no_grad()
+    def decode_paged(self, tokens: torch.Tensor, cache: PagedKVCache, seqs: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """One decode step of any live sequences of a paged cache, each at its own position.
+
+        Args:
+            tokens: int [B] (one token per sequence) or [B, S] (S tokens each); row b extends ``seqs[b]``.
+            cache: a :class:`PagedKVCache` of this model; updated in place.
+            seqs: B distinct live sequence ids (any subset of the live ones, in any order).
+        Returns:
+            float32 logits [B, vocab] (or [B, S, vocab] for [B, S] tokens).
+        Raises:
+            SequenceError for an unknown, freed or repeated id, OutOfPages when the new entries do not fit; both
+            before anything is written.
+        """
+        tokens = check_tokens(tokens, self.cfg, (1, 2), "decode_paged")
+        one = tokens.dim() == 1
+        if one:
+            tokens = tokens.unsqueeze(1)
+        self._check_paged_cache(cache, "decode_paged")
+        seqs = tuple(seqs)
+        B, S = tokens.shape
+        if B != len(seqs):
+            raise InputError(f"decode_paged: tokens hold {B} rows for {len(seqs)} sequences {list(seqs)}; pass one row per sequence")
+        first = tuple(s.n_tokens for s in cache.sequences(seqs, "decode_paged"))
+        check_length(max(first) + S, self.cfg, "decode_paged")
+        cache.extend(seqs, S)
+        h = self._run_paged(self.embed(tokens), cache, seqs, first, range(self.cfg.n_layers))
+        cache.advance(seqs, S)
+        logits = self._logits(h)
+        return logits[:, 0] if one else logits
+
     # -- internals ----------------------------------------------------------------------------
+
+    def _check_paged_cache(self, cache: object, what: str) -> None:
+        if not isinstance(cache, PagedKVCache) or cache.cfg != self.cfg:
+            raise InputError(f"{what}: cache must be a PagedKVCache of preset {self.cfg.name!r} from this model's new_paged_cache()")
+
+    def _run_paged(
+        self,
+        h: torch.Tensor,
+        cache: PagedKVCache,
+        seqs: tuple[int, ...],
+        first: tuple[int, ...],
+        layers: range,
+        prebuilt: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """Pass h [B, S, dim] through ``layers``: row b holds tokens of ``seqs[b]`` at positions first[b]..first[b]+S-1."""
+        step = Step(cache, self.backend, 0, h.shape[1], prebuilt, seqs=seqs, row_first=first)
+        for i in layers:
+            h = self.layers[i](h, step)
+        return h
 
     def _run(self, h: torch.Tensor, cache: KVCache, layers: range, first: int, prebuilt: frozenset[int] = frozenset()) -> torch.Tensor:
         """Pass h [B, S, dim] (tokens at positions first..first+S-1) through ``layers``."""

@@ -27,6 +27,16 @@ def _check_indices(idx: torch.Tensor, n: int, name: str) -> None:
         raise IndexError(f"{name} holds values outside [-1, {n}): the cache has {n} entries")
 
 
+def _batch_index(B: int, values: torch.Tensor, scales: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """int64 [B, 1, 1] batch index into one KV source: each row its own ([B, N, ...]) or all row 0 (a shared pool [1, N, ...])."""
+    if values.shape[0] != scales.shape[0] or values.shape[0] not in (1, B):
+        raise ValueError(
+            f"{name} KV batch must be {B} (per row) or 1 (one shared pool), got {values.shape[0]} and {scales.shape[0]} for values and scales"
+        )
+    rows = torch.arange(B, device=device) if values.shape[0] == B else torch.zeros(B, dtype=torch.long, device=device)
+    return rows[:, None, None]
+
+
 def sparse_attention(
     q: torch.Tensor,
     window_kv: torch.Tensor,
@@ -74,7 +84,8 @@ def _attend_in_chunks(q, gather, window_idx, topk_idx, sink, scale, dt) -> torch
     chunk = max(1, _TOKENS_PER_CHUNK_BUDGET // max(1, n_sel * D * 4))
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
-        kv_sel = gather(s0, s1)  # [B, s, W+K, D]
+        # -1 slots read some row: zero it, since 0 * NaN is NaN and a pool's unwritten rows may hold any bytes
+        kv_sel = gather(s0, s1).masked_fill(~valid[:, s0:s1, :, None], 0)  # [B, s, W+K, D]
         logits = torch.einsum("bshd,bskd->bshk", q[:, s0:s1].to(dt), kv_sel) * scale  # [B, s, H, W+K]
         logits = logits.masked_fill(~valid[:, s0:s1, None, :], float("-inf"))
         if sink is not None:
@@ -107,9 +118,12 @@ def sparse_attention_quantized(
     per token, not the 16K-entry cache). Dequantisation is exact and elementwise, so the result is
     identical to dequantising the whole cache first.
 
+    Each KV source is either per batch row ([B, N, ...]) or one pool shared by every row ([1, N, ...], a
+    paged cache: the indices are rows of that pool); the two choose independently.
+
     Args:
-        window_codes: uint8 [B, Nw, D] FP8 E4M3 codes; window_scales: uint8 [B, Nw, D//32] E8M0.
-        main_packed: uint8 [B, Nc, D//2] FP4 E2M1; main_scales: uint8 [B, Nc, D//16] E4M3.
+        window_codes: uint8 [B or 1, Nw, D] FP8 E4M3 codes; window_scales: uint8 [B or 1, Nw, D//32] E8M0.
+        main_packed: uint8 [B or 1, Nc, D//2] FP4 E2M1; main_scales: uint8 [B or 1, Nc, D//16] E4M3.
         Others as in :func:`sparse_attention`.
     Returns:
         float32 [B, S, H, D].
@@ -118,15 +132,16 @@ def sparse_attention_quantized(
     _check_indices(window_idx, window_codes.shape[1], "window_idx")
     _check_indices(topk_idx, main_packed.shape[1], "topk_idx")
     B, D = q.shape[0], q.shape[-1]
-    batch = torch.arange(B, device=q.device)[:, None, None]
+    w_batch = _batch_index(B, window_codes, window_scales, "window", q.device)
+    m_batch = _batch_index(B, main_packed, main_scales, "main", q.device)
     nc = main_packed.shape[1]
 
     def gather(s0: int, s1: int) -> torch.Tensor:
         w_rows = window_idx[:, s0:s1].long().clamp(min=0)  # [B, s, W]; -1 slots read row 0, masked later
-        kv_w = fp8_dequantize(window_codes[batch, w_rows], window_scales[batch, w_rows])  # [B, s, W, D]
+        kv_w = fp8_dequantize(window_codes[w_batch, w_rows], window_scales[w_batch, w_rows])  # [B, s, W, D]
         t_rows = topk_idx[:, s0:s1].long().clamp(min=0)  # [B, s, K]
         if nc:
-            kv_t = fp4_dequantize(main_packed[batch, t_rows], main_scales[batch, t_rows], 16, "e4m3")  # [B, s, K, D]
+            kv_t = fp4_dequantize(main_packed[m_batch, t_rows], main_scales[m_batch, t_rows], 16, "e4m3")  # [B, s, K, D]
         else:  # SWA-only layer: every top-k slot is -1
             kv_t = torch.zeros(*t_rows.shape, D, device=q.device)
         return torch.cat([kv_w, kv_t], dim=2).to(dt)

@@ -1,0 +1,497 @@
+"""Paged KV cache manager: sequences of different lengths in shared page pools (continuous batching).
+
+Two kinds of storage, as the V4 cache manager splits them:
+
+* **Pages** (one pool per KV group, i.e. per KV source layer): completed compressed entries, which
+  only ever grow. Each pool is four flat row tensors, ``pool row = page_id * page_size + offset``:
+  main FP4 ``main_packed`` uint8 [R, D/2] + ``main_scales`` [R, D/16] (E4M3) and index FP4
+  ``index_packed`` [R, Di/2] + ``index_scales`` [R, Di/32] (E8M0), R = n_pages * page_size.
+  A sequence holds a list of page ids per group (its block table); logical entry ``j`` is at
+  offset ``j % page_size`` of its ``j // page_size``-th page.
+* **State slots** (one per live sequence): what depends on the current position, not on the
+  history length: every layer's SWA ring (FP8 codes [n_slots * window, D] + E8M0 scales
+  [n_slots * window, D/32], ``ring row = slot * window + pos % window``) and each ratio > 1
+  source's unfinished-group tail (``kv`` and ``gate`` [n_slots, ratio - 1, D], float32; float64
+  for a float64 model).
+
+Sequences are added, extended and freed independently; a model step takes any subset of live
+sequences. Every allocation is checked whole before anything is taken, so a step that runs out of
+pages or slots raises :class:`OutOfPages` / :class:`OutOfSlots` and leaves every live sequence
+as it was. The contiguous :class:`model.cache.KVCache` stays the oracle of this layout.
+
+Sizes from the config alone: :func:`page_bytes`, :func:`pages_for`, :func:`slot_bytes`,
+:func:`sequence_bytes` and :func:`plan_workload`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from model.cache import index_entry_bytes, main_entry_bytes, ring_bytes
+from model.config import ModelConfig
+from model.formats import FP8_GROUP
+
+DEFAULT_PAGE_SIZE = 64
+
+
+class PagedCacheError(RuntimeError):
+    """Any error of the paged cache manager (one line, naming what was asked and what is there)."""
+
+
+class OutOfPages(PagedCacheError):
+    """A group's page pool cannot hold what a step asked for; nothing was allocated."""
+
+
+class OutOfSlots(PagedCacheError):
+    """Every state slot is taken by a live sequence; nothing was allocated."""
+
+
+class SequenceError(PagedCacheError):
+    """An unknown, freed or repeated sequence id, or a write past a sequence's pages."""
+
+
+# -- sizes from the config alone ---------------------------------------------------------------------
+
+
+def group_ratios(cfg: ModelConfig) -> dict[int, int]:
+    """KV source layer -> its compress ratio, in layer order."""
+    return {src: cfg.compress_ratios[src] for src in sorted(cfg.kv_source_layers)}
+
+
+def entries_for(n_tokens: int, ratio: int) -> int:
+    """Completed entries of a group after ``n_tokens`` tokens (an unfinished group waits in the tail)."""
+    return n_tokens // ratio
+
+
+def pages_for(cfg: ModelConfig, n_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> dict[int, int]:
+    """Pages each group needs for one sequence of ``n_tokens`` tokens: KV source layer -> pages."""
+    return {src: -(-entries_for(n_tokens, r) // page_size) for src, r in group_ratios(cfg).items()}
+
+
+def page_bytes(cfg: ModelConfig, page_size: int = DEFAULT_PAGE_SIZE) -> int:
+    """Bytes of one page (main + index FP4 of ``page_size`` entries): 356 * 64 = 22,784 for v4.1-flash at 64."""
+    return page_size * (main_entry_bytes(cfg) + index_entry_bytes(cfg))
+
+
+def slot_bytes(cfg: ModelConfig, state_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one state slot: every layer's SWA ring plus each ratio > 1 source's kv + gate tail rows."""
+    item = torch.empty(0, dtype=state_dtype).element_size()
+    tails = sum((r - 1) * 2 * cfg.head_dim * item for r in group_ratios(cfg).values() if r > 1)
+    return cfg.n_layers * ring_bytes(cfg) + tails
+
+
+def sequence_bytes(cfg: ModelConfig, n_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
+    """Bytes one sequence of ``n_tokens`` holds: its pages in every group plus one state slot (float32 tails)."""
+    return sum(pages_for(cfg, n_tokens, page_size).values()) * page_bytes(cfg, page_size) + slot_bytes(cfg)
+
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    """Pages, slots and bytes a set of sequences needs (:func:`plan_workload`)."""
+
+    page_size: int
+    lengths: tuple[int, ...]
+    pages: dict[int, int]  # KV source layer -> pages over all sequences
+    page_bytes: int
+    slots: int
+    slot_bytes: int
+
+    @property
+    def group_bytes(self) -> dict[int, int]:
+        return {src: n * self.page_bytes for src, n in self.pages.items()}
+
+    @property
+    def page_total_bytes(self) -> int:
+        return sum(self.group_bytes.values())
+
+    @property
+    def slot_total_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.page_total_bytes + self.slot_total_bytes
+
+
+def plan_workload(cfg: ModelConfig, lengths: Sequence[int], page_size: int = DEFAULT_PAGE_SIZE) -> WorkloadPlan:
+    """What a batch of live sequences of the given lengths holds: pages per group, one slot each, bytes."""
+    if page_size < 1:
+        raise PagedCacheError(f"page_size must be at least 1, got {page_size}")
+    pages = dict.fromkeys(group_ratios(cfg), 0)
+    for n in lengths:
+        if n < 0:
+            raise PagedCacheError(f"a sequence length must be at least 0, got {n}")
+        for src, p in pages_for(cfg, n, page_size).items():
+            pages[src] += p
+    return WorkloadPlan(page_size, tuple(lengths), pages, page_bytes(cfg, page_size), len(lengths), slot_bytes(cfg))
+
+
+# -- storage ---------------------------------------------------------------------------------------
+
+
+class PagePool:
+    """One KV group's pages: four flat row tensors and the free page ids (smallest first)."""
+
+    def __init__(self, cfg: ModelConfig, source: int, ratio: int, n_pages: int, page_size: int, device: torch.device | str) -> None:
+        self.source, self.ratio, self.n_pages, self.page_size = source, ratio, n_pages, page_size
+        R, D, Di = n_pages * page_size, cfg.head_dim, cfg.index_head_dim
+
+        def rows(width: int) -> torch.Tensor:
+            return torch.zeros(R, width, dtype=torch.uint8, device=device)
+
+        self.main_packed = rows(D // 2)  # [R, D/2] E2M1 pairs
+        self.main_scales = rows(D // cfg.main_fp4_group)  # [R, D/16] E4M3
+        self.index_packed = rows(Di // 2)  # [R, Di/2] E2M1 pairs
+        self.index_scales = rows(Di // cfg.index_fp4_group)  # [R, Di/32] E8M0
+        self._free = list(range(n_pages))  # a heap: the smallest free id is taken first (deterministic reuse)
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free page ids; the caller has checked :attr:`n_free`."""
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def give_back(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            heapq.heappush(self._free, p)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in ("main_packed", "main_scales", "index_packed", "index_scales")}
+
+
+class StatePool:
+    """Per-slot state: each layer's SWA ring rows and each ratio > 1 source's tail rows."""
+
+    def __init__(self, cfg: ModelConfig, n_slots: int, device: torch.device | str, state_dtype: torch.dtype) -> None:
+        self.n_slots, self.window = n_slots, cfg.window
+        D, W = cfg.head_dim, cfg.window
+        self.ring_codes = [torch.zeros(n_slots * W, D, dtype=torch.uint8, device=device) for _ in range(cfg.n_layers)]  # E4M3
+        self.ring_scales = [torch.zeros(n_slots * W, D // FP8_GROUP, dtype=torch.uint8, device=device) for _ in range(cfg.n_layers)]
+        self.tail_kv: dict[int, torch.Tensor] = {}
+        self.tail_gate: dict[int, torch.Tensor] = {}
+        for src, r in group_ratios(cfg).items():
+            if r > 1:
+                self.tail_kv[src] = torch.zeros(n_slots, r - 1, D, dtype=state_dtype, device=device)  # [n_slots, r-1, D]
+                self.tail_gate[src] = torch.zeros(n_slots, r - 1, D, dtype=state_dtype, device=device)
+        self._free = list(range(n_slots))
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        return heapq.heappop(self._free)
+
+    def give_back(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, (c, s) in enumerate(zip(self.ring_codes, self.ring_scales, strict=True)):
+            out[f"ring{i}.codes"], out[f"ring{i}.scales"] = c, s
+        for src in self.tail_kv:
+            out[f"tail{src}.kv"], out[f"tail{src}.gate"] = self.tail_kv[src], self.tail_gate[src]
+        return out
+
+
+@dataclass
+class SequenceState:
+    """Host bookkeeping of one live sequence."""
+
+    id: int
+    slot: int
+    n_tokens: int = 0  # tokens consumed (the position of the next token)
+    pages: dict[int, list[int]] = field(default_factory=dict)  # KV source layer -> page ids, in order
+    entries: dict[int, int] = field(default_factory=dict)  # KV source layer -> completed entries written
+    tail: dict[int, int] = field(default_factory=dict)  # ratio > 1 source -> tokens waiting in the tail
+    rings: list[list[int]] = field(default_factory=list)  # per layer [start, end): positions its ring holds
+
+
+# -- the manager -----------------------------------------------------------------------------------
+
+
+class PagedKVCache:
+    """Page pools per KV group, a state-slot pool and the live sequences that own them.
+
+    Args:
+        cfg: the model config.
+        n_pages: pages per group: one number for every group, or KV source layer -> pages.
+        n_slots: state slots (the most sequences alive at once).
+        page_size: compressed entries per page.
+        state_dtype: the tails' dtype (float32; float64 for a float64 model).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        n_pages: int | Mapping[int, int],
+        n_slots: int,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        device: torch.device | str = "cpu",
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        ratios = group_ratios(cfg)
+        pages = dict.fromkeys(ratios, n_pages) if isinstance(n_pages, int) else dict(n_pages)
+        if set(pages) != set(ratios):
+            raise PagedCacheError(f"n_pages must name every KV source layer {sorted(ratios)}, got {sorted(pages)}")
+        if page_size < 1 or n_slots < 1 or any(n < 0 for n in pages.values()):
+            raise PagedCacheError(
+                f"page_size and n_slots must be at least 1 and page counts at least 0, got {page_size}, {n_slots}, {pages}"
+            )
+        self.cfg, self.page_size, self.device = cfg, page_size, torch.device(device)
+        self.groups = {src: PagePool(cfg, src, r, pages[src], page_size, device) for src, r in ratios.items()}
+        self.state = StatePool(cfg, n_slots, device, state_dtype)
+        self._live: dict[int, SequenceState] = {}
+        self._next_id = 0
+
+    @classmethod
+    def for_lengths(
+        cls,
+        cfg: ModelConfig,
+        lengths: Sequence[int],
+        page_size: int = DEFAULT_PAGE_SIZE,
+        device: torch.device | str = "cpu",
+        state_dtype: torch.dtype = torch.float32,
+        spare_pages: int = 0,
+    ) -> PagedKVCache:
+        """A cache just large enough for live sequences of these lengths at once (plus ``spare_pages`` per group)."""
+        plan = plan_workload(cfg, lengths, page_size)
+        return cls(cfg, {s: n + spare_pages for s, n in plan.pages.items()}, max(1, plan.slots), page_size, device, state_dtype)
+
+    # -- sequences -------------------------------------------------------------------------------
+
+    def add(self) -> int:
+        """A new empty sequence with its own state slot; returns its id (ids are never reused)."""
+        if not self.state.n_free:
+            raise OutOfSlots(f"add: no free state slot ({self.state.n_slots} slots, all held by live sequences); free a sequence first")
+        slot = self.state.take()
+        seq = SequenceState(self._next_id, slot)
+        for src, r in group_ratios(self.cfg).items():
+            seq.pages[src], seq.entries[src] = [], 0
+            if r > 1:
+                seq.tail[src] = 0
+        seq.rings = [[0, 0] for _ in range(self.cfg.n_layers)]
+        self._live[seq.id] = seq
+        self._next_id += 1
+        return seq.id
+
+    def free(self, seq_id: int) -> None:
+        """Give a sequence's pages and slot back; its id is never valid again."""
+        seq = self.sequence(seq_id, "free")
+        for src, pages in seq.pages.items():
+            self.groups[src].give_back(pages)
+        self.state.give_back(seq.slot)
+        del self._live[seq_id]
+
+    def sequence(self, seq_id: int, what: str = "cache") -> SequenceState:
+        """The live sequence ``seq_id`` (raises :class:`SequenceError` for an unknown or freed id)."""
+        if not isinstance(seq_id, int) or isinstance(seq_id, bool):
+            raise SequenceError(f"{what}: sequence ids are ints from add(), got {type(seq_id).__name__}")
+        seq = self._live.get(seq_id)
+        if seq is None:
+            state = "was freed" if 0 <= seq_id < self._next_id else "was never added"
+            raise SequenceError(f"{what}: sequence {seq_id} {state}; live sequences: {self._live_list()}")
+        return seq
+
+    def sequences(self, seq_ids: Sequence[int], what: str = "cache") -> list[SequenceState]:
+        """Live sequences for a batch, each at most once."""
+        seqs = [self.sequence(s, what) for s in seq_ids]
+        if len({s.id for s in seqs}) != len(seqs):
+            raise SequenceError(f"{what}: a batch names a sequence more than once: {list(seq_ids)}")
+        if not seqs:
+            raise SequenceError(f"{what}: a batch needs at least one sequence")
+        return seqs
+
+    def _live_list(self) -> str:
+        ids = sorted(self._live)
+        return ", ".join(map(str, ids[:16])) + (f", ... ({len(ids)})" if len(ids) > 16 else "") if ids else "none"
+
+    @property
+    def live(self) -> list[int]:
+        """Ids of the live sequences, ascending."""
+        return sorted(self._live)
+
+    def length(self, seq_id: int) -> int:
+        """Tokens a live sequence has consumed."""
+        return self.sequence(seq_id).n_tokens
+
+    def extend(self, seq_ids: Sequence[int], n_new: int | Sequence[int]) -> None:
+        """Make room for ``n_new`` more tokens of each sequence: takes the pages every group then needs.
+
+        All or nothing: when any group is short, raises :class:`OutOfPages` before taking a page.
+        Token counts move on only when the tokens are written (:meth:`advance`).
+        """
+        seqs = self.sequences(seq_ids, "extend")
+        news = [n_new] * len(seqs) if isinstance(n_new, int) else list(n_new)
+        if len(news) != len(seqs) or any(n < 0 for n in news):
+            raise SequenceError(f"extend: need one token count >= 0 per sequence, got {news} for {len(seqs)} sequences")
+        want: dict[int, list[tuple[SequenceState, int]]] = {src: [] for src in self.groups}
+        for seq, n in zip(seqs, news, strict=True):
+            for src, p in pages_for(self.cfg, seq.n_tokens + n, self.page_size).items():
+                if p > len(seq.pages[src]):
+                    want[src].append((seq, p - len(seq.pages[src])))
+        for src, asks in want.items():
+            need, pool = sum(n for _, n in asks), self.groups[src]
+            if need > pool.n_free:
+                raise OutOfPages(
+                    f"extend: group {src} needs {need} more pages of {self.page_size} entries for sequences"
+                    f" {[s.id for s, _ in asks]}, but only {pool.n_free} of {pool.n_pages} are free; free a sequence or add pages"
+                )
+        for src, asks in want.items():
+            for seq, n in asks:
+                seq.pages[src].extend(self.groups[src].take(n))
+
+    def advance(self, seq_ids: Sequence[int], n: int) -> None:
+        """Count ``n`` more consumed tokens for each sequence (after a step has written them)."""
+        for seq in self.sequences(seq_ids, "advance"):
+            seq.n_tokens += n
+
+    # -- block tables and entries ----------------------------------------------------------------
+
+    def block_table(self, seq_ids: Sequence[int], source: int) -> torch.Tensor:
+        """int32 [B, max_pages]: each sequence's page ids in ``source``'s pool, -1 past its pages."""
+        seqs = self.sequences(seq_ids, "block_table")
+        width = max(len(s.pages[source]) for s in seqs)
+        table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        for b, s in enumerate(seqs):
+            table[b, : len(s.pages[source])] = torch.tensor(s.pages[source], dtype=torch.int32)
+        return table.to(self.device)
+
+    def n_entries(self, seq_ids: Sequence[int], source: int) -> torch.Tensor:
+        """int64 [B, 1]: completed entries of each sequence in ``source``'s group."""
+        seqs = self.sequences(seq_ids, "n_entries")
+        return torch.tensor([[s.entries[source]] for s in seqs], dtype=torch.int64, device=self.device)
+
+    def entry_rows(self, seq_id: int, source: int, first: int, count: int) -> torch.Tensor:
+        """int64 [count] pool rows of logical entries ``first .. first + count - 1`` of one sequence."""
+        seq = self.sequence(seq_id, "entry_rows")
+        pages, ps = seq.pages[source], self.page_size
+        if first < 0 or first + count > len(pages) * ps:
+            raise SequenceError(
+                f"entries {first}..{first + count - 1} of sequence {seq_id} in group {source} lie past its {len(pages)} pages"
+                f" of {ps} ({len(pages) * ps} entries); extend() the sequence first"
+            )
+        j = torch.arange(first, first + count)
+        return (torch.tensor(pages, dtype=torch.int64)[j // ps] * ps + j % ps).to(self.device)
+
+    def write_entries(
+        self,
+        seq_id: int,
+        source: int,
+        main_packed: torch.Tensor,
+        main_scales: torch.Tensor,
+        index_packed: torch.Tensor,
+        index_scales: torch.Tensor,
+    ) -> None:
+        """Append G completed entries (each tensor uint8 [G, ...] or [1, G, ...]) to a sequence's pages in ``source``'s group."""
+        seq = self.sequence(seq_id, "write_entries")
+        tensors = [t.reshape(-1, t.shape[-1]) for t in (main_packed, main_scales, index_packed, index_scales)]
+        G = tensors[0].shape[0]
+        rows = self.entry_rows(seq_id, source, seq.entries[source], G)  # checked before any write
+        pool = self.groups[source]
+        for name, t in zip(("main_packed", "main_scales", "index_packed", "index_scales"), tensors, strict=True):
+            getattr(pool, name)[rows] = t
+        seq.entries[source] += G
+
+    # -- compressor tails ------------------------------------------------------------------------
+
+    def tail(self, seq_id: int, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending rows of a sequence's unfinished group: kv, gate [1, count, D]."""
+        seq = self.sequence(seq_id, "tail")
+        c = seq.tail[source]
+        return self.state.tail_kv[source][seq.slot, :c].unsqueeze(0), self.state.tail_gate[source][seq.slot, :c].unsqueeze(0)
+
+    def store_tail(self, seq_id: int, source: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        """Keep the rows of a new unfinished group (kv, gate [1, c, D], c < ratio)."""
+        seq = self.sequence(seq_id, "store_tail")
+        c = kv.shape[-2]
+        self.state.tail_kv[source][seq.slot, :c] = kv.reshape(c, kv.shape[-1])
+        self.state.tail_gate[source][seq.slot, :c] = gate.reshape(c, gate.shape[-1])
+        seq.tail[source] = c
+
+    # -- SWA rings -------------------------------------------------------------------------------
+
+    def reset_ring(self, seq_id: int, layer: int, position: int) -> None:
+        """Empty one layer's ring of a sequence; the next write starts at ``position`` (CED seeding of decoder rings)."""
+        self.sequence(seq_id, "reset_ring").rings[layer] = [position, position]
+
+    def swa_step(
+        self, seq_ids: Sequence[int], layer: int, first: Sequence[int], codes: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write a step's SWA KV into the rings and return what its queries attend to.
+
+        Row ``b`` holds tokens at positions ``first[b] .. first[b] + S - 1``; each query sees positions
+        ``i - window + 1 .. i`` (ascending) that are held.
+
+        Args:
+            codes: uint8 [B, S, D] FP8 codes; scales: uint8 [B, S, D/32] E8M0.
+        Returns:
+            window codes, window scales, int32 [B, S, W] rows. S = 1: the ring pool shared by every row,
+            [1, n_slots * W, D] / [1, n_slots * W, D/32], after the write (rows ``slot * W + pos % W``).
+            S > 1: per row ``cat(ring, step tokens)`` [B, W + S, ...] from before the write (a later token of
+            the step overwrites a slot an earlier query still needs): ring rows ``pos % W``, the step's tokens
+            ``W + (pos - first)``.
+        """
+        seqs = self.sequences(seq_ids, "swa_step")
+        B, S = codes.shape[:2]
+        W, dev = self.cfg.window, self.device
+        for seq, f in zip(seqs, first, strict=True):
+            if seq.rings[layer][1] != f:
+                raise SequenceError(f"swa_step: layer {layer} ring of sequence {seq.id} expects position {seq.rings[layer][1]}, got {f}")
+        ring_c, ring_s = self.state.ring_codes[layer], self.state.ring_scales[layer]
+        slot = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)[:, None, None]  # [B, 1, 1]
+        f0 = torch.tensor(list(first), dtype=torch.int64, device=dev)[:, None, None]
+        if S > 1:
+            base = (slot[:, :, 0] * W + torch.arange(W, device=dev)).view(B, W)  # [B, W] the rows of each ring
+            win_codes, win_scales = torch.cat([ring_c[base], codes], 1), torch.cat([ring_s[base], scales], 1)  # [B, W+S, ...]
+            old = [list(s.rings[layer]) for s in seqs]
+        self._write_ring(seqs, layer, first, codes, scales)
+        held = old if S > 1 else [s.rings[layer] for s in seqs]
+        start = torch.tensor([h[0] for h in held], dtype=torch.int64, device=dev)[:, None, None]
+        end = torch.tensor([h[1] for h in held], dtype=torch.int64, device=dev)[:, None, None]
+        i = f0 + torch.arange(S, device=dev)[None, :, None]  # [B, S, 1] query positions
+        p = i - W + 1 + torch.arange(W, device=dev)  # [B, S, W] the positions each query sees
+        in_ring = (p >= start) & (p < end)
+        if S > 1:
+            new = p >= f0
+            idx = torch.where(new, W + (p - f0), p % W)
+            valid = (p >= 0) & (new | in_ring)
+            out = win_codes, win_scales
+        else:
+            idx, valid = slot * W + p % W, (p >= 0) & in_ring
+            out = ring_c.unsqueeze(0), ring_s.unsqueeze(0)
+        return *out, torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32)
+
+    def _write_ring(self, seqs: list[SequenceState], layer: int, first: Sequence[int], codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Ring write of [B, S, ...] tokens; keeps each row's last ``window``."""
+        S, W = codes.shape[1], self.cfg.window
+        keep = min(S, W)
+        off = torch.arange(S - keep, S)
+        rows = torch.stack([s.slot * W + (f + off) % W for s, f in zip(seqs, first, strict=True)]).to(self.device)  # [B, keep]
+        self.state.ring_codes[layer][rows] = codes[:, S - keep :]
+        self.state.ring_scales[layer][rows] = scales[:, S - keep :]
+        for s, f in zip(seqs, first, strict=True):
+            s.rings[layer][1] = f + S
+            s.rings[layer][0] = max(s.rings[layer][0], f + S - W)
+
+    # -- inspection ------------------------------------------------------------------------------
+
+    def free_pages(self) -> dict[int, int]:
+        """KV source layer -> free pages."""
+        return {src: g.n_free for src, g in self.groups.items()}
+
+    @property
+    def free_slots(self) -> int:
+        return self.state.n_free
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every stored tensor by a readable name (for inspection and tests)."""
+        out = {f"group{src}.{name}": t for src, g in self.groups.items() for name, t in g.tensors().items()}
+        out.update(self.state.tensors())
+        return out
