@@ -6,6 +6,13 @@ full = m.forward(tokens)               # [B, N] -> [B, N, vocab]
 logits, cache = m.prefill(tokens)      # CED prefill -> [B, vocab]
 logits = m.decode(next_tokens, cache)  # [B] -> [B, vocab]
 
+Continuous batching on the paged cache manager (sequences of their own lengths, joining and leaving):
+cache = m.new_paged_cache(n_pages=256, n_slots=8, page_size=64)
+seq = cache.add()
+logits = m.prefill_paged(prompt, cache, seq)             # [N] -> [vocab]
+logits = m.decode_paged(next_tokens, cache, [seq, ...])  # [B] -> [B, vocab], any live sequences
+cache.free(seq)
+
 Conformance with the official DeepSeek-V4.1 inference code (``inference/model.py`` and its
 ``kernel.py``), the semantic reference where ``csa2-spec.md`` is silent. The attention path
 computes what it computes: index keys ``rope(k_norm(Wk latent))`` from the compressor's latent
@@ -34,6 +41,7 @@ from model.cache import KVCache
 from model.config import ConfigError, LayerMode, ModelConfig, preset
 from model.inputs import InputError, InputTypeError
 from model.model import Model, build_model, count_parameters
+from model.paged import OutOfPages, OutOfSlots, PagedCacheError, PagedKVCache, SequenceError
 
 __all__ = [
     "Backend",
@@ -45,6 +53,11 @@ __all__ = [
     "LayerMode",
     "Model",
     "ModelConfig",
+    "OutOfPages",
+    "OutOfSlots",
+    "PagedCacheError",
+    "PagedKVCache",
+    "SequenceError",
     "TorchBackend",
     "build_model",
     "count_parameters",
