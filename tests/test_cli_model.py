@@ -59,3 +59,64 @@ def test_tilelang_logs_go_to_stderr_not_stdout(capsys):
     assert captured.out == ""
     assert captured.err.count("[TileLang:tilelang.jit.kernel:INFO]") == 1  # TileLang's own format, once
     assert [h.get_name() for h in logging.getLogger("tilelang").handlers] == ["csa2-lab: tilelang to stderr"]
+
+
+# -- lab kv with a paged workload ---------------------------------------------------------------------
+
+
+def test_lab_kv_workload_json_counts_pages_slots_and_bytes(capsys):
+    """64 sequences spread over 8K..64K on v4.1-flash, worked out by hand from the lengths."""
+    assert main(["kv", "--preset", "v4.1-flash", "--sequences", "64", "--lengths", "8K:64K", "--page-size", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["global_bytes_per_token"] == 890  # the per-token report is still there
+    w = data["workload"]
+    lengths = [8192 + (65536 - 8192) * i // 63 for i in range(64)]
+    enc = sum(-(-(n // 2) // 64) for n in lengths)
+    dec = sum(-(-n // 64) for n in lengths)
+    assert [(g["source_layer"], g["pages"]) for g in w["groups"]] == [(2, enc), (8, enc), (14, enc), (20, dec)]
+    page = 64 * 356
+    assert w["page_bytes"] == page and w["pages"] == 3 * enc + dec and w["page_total_bytes"] == (3 * enc + dec) * page
+    slot = 40 * 128 * 528 + 3 * 2 * 512 * 4
+    assert (w["slots"], w["slot_bytes"], w["slot_total_bytes"]) == (64, slot, 64 * slot)
+    assert w["total_bytes"] == (3 * enc + dec) * page + 64 * slot
+    assert (w["sequences"], w["shortest"], w["longest"], w["tokens"]) == (64, 8192, 65536, sum(lengths))
+    assert w["contiguous_padded_bytes"] == 64 * 65536 * 890 + 64 * slot
+
+
+def test_lab_kv_workload_list_is_cycled_up_to_the_sequence_count(capsys):
+    assert main(["kv", "--preset", "tiny", "--lengths", "5,13", "--sequences", "3", "--page-size", "4", "--json"]) == 0
+    w = json.loads(capsys.readouterr().out)["workload"]
+    # lengths 5, 13, 5: ratio-2 entries 2, 6, 2 -> pages 1, 2, 1; ratio-1 entries 5, 13, 5 -> pages 2, 4, 2
+    assert [g["pages"] for g in w["groups"]] == [4, 4, 8] and w["tokens"] == 23 and w["slots"] == 3
+
+
+def test_lab_kv_workload_table(capsys):
+    assert main(["kv", "--preset", "v4.1-flash", "--sequences", "64", "--lengths", "8192:65536"]) == 0
+    out = capsys.readouterr().out
+    assert "890" in out  # the existing tables come first
+    assert "paged cache of 64 sequences, 8,192-65,536 tokens" in out
+    assert "pages, group 20" in out and "state slots" in out and "2,276,126,720" in out
+
+
+def test_lab_kv_without_a_workload_prints_no_workload(capsys):
+    assert main(["kv", "--preset", "tiny", "--json"]) == 0
+    assert "workload" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sequences", "3"], "--sequences needs --lengths"),
+        (["--lengths", "5,x"], "cannot read 'x' as a token count"),
+        (["--lengths", "9:3", "--sequences", "2"], "low end 9 is above its high end 3"),
+        (["--lengths", "1:2:3"], "a range is LO:HI"),
+        (["--lengths", ","], "names no length"),
+        (["--lengths", "2M"], "past max_seq_len=1,048,576"),
+        (["--lengths", "8K", "--page-size", "0"], "--page-size must be at least 1, got 0"),
+    ],
+    ids=["sequences-alone", "bad-length", "reversed-range", "three-part-range", "empty-list", "too-long", "page-size-0"],
+)
+def test_lab_kv_bad_workload_is_a_one_line_error(capsys, argv, message):
+    assert main(["kv", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
