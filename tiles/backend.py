@@ -126,41 +126,65 @@ class TilesBackend(TorchBackend):
             self.fallbacks["indexer: not the v4.1-flash indexer (32 heads x 128)"] += 1
         return ok
 
-    def indexer_topk(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, k):
+    def _index_cache(self, index_packed, index_scales, block_table) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index K as the kernels take it: a paged cache's pool as it is, a contiguous cache's view widened."""
+        if block_table is not None:
+            return index_packed.contiguous(), index_scales.contiguous()
+        return widen_cache_view(index_packed), widen_cache_view(index_scales)
+
+    def indexer_topk(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, k, block_table=None, page_size=0):
+        paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
         if not self._indexer_ok(q_packed):
-            return super().indexer_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, k)
+            return super().indexer_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, k, **paged)
         q = self._index_queries(q_packed, q_scales)
-        k_packed, k_scales = widen_cache_view(index_packed), widen_cache_view(index_scales)
+        k_packed, k_scales = self._index_cache(index_packed, index_scales, block_table)
         return indexer_tiles.indexer_topk(
-            q, weights.float(), k_packed, k_scales, n_visible, k, config=self._config(indexer_tiles.INDEXER_TOPK)
+            q, weights.float(), k_packed, k_scales, n_visible, k, config=self._config(indexer_tiles.INDEXER_TOPK), **paged
         )
 
-    def candidate_pool(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks):
+    def candidate_pool(
+        self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks, block_table=None, page_size=0
+    ):
+        paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
         if not self._indexer_ok(q_packed):
-            return super().candidate_pool(q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks)
+            return super().candidate_pool(q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks, **paged)
         # The pool needs every score; the scan is the indexer kernel's, asked to return its scores.
         q = self._index_queries(q_packed, q_scales)
-        k_packed, k_scales = widen_cache_view(index_packed), widen_cache_view(index_scales)
+        k_packed, k_scales = self._index_cache(index_packed, index_scales, block_table)
         _, scores = indexer_tiles.indexer_topk(
-            q, weights.float(), k_packed, k_scales, n_visible, 1, return_scores=True, config=self._config(indexer_tiles.INDEXER_TOPK)
+            q,
+            weights.float(),
+            k_packed,
+            k_scales,
+            n_visible,
+            1,
+            return_scores=True,
+            config=self._config(indexer_tiles.INDEXER_TOPK),
+            **paged,
         )
-        scores = scores[..., : index_packed.shape[1]].contiguous()  # the pool's width follows the filled entries
+        if block_table is None:
+            scores = scores[..., : index_packed.shape[1]].contiguous()  # the pool's width follows the filled entries
         return indexer_tiles.candidate_pool(scores, n_visible, block, max_blocks, config=self._config(indexer_tiles.CANDIDATE_POOL))
 
-    def reindex_topk(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k):
+    def reindex_topk(
+        self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k, block_table=None, page_size=0
+    ):
+        paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
         if not self._indexer_ok(q_packed):
-            return super().reindex_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k)
+            return super().reindex_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k, **paged)
         q = self._index_queries(q_packed, q_scales)
+        k_packed, k_scales = self._index_cache(index_packed, index_scales, block_table)
         return indexer_tiles.reindex_topk(
             q,
             weights.float(),
-            widen_cache_view(index_packed),
-            widen_cache_view(index_scales),
+            k_packed,
+            k_scales,
             n_visible,
             pool_blocks,
             block,
             k,
             config=self._config(indexer_tiles.REINDEX_TOPK),
+            **paged,
         )
 
     # -- attention -------------------------------------------------------------------------------
@@ -190,8 +214,8 @@ class TilesBackend(TorchBackend):
             window_codes.contiguous(),
             window_scales.contiguous(),
             window_idx.to(torch.int32).contiguous(),
-            widen_cache_view(main_packed),
-            widen_cache_view(main_scales),
+            widen_cache_view(main_packed) if main_packed.shape[0] == B else main_packed.contiguous(),  # a pool: as it is
+            widen_cache_view(main_scales) if main_scales.shape[0] == B else main_scales.contiguous(),
             topk_idx.to(torch.int32).contiguous(),
             sink.float(),
             scale,

@@ -16,6 +16,7 @@ DECODE_BATCHES = (1, 16, 64, 128)
 DECODE_TOKENS = (1, 2)
 PREFILL_TOKENS = (4096, 16384, 65536)
 CONTEXTS = (8192, 32768, 131072)
+PAGE_SIZE = 64  # compressed entries per page of the paged cache's shapes (the cache manager's default)
 
 
 @cache
@@ -43,6 +44,11 @@ def attention_shapes() -> list[Shape]:
         for s in DECODE_TOKENS
     ]
     shapes += [Shape(f"prefill_s{_k(s)}", "prefill", {"B": 1, "S": s, "Nc": s, "Nw": s, **common}) for s in PREFILL_TOKENS]
+    # the paged cache's decode: both caches are pools every sequence reads through its indices (page pool, state-slot
+    # pool); Nc and Nw count rows per sequence, the pools hold B times as many in shuffled pages
+    shapes += [
+        Shape(f"decode_b{b}_s1_paged", "decode", {"B": b, "S": 1, "Nc": 32768, "Nw": cfg.window, "pool": 1, **common}) for b in (64,)
+    ]
     return shapes
 
 
@@ -52,6 +58,8 @@ def indexer_shapes() -> list[Shape]:
     common = {"Hi": cfg.index_heads, "Di": cfg.index_head_dim, "K": cfg.index_topk}
     shapes = [Shape(f"decode_b{b}_n{_k(n)}", "decode", {"B": b, "S": 1, "N": n, **common}) for b in (1, 64) for n in CONTEXTS + (1 << 20,)]
     shapes += [Shape(f"prefill_s{_k(s)}", "prefill", {"B": 1, "S": s, "N": s, **common}) for s in (4096, 16384)]
+    # the paged cache (64-entry pages, the cache manager's default) at the decode shape the contiguous one is tuned on
+    shapes += [Shape("decode_b64_n128k_paged", "decode", {"B": 64, "S": 1, "N": 131072, "page": PAGE_SIZE, **common})]
     return shapes
 
 
@@ -60,7 +68,8 @@ def reindex_shapes() -> list[Shape]:
     cfg = flash()
     pool = cfg.pool_max_blocks * cfg.pool_block
     common = {"Hi": cfg.index_heads, "Di": cfg.index_head_dim, "K": cfg.index_topk, "P": cfg.pool_max_blocks, "block": cfg.pool_block}
-    return [Shape(f"decode_b{b}_n{_k(n)}", "decode", {"B": b, "S": 1, "N": n, **common}) for b in (1, 64) for n in (pool * 2, 131072)]
+    shapes = [Shape(f"decode_b{b}_n{_k(n)}", "decode", {"B": b, "S": 1, "N": n, **common}) for b in (1, 64) for n in (pool * 2, 131072)]
+    return shapes + [Shape("decode_b64_n128k_paged", "decode", {"B": 64, "S": 1, "N": 131072, "page": PAGE_SIZE, **common})]
 
 
 def compressor_shapes() -> list[Shape]:

@@ -21,26 +21,34 @@ def index_k_words(k_packed: torch.Tensor, k_scales: torch.Tensor) -> tuple[torch
     return words, scales
 
 
-def build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | None = None, n_out: int | None = None):
-    """The score kernel for ``cfg``; ``tiles_per_cta="auto"`` is resolved for ``rows`` token rows of ``n_out`` scores."""
+def build_score(arch: Arch, cfg: Config, gather: bool, block: int, rows: int | None = None, n_out: int | None = None, page: int = 0):
+    """The score kernel for ``cfg``; ``tiles_per_cta="auto"`` is resolved for ``rows`` token rows of ``n_out`` scores.
+    ``page`` > 0: the index K is a paged cache's pool of ``page``-entry pages read through a block table."""
     if cfg["tiles_per_cta"] == "auto" and (rows is None or n_out is None):
         raise ValueError("tiles_per_cta='auto' is resolved per grid: give the score rows and their length")
     tiles = resolve_tiles_per_cta(cfg["tiles_per_cta"], rows, n_out, cfg["block_n"], arch)
     common = (arch.nvcc_arch, cfg["block_n"], cfg["threads"], cfg["stages"], tiles)
     hidden = cfg.get("hidden_tiles", "score") if not gather else "score"  # Reindex's slots are not in position order
     # every argument named, so a config with or without an optional key at its default is one cache entry
-    return build_score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), cfg.get("epilogue", "per_tile"), hidden)
+    return build_score_kernel(*common, cfg["dequant"], gather, block, cfg.get("min_ctas", 0), cfg.get("epilogue", "per_tile"), hidden, page)
+
+
+def no_block_table(device: torch.device) -> torch.Tensor:
+    """The score kernel's block-table argument of a contiguous cache (not read): int32 [1, 1]."""
+    return torch.zeros(1, 1, dtype=torch.int32, device=device)
 
 
 class TopkLaunch:
     """The launches of one ``indexer_topk`` call shape (R = B * S score rows of N, top k) and config, built once: the
     score kernel, then the select (two-pass launcher with its merge buffers, or the multipass kernel in parts).
-    Calls of one object share those buffers: run them on one stream (as a captured CUDA graph does)."""
+    Calls of one object share those buffers: run them on one stream (as a captured CUDA graph does). ``page`` > 0: the
+    index K is a pool read through the block table each call passes (N is then the logical width, MP * page)."""
 
-    def __init__(self, cfg: Config, arch: Arch, B: int, S: int, N: int, k: int, device: torch.device):
+    def __init__(self, cfg: Config, arch: Arch, B: int, S: int, N: int, k: int, device: torch.device, page: int = 0):
         self.R, self.N = B * S, N
-        self.score = build_score(arch, cfg, False, 8, self.R, N)
+        self.score = build_score(arch, cfg, False, 8, self.R, N, page)
         self.dummy_pool = torch.empty(B, S, 1, dtype=torch.int32, device=device)  # [B, S, 1]: the contiguous variant reads no pool
+        self.no_table = no_block_table(device)
         self.two_pass = cfg.get("select_algo", "multipass") == "two_pass"
         if self.two_pass:  # tiles.indexer.radix_select: two passes over each row in global memory, the rest in shared memory
             self.select = select_launcher(self.R, N, k, device, arch=arch, config=radix_config(cfg))
@@ -48,8 +56,9 @@ class TopkLaunch:
             self.select = build_select_kernel(arch.nvcc_arch, k, cfg["select_threads"], cfg["radix_bits"], 0)
             self.parts = resolve_select_split(cfg.get("select_split", 1), self.R, N, k, arch)
 
-    def __call__(self, q, weights, words, scales, nvis, scores, out) -> None:
-        self.score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, self.dummy_pool, scores)
+    def __call__(self, q, weights, words, scales, nvis, scores, out, block_table: torch.Tensor | None = None) -> None:
+        table = self.no_table if block_table is None else block_table
+        self.score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, self.dummy_pool, table, scores)
         rows, nv, picked = scores.view(self.R, self.N), nvis.view(self.R), out.view(self.R, -1)
         if self.two_pass:
             self.select(rows, nv, picked)
@@ -57,10 +66,10 @@ class TopkLaunch:
             _select_in_parts(self.select, self.parts, rows, nv, picked)
 
 
-def launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out) -> None:
+def launch_topk(cfg: Config, arch: Arch, q, weights, words, scales, nvis, scores, out, block_table=None, page: int = 0) -> None:
     """Build and run :class:`TopkLaunch` for one call (the tile's harness; the public function keeps its launch)."""
     B, S, N = scores.shape
-    TopkLaunch(cfg, arch, B, S, N, out.shape[-1], q.device)(q, weights, words, scales, nvis, scores, out)
+    TopkLaunch(cfg, arch, B, S, N, out.shape[-1], q.device, page)(q, weights, words, scales, nvis, scores, out, block_table)
 
 
 def _select_in_parts(select, parts: int, scores: torch.Tensor, nvis: torch.Tensor, out: torch.Tensor) -> None:
@@ -125,11 +134,13 @@ def launch_pool(cfg: Config, arch: Arch, scores2d, nvis, block: int, block_score
 
 class ReindexLaunch:
     """The launches of one ``reindex_topk`` call shape (R = B * S rows of C = P * block candidate slots, top k) and
-    config, built once: the gathering score kernel, then the select mapped back to cache positions."""
+    config, built once: the gathering score kernel, then the select mapped back to cache positions. ``page`` > 0: the
+    index K is a pool read through the block table each call passes."""
 
-    def __init__(self, cfg: Config, arch: Arch, B: int, S: int, C: int, k: int, block: int, device: torch.device):
+    def __init__(self, cfg: Config, arch: Arch, B: int, S: int, C: int, k: int, block: int, device: torch.device, page: int = 0):
         self.R, self.C = B * S, C
-        self.score = build_score(arch, cfg, True, block, self.R, C)
+        self.score = build_score(arch, cfg, True, block, self.R, C, page)
+        self.no_table = no_block_table(device)
         self.two_pass = cfg.get("select_algo", "multipass") == "two_pass"
         if self.two_pass:
             # slot c -> cache position pool[c // block] * block + c % block, in the select's output (an unused block's
@@ -140,8 +151,9 @@ class ReindexLaunch:
             self.select = build_select_kernel(arch.nvcc_arch, k, cfg["select_threads"], cfg["radix_bits"], block)
             self.n_cand = torch.full((self.R,), C, dtype=torch.int32, device=device)  # [R]
 
-    def __call__(self, q, weights, words, scales, nvis, pool, scores, out) -> None:
-        self.score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, scores)
+    def __call__(self, q, weights, words, scales, nvis, pool, scores, out, block_table: torch.Tensor | None = None) -> None:
+        table = self.no_table if block_table is None else block_table
+        self.score(q.to(torch.bfloat16).contiguous(), weights.float().contiguous(), words, scales, nvis, pool, table, scores)
         rows, pool2d, picked = scores.view(self.R, self.C), pool.view(self.R, -1), out.view(self.R, -1)
         if self.two_pass:
             self.select(rows, nvis.view(self.R), pool2d, picked, self.dummy)
@@ -149,9 +161,11 @@ class ReindexLaunch:
             self.select(rows, self.n_cand, pool2d, picked)
 
 
-def launch_reindex(cfg: Config, arch: Arch, q, weights, words, scales, nvis, pool, block: int, scores, out) -> None:
+def launch_reindex(
+    cfg: Config, arch: Arch, q, weights, words, scales, nvis, pool, block: int, scores, out, block_table=None, page: int = 0
+) -> None:
     B, S, C = scores.shape
-    ReindexLaunch(cfg, arch, B, S, C, out.shape[-1], block, q.device)(q, weights, words, scales, nvis, pool, scores, out)
+    ReindexLaunch(cfg, arch, B, S, C, out.shape[-1], block, q.device, page)(q, weights, words, scales, nvis, pool, scores, out, block_table)
 
 
 def build_two_pass(arch: Arch, rows: int, n: int, k: int, radix: Config | None = None) -> dict[str, Any]:

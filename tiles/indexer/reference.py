@@ -38,6 +38,27 @@ def indexer_inputs(B: int, S: int, N: int, seed: int, device, causal: bool) -> I
     return {"q": q, "weights": weights, "k_packed": k_packed, "k_scales": k_scales, "n_visible": n_visible.to(torch.int32)}
 
 
+def into_page_pool(inputs: Inputs, page: int, gen: torch.Generator) -> None:
+    """Move the index K into a paged cache's pool: each row's entries in pages of ``page``, the pages in a random order
+    among spare pages of random bytes, and ``block_table`` int32 [B, N / page] naming them; a page wholly past a row's
+    n_visible (at any of its tokens) is -1 in its table. The contiguous cache stays for the reference
+    (``k_packed_logical``, ``k_scales_logical``)."""
+    k_packed, k_scales = inputs["k_packed"], inputs["k_scales"]
+    B, N = k_packed.shape[:2]
+    if N % page:
+        raise ValueError(f"a paged index cache of {N} entries is not a whole number of {page}-entry pages")
+    per_row, spare = N // page, max(1, B // 4)
+    order = torch.randperm(B * per_row + spare, generator=gen, device=k_packed.device)
+    table = order[: B * per_row].view(B, per_row)  # [B, N / page]
+    packed, scales = _random_fp4(((B * per_row + spare) * page,), gen, k_packed.device)  # [R, 64], [R, 4]
+    rows = (table.unsqueeze(-1) * page + torch.arange(page, device=k_packed.device)).view(B * N)
+    packed[rows], scales[rows] = k_packed.reshape(B * N, -1), k_scales.reshape(B * N, -1)
+    owned = torch.arange(per_row, device=k_packed.device) * page < inputs["n_visible"].amax(dim=1, keepdim=True)  # [B, N / page]
+    inputs["block_table"] = torch.where(owned, table, -1).to(torch.int32).contiguous()
+    inputs["k_packed_logical"], inputs["k_scales_logical"] = k_packed, k_scales
+    inputs["k_packed"], inputs["k_scales"] = packed.unsqueeze(0), scales.unsqueeze(0)  # [1, R, 64], [1, R, 4]
+
+
 # Working memory of one chunk of the reference (the dequantised keys and the per-head logits of its batch rows): the
 # 1M-entry decode shape at B = 64 asked for 64 GiB in one piece, more than an 80 GB H100 has beside its inputs.
 REFERENCE_CHUNK_BYTES = 2 << 30
@@ -53,13 +74,15 @@ def reference_scores(inputs: Inputs) -> torch.Tensor:
     """:func:`model.ops.indexer.indexer_scores` on the dequantised keys, [B, S, N], computed a few batch rows at a
     time (:func:`reference_rows_per_chunk`; rows are independent, so the chunks are the whole computation)."""
     q, weights, n_visible = inputs["q"], inputs["weights"], inputs["n_visible"]
+    k_packed = inputs.get("k_packed_logical", inputs["k_packed"])  # a paged cache: its contiguous copy
+    k_scales = inputs.get("k_scales_logical", inputs["k_scales"])
     B, S = q.shape[:2]
-    N = inputs["k_packed"].shape[1]
+    N = k_packed.shape[1]
     step = reference_rows_per_chunk(B, S, N)
     chunks = []
     for b in range(0, B, step):
         rows = slice(b, b + step)
-        index_k = fp4_dequantize(inputs["k_packed"][rows], inputs["k_scales"][rows], GROUP, "e8m0")  # [b, N, Di]
+        index_k = fp4_dequantize(k_packed[rows], k_scales[rows], GROUP, "e8m0")  # [b, N, Di]
         chunks.append(indexer_scores(q[rows], weights[rows], index_k, n_visible[rows]))  # [b, S, N]
         del index_k
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)

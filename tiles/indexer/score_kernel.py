@@ -165,6 +165,17 @@ def _store_row_hoisted(out_cta, row, pos_s, off, n_left, vis_left, block_n: int,
             out_cta[off + i] = T.if_then_else(visible, row[i], -T.infinity("float32"))
 
 
+_PAGE_COPIES = (0, 1, 2, 3, 4, 5, 6, 7)  # copies of one tile of a paged cache: block_n / page of them, at most 8
+
+
+def pool_row(block_table, b, j, page: int):
+    """The pool row of logical entry ``j`` of batch row ``b``: its page from the block table, then the offset in the
+    page. A masked slot's ``j`` = -1 reads entry 0, and a -1 page (past the sequence's pages) page 0: both in bounds,
+    their scores masked by the caller."""
+    j = T.max(j, 0)
+    return T.max(block_table[b, j // page], 0) * page + j % page
+
+
 @functools.cache
 def build_score_kernel(
     target: str,
@@ -178,8 +189,15 @@ def build_score_kernel(
     min_ctas: int = 0,
     epilogue: str = "per_tile",
     hidden_tiles: str = "score",
+    page: int = 0,
 ):
     """Build the score kernel (see module docstring); ``gather`` selects the Reindex variant.
+
+    ``page`` > 0: the index K is a paged cache's pool, ``k_words`` int32 [1, R, 16] and ``k_scales`` [1, R] (R pool
+    rows), and ``block_table`` int32 [B, MP] gives each sequence's pages: logical entry j of batch row b is pool row
+    ``block_table[b, j // page] * page + j % page``; the logical width is MP * page. A contiguous tile of ``block_n``
+    entries is then ``block_n / page`` page copies (or a part of one page), each as wide a copy as the contiguous
+    kernel's. ``page`` = 0: ``k_words`` [B, N, 16], ``k_scales`` [B, N], and ``block_table`` [1, 1] is not read.
 
     ``epilogue`` (RS dequants only): "per_tile" reloads the weights from shared memory, halves them and rebuilds the
     output address in every tile; "hoisted" does that once per CTA (see the comment above ``_PIN_CUDA``).
@@ -198,15 +216,23 @@ def build_score_kernel(
     if hidden_tiles not in HIDDEN_TILES or (hidden_tiles == "skip" and gather):
         raise ValueError(f"hidden_tiles={hidden_tiles!r}: one of {HIDDEN_TILES}, 'skip' for the contiguous variant only")
     skip_hidden = hidden_tiles == "skip"
+    if page < 0 or (page and page % block_n and block_n % page) or (page and block_n // page > len(_PAGE_COPIES)):
+        raise ValueError(
+            f"page={page}: a paged index cache needs a page size that block_n={block_n} divides, or that divides it at most 8 times"
+        )
     fp8 = dequant == "fp8_rs"
     if fp8 and (epilogue != "fused" or block_n > FP8_MAX_BLOCK_N):
         raise ValueError(f"dequant='fp8_rs' is built with epilogue='fused' and block_n <= {FP8_MAX_BLOCK_N}, got {epilogue!r}, {block_n}")
     H, D = HEADS, HEAD_DIM
     W = D // 8  # int32 words per packed entry (8 nibbles each)
-    B, S, N, P = T.dynamic("B, S, N, P")
+    B, S, N, P, MP = T.dynamic("B, S, N, P, MP")
     C = P * pool_block  # candidate slots of one pool row (gather variant)
-    n_out = C if gather else N
+    n_entries = MP * page if page else N  # the logical width of a sequence's index cache
+    n_out = C if gather else n_entries
+    chunk = min(page, block_n) if page else block_n  # rows of one contiguous copy: a page, or the whole tile
+    kw_shape, ks_shape, table_shape = ((1, N, W), (1, N), (B, MP)) if page else ((B, N, W), (B, N), (1, 1))
     span = block_n * tiles_per_cta
+    cta_pages = -(-span // page) + 1 if page else 0  # pages one CTA's span of entries touches (+1: a span not page-aligned)
 
     def dequant_value(word, scale_word, d):
         """FP4 nibble ``d`` of an entry (in ``word``) times its E8M0 scale, as fp32 (exact)."""
@@ -219,14 +245,22 @@ def build_score_kernel(
         val = T.Cast("float32", half_units) * 0.5 * scale
         return T.if_then_else((code & 8) != 0, -val, val)
 
+    @T.macro
+    def copy_page(k_words, k_scales, kw_s, ks_s, pages_s, e0, at):
+        """``chunk`` entries from the span-relative entry ``e0`` (inside one page) into rows ``at ..`` of the tile."""
+        row0 = T.max(pages_s[e0 // page], 0) * page + e0 % page
+        T.copy(k_words[0, row0 : row0 + chunk, :], kw_s[at : at + chunk, :])
+        T.copy(k_scales[0, row0 : row0 + chunk], ks_s[at : at + chunk], annotations={"disable_tma": True})
+
     @T.prim_func
     def score(
         q: T.Tensor((B, S, H, D), "bfloat16"),
         weights: T.Tensor((B, S, H), "float32"),
-        k_words: T.Tensor((B, N, W), "int32"),
-        k_scales: T.Tensor((B, N), "int32"),
+        k_words: T.Tensor(kw_shape, "int32"),
+        k_scales: T.Tensor(ks_shape, "int32"),
         n_visible: T.Tensor((B, S), "int32"),
         pool: T.Tensor((B, S, P), "int32"),
+        block_table: T.Tensor(table_shape, "int32"),
         out: T.Tensor((B, S, n_out), "float32"),
     ):
         # Tokens in grid x (grid y/z stop at 65535 and a 64K prefill has 65536 tokens), entry tiles in y (<= 512
@@ -286,6 +320,11 @@ def build_score_kernel(
                 for v in T.Parallel(256):
                     lut[v] = e2m1_bf16_bits(v & 0xF) | (e2m1_bf16_bits(v >> 4) << 16)
             nvis = n_visible[b, s]
+            if page and not gather:  # the block-table entries of this CTA's span, read once
+                first_page = bx * span // page
+                pages_s = T.alloc_shared((cta_pages,), "int32")
+                for i in T.Parallel(cta_pages):
+                    pages_s[i] = T.if_then_else(first_page + i < MP, block_table[b, T.min(first_page + i, MP - 1)], 0)
             if dequant in PRMT_RS_DEQUANTS:
                 load_q_rs(q, q_s, b, s, H, D)
             elif dequant == "fma_rs":
@@ -324,11 +363,25 @@ def build_score_kernel(
                         slot = n0 + i
                         blk = T.if_then_else(slot < C, pool[b, s, T.min(slot, C - 1) // pool_block], -1)
                         pos = blk * pool_block + slot % pool_block
-                        pos_s[i] = T.if_then_else((blk >= 0) & (pos < nvis) & (pos < N), pos, -1)
-                    for i, c in T.Parallel(block_n, W):
-                        kw_s[i, c] = T.if_then_else(pos_s[i] >= 0, k_words[b, T.max(pos_s[i], 0), c], 0)
-                    for i in T.Parallel(block_n):
-                        ks_s[i] = T.if_then_else(pos_s[i] >= 0, k_scales[b, T.max(pos_s[i], 0)], 0x7F7F7F7F)
+                        pos_s[i] = T.if_then_else((blk >= 0) & (pos < nvis) & (pos < n_entries), pos, -1)
+                    if page:
+                        for i, c in T.Parallel(block_n, W):
+                            kw_s[i, c] = T.if_then_else(pos_s[i] >= 0, k_words[0, pool_row(block_table, b, pos_s[i], page), c], 0)
+                        for i in T.Parallel(block_n):
+                            ks_s[i] = T.if_then_else(pos_s[i] >= 0, k_scales[0, pool_row(block_table, b, pos_s[i], page)], 0x7F7F7F7F)
+                    else:
+                        for i, c in T.Parallel(block_n, W):
+                            kw_s[i, c] = T.if_then_else(pos_s[i] >= 0, k_words[b, T.max(pos_s[i], 0), c], 0)
+                        for i in T.Parallel(block_n):
+                            ks_s[i] = T.if_then_else(pos_s[i] >= 0, k_scales[b, T.max(pos_s[i], 0)], 0x7F7F7F7F)
+                elif page:
+                    # page by page, each page's id from the CTA's copy of its block-table row (a page past the table or
+                    # the sequence's pages reads page 0: its entries are past n_visible and score -inf)
+                    # one statement per page (a TIR loop of copies would cost the TMA producer: TileLang then lowers
+                    # every copy of the tile to synchronous loads)
+                    for c in _PAGE_COPIES:
+                        if c < block_n // chunk:
+                            copy_page(k_words, k_scales, kw_s, ks_s, pages_s, n0 + c * chunk - first_page * page, c * chunk)
                 else:
                     T.copy(k_words[b, n0 : n0 + block_n, :], kw_s)
                     # Not TMA: the [B, N] int32 scale rows are only 4-byte aligned for N not a multiple of 4.

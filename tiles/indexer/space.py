@@ -186,6 +186,16 @@ RADIX_PARAMS = (
 )
 
 
+def page_fits(config: Config, shape: Shape, arch: Arch) -> str | None:
+    """A paged shape's score tiles are whole pages, or its pages whole tiles, at most 8 page copies a tile
+    (:func:`tiles.indexer.score_kernel.build_score_kernel`)."""
+    page = shape.dims.get("page", 0)
+    bn = {**SCORE_DEFAULT, **config}["block_n"]
+    if page and ((page % bn and bn % page) or bn // page > 8):
+        return f"block_n={bn} with {page}-entry pages: a tile must be whole pages (at most 8) or a part of one"
+    return None
+
+
 def radix_two_pass_only(config: Config, shape: Shape, arch: Arch) -> str | None:
     """The radix_* knobs configure select_algo="two_pass" only: other values under multipass would repeat a config."""
     if config.get("select_algo", "multipass") == "two_pass":

@@ -26,7 +26,7 @@ from tiles.indexer.dequant import FP8_MAX_BLOCK_N, REGISTER_A_DEQUANTS
 from tiles.indexer.launch import build_score, build_two_pass, index_k_words, launch_pool, launch_reindex, launch_topk
 from tiles.indexer.policy import RADIX_DEFAULT, SELECT_SPLITS, radix_config, resolve_select_split, resolve_tiles_per_cta
 from tiles.indexer.radix_select import remapped_kernel
-from tiles.indexer.reference import compare_topk_sets, indexer_inputs, merge, random_pool, reference_scores
+from tiles.indexer.reference import compare_topk_sets, indexer_inputs, into_page_pool, merge, random_pool, reference_scores
 from tiles.indexer.score_kernel import HIDDEN_TILES
 from tiles.indexer.select_kernel import block_max_kernel, build_select_kernel
 from tiles.indexer.space import (
@@ -38,6 +38,7 @@ from tiles.indexer.space import (
     dequant_arch,
     epilogue_fits,
     fragment_rows,
+    page_fits,
     radix_smem,
     radix_two_pass_only,
     register_cap,
@@ -63,6 +64,7 @@ class _ScoreAndSelectTile(Tile):
                 Constraint("rs_registers", rs_registers),
                 Constraint("epilogue", epilogue_fits),
                 Constraint("dequant_arch", dequant_arch),
+                Constraint("page", page_fits),
             ),
         )
 
@@ -183,7 +185,7 @@ class IndexerTopkTile(_ScoreAndSelectTile):
 
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
-        kernels = {"score": build_score(arch, cfg, False, 8, shape["B"] * shape["S"], shape["N"])}
+        kernels = {"score": build_score(arch, cfg, False, 8, shape["B"] * shape["S"], shape["N"], shape.dims.get("page", 0))}
         if cfg.get("select_algo", "multipass") == "two_pass":
             kernels.update(build_two_pass(arch, shape["B"] * shape["S"], shape["N"], shape["K"], radix_config(cfg)))
         else:
@@ -193,33 +195,37 @@ class IndexerTopkTile(_ScoreAndSelectTile):
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = self.with_defaults(arch, config)
         self._kernels(shape, cfg, arch)
-        return (cfg, arch, shape["K"])
+        return (cfg, arch, shape["K"], shape.dims.get("page", 0))
 
     def kernel_sources(self, shape: Shape, config: Config, arch: Arch) -> dict[str, str]:
         return kernel_sources_of(self._kernels(shape, self.with_defaults(arch, config), arch))
 
     def make_inputs(self, shape: Shape, seed: int, device="cuda") -> Inputs:
-        return indexer_inputs(shape["B"], shape["S"], shape["N"], seed, device, causal=shape.phase == "prefill")
+        inputs = indexer_inputs(shape["B"], shape["S"], shape["N"], seed, device, causal=shape.phase == "prefill")
+        if shape.dims.get("page"):
+            into_page_pool(inputs, shape["page"], torch.Generator(device=device).manual_seed(seed + 104729))
+        return inputs
 
     def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
-        _, _, k = kernel
+        _, _, k, page = kernel
         q = inputs["q"]
         B, S = q.shape[:2]
-        N = inputs["k_packed"].shape[1]
+        N = inputs["block_table"].shape[1] * page if page else inputs["k_packed"].shape[1]
         scores = poisoned((B, S, N), torch.float32, q.device)  # [B, S, N]
         out = poisoned((B, S, k), torch.int32, q.device)  # [B, S, K]
         return {"topk": out, "scores": scores}
 
     def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
-        cfg, arch, _ = kernel
+        cfg, arch, _, page = kernel
         words, scales = index_k_words(inputs["k_packed"], inputs["k_scales"])
-        launch_topk(cfg, arch, inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], outputs["scores"], outputs["topk"])
+        args = (inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], outputs["scores"], outputs["topk"])
+        launch_topk(cfg, arch, *args, inputs.get("block_table"), page)
 
     def public_call(self, shape: Shape, inputs: Inputs, config: Config):
         from tiles.indexer.api import indexer_topk
 
-        i = inputs
-        return lambda: indexer_topk(i["q"], i["weights"], i["k_packed"], i["k_scales"], i["n_visible"], shape["K"], config=config)
+        i, paged = inputs, {"block_table": inputs.get("block_table"), "page_size": shape.dims.get("page", 0)}
+        return lambda: indexer_topk(i["q"], i["weights"], i["k_packed"], i["k_scales"], i["n_visible"], shape["K"], config=config, **paged)
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         scores = reference_scores(inputs)
@@ -349,7 +355,7 @@ class ReindexTopkTile(_ScoreAndSelectTile):
     def _kernels(self, shape: Shape, cfg: Config, arch: Arch) -> dict[str, Any]:
         """The kernels one call launches, by name, compiled (or fetched from their caches) for the full ``cfg``."""
         blk = shape["block"]
-        kernels = {"score": build_score(arch, cfg, True, blk, shape["B"] * shape["S"], shape["P"] * blk)}
+        kernels = {"score": build_score(arch, cfg, True, blk, shape["B"] * shape["S"], shape["P"] * blk, shape.dims.get("page", 0))}
         if cfg["select_algo"] == "two_pass":
             kernels["select"] = remapped_kernel(arch, shape["K"], shape["B"] * shape["S"], block=blk)
         else:
@@ -359,7 +365,7 @@ class ReindexTopkTile(_ScoreAndSelectTile):
     def build(self, shape: Shape, config: Config, arch: Arch):
         cfg = self.with_defaults(arch, config)
         self._kernels(shape, cfg, arch)
-        return (cfg, arch, shape["K"], shape["block"])
+        return (cfg, arch, shape["K"], shape["block"], shape.dims.get("page", 0))
 
     def kernel_sources(self, shape: Shape, config: Config, arch: Arch) -> dict[str, str]:
         return kernel_sources_of(self._kernels(shape, self.with_defaults(arch, config), arch))
@@ -369,10 +375,12 @@ class ReindexTopkTile(_ScoreAndSelectTile):
         inputs = indexer_inputs(B, S, N, seed, device, causal=False)
         gen = torch.Generator(device=device).manual_seed(seed + 7919)
         inputs["pool_blocks"] = random_pool(inputs["n_visible"], N, P, blk, gen)  # [B, S, P]
+        if shape.dims.get("page"):
+            into_page_pool(inputs, shape["page"], gen)
         return inputs
 
     def alloc_outputs(self, kernel, inputs: Inputs) -> dict[str, torch.Tensor]:
-        _, _, k, blk = kernel
+        _, _, k, blk, _ = kernel
         q, pool = inputs["q"], inputs["pool_blocks"]
         B, S, P = pool.shape
         scores = poisoned((B, S, P * blk), torch.float32, q.device)  # [B, S, P*block]
@@ -380,17 +388,18 @@ class ReindexTopkTile(_ScoreAndSelectTile):
         return {"topk": out, "pool_scores": scores}
 
     def launch(self, kernel, inputs: Inputs, outputs: dict[str, torch.Tensor]) -> None:
-        cfg, arch, _, blk = kernel
+        cfg, arch, _, blk, page = kernel
         words, scales = index_k_words(inputs["k_packed"], inputs["k_scales"])
         args = (inputs["q"], inputs["weights"], words, scales, inputs["n_visible"], inputs["pool_blocks"], blk)
-        launch_reindex(cfg, arch, *args, outputs["pool_scores"], outputs["topk"])
+        launch_reindex(cfg, arch, *args, outputs["pool_scores"], outputs["topk"], inputs.get("block_table"), page)
 
     def public_call(self, shape: Shape, inputs: Inputs, config: Config):
         from tiles.indexer.api import reindex_topk
 
         i = inputs
         args = (i["q"], i["weights"], i["k_packed"], i["k_scales"], i["n_visible"], i["pool_blocks"], shape["block"], shape["K"])
-        return lambda: reindex_topk(*args, config=config)
+        paged = {"block_table": i.get("block_table"), "page_size": shape.dims.get("page", 0)}
+        return lambda: reindex_topk(*args, config=config, **paged)
 
     def reference(self, inputs: Inputs) -> dict[str, torch.Tensor]:
         scores = reference_scores(inputs)  # [B, S, N]: the reference scores everything

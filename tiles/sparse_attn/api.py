@@ -82,8 +82,17 @@ def _check_index_range(window_idx: torch.Tensor, topk_idx: torch.Tensor, nw: int
         _require(lo_hi[0] >= -1 and lo_hi[1] < n, f"{name} holds values outside [-1, {n}): the cache has {n} entries")
 
 
-def _checked(fp4: bool, tensors: tuple) -> tuple[int, int, int, int, int, int, int, int]:
-    """Every check of the public functions but the device's: (B, S, H, D, W, K, Nw, Nc)."""
+def _kv_batch(t: torch.Tensor, name: str, B: int) -> int:
+    """A cache's batch dim: B (one cache per batch row) or 1 (one pool every row reads through its indices)."""
+    _require(
+        t.shape[0] in (1, B), f"{name} must hold {B} batch rows (one per sequence) or 1 (a pool shared by every row), got {t.shape[0]}"
+    )
+    return t.shape[0]
+
+
+def _checked(fp4: bool, tensors: tuple) -> tuple[int, int, int, int, int, int, int, int, int, int]:
+    """Every check of the public functions but the device's: (B, S, H, D, W, K, Nw, Nc, Bw, Bm), Bw and Bm the
+    caches' batch dims (B, or 1 for a shared pool)."""
     if fp4:
         q, window_codes, window_scales, window_idx, main_packed, main_scales, topk_idx, sink = tensors
     else:
@@ -95,23 +104,26 @@ def _checked(fp4: bool, tensors: tuple) -> tuple[int, int, int, int, int, int, i
         _require(window_codes.dim() == 3 and main_packed.dim() == 3, "window_kv and main_kv must be [B, Nw, D] and [B, Nc, D]")
     nw, nc = window_codes.shape[1], main_packed.shape[1]
     B, S, H, D, W, K = _check_common(q, window_idx, topk_idx, sink, nw, nc)
+    bw = _kv_batch(window_codes, "window_codes" if fp4 else "window_kv", B)
+    bm = _kv_batch(main_packed, "main_packed" if fp4 else "main_kv", B)
     if fp4:
         codes = window_codes.view(torch.uint8) if window_codes.dtype == torch.float8_e4m3fn else window_codes
         mscales = main_scales.view(torch.uint8) if main_scales.dtype == torch.float8_e4m3fn else main_scales
-        _check_tensor(codes, "window_codes", torch.uint8, (B, nw, D), q.device)
-        _check_tensor(window_scales, "window_scales", torch.uint8, (B, nw, D // 32), q.device)
-        _check_tensor(main_packed, "main_packed", torch.uint8, (B, nc, D // 2), q.device)
-        _check_tensor(mscales, "main_scales", torch.uint8, (B, nc, D // 16), q.device)
+        _check_tensor(codes, "window_codes", torch.uint8, (bw, nw, D), q.device)
+        _check_tensor(window_scales, "window_scales", torch.uint8, (bw, nw, D // 32), q.device)
+        _check_tensor(main_packed, "main_packed", torch.uint8, (bm, nc, D // 2), q.device)
+        _check_tensor(mscales, "main_scales", torch.uint8, (bm, nc, D // 16), q.device)
     else:
-        _check_tensor(window_codes, "window_kv", torch.bfloat16, (B, nw, D), q.device)
-        _check_tensor(main_packed, "main_kv", torch.bfloat16, (B, nc, D), q.device)
-    return B, S, H, D, W, K, nw, nc
+        _check_tensor(window_codes, "window_kv", torch.bfloat16, (bw, nw, D), q.device)
+        _check_tensor(main_packed, "main_kv", torch.bfloat16, (bm, nc, D), q.device)
+    return B, S, H, D, W, K, nw, nc, bw, bm
 
 
 def _launch(fp4: bool, scale: float, config: Config | None, tensors: tuple) -> _Launch:
     """Check one call's tensors (every check of the public functions) and build its launch."""
-    B, S, H, D, W, K, nw, nc = _checked(fp4, tensors)
+    B, S, H, D, W, K, nw, nc, bw, bm = _checked(fp4, tensors)
     q = tensors[0]
+    shared = (bw == 1 and B > 1, bm == 1 and B > 1)
     _require_cuda(q)
     arch, gpu = target(q, "sparse_attention" if fp4 else "sparse_attention_bf16")
     swa_only = None
@@ -121,11 +133,15 @@ def _launch(fp4: bool, scale: float, config: Config | None, tensors: tuple) -> _
             torch.zeros(B, 1, D // 2 if fp4 else D, dtype=torch.uint8 if fp4 else torch.bfloat16, device=q.device),  # [B, 1, D/2 | D]
             torch.zeros(B, 1, D // 16, dtype=torch.uint8, device=q.device).view(torch.float8_e4m3fn) if fp4 else None,  # [B, 1, D/16]
         )
-        nc, K = 1, 1
+        nc, K, shared = 1, 1, (shared[0], False)
     tile = tile_for_tokens(B, S, bf16=not fp4)
-    dims = {"B": B, "S": S, "Nc": nc, "Nw": nw, "H": H, "D": D, "W": W, "K": K}
+    # a shared pool's rows per batch row: what the config buckets and the staging choice count per sequence
+    per_row_nw, per_row_nc = (-(-nw // B) if shared[0] else nw), (-(-nc // B) if shared[1] else nc)
+    dims = {"B": B, "S": S, "Nc": per_row_nc, "Nw": per_row_nw, "H": H, "D": D, "W": W, "K": K}
+    if any(shared):  # pools read through indices: the paged shapes' winners (a bucket of their own)
+        dims["pool"] = 1
     cfg = call_config(tile, dims, arch, gpu, config, tile.phase)
-    kernel = compiled(H, D, W, K, scale, "fp4" if fp4 else "bf16", cfg, arch)
+    kernel = compiled(H, D, W, K, scale, "fp4" if fp4 else "bf16", cfg, arch, shared)
     no_sink = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)  # [H]: exp(-inf) adds nothing
     return _Launch(kernel, no_sink, swa_only, fp4)
 
@@ -135,7 +151,7 @@ def _launch_for(name: str, fp4: bool, scale: float, config: Config | None, tenso
     first call of a signature; later calls with an equal signature pass the same checks. ``check_indices``: the
     tensors are checked and the index ranges read (a host sync) on every call."""
     if check_indices:
-        *_, nw, nc = _checked(fp4, tensors)
+        *_, nw, nc, _, _ = _checked(fp4, tensors)
         _check_index_range(tensors[3 if fp4 else 2], tensors[6 if fp4 else 4], nw, nc)
     try:
         key = (name, signature(*tensors), float(scale), frozen(config))
@@ -161,11 +177,13 @@ def sparse_attention(
 
     Args:
         q: bf16 [B, S, H, D] queries (H a multiple of 64, D = 512).
-        window_codes: uint8 (or float8_e4m3fn) [B, Nw, D] FP8 E4M3 window KV codes.
-        window_scales: uint8 [B, Nw, D/32] E8M0 scale bytes.
+        window_codes: uint8 (or float8_e4m3fn) [B, Nw, D] FP8 E4M3 window KV codes, or [1, Nw, D]: one pool (a
+            state-slot pool of SWA rings) that every batch row reads, window_idx naming its rows.
+        window_scales: uint8 [B | 1, Nw, D/32] E8M0 scale bytes (the batch dim of window_codes).
         window_idx: int32 [B, S, W] indices into the window KV (W <= 128), -1 = unused.
-        main_packed: uint8 [B, Nc, D/2] packed FP4 E2M1 main KV (even element in the low nibble).
-        main_scales: uint8 (or float8_e4m3fn) [B, Nc, D/16] E4M3 scale bytes.
+        main_packed: uint8 [B, Nc, D/2] packed FP4 E2M1 main KV (even element in the low nibble), or [1, Nc, D/2]:
+            one pool (a paged cache's page pool) that every batch row reads, topk_idx naming its rows.
+        main_scales: uint8 (or float8_e4m3fn) [B | 1, Nc, D/16] E4M3 scale bytes (the batch dim of main_packed).
         topk_idx: int32 [B, S, K] indices into the main KV, -1 = unused. K = 0 (or Nc = 0): an SWA-only layer.
         sink: float32 [H] per-head sink logits, or None for no sink.
         scale: softmax scale (512^-0.5 in the model).

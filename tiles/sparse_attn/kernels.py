@@ -4,6 +4,7 @@ warp-specialised one to :mod:`tiles.sparse_attn.ws_kernel`) and ``combine_kernel
 import tilelang.language as T
 
 from tiles.sparse_attn.dequant import e2m1_value, e8m0_value
+from tiles.sparse_attn.kv_layout import kv_buffer
 from tiles.sparse_attn.online_softmax import LOG2E, online_softmax
 from tiles.sparse_attn.options import IOS, PARTIALS, UNUSED_ROWS, blocks_per_token, halves_refusal, overlapped_refusal
 from tiles.sparse_attn.ws_kernel import sparse_attn_ws
@@ -34,6 +35,8 @@ def sparse_attn_kernel(
     fp4_decode: str = "fma",
     partials: str = "fp32",
     unused_rows: str = "row0",
+    window_shared: bool = False,
+    main_shared: bool = False,
 ):
     """Build the attention prim_func (B, S, Nw, Nc are dynamic; everything else is specialised).
 
@@ -49,6 +52,8 @@ def sparse_attn_kernel(
     OPart fp32 [B, S, NS, H, D] (scratch) and Counter int32 [B, S, H / heads_per_block] (zero before the launch,
     left zero after it).
     ``partials="bf16"`` (ws, ``consumers="wg0_scores"``, separate combine): OPart is bf16, staged out like O.
+    ``window_shared`` / ``main_shared``: that cache is one pool read by every batch row, passed with batch stride 0
+    (:mod:`tiles.sparse_attn.kv_layout`); its indices are rows of the pool.
     """
     if consumers == "auto":
         raise ValueError("consumers='auto' is resolved per call first: resolve_consumers")
@@ -91,6 +96,8 @@ def sparse_attn_kernel(
             fp4_decode,
             partials,
             unused_rows,
+            window_shared,
+            main_shared,
         )
     B, S, Nw, Nc = T.dynamic("B"), T.dynamic("S"), T.dynamic("Nw"), T.dynamic("Nc")
     H, D, W, K, BI, HB, NS = heads, dim, window, topk, block_I, heads_per_block, n_split
@@ -114,11 +121,11 @@ def sparse_attn_kernel(
     @T.prim_func
     def main(
         Q: T.Tensor([B, S, H, D], bf16),
-        WinA: T.Tensor(win_args[0], win_args[1]),
-        WinB: T.Tensor(win_args[2], win_args[3]),
+        WinA: kv_buffer(win_args[0], win_args[1], window_shared),
+        WinB: kv_buffer(win_args[2], win_args[3], window_shared),
         WinIdx: T.Tensor([B, S, W], "int32"),
-        MainA: T.Tensor(main_args[0], main_args[1]),
-        MainB: T.Tensor(main_args[2], main_args[3]),
+        MainA: kv_buffer(main_args[0], main_args[1], main_shared),
+        MainB: kv_buffer(main_args[2], main_args[3], main_shared),
         TopkIdx: T.Tensor([B, S, K], "int32"),
         Sink: T.Tensor([H], f32),
         Out: T.Tensor(out_shape, bf16 if NS == 1 else f32),

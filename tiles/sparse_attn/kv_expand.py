@@ -79,22 +79,23 @@ def expand_kernel(dim: int, helpers_cuda: str, fp4_word: str, arch: Arch):
 
 
 def expand_caches(kernel, win_codes: torch.Tensor, win_scales: torch.Tensor, main_packed: torch.Tensor, main_scales: torch.Tensor):
-    """Both caches in bf16: (window_kv [B, Nw, D], main_kv [B, Nc, D]).
+    """Both caches in bf16: (window_kv [Bw, Nw, D], main_kv [Bm, Nc, D]).
 
-    ``win_codes`` FP8 E4M3 [B, Nw, D] (uint8 or float8_e4m3fn), ``win_scales`` uint8 [B, Nw, D/32] (E8M0),
-    ``main_packed`` packed FP4 [B, Nc, D/2] (uint8, or int32 [B, Nc, D/8] words), ``main_scales`` E4M3
-    [B, Nc, D/16] (uint8 or float8_e4m3fn). All contiguous, on one device.
+    ``win_codes`` FP8 E4M3 [Bw, Nw, D] (uint8 or float8_e4m3fn), ``win_scales`` uint8 [Bw, Nw, D/32] (E8M0),
+    ``main_packed`` packed FP4 [Bm, Nc, D/2] (uint8, or int32 [Bm, Nc, D/8] words), ``main_scales`` E4M3
+    [Bm, Nc, D/16] (uint8 or float8_e4m3fn). All contiguous, on one device. Bw, Bm: the batch, or 1 for a pool
+    shared by every batch row (expanded once, not per row).
     """
-    B, nw, D = win_codes.shape
-    nc = main_scales.shape[1]
-    win_kv = torch.empty(B, nw, D, dtype=torch.bfloat16, device=win_codes.device)  # [B, Nw, D]
-    main_kv = torch.empty(B, nc, D, dtype=torch.bfloat16, device=win_codes.device)  # [B, Nc, D]
+    bw, nw, D = win_codes.shape
+    bm, nc = main_scales.shape[:2]
+    win_kv = torch.empty(bw, nw, D, dtype=torch.bfloat16, device=win_codes.device)  # [Bw, Nw, D]
+    main_kv = torch.empty(bm, nc, D, dtype=torch.bfloat16, device=win_codes.device)  # [Bm, Nc, D]
     kernel(
-        main_packed.view(torch.int32).reshape(B * nc, D // 8),
-        main_scales.view(torch.uint8).reshape(B * nc, D // 16),
-        win_codes.view(torch.uint8).view(torch.int32).reshape(B * nw, D // 4),
-        win_scales.reshape(B * nw, D // 32),
-        main_kv.view(B * nc, D),
-        win_kv.view(B * nw, D),
+        main_packed.view(torch.int32).reshape(bm * nc, D // 8),
+        main_scales.view(torch.uint8).reshape(bm * nc, D // 16),
+        win_codes.view(torch.uint8).view(torch.int32).reshape(bw * nw, D // 4),
+        win_scales.reshape(bw * nw, D // 32),
+        main_kv.view(bm * nc, D),
+        win_kv.view(bw * nw, D),
     )
     return win_kv, main_kv

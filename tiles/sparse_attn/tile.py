@@ -11,7 +11,7 @@ from model.ops.sparse_attn import sparse_attention as _ref_sparse_attention
 from tiles.core.arch import Arch
 from tiles.core.compare import relative_l2
 from tiles.core.contract import Comparison, Config, Inputs, SearchSpace, Shape, Tile, TileError, canonical_key, poisoned
-from tiles.core.shapes import attention_shapes
+from tiles.core.shapes import PAGE_SIZE, attention_shapes
 from tiles.sparse_attn.launch import DEFAULT_SCALE, CompiledAttention, ExpandedAttention, compiled
 from tiles.sparse_attn.options import (
     BF16_ROW_KEYS,
@@ -130,7 +130,8 @@ class SparseAttnTile(Tile):
         if reason:
             raise TileError(f"{self.name} does not support {arch.name}: {reason}")
         cfg = self.resolve_call(self.with_defaults(arch, config), shape, arch)
-        return compiled(shape["H"], shape["D"], shape["W"], shape["K"], DEFAULT_SCALE, self.kv_format, cfg, arch)
+        shared = bool(shape.dims.get("pool")) and shape["B"] > 1  # both caches are pools every row reads
+        return compiled(shape["H"], shape["D"], shape["W"], shape["K"], DEFAULT_SCALE, self.kv_format, cfg, arch, (shared, shared))
 
     def kernel_key(self, shape: Shape, config: Config, arch: Arch) -> str:
         """The resolved config's key: a config naming "auto" (consumers, io, n_split, kv_staging) and one naming what it
@@ -207,9 +208,11 @@ class SparseAttnTile(Tile):
             main_kv = fp4_dequantize(inputs["main_packed"], inputs["main_scales"], 16, "e4m3")
         else:
             window_kv, main_kv = inputs["window_kv"], inputs["main_kv"]
-        out = _ref_sparse_attention(
-            inputs["q"], window_kv, inputs["window_idx"], main_kv, inputs["topk_idx"], inputs["sink"], DEFAULT_SCALE
-        )
+        window_idx, topk_idx = inputs["window_idx"], inputs["topk_idx"]
+        if "main_rows" in inputs:  # pools: each sequence's own rows back in order, read with the logical indices
+            window_kv, main_kv = window_kv[0][inputs["window_rows"]], main_kv[0][inputs["main_rows"]]  # [B, Nw, D], [B, Nc, D]
+            window_idx, topk_idx = inputs["window_idx_logical"], inputs["topk_idx_logical"]
+        out = _ref_sparse_attention(inputs["q"], window_kv, window_idx, main_kv, topk_idx, inputs["sink"], DEFAULT_SCALE)
         return {"out": out}
 
     def compare(self, outputs: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> Comparison:
@@ -388,4 +391,38 @@ def make_attention_inputs(shape: Shape, seed: int, device: str | torch.device, k
     else:
         inputs["window_kv"] = window_kv.to(torch.bfloat16)
         inputs["main_kv"] = main_kv.to(torch.bfloat16)
+    if shape.dims.get("pool"):
+        _into_pools(inputs, kv_format, g)
     return inputs
+
+
+POOL_PAGE = PAGE_SIZE  # rows per page of the test pools (the paged cache's default page size)
+
+
+def _into_pools(inputs: Inputs, kv_format: str, g: torch.Generator) -> None:
+    """Move each cache into a pool every batch row reads: the main KV in pages of POOL_PAGE rows, the window KV one
+    ring per slot, both in a random page order with random bytes in the rows no sequence owns; the indices become
+    pool rows. The logical indices and each sequence's rows (``*_rows`` [B, N]) stay for the reference."""
+    names = {"window": ("window_codes", "window_scales") if kv_format == "fp4" else ("window_kv",)}
+    names["main"] = ("main_packed", "main_scales") if kv_format == "fp4" else ("main_kv",)
+    for cache, idx_name, page in (("window", "window_idx", None), ("main", "topk_idx", POOL_PAGE)):
+        first = inputs[names[cache][0]]
+        B, N = first.shape[:2]
+        page = page or N  # a window ring is one slot of N rows
+        per_row = -(-N // page)
+        spare = max(1, B // 4)  # pages no sequence owns: a wrong row lands in random bytes
+        pages = torch.randperm(B * per_row + spare, generator=g, device=first.device)[: B * per_row].view(B, per_row)
+        logical = torch.arange(N, device=first.device)
+        rows = pages[:, logical // page] * page + logical % page  # [B, N] pool row of each sequence's entry
+        for name in names[cache]:
+            t = inputs[name]
+            bits = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+            pool = torch.randint(0, 256, ((B * per_row + spare) * page, *bits.shape[2:]), generator=g, device=t.device, dtype=torch.uint8)
+            if t.dtype == torch.bfloat16:  # random bf16 bytes may be NaN/inf: a finite noise instead
+                pool = torch.randn(pool.shape[0], *t.shape[2:], generator=g, device=t.device).to(t.dtype).view(torch.uint8)
+            pool[rows.reshape(-1)] = bits.reshape(B * N, *bits.shape[2:])
+            inputs[name] = pool.view(t.dtype).unsqueeze(0)  # [1, R, ...]
+        idx = inputs[idx_name]
+        inputs[f"{idx_name}_logical"] = idx
+        inputs[idx_name] = torch.where(idx >= 0, rows.gather(1, idx.clamp(min=0).flatten(1).long()).view_as(idx), -1).int()
+        inputs[f"{cache}_rows"] = rows

@@ -4,6 +4,7 @@ consumers, one producer) dispatched to the macros of :mod:`.ws_consumers` and :m
 import tilelang.language as T
 
 from tiles.sparse_attn.dequant import decode_helpers_cuda
+from tiles.sparse_attn.kv_layout import kv_buffer
 from tiles.sparse_attn.online_softmax import LOG2E
 from tiles.sparse_attn.ws_consumers import (
     BALANCED_NREG,
@@ -64,6 +65,8 @@ def sparse_attn_ws(
     fp4_decode="fma",
     partials="fp32",
     unused_rows="row0",
+    window_shared=False,
+    main_shared=False,
 ):
     """Warp-specialised schedule (384 threads): warpgroup 0 computes S = Q K^T, the online softmax and
     the left half of O; warpgroup 1 the right half of O; warpgroup 2 (the producer) gathers and
@@ -526,11 +529,11 @@ def sparse_attn_ws(
         @T.prim_func
         def main(
             Q: T.Tensor([B, S, H, D], bf16),
-            WinA: T.Tensor(win_args[0], win_args[1]),
-            WinB: T.Tensor(win_args[2], win_args[3]),
+            WinA: kv_buffer(win_args[0], win_args[1], window_shared),
+            WinB: kv_buffer(win_args[2], win_args[3], window_shared),
             WinIdx: T.Tensor([B, S, W], "int32"),
-            MainA: T.Tensor(main_args[0], main_args[1]),
-            MainB: T.Tensor(main_args[2], main_args[3]),
+            MainA: kv_buffer(main_args[0], main_args[1], main_shared),
+            MainB: kv_buffer(main_args[2], main_args[3], main_shared),
             TopkIdx: T.Tensor([B, S, K], "int32"),
             Sink: T.Tensor([H], f32),
             Out: T.Tensor([B, S, H, D], bf16),
@@ -545,11 +548,11 @@ def sparse_attn_ws(
     @T.prim_func
     def main(
         Q: T.Tensor([B, S, H, D], bf16),
-        WinA: T.Tensor(win_args[0], win_args[1]),
-        WinB: T.Tensor(win_args[2], win_args[3]),
+        WinA: kv_buffer(win_args[0], win_args[1], window_shared),
+        WinB: kv_buffer(win_args[2], win_args[3], window_shared),
         WinIdx: T.Tensor([B, S, W], "int32"),
-        MainA: T.Tensor(main_args[0], main_args[1]),
-        MainB: T.Tensor(main_args[2], main_args[3]),
+        MainA: kv_buffer(main_args[0], main_args[1], main_shared),
+        MainB: kv_buffer(main_args[2], main_args[3], main_shared),
         TopkIdx: T.Tensor([B, S, K], "int32"),
         Sink: T.Tensor([H], f32),
         Out: T.Tensor(out_shape, out_dtype),
