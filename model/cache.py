@@ -9,7 +9,8 @@
   (float32) of an unfinished group waiting for its last token. Fixed size per sequence.
 
 All sequences of a batch have the same length (equal-length prompts), so one token count
-serves the whole batch. Sizes can be computed from the config alone with
+serves the whole batch. Sequences of their own lengths (continuous batching) live in the page
+pools of :mod:`model.paged`, whose tests use this cache as the oracle. Sizes can be computed from the config alone with
 :meth:`KVCache.layout`, :meth:`KVCache.global_bytes_per_token` and :meth:`KVCache.fixed_state_bytes`.
 """
 
