@@ -101,12 +101,11 @@ def test_decode_paged_mixed_batch_equals_each_sequence_alone(tiny):
     _continuous_batching(tiny, 4, lengths, ced, seed=10)
 
 
-def test_decode_paged_page_size_one_and_larger_than_a_sequence(tiny):
+@pytest.mark.parametrize("page_size", [1, 16], ids=["page1", "page16"])
+def test_decode_paged_page_size_one_and_larger_than_a_sequence(tiny, page_size):
     """Page boundaries at every entry (page size 1) and none at all (16: every group fits one page)."""
     lengths = {"a": 9, "b": 2, "c": 14, "d": 7, "e": 1}
-    ced = dict.fromkeys(lengths, True)
-    for page_size in (1, 16):
-        _continuous_batching(tiny, page_size, lengths, ced, seed=30 + page_size)
+    _continuous_batching(tiny, page_size, lengths, dict.fromkeys(lengths, True), seed=30 + page_size)
 
 
 def test_decode_paged_on_the_small_preset():
