@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lab.cli import LabError, main
-from lab.commands.e2e import parse_tokens, variants_from
+from lab.commands.e2e import parse_range, parse_tokens, variants_from
 from lab.e2e.report import load, render_markdown, speedups, write_report
-from lab.e2e.synthetic import fill_cache
+from lab.e2e.synthetic import fill_cache, fill_paged_cache, mixed_lengths
 from model import build_model, formats, preset
 
 
@@ -48,6 +48,40 @@ def test_fill_cache_holds_valid_encodings_at_the_context(context):
     logits = model.decode(torch.tensor([1, 2]), cache)
     assert logits.shape == (2, cfg.vocab_size) and torch.isfinite(logits).all()
     assert cache.n_tokens == context + 1
+
+
+def test_mixed_lengths_spread_evenly_over_the_range():
+    assert mixed_lengths(5, 8192, 65536) == [8192, 22528, 36864, 51200, 65536]
+    assert mixed_lengths(1, 8192, 65536) == [65536]
+    assert parse_range("8K:64K") == (8192, 65536)
+    for bad in ("8K", "64K:8K", "0:8K", "a:b"):
+        with pytest.raises(LabError):
+            parse_range(bad)
+
+
+def test_fill_paged_cache_holds_each_length_and_decodes_like_the_contiguous_fill():
+    """Sequences of their own lengths (one below the window, one past it, one with a pending ratio-2 token): entries,
+    tails and rings at each length, and a decode step of all of them at once."""
+    cfg = preset("tiny")
+    model = build_model(cfg, device="cpu", dtype=torch.float32, seed=0)
+    lengths = [0, 37, cfg.window + 11]
+    cache = model.new_paged_cache(64, 4, page_size=4)
+    seqs = fill_paged_cache(cache, lengths, seed=3, headroom=8)
+    for seq, n in zip(seqs, lengths, strict=True):
+        state = cache.sequence(seq)
+        assert cache.length(seq) == n
+        for src, pool in cache.groups.items():
+            assert state.entries[src] == n // pool.ratio
+            if pool.ratio > 1:
+                assert state.tail[src] == n % pool.ratio
+        assert all(ring == [n - min(n, cfg.window), n] for ring in state.rings)
+    for src, pool in cache.groups.items():
+        rows = cache.entry_rows(seqs[2], src, 0, lengths[2] // pool.ratio)
+        values = formats.fp4_dequantize(pool.main_packed[rows], pool.main_scales[rows], cfg.main_fp4_group, "e4m3")
+        assert torch.isfinite(values).all() and values.abs().amax() > 0  # real encodings, not zeros
+    logits = model.decode_paged(torch.tensor([1, 2, 3]), cache, seqs)
+    assert logits.shape == (3, cfg.vocab_size) and torch.isfinite(logits).all()
+    assert [cache.length(s) for s in seqs] == [n + 1 for n in lengths]
 
 
 def _rows():
@@ -144,6 +178,11 @@ def test_lab_e2e_refuses_a_context_past_the_presets_length_before_any_gpu_work(c
     assert "max_seq_len=512" in err and "--ctx 1024" in err and "Traceback" not in err
     assert main(["e2e", "--preset", "tiny", "--phase", "prefill_ced", "--ctx", "256", "--prefill-ctx", "1K"]) == 2
     assert "prompt of 1024 tokens" in capsys.readouterr().err
+    assert main(["e2e", "--preset", "tiny", "--phase", "decode_mixed", "--mixed", "64:1K"]) == 2
+    err = capsys.readouterr().err
+    assert "--mixed up to 1024" in err and "Traceback" not in err
+    assert main(["e2e", "--preset", "tiny", "--phase", "decode_mixed", "--mixed", "1K"]) == 2
+    assert "LO:HI" in capsys.readouterr().err
 
 
 def test_lab_report_summarises_bench_and_tuning_files(tmp_path):
@@ -194,3 +233,17 @@ def test_lab_e2e_breakdown_adds_up_to_its_pass(tmp_path, capsys):
         assert min(parts.values()) >= 0 and parts["pass_ms"] > 0
         assert sum(v for k, v in parts.items() if k != "pass_ms") == pytest.approx(parts["pass_ms"], rel=1e-3), r
     assert "breakdown pass" in (tmp_path / "e2e.md").read_text()
+
+
+@pytest.mark.gpu
+def test_lab_e2e_mixed_length_decode_row(tmp_path):
+    """On a GPU, the decode_mixed row (paged cache, lengths spread over the range) on the tiny preset: timed for torch
+    and tiles, the tiles logits near the torch baseline's on the same step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    argv = ["e2e", "--preset", "tiny", "--phase", "decode_mixed", "--mixed", "40:300", "--batch", "3", "--runs", "3"]
+    assert main([*argv, "--backend", "torch,tiles", "--configs", "default", "--out", str(tmp_path)]) == 0
+    rows = load(tmp_path / "e2e.json")["rows"]
+    assert [(r["phase"], r["variant"]) for r in rows] == [("decode_mixed", "torch"), ("decode_mixed", "tiles/default")]
+    assert all(r["ms"] > 0 and r["context"] == 300 for r in rows)
+    assert rows[1]["logits_rel_err"] < 5e-2

@@ -120,11 +120,14 @@ class TilesBackend(TorchBackend):
 
     # -- indexer ---------------------------------------------------------------------------------
 
-    def _indexer_ok(self, q_packed: torch.Tensor) -> bool:
-        ok = q_packed.shape[-2:] == (32, 64)
-        if not ok:
+    def _indexer_ok(self, q_packed: torch.Tensor, index_packed: torch.Tensor, block_table: torch.Tensor | None) -> bool:
+        if q_packed.shape[-2:] != (32, 64):
             self.fallbacks["indexer: not the v4.1-flash indexer (32 heads x 128)"] += 1
-        return ok
+            return False
+        if index_packed.shape[1] == 0 or (block_table is not None and block_table.shape[1] == 0):
+            self.fallbacks["indexer: no compressed entry yet (nothing to score)"] += 1
+            return False
+        return True
 
     def _index_cache(self, index_packed, index_scales, block_table) -> tuple[torch.Tensor, torch.Tensor]:
         """The index K as the kernels take it: a paged cache's pool as it is, a contiguous cache's view widened."""
@@ -134,7 +137,7 @@ class TilesBackend(TorchBackend):
 
     def indexer_topk(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, k, block_table=None, page_size=0):
         paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
-        if not self._indexer_ok(q_packed):
+        if not self._indexer_ok(q_packed, index_packed, block_table):
             return super().indexer_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, k, **paged)
         q = self._index_queries(q_packed, q_scales)
         k_packed, k_scales = self._index_cache(index_packed, index_scales, block_table)
@@ -146,7 +149,7 @@ class TilesBackend(TorchBackend):
         self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks, block_table=None, page_size=0
     ):
         paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
-        if not self._indexer_ok(q_packed):
+        if not self._indexer_ok(q_packed, index_packed, block_table):
             return super().candidate_pool(q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks, **paged)
         # The pool needs every score; the scan is the indexer kernel's, asked to return its scores.
         q = self._index_queries(q_packed, q_scales)
@@ -170,7 +173,7 @@ class TilesBackend(TorchBackend):
         self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k, block_table=None, page_size=0
     ):
         paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
-        if not self._indexer_ok(q_packed):
+        if not self._indexer_ok(q_packed, index_packed, block_table):
             return super().reindex_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k, **paged)
         q = self._index_queries(q_packed, q_scales)
         k_packed, k_scales = self._index_cache(index_packed, index_scales, block_table)

@@ -27,7 +27,24 @@ def parse_tokens(text: str) -> list[int]:
 
 # --phase names -> the runs of lab.e2e.run (prefill = CED, prefill_full = every layer over every token); one of the
 # two prefills alone exists because a torch non-CED 64K prefill takes minutes
-PHASE_RUNS = {"decode": ["decode"], "prefill": ["prefill", "prefill_full"], "prefill_ced": ["prefill"], "prefill_full": ["prefill_full"]}
+PHASE_RUNS = {
+    "decode": ["decode"],
+    "decode_mixed": ["decode_mixed"],
+    "prefill": ["prefill", "prefill_full"],
+    "prefill_ced": ["prefill"],
+    "prefill_full": ["prefill_full"],
+}
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"8K:64K"`` -> (8192, 65536): the shortest and longest sequence of a mixed-length batch."""
+    parts = text.split(":")
+    if len(parts) != 2:
+        raise LabError(f"--mixed takes a range LO:HI of token counts, e.g. 8K:64K, got {text!r}")
+    (lo,), (hi,) = parse_tokens(parts[0]) or [0], parse_tokens(parts[1]) or [0]
+    if not 1 <= lo <= hi:
+        raise LabError(f"--mixed {text}: need 1 <= LO <= HI tokens")
+    return lo, hi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--phase",
         default="decode,prefill",
-        help="decode and/or prefill (prefill times CED and non-CED; prefill_ced or prefill_full: one of them)",
+        help="decode, decode_mixed (lengths spread over --mixed, paged cache) and/or prefill (prefill times CED and non-CED;"
+        " prefill_ced or prefill_full: one of them)",
     )
     parser.add_argument("--ctx", default="8K,32K,128K", help="contexts (decode) and prompt lengths (prefill)")
     parser.add_argument("--prefill-ctx", default=None, help="prompt lengths for prefill when they differ from --ctx")
+    parser.add_argument(
+        "--mixed", default="8K:64K", help="decode_mixed: the range LO:HI of sequence lengths, spread evenly over each --batch"
+    )
     parser.add_argument("--batch", default="1,16,64", help="decode batch sizes (prefill runs at batch 1)")
     parser.add_argument("--backend", default="torch,tiles")
     parser.add_argument("--configs", default="tuned,default", help="tiles configs: tuned, default or both")
@@ -70,7 +91,7 @@ def variants_from(backends: str, configs: str):
     return sorted(out, key=lambda v: v.backend != "torch")
 
 
-def _check_lengths(cfg, phases: list[str], contexts: list[int], prompts: list[int]) -> None:
+def _check_lengths(cfg, phases: list[str], contexts: list[int], prompts: list[int], mixed: tuple[int, int]) -> None:
     """Refuse, before any GPU work, a context or prompt longer than the preset allows (the model's own check)."""
     from lab.e2e.run import DECODE_HEADROOM
     from model.inputs import InputError, check_length
@@ -79,7 +100,10 @@ def _check_lengths(cfg, phases: list[str], contexts: list[int], prompts: list[in
         if "decode" in phases:
             what = f"--ctx {max(contexts)} (a decode run holds the context and {DECODE_HEADROOM} more tokens)"
             check_length(max(contexts) + DECODE_HEADROOM, cfg, what)
-        if any(p != "decode" for p in phases):
+        if "decode_mixed" in phases:
+            what = f"--mixed up to {mixed[1]} (a decode run holds the context and {DECODE_HEADROOM} more tokens)"
+            check_length(mixed[1] + DECODE_HEADROOM, cfg, what)
+        if any(p.startswith("prefill") for p in phases):
             check_length(max(prompts), cfg, f"prompt of {max(prompts)} tokens")
     except InputError as exc:
         raise LabError(str(exc)) from None
@@ -103,12 +127,13 @@ def run(args: argparse.Namespace) -> int:
     phases = []
     for p in [x.strip() for x in args.phase.split(",") if x.strip()]:
         if p not in PHASE_RUNS:
-            raise LabError(f"unknown phase {p!r}: use decode, prefill (CED and non-CED), prefill_ced or prefill_full")
+            raise LabError(f"unknown phase {p!r}: use decode, decode_mixed, prefill (CED and non-CED), prefill_ced or prefill_full")
         phases += PHASE_RUNS[p]
     variants = variants_from(args.backend, args.configs)
     contexts, batches = parse_tokens(args.ctx), parse_tokens(args.batch)
     prompts = parse_tokens(args.prefill_ctx) if args.prefill_ctx else contexts
-    _check_lengths(cfg, phases, contexts, prompts)
+    mixed = parse_range(args.mixed)
+    _check_lengths(cfg, phases, contexts, prompts, mixed)
     if not torch.cuda.is_available():
         raise LabError("no CUDA GPU is present: lab e2e times the model on a GPU (run it on a GPU machine)")
     try:
@@ -142,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             prompts,
             log=lambda m: print(m, file=sys.stderr),
             on_rows=lambda rows: save(document(rows)),
+            mixed=mixed,
         )
     except InputError as exc:  # a length or token check of the model that the checks above did not foresee
         raise LabError(str(exc)) from None

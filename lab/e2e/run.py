@@ -15,13 +15,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from lab.e2e.breakdown import measure_breakdown
-from lab.e2e.synthetic import fill_cache
+from lab.e2e.synthetic import fill_cache, fill_paged_cache, mixed_lengths
 from model import build_model, preset
 from model.backend import load_backend
 from model.cache import KVCache
+from model.paged import plan_workload
 from tiles.core.timing import time_cuda
 
-PHASES = ("decode", "prefill", "prefill_full")  # prefill = CED; prefill_full = every layer over every token
+# prefill = CED; prefill_full = every layer over every token; decode_mixed = one decode step of sequences of lengths spread
+# evenly over a range, on the paged cache
+PHASES = ("decode", "decode_mixed", "prefill", "prefill_full")
 
 
 @dataclass
@@ -118,6 +121,38 @@ def run_decode(model, variants: list[Variant], batch: int, context: int, runs: i
     return rows
 
 
+def run_decode_mixed(model, variants: list[Variant], batch: int, lo: int, hi: int, runs: int, seed: int) -> list[Row]:
+    """Time one decode step of ``batch`` sequences whose lengths spread evenly from ``lo`` to ``hi`` tokens, on the
+    paged cache (64-entry pages, the manager's default) for each variant. Eager: a paged step builds its block tables
+    and ring rows on the host, so it is not graph-captured. ``context`` of the row is ``hi``."""
+    device = model.device
+    lengths = mixed_lengths(batch, lo, hi)
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).to(device)
+    note = f"lengths {lo}..{hi} evenly spread, paged cache"
+    rows, ref_logits = [], None
+    for variant in variants:
+        model.backend = make_backend(variant, device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            plan = plan_workload(model.cfg, [n + DECODE_HEADROOM for n in lengths])
+            cache = model.new_paged_cache(plan.pages, batch)
+            seqs = fill_paged_cache(cache, lengths, seed, headroom=DECODE_HEADROOM)
+            logits = model.decode_paged(tokens, cache, seqs)  # the first step after the fill: compared across backends
+            if ref_logits is None and variant.backend == "torch":
+                ref_logits = logits
+            err = _rel_err(logits, ref_logits) if ref_logits is not None else None
+            steps = min(runs, DECODE_HEADROOM - 2)  # each timed step consumes a token of the headroom
+            t = time_cuda(lambda _, c=cache, s=seqs: model.decode_paged(tokens, c, s), warmup=1, runs=steps, min_time_ms=0)
+            kv = plan.page_total_bytes / 2**30
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(Row("decode_mixed", variant.label, batch, hi, t.median_ms, "eager", {}, peak, kv, err, note))
+            cache = None  # free the filled cache before the next variant's
+        except torch.cuda.OutOfMemoryError:
+            rows.append(Row("decode_mixed", variant.label, batch, hi, None, "skipped", note="out of GPU memory"))
+    return rows
+
+
 def _time_once(fn: Callable[[], object]) -> float:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -177,8 +212,10 @@ def run_e2e(
     seed: int = 0,
     log: Callable[[str], None] = print,
     on_rows: Callable[[list[Row]], None] | None = None,
+    mixed: tuple[int, int] | None = None,
 ) -> list[Row]:
-    """Every (phase, context, batch) for every variant. Prefill runs at batch 1 over ``prompts`` (default: ``contexts``).
+    """Every (phase, context, batch) for every variant. Prefill runs at batch 1 over ``prompts`` (default: ``contexts``);
+    ``decode_mixed`` at each batch over lengths spread across ``mixed`` = (lo, hi) tokens.
 
     ``on_rows(rows so far)`` is called after each measurement group, so a run stopped by a time
     limit still leaves what it measured.
@@ -196,6 +233,13 @@ def run_e2e(
                 log(f"decode ctx={ctx} B={b} done")
                 if on_rows:
                     on_rows(rows)
+    if "decode_mixed" in phases:
+        lo, hi = mixed or (min(contexts), max(contexts))
+        for b in batches:
+            rows += run_decode_mixed(model, variants, b, lo, hi, runs, seed)
+            log(f"decode_mixed lengths={lo}..{hi} B={b} done")
+            if on_rows:
+                on_rows(rows)
     for n in prompts or contexts:
         for phase in ("prefill", "prefill_full"):
             if phase in phases:

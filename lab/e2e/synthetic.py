@@ -12,6 +12,7 @@ import torch
 
 from model import formats
 from model.cache import KVCache
+from model.paged import PagedKVCache
 
 _ROWS_PER_CHUNK = 1 << 20  # latents encoded per chunk (bounds the float32 scratch to ~2 GB)
 
@@ -62,3 +63,56 @@ def fill_cache(cache: KVCache, context: int, seed: int = 0) -> KVCache:
             ring.write(codes, scales, context - held)
     cache.n_tokens = context
     return cache
+
+
+def mixed_lengths(batch: int, lo: int, hi: int) -> list[int]:
+    """``batch`` sequence lengths spread evenly from ``lo`` to ``hi`` tokens (both included; one sequence: ``hi``)."""
+    if batch == 1:
+        return [hi]
+    return [lo + round(i * (hi - lo) / (batch - 1)) for i in range(batch)]
+
+
+@torch.no_grad()
+def fill_paged_cache(cache: PagedKVCache, lengths: list[int], seed: int = 0, headroom: int = 0) -> list[int]:
+    """Add one sequence per length to ``cache`` and fill it as if that many tokens had been consumed (real FP4/FP8
+    encodings of random unit-RMS latents, as :func:`fill_cache`).
+
+    Args:
+        cache: an empty-enough :class:`PagedKVCache` (pages for every length plus ``headroom`` tokens each).
+        lengths: tokens consumed per sequence.
+        headroom: tokens each sequence gets pages for beyond its length (the decode steps to time).
+    Returns:
+        the new sequence ids, in the order of ``lengths``.
+    """
+    cfg, device = cache.cfg, cache.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seqs = [cache.add() for _ in lengths]
+    cache.extend(seqs, [n + headroom for n in lengths])
+    for src, pool in cache.groups.items():
+        counts = [n // pool.ratio for n in lengths]
+        if not sum(counts):
+            continue
+        main_p, main_s = _encode_fp4(sum(counts), cfg.head_dim, cfg.main_fp4_group, "e4m3", gen, device)
+        idx_p, idx_s = _encode_fp4(sum(counts), cfg.index_head_dim, cfg.index_fp4_group, "e8m0", gen, device)
+        at = 0
+        for seq, n in zip(seqs, counts, strict=True):
+            if n:
+                cache.write_entries(seq, src, *(t[at : at + n] for t in (main_p, main_s, idx_p, idx_s)))
+            at += n
+        if pool.ratio > 1:
+            for seq, length in zip(seqs, lengths, strict=True):
+                pending = length % pool.ratio
+                if pending:
+                    dt = cache.state.tail_kv[src].dtype
+                    rows = torch.randn(2, 1, pending, cfg.head_dim, generator=gen, device=device, dtype=dt)  # kv, gate
+                    cache.store_tail(seq, src, rows[0], rows[1])
+    for layer in range(cfg.n_layers):
+        for seq, length in zip(seqs, lengths, strict=True):
+            held = min(length, cfg.window)
+            cache.reset_ring(seq, layer, length - held)
+            if held:
+                codes, scales = formats.fp8_quantize(torch.randn(1, held, cfg.head_dim, generator=gen, device=device))
+                cache.swa_step([seq], layer, [length - held], codes, scales)
+    for seq, length in zip(seqs, lengths, strict=True):
+        cache.advance([seq], length)
+    return seqs

@@ -194,6 +194,9 @@ def sparse_attention(
 
     The first call of a signature (shapes, dtypes, devices, layouts, scale, config) checks every tensor and picks the
     kernel; later calls of that signature launch it directly (:mod:`tiles.core.dispatch`).
+
+    A -1 slot reads row 0 of its cache and weights it zero: every row 0 must hold a finite entry (a written entry, or
+    zeros as a fresh pool holds), since a NaN code times a zero weight is still NaN.
     """
     tensors = (q, window_codes, window_scales, window_idx, main_packed, main_scales, topk_idx, sink)
     return _launch_for("sparse_attention", True, scale, config, tensors, check_indices)(*tensors)
