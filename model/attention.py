@@ -194,14 +194,15 @@ class Attention(nn.Module):
     def append_paged(self, x: torch.Tensor, cache: PagedKVCache, seqs: tuple[int, ...], backend: Backend) -> None:
         """:meth:`append_global` on a paged cache: row ``b`` of x [B, S, dim] extends sequence ``seqs[b]``.
 
-        One compressor call per sequence: each row completes its own groups at its own entry index (RoPE position),
-        which the compressor's one ``first_group`` per call cannot express for a batch. The entries go into the
-        sequence's pages, taken before the step.
+        One compressor call for the whole batch: every row's completed groups, each at its own entry index (RoPE
+        position), laid end to end in one row (groups are independent of each other), then each sequence's entries
+        go into its pages, taken before the step.
         """
         comp = self.compressor
         assert comp is not None, "only Full layers own a compressor"
         src, r = self.plan.index, comp.ratio
         kv_all, gate_all = comp.project(x)  # [B, S, D] fp32 each (gate None for ratio 1)
+        kv_done, gate_done, first, counts = [], [], [], []
         for b, seq in enumerate(seqs):
             kv, gate = kv_all[b : b + 1], gate_all[b : b + 1] if gate_all is not None else None  # [1, S, D]
             if r > 1:
@@ -210,19 +211,30 @@ class Attention(nn.Module):
             done = kv.shape[1] // r * r
             if r > 1:
                 cache.store_tail(seq, src, kv[:, done:], gate[:, done:])
+            counts.append(done // r)
             if done:
-                entries = backend.compressor(
-                    kv[:, :done],
-                    gate[:, :done] if gate is not None else None,
-                    r,
-                    cache.sequence(seq).entries[src],
-                    comp.norm.weight,
-                    comp.wk.weight,
-                    comp.k_norm.weight,
-                    self.rope,
-                    self.cfg.norm_eps,
-                )
-                cache.write_entries(seq, src, *entries)
+                kv_done.append(kv[:, :done])
+                gate_done.append(gate[:, :done] if gate is not None else None)
+                entries = cache.sequence(seq).entries[src]
+                first.append(torch.arange(entries, entries + done // r, device=x.device))
+        if not kv_done:
+            return
+        entries = backend.compressor(
+            torch.cat(kv_done, 1),  # [1, sum(G_b) * r, D]
+            torch.cat(gate_done, 1) if r > 1 else None,
+            r,
+            torch.cat(first),  # [sum(G_b)] each group's entry index
+            comp.norm.weight,
+            comp.wk.weight,
+            comp.k_norm.weight,
+            self.rope,
+            self.cfg.norm_eps,
+        )
+        at = 0
+        for seq, n in zip(seqs, counts, strict=True):
+            if n:
+                cache.write_entries(seq, src, *(t[:, at : at + n] for t in entries))
+                at += n
 
     def _topk(self, qr: torch.Tensor, x: torch.Tensor, step: Step, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Run this layer's indexer (Full: full scan, plus the pool at the pool source; Reindex: inside the pool); publish top-k.

@@ -70,7 +70,7 @@ class Backend(Protocol):
         kv: torch.Tensor,
         gate: torch.Tensor | None,
         ratio: int,
-        first_group: int,
+        first_group: int | torch.Tensor,
         norm_weight: torch.Tensor,
         wk: torch.Tensor,
         k_norm_weight: torch.Tensor,
@@ -171,7 +171,7 @@ class TorchBackend:
         kv: torch.Tensor,
         gate: torch.Tensor | None,
         ratio: int,
-        first_group: int,
+        first_group: int | torch.Tensor,
         norm_weight: torch.Tensor,
         wk: torch.Tensor,
         k_norm_weight: torch.Tensor,
@@ -188,7 +188,8 @@ class TorchBackend:
             kv: float32 [B, G * ratio, D] ``Wkv(x)`` of the groups' tokens, in order.
             gate: float32 [B, G * ratio, D] ``Wgate(x)`` (ratio 2), None for ratio 1.
             ratio: 1 or 2.
-            first_group: index of the first entry produced.
+            first_group: index of the first entry produced; or int64 [G] the entry index of each group, for groups
+                of several sequences compressed in one call (B = 1, each group's tokens consecutive in kv).
             norm_weight: [D] the compressor's RMSNorm weight.
             wk: [Di, D] index-K projection; k_norm_weight: [Di].
             rope: the compress RoPE (YaRN) of the layer.

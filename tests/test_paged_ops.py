@@ -137,3 +137,29 @@ def test_bad_block_tables_are_rejected():
         check_block_table(torch.zeros(1, 1, dtype=torch.int32), 8, 3)
     with pytest.raises(BlockTableError, match=r"must be \[1, R, W\]"):
         gather_pages(k_packed, torch.zeros(3, 1, dtype=torch.int32), 4)
+
+
+def test_one_compressor_call_for_groups_of_several_sequences_equals_a_call_each():
+    """The paged decode's compressor call: the completed groups of several sequences end to end in one row, each at its
+    own entry index (an int64 [G] first_group), give each sequence's entries as one call per sequence does."""
+    from model.ops.rope import RopeConfig
+
+    g = torch.Generator().manual_seed(4)
+    D, Di, ratio = 64, 32, 2
+    rope = RopeConfig(rope_dim=16, theta=10000.0)
+    weights = (torch.rand(D, generator=g, dtype=torch.float64) + 0.5, torch.randn(Di, D, generator=g, dtype=torch.float64) / 8)
+    k_norm = torch.rand(Di, generator=g, dtype=torch.float64) + 0.5
+    groups, starts = [1, 3, 2], [7, 0, 40]  # completed groups per sequence, and each one's first entry index
+    kv = [torch.randn(1, n * ratio, D, generator=g, dtype=torch.float64) for n in groups]
+    gate = [torch.randn(1, n * ratio, D, generator=g, dtype=torch.float64) for n in groups]
+    args = (weights[0], weights[1], k_norm, rope, 1e-20)
+    each = [BACKEND.compressor(kv[i], gate[i], ratio, starts[i], *args) for i in range(3)]
+    first = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, groups, strict=True)])
+    joint = BACKEND.compressor(torch.cat(kv, 1), torch.cat(gate, 1), ratio, first, *args)
+    at = 0
+    for i, n in enumerate(groups):
+        for got, want in zip(joint, each[i], strict=True):
+            assert torch.equal(got[:, at : at + n], want)
+        at += n
+    with pytest.raises(ValueError, match="one entry index per group"):
+        BACKEND.compressor(torch.cat(kv, 1), torch.cat(gate, 1), ratio, first[:-1], *args)

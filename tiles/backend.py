@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 
 from model.backend import INDEX_GROUP, INDEX_SCALE, TorchBackend
+from model.ops.compressor import group_positions
 from model.ops.rope import RopeConfig, rope_tables
 from tiles import compressor as compressor_tiles
 from tiles import fp4 as fp4_tiles
@@ -91,7 +92,7 @@ class TilesBackend(TorchBackend):
         kv: torch.Tensor,
         gate: torch.Tensor | None,
         ratio: int,
-        first_group: int,
+        first_group: int | torch.Tensor,
         norm_weight: torch.Tensor,
         wk: torch.Tensor,
         k_norm_weight: torch.Tensor,
@@ -102,8 +103,7 @@ class TilesBackend(TorchBackend):
         if G == 0 or kv.shape[-1] != 512 or wk.shape[0] != 128:
             self.fallbacks["compressor: not the v4.1-flash latent (512) / index (128) dims"] += 1
             return super().compressor(kv, gate, ratio, first_group, norm_weight, wk, k_norm_weight, rope, eps)
-        positions = (torch.arange(G, device=kv.device) + first_group) * ratio
-        cos, sin = rope_tables(rope, positions)  # [G, rope_dim/2]
+        cos, sin = rope_tables(rope, group_positions(first_group, G, ratio, kv.device))  # [G, rope_dim/2]
         f32 = torch.float32
         return compressor_tiles.compress(
             kv.to(f32).contiguous(),

@@ -60,20 +60,32 @@ def compressor_latents(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int, 
     return rms_norm(compress_groups(kv, gate, ratio), norm_weight, eps)
 
 
-def group_rope(x: torch.Tensor, first_group: int, ratio: int, rope: RopeConfig) -> torch.Tensor:
-    """RoPE on the last ``rope_dim`` dims of entry ``g`` at its group's first position ``(first_group + g) * ratio``.
+def group_positions(first_group: int | torch.Tensor, n_groups: int, ratio: int, device: torch.device) -> torch.Tensor:
+    """int64 [G] first token position of each group: ``(first_group + g) * ratio`` for consecutive entries of one
+    sequence, or ``first_group[g] * ratio`` for an int [G] tensor naming each group's own entry index (the groups of
+    several sequences compressed in one call: entries are independent of each other)."""
+    if isinstance(first_group, torch.Tensor):
+        if first_group.shape != (n_groups,):
+            raise ValueError(
+                f"first_group as a tensor names one entry index per group: shape ({n_groups},), got {tuple(first_group.shape)}"
+            )
+        return first_group.to(device=device, dtype=torch.long) * ratio
+    return (torch.arange(n_groups, device=device) + first_group) * ratio
+
+
+def group_rope(x: torch.Tensor, first_group: int | torch.Tensor, ratio: int, rope: RopeConfig) -> torch.Tensor:
+    """RoPE on the last ``rope_dim`` dims of entry ``g`` at its group's first position (:func:`group_positions`).
 
     Args:
         x: [B, G, N] one row per compressed entry.
     Returns:
         float32 [B, G, N] (float64 for float64 x).
     """
-    positions = (torch.arange(x.shape[1], device=x.device) + first_group) * ratio
-    cos, sin = rope_tables(rope, positions)  # [G, rope_dim/2]
+    cos, sin = rope_tables(rope, group_positions(first_group, x.shape[1], ratio, x.device))  # [G, rope_dim/2]
     return apply_rope(x, cos, sin)
 
 
-def main_entries(latent: torch.Tensor, first_group: int, ratio: int, rope: RopeConfig) -> torch.Tensor:
+def main_entries(latent: torch.Tensor, first_group: int | torch.Tensor, ratio: int, rope: RopeConfig) -> torch.Tensor:
     """Main KV entries (before FP4): the pre-RoPE latent rotated at each group's first position.
 
     Args:
@@ -88,7 +100,7 @@ def index_keys(
     latent: torch.Tensor,
     wk: torch.Tensor,
     k_norm_weight: torch.Tensor,
-    first_group: int,
+    first_group: int | torch.Tensor,
     ratio: int,
     rope: RopeConfig,
     eps: float,
