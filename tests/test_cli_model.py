@@ -113,10 +113,49 @@ def test_lab_kv_without_a_workload_prints_no_workload(capsys):
         (["--lengths", ","], "names no length"),
         (["--lengths", "2M"], "past max_seq_len=1,048,576"),
         (["--lengths", "8K", "--page-size", "0"], "--page-size must be at least 1, got 0"),
+        (["--turn-interval", "5m"], "--turn-interval and --active need a workload"),
+        (["--lengths", "8K", "--active", "2"], "--active needs --turn-interval"),
+        (["--lengths", "8K", "--turn-interval", "soon"], "--turn-interval 'soon': write a duration such as 90s"),
+        (["--lengths", "8K", "--turn-interval", "5m", "--host-ttl", "0s"], "--host-ttl '0s': the duration must be positive"),
     ],
-    ids=["sequences-alone", "bad-length", "reversed-range", "three-part-range", "empty-list", "too-long", "page-size-0"],
+    ids=[
+        "sequences-alone",
+        "bad-length",
+        "reversed-range",
+        "three-part-range",
+        "empty-list",
+        "too-long",
+        "page-size-0",
+        "interval-alone",
+        "active-alone",
+        "bad-duration",
+        "negative-ttl",
+    ],
 )
 def test_lab_kv_bad_workload_is_a_one_line_error(capsys, argv, message):
     assert main(["kv", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_lab_kv_tiers_hold_what_each_tier_keeps(capsys):
+    """10 conversations of 64K, 2 decoding, a turn every 5 min: HBM holds the 2 active sessions (pages + slots), host
+    memory the 8 idle sessions' SWA state (TTL 10 min > the interval: all of it), disk every session's pages; with a
+    turn every hour the host keeps 10/60 of the idle states. MLA: 70,272 B/token in HBM and on disk."""
+    from model import preset
+    from model.paged import plan_workload
+
+    cfg = preset("v4.1-flash")
+    argv = ["kv", "--sequences", "10", "--lengths", "64K", "--active", "2", "--json"]
+    assert main([*argv, "--turn-interval", "5m"]) == 0
+    t = json.loads(capsys.readouterr().out)["tiers"]
+    hot, every = plan_workload(cfg, [65536] * 2), plan_workload(cfg, [65536] * 10)
+    assert t["hbm_bytes"] == hot.total_bytes and t["disk_bytes"] == every.page_total_bytes
+    assert t["host_bytes"] == 8 * hot.slot_bytes
+    assert (t["mla_hbm_bytes"], t["mla_host_bytes"], t["mla_disk_bytes"]) == (2 * 65536 * 70272, 0, 10 * 65536 * 70272)
+    assert main([*argv, "--turn-interval", "1h", "--retention", "30m"]) == 0
+    t = json.loads(capsys.readouterr().out)["tiers"]
+    assert t["host_bytes"] == pytest.approx(8 * hot.slot_bytes / 6) and t["disk_bytes"] == pytest.approx(every.page_total_bytes / 2)
+    assert main(["kv", "--sequences", "10", "--lengths", "64K", "--active", "2", "--turn-interval", "5m"]) == 0
+    out = capsys.readouterr().out
+    assert "tiers of 10" in out and "MLA / CSA2" in out and "HBM" in out

@@ -3,6 +3,11 @@
 With a workload (``--lengths``, ``--sequences``, ``--page-size``) it also sizes the paged cache
 (:mod:`model.paged`) those live sequences hold: pages and bytes per KV group, state slots, the total,
 and what contiguous buffers padded to the longest sequence would take instead.
+
+With ``--turn-interval`` the sequences are conversations that come back every interval, and the report adds what each
+tier holds in the steady state (:func:`tier_footprint`): HBM (the ``--active`` sessions decoding now: their pages and
+state slots), host memory (idle sessions' SWA state, kept ``--host-ttl``), disk (every session's global KV pages, kept
+``--retention``), against what the same workload would need with DeepSeek-V3's MLA cache.
 """
 
 from __future__ import annotations
@@ -33,6 +38,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     work.add_argument("--sequences", type=positive_int, metavar="N", help="live sequences (default: one per listed length)")
     work.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"compressed entries per page (default {DEFAULT_PAGE_SIZE})")
+    tiers = parser.add_argument_group("tiers (the sequences as conversations that come back every --turn-interval)")
+    tiers.add_argument("--turn-interval", metavar="T", help="time between a session's turns, e.g. 90s, 5m, 2h (turns on the tier report)")
+    tiers.add_argument("--active", type=positive_int, metavar="N", help="sessions decoding at once, held in HBM (default: all)")
+    tiers.add_argument("--host-ttl", default="10m", metavar="T", help="how long an idle session's SWA state stays in host memory (10m)")
+    tiers.add_argument("--retention", default="72h", metavar="T", help="how long global KV pages stay in the disk tier (72h)")
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, what: str) -> float:
+    """``"90s"``, ``"10m"``, ``"72h"``, ``"3d"`` (or plain seconds) -> seconds, > 0."""
+    t = text.strip().lower()
+    try:
+        seconds = float(t[:-1]) * _UNITS[t[-1]] if t and t[-1] in _UNITS else float(t)
+    except ValueError:
+        raise LabError(f"{what} {text!r}: write a duration such as 90s, 10m, 72h or 3d") from None
+    if not seconds > 0:
+        raise LabError(f"{what} {text!r}: the duration must be positive")
+    return seconds
+
+
+def tier_footprint(
+    cfg: ModelConfig, lengths: list[int], page_size: int, active: int, interval: float, host_ttl: float, retention: float
+) -> dict:
+    """Steady-state bytes per tier of ``len(lengths)`` conversations that each come back every ``interval`` seconds.
+
+    HBM holds the ``active`` sessions decoding now (the first ``active`` lengths): their pages and state slots. An
+    idle session's SWA state (one slot: rings and tails) sits in host memory for ``min(host_ttl, interval)`` of each
+    interval, so on average a fraction ``min(1, host_ttl / interval)`` of the idle sessions' states is there; past the
+    TTL it is rebuilt by bounded replay. Every session's global KV pages stay on disk for ``min(retention, interval)``
+    of each interval likewise. MLA (DeepSeek-V3): 70,272 B/token in HBM for the active sessions and on disk for all,
+    no SWA state. All bytes are exact expectations of that model, not measurements.
+    """
+    n = len(lengths)
+    active = min(active, n)
+    hot, idle = plan_workload(cfg, lengths[:active], page_size), plan_workload(cfg, lengths, page_size)
+    host_share, disk_share = min(1.0, host_ttl / interval), min(1.0, retention / interval)
+    host = (n - active) * hot.slot_bytes * host_share
+    disk = idle.page_total_bytes * disk_share
+    mla_hot = sum(lengths[:active]) * MLA_BYTES_PER_TOKEN
+    mla_disk = sum(lengths) * MLA_BYTES_PER_TOKEN * disk_share
+    return {
+        "sessions": n,
+        "active": active,
+        "turn_interval_s": interval,
+        "host_ttl_s": host_ttl,
+        "retention_s": retention,
+        "hbm_bytes": hot.total_bytes,
+        "host_bytes": _whole(host),
+        "disk_bytes": _whole(disk),
+        "mla_hbm_bytes": mla_hot,
+        "mla_host_bytes": 0,
+        "mla_disk_bytes": _whole(mla_disk),
+    }
 
 
 def workload_lengths(spec: str, sequences: int | None) -> list[int]:
@@ -131,6 +191,14 @@ def run(args: argparse.Namespace) -> int:
         if max(lengths) > cfg.max_seq_len:
             raise LabError(f"--lengths reaches {max(lengths):,} tokens, past max_seq_len={cfg.max_seq_len:,} of preset {cfg.name!r}")
         rep["workload"] = workload_report(cfg, plan_workload(cfg, lengths, args.page_size))
+        if args.turn_interval is not None:
+            interval = parse_duration(args.turn_interval, "--turn-interval")
+            ttl, keep = parse_duration(args.host_ttl, "--host-ttl"), parse_duration(args.retention, "--retention")
+            rep["tiers"] = tier_footprint(cfg, lengths, args.page_size, args.active or len(lengths), interval, ttl, keep)
+    if args.lengths is None and (args.turn_interval is not None or args.active is not None):
+        raise LabError("--turn-interval and --active need a workload: give e.g. --sequences 1000 --lengths 64K --turn-interval 5m")
+    if args.turn_interval is None and args.active is not None:
+        raise LabError("--active needs --turn-interval (the tier report): e.g. --turn-interval 5m --active 64")
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0
@@ -165,7 +233,31 @@ def run(args: argparse.Namespace) -> int:
     )
     if "workload" in rep:
         console.print(_workload_table(cfg, rep["workload"]))
+    if "tiers" in rep:
+        console.print(_tier_table(cfg, rep["tiers"]))
     return 0
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{seconds:g}s"
+
+
+def _tier_table(cfg: ModelConfig, t: dict) -> Table:
+    table = Table(
+        title=f"{cfg.name}: tiers of {t['sessions']:,} conversations, a turn every {_duration(t['turn_interval_s'])},"
+        f" {t['active']:,} decoding at once",
+        caption=f"host: idle sessions' SWA state for {_duration(t['host_ttl_s'])} (then bounded replay); disk: global KV"
+        f" pages for {_duration(t['retention_s'])}; MLA: DeepSeek-V3's cache for the same workload (expected bytes, not measured)",
+    )
+    for col in ("tier", "CSA2 GiB", "MLA GiB", "MLA / CSA2"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    for tier in ("hbm", "host", "disk"):
+        ours, mla = t[f"{tier}_bytes"], t[f"mla_{tier}_bytes"]
+        table.add_row(tier.upper() if tier == "hbm" else tier, _gib(ours), _gib(mla), f"{mla / ours:,.1f}x" if ours and mla else "-")
+    return table
 
 
 def _gib(n: float) -> str:
