@@ -13,6 +13,10 @@ logits = m.prefill_paged(prompt, cache, seq)             # [N] -> [vocab]
 logits = m.decode_paged(next_tokens, cache, [seq, ...])  # [B] -> [B, vocab], any live sequences
 cache.free(seq)
 
+Prefix reuse (pages shared by reference count, copy-on-write, bounded replay of the lost SWA state):
+cache.publish_prefix(seq, prompt)                        # index the prompt's whole prefix blocks
+r = m.prefill_with_prefix(prompt2, cache)                # r.seq, r.logits [vocab], r.hit.n_tokens, r.replayed
+
 Conformance with the official DeepSeek-V4.1 inference code (``inference/model.py`` and its
 ``kernel.py``), the semantic reference where ``csa2-spec.md`` is silent. The attention path
 computes what it computes: index keys ``rope(k_norm(Wk latent))`` from the compressor's latent
@@ -40,8 +44,9 @@ from model.backend import Backend, BackendError, TorchBackend, load_backend
 from model.cache import KVCache
 from model.config import ConfigError, LayerMode, ModelConfig, preset
 from model.inputs import InputError, InputTypeError
-from model.model import Model, build_model, count_parameters
+from model.model import Model, PrefixPrefill, build_model, count_parameters
 from model.paged import OutOfPages, OutOfSlots, PagedCacheError, PagedKVCache, SequenceError
+from model.prefix import PrefixHit, PrefixStats
 
 __all__ = [
     "Backend",
@@ -57,6 +62,9 @@ __all__ = [
     "OutOfSlots",
     "PagedCacheError",
     "PagedKVCache",
+    "PrefixHit",
+    "PrefixPrefill",
+    "PrefixStats",
     "SequenceError",
     "TorchBackend",
     "build_model",

@@ -36,7 +36,9 @@ class Step:
     """One forward step over tokens at positions ``first .. first + S - 1`` of every sequence.
 
     On a paged cache, batch row ``b`` is sequence ``seqs[b]`` at positions ``row_first[b] ..
-    row_first[b] + S - 1`` (``first`` is unused).
+    row_first[b] + S - 1`` (``first`` is unused). A bounded replay (spec section 4, after a prefix hit) runs
+    ``replay`` already cached tokens in front of the new ones: they rebuild the SWA rings and attend as usual,
+    but the compressors see only the new tokens (the cached prefix ends on a group boundary).
 
     Carries what layers publish for later layers of the same step: the latest top-k of
     each index source (logical positions) and the candidate pool of the pool source.
@@ -49,6 +51,7 @@ class Step:
     prebuilt: frozenset[int] = frozenset()  # KV sources whose entries for this step already exist (CED)
     seqs: tuple[int, ...] = ()  # paged: the sequence id of each batch row
     row_first: tuple[int, ...] = ()  # paged: the position of each row's first token
+    replay: int = 0  # paged: the first ``replay`` tokens of each row are replayed; their global entries exist already
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int32 [B, S, K]
     pool: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int32 [B, S, P]
     _tables: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -126,7 +129,8 @@ class Attention(nn.Module):
         else:
             if self.compressor is not None and plan.index not in step.prebuilt:
                 if step.paged:
-                    self.append_paged(x, step.cache, step.seqs, step.backend)
+                    if step.replay < S:  # replayed tokens never rewrite the cached prefix's entries
+                        self.append_paged(x[:, step.replay :], step.cache, step.seqs, step.backend)
                 else:
                     self.append_global(x, step.cache, step.backend)
             topk = self._topk(qr, x, step, cos, sin) if self.indexer is not None else step.topk[plan.index_source]

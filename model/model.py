@@ -25,6 +25,8 @@ near-tied top-k choice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -36,6 +38,22 @@ from model.inputs import InputError, check_length, check_tokens
 from model.layers import MoE, RMSNorm, SwiGLU
 from model.ops.precision import compute_dtype
 from model.paged import DEFAULT_PAGE_SIZE, PagedKVCache, SequenceError
+from model.prefix import PrefixHit
+
+
+@dataclass(frozen=True)
+class PrefixPrefill:
+    """What :meth:`Model.prefill_with_prefix` did: the new sequence, its last logits and how much came from the cache."""
+
+    seq: int
+    logits: torch.Tensor  # float32 [vocab] (float64 for a float64 model)
+    hit: PrefixHit
+    replayed: int  # prefix tokens run again through the encoder to rebuild its SWA rings: min(window, hit.n_tokens)
+    published: int  # prefix blocks newly indexed
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit.n_tokens
 
 
 class Block(nn.Module):
@@ -239,6 +257,77 @@ class Model(nn.Module):
         logits = self._logits(h)
         return logits[:, 0] if one else logits
 
+    @torch.no_grad()
+    def prefill_with_prefix(
+        self, tokens: torch.Tensor, cache: PagedKVCache, ced: bool = True, publish: bool = True, max_hit_tokens: int | None = None
+    ) -> PrefixPrefill:
+        """Prefill a new sequence whose prompt may start with a published prefix: its global KV pages are shared, and
+        the lost SWA state is rebuilt by encoder bounded replay (seed 18.2).
+
+        The hit (``h`` tokens, whole prefix blocks: see :mod:`model.prefix`) ends on a page and compression-group
+        boundary in every group, so every ratio-2 tail is empty there and the suffix starts a new group. The last
+        ``T = min(window, h)`` prefix tokens and the N - h suffix tokens pass through the encoder together from empty
+        rings at position h - T: the replayed tokens rebuild the SWA rings and attend to the cached global KV, but
+        append nothing (their entries exist); the suffix appends its entries. With CED, the decoder KV source then
+        compresses the suffix's encoder outputs and the last ``min(window, N)`` encoder outputs pass through the
+        decoder layers (the decoder replay of :meth:`prefill_paged`). Exact (equal to :meth:`prefill_paged` of the
+        whole prompt) when ``h <= window``; past that the replay misses the SWA history before h - T (measured by
+        :mod:`model.replay_error`).
+
+        Args:
+            tokens: int [N] or [1, N] prompt ids.
+            cache: a :class:`PagedKVCache` of this model.
+            ced: False runs every layer over the replay and suffix instead (decoder rings replayed the same way).
+            publish: index the prompt's whole blocks afterwards (:meth:`PagedKVCache.publish_prefix`).
+            max_hit_tokens: use at most this many cached tokens.
+        Returns:
+            :class:`PrefixPrefill`: the new sequence id, float32 logits [vocab] of position N - 1 (float64 for a float64
+            model), the hit, the replayed token count and the blocks published.
+        Raises:
+            OutOfSlots / OutOfPages (from :meth:`PagedKVCache.add_with_prefix`) with the cache unchanged.
+        """
+        cfg = self.cfg
+        tokens = check_tokens(tokens, cfg, (1, 2), "prefill_with_prefix")
+        tokens = tokens.view(1, -1) if tokens.dim() == 1 or tokens.shape[0] == 1 else tokens
+        if tokens.shape[0] != 1:
+            raise InputError(f"prefill_with_prefix: fills one sequence, got tokens of shape {tuple(tokens.shape)}; pass [N] or [1, N]")
+        self._check_paged_cache(cache, "prefill_with_prefix")
+        N = tokens.shape[1]
+        check_length(N, cfg, "prefill_with_prefix")
+        src = self._decoder_kv_source() if ced else None
+        seq, hit = cache.add_with_prefix(tokens[0], max_hit_tokens)
+        try:
+            logits, replayed = self._prefill_after_hit(tokens, cache, seq, hit.n_tokens, src)
+        except BaseException:
+            cache.free(seq)
+            raise
+        published = cache.publish_prefix(seq, tokens[0]) if publish else 0
+        return PrefixPrefill(seq, logits, hit, replayed, published)
+
+    def _prefill_after_hit(
+        self, tokens: torch.Tensor, cache: PagedKVCache, seq: int, n_hit: int, src: int | None
+    ) -> tuple[torch.Tensor, int]:
+        """Bounded replay of tokens [1, N] after ``n_hit`` cached tokens; ``src`` the decoder KV source (None: no CED)."""
+        cfg = self.cfg
+        N, E, L, W = tokens.shape[1], cfg.n_encoder_layers, cfg.n_layers, cfg.window
+        assert all(c == 0 for c in cache.sequence(seq).tail.values()), "a prefix hit ends on a compression-group boundary"
+        T = min(W, n_hit)
+        start = n_hit - T
+        layers = range(E) if src is not None else range(L)
+        for i in layers:
+            cache.reset_ring(seq, i, start)
+        h = self._run_paged(self.embed(tokens[:, start:]), cache, (seq,), (start,), layers, replay=T)  # [1, T + N - n_hit, dim]
+        if src is not None:
+            block = self.layers[src]
+            if N > n_hit:  # the prefix's decoder entries exist: compress the suffix's encoder outputs only
+                block.attn.append_paged(block.attn_norm(h[:, T:]).to(h.dtype), cache, (seq,), self.backend)
+            Td = min(W, N)
+            for i in range(E, L):
+                cache.reset_ring(seq, i, N - Td)
+            h = self._run_paged(h[:, N - Td - start :], cache, (seq,), (N - Td,), range(E, L), prebuilt=frozenset({src}))  # [1, Td, dim]
+        cache.advance([seq], N - n_hit)
+        return self._logits(h[0, -1]), T
+
     # -- internals ----------------------------------------------------------------------------
 
     def _check_paged_cache(self, cache: object, what: str) -> None:
@@ -253,9 +342,11 @@ class Model(nn.Module):
         first: tuple[int, ...],
         layers: range,
         prebuilt: frozenset[int] = frozenset(),
+        replay: int = 0,
     ) -> torch.Tensor:
-        """Pass h [B, S, dim] through ``layers``: row b holds tokens of ``seqs[b]`` at positions first[b]..first[b]+S-1."""
-        step = Step(cache, self.backend, 0, h.shape[1], prebuilt, seqs=seqs, row_first=first)
+        """Pass h [B, S, dim] through ``layers``: row b holds tokens of ``seqs[b]`` at positions first[b]..first[b]+S-1
+        (the first ``replay`` of them already in the global KV: they rebuild SWA rings only)."""
+        step = Step(cache, self.backend, 0, h.shape[1], prebuilt, seqs=seqs, row_first=first, replay=replay)
         for i in layers:
             h = self.layers[i](h, step)
         return h

@@ -26,7 +26,8 @@ Sizes from the config alone: :func:`page_bytes`, :func:`pages_for`, :func:`slot_
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ import torch
 from model.cache import index_entry_bytes, main_entry_bytes, ring_bytes
 from model.config import ModelConfig
 from model.formats import FP8_GROUP
+from model.prefix import PrefixBlock, PrefixHit, PrefixIndex, PrefixStats, block_tokens, chain_root
 
 DEFAULT_PAGE_SIZE = 64
 
@@ -134,7 +136,13 @@ def plan_workload(cfg: ModelConfig, lengths: Sequence[int], page_size: int = DEF
 
 
 class PagePool:
-    """One KV group's pages: four flat row tensors and the free page ids (smallest first)."""
+    """One KV group's pages: four flat row tensors, each page's holder count and the free pages.
+
+    A page is held by every sequence whose block table lists it (a prefix hit or a fork shares pages; see
+    :mod:`model.prefix`). It goes back to the free pages when its last holder lets it go. A free page that a prefix
+    index still names keeps its contents and can be held again by a hit; it is taken for new entries only when no
+    other page is free, least recently freed first, and taking it evicts its index entry (``on_evict``).
+    """
 
     def __init__(self, cfg: ModelConfig, source: int, ratio: int, n_pages: int, page_size: int, device: torch.device | str) -> None:
         self.source, self.ratio, self.n_pages, self.page_size = source, ratio, n_pages, page_size
@@ -147,19 +155,78 @@ class PagePool:
         self.main_scales = rows(D // cfg.main_fp4_group)  # [R, D/16] E4M3
         self.index_packed = rows(Di // 2)  # [R, Di/2] E2M1 pairs
         self.index_scales = rows(Di // cfg.index_fp4_group)  # [R, Di/32] E8M0
-        self._free = list(range(n_pages))  # a heap: the smallest free id is taken first (deterministic reuse)
+        self.refs = [0] * n_pages  # holders of each page (sequences whose block tables list it)
+        self.indexed: set[int] = set()  # pages a prefix index names
+        self._free = list(range(n_pages))  # a heap of free pages no index names: the smallest id is taken first (deterministic reuse)
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free pages an index names, least recently freed first
+        self.on_evict: Callable[[int, int], None] | None = None  # (source, page) when a named free page is taken
 
     @property
     def n_free(self) -> int:
-        return len(self._free)
+        """Free pages, those an index still names included (they are taken last)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def n_cached_free(self) -> int:
+        """Free pages that still answer prefix hits."""
+        return len(self._cached)
 
     def take(self, n: int) -> list[int]:
-        """``n`` free page ids; the caller has checked :attr:`n_free`."""
-        return [heapq.heappop(self._free) for _ in range(n)]
+        """``n`` free page ids, each with one holder; the caller has checked :attr:`n_free`."""
+        out = []
+        for _ in range(n):
+            if self._free:
+                p = heapq.heappop(self._free)
+            else:
+                p, _ = self._cached.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(self.source, p)  # the index forgets the page's block (and the blocks after it)
+                self.indexed.discard(p)
+            self.refs[p] = 1
+            out.append(p)
+        return out
 
-    def give_back(self, pages: Sequence[int]) -> None:
+    def hold(self, page: int) -> None:
+        """One more holder of a page that is held or that an index names (a free named page is taken back as it is)."""
+        if self.refs[page] == 0:
+            if page not in self._cached:
+                raise PagedCacheError(f"group {self.source}: page {page} is free and no prefix index names it; it cannot be shared")
+            del self._cached[page]
+        self.refs[page] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        """One holder fewer of each page; a page whose last holder lets go is free again."""
         for p in pages:
-            heapq.heappush(self._free, p)
+            if self.refs[p] < 1:
+                raise PagedCacheError(f"group {self.source}: page {p} is released more often than it was held")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                if p in self.indexed:
+                    self._cached[p] = None
+                else:
+                    heapq.heappush(self._free, p)
+
+    give_back = release
+
+    def mark_indexed(self, page: int) -> None:
+        self.indexed.add(page)
+
+    def unmark_indexed(self, page: int) -> None:
+        """The index forgot the page: a free one becomes an ordinary free page."""
+        self.indexed.discard(page)
+        if page in self._cached:
+            del self._cached[page]
+            heapq.heappush(self._free, page)
+
+    def shared(self, page: int) -> bool:
+        """Whether a write into ``page`` would be seen by someone else: another holder or a prefix index."""
+        return self.refs[page] > 1 or page in self.indexed
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy every row of page ``src`` into page ``dst`` (copy-on-write)."""
+        ps = self.page_size
+        for t in self.tensors().values():
+            t[dst * ps : (dst + 1) * ps] = t[src * ps : (src + 1) * ps]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in ("main_packed", "main_scales", "index_packed", "index_scales")}
@@ -213,6 +280,14 @@ class SequenceState:
     rings: list[list[int]] = field(default_factory=list)  # per layer [start, end): positions its ring holds
 
 
+def _token_ids(tokens: torch.Tensor | Sequence[int], what: str) -> torch.Tensor:
+    """int64 [N] on the host from a token tensor [N] / [1, N] or a list of ids."""
+    ids = torch.as_tensor(tokens)
+    if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise SequenceError(f"{what}: tokens must be integer ids of shape [N] or [1, N], got {getattr(tokens, 'shape', type(tokens))}")
+    return ids.reshape(-1).to(torch.int64).cpu()
+
+
 # -- the manager -----------------------------------------------------------------------------------
 
 
@@ -249,6 +324,11 @@ class PagedKVCache:
         self.state = StatePool(cfg, n_slots, device, state_dtype)
         self._live: dict[int, SequenceState] = {}
         self._next_id = 0
+        self.block_tokens = block_tokens(list(ratios.values()), page_size)
+        self.prefix = PrefixIndex(chain_root(cfg, page_size), self.block_tokens)
+        self.prefix_stats = PrefixStats()
+        for pool in self.groups.values():
+            pool.on_evict = self._evict_page
 
     @classmethod
     def for_lengths(
@@ -285,7 +365,7 @@ class PagedKVCache:
         """Give a sequence's pages and slot back; its id is never valid again."""
         seq = self.sequence(seq_id, "free")
         for src, pages in seq.pages.items():
-            self.groups[src].give_back(pages)
+            self.groups[src].release(pages)
         self.state.give_back(seq.slot)
         del self._live[seq_id]
 
@@ -331,26 +411,184 @@ class PagedKVCache:
         news = [n_new] * len(seqs) if isinstance(n_new, int) else list(n_new)
         if len(news) != len(seqs) or any(n < 0 for n in news):
             raise SequenceError(f"extend: need one token count >= 0 per sequence, got {news} for {len(seqs)} sequences")
-        want: dict[int, list[tuple[SequenceState, int]]] = {src: [] for src in self.groups}
+        want: dict[int, list[tuple[SequenceState, int, int | None]]] = {src: [] for src in self.groups}
         for seq, n in zip(seqs, news, strict=True):
             for src, p in pages_for(self.cfg, seq.n_tokens + n, self.page_size).items():
-                if p > len(seq.pages[src]):
-                    want[src].append((seq, p - len(seq.pages[src])))
+                grow, copy = max(0, p - len(seq.pages[src])), self._shared_write_page(seq, src, n)
+                if grow or copy is not None:
+                    want[src].append((seq, grow, copy))
         for src, asks in want.items():
-            need, pool = sum(n for _, n in asks), self.groups[src]
+            need, pool = sum(n + (c is not None) for _, n, c in asks), self.groups[src]
             if need > pool.n_free:
                 raise OutOfPages(
                     f"extend: group {src} needs {need} more pages of {self.page_size} entries for sequences"
-                    f" {[s.id for s, _ in asks]}, but only {pool.n_free} of {pool.n_pages} are free; free a sequence or add pages"
+                    f" {[s.id for s, _, _ in asks]}, but only {pool.n_free} of {pool.n_pages} are free; free a sequence or add pages"
                 )
         for src, asks in want.items():
-            for seq, n in asks:
-                seq.pages[src].extend(self.groups[src].take(n))
+            pool = self.groups[src]
+            for seq, n, copy in asks:
+                if copy is not None:
+                    self._copy_on_write(seq, src, copy)
+                seq.pages[src].extend(pool.take(n))
+
+    def _shared_write_page(self, seq: SequenceState, source: int, n_new: int) -> int | None:
+        """The index in ``seq``'s block table of a shared page that ``n_new`` more tokens would write entries into.
+
+        Entries are appended, so only the page of the next entry can be both held and written: a fork shares a
+        partly filled last page; prefix hits share full pages only.
+        """
+        pool = self.groups[source]
+        first, end = seq.entries[source], (seq.n_tokens + n_new) // pool.ratio
+        i = first // self.page_size
+        if end > first and i < len(seq.pages[source]) and pool.shared(seq.pages[source][i]):
+            return i
+        return None
+
+    def _copy_on_write(self, seq: SequenceState, source: int, i: int) -> None:
+        """Give ``seq`` its own copy of the ``i``-th page of its block table; the other holders keep the original."""
+        pool = self.groups[source]
+        old = seq.pages[source][i]
+        (new,) = pool.take(1)
+        pool.copy_page(old, new)
+        seq.pages[source][i] = new
+        pool.release([old])
+        self.prefix_stats.pages_copied += 1
 
     def advance(self, seq_ids: Sequence[int], n: int) -> None:
         """Count ``n`` more consumed tokens for each sequence (after a step has written them)."""
         for seq in self.sequences(seq_ids, "advance"):
             seq.n_tokens += n
+
+    # -- prefix reuse and forks ------------------------------------------------------------------
+
+    def match_prefix(self, tokens: torch.Tensor | Sequence[int], max_tokens: int | None = None) -> PrefixHit:
+        """The longest published prefix of ``tokens`` (int [N]) in whole blocks of :attr:`block_tokens`; changes nothing.
+
+        Args:
+            max_tokens: take at most this many tokens from the cache (whole blocks below it).
+        Returns:
+            a :class:`PrefixHit`: ``n_tokens`` (a multiple of :attr:`block_tokens`, 0 on a miss) and its pages per group.
+        """
+        ids = _token_ids(tokens, "match_prefix")
+        limit = ids.numel() if max_tokens is None else min(ids.numel(), max(0, max_tokens))
+        found = self.prefix.lookup(self.prefix.keys(ids, limit // self.block_tokens))
+        pages = {src: tuple(p for b in found for p in b.pages[src]) for src in self.groups}
+        return PrefixHit(len(found) * self.block_tokens, len(found), pages, tuple(b.key for b in found))
+
+    def add_with_prefix(self, tokens: torch.Tensor | Sequence[int], max_hit_tokens: int | None = None) -> tuple[int, PrefixHit]:
+        """A new sequence for the prompt ``tokens`` (int [N]) that starts from its longest published prefix.
+
+        The hit's pages are shared (one more holder each), never copied; the pages the rest of the prompt needs are
+        taken now. The sequence then stands at position ``hit.n_tokens`` with every group's entries of the prefix,
+        empty tails (a hit ends on a compression-group boundary) and empty SWA rings, which the model rebuilds by
+        bounded replay (:meth:`model.model.Model.prefill_with_prefix`).
+
+        All or nothing: raises :class:`OutOfSlots` / :class:`OutOfPages` before anything is held or taken.
+        """
+        ids = _token_ids(tokens, "add_with_prefix")
+        hit = self.match_prefix(ids, max_hit_tokens)
+        if not self.state.n_free:
+            raise OutOfSlots(
+                f"add_with_prefix: no free state slot ({self.state.n_slots} slots, all held by live sequences); free a sequence first"
+            )
+        need = pages_for(self.cfg, ids.numel(), self.page_size)
+        for src, pool in self.groups.items():
+            more = need[src] - len(hit.pages[src])
+            revived = sum(pool.refs[p] == 0 for p in hit.pages[src])  # free pages the hit takes back
+            if more > pool.n_free - revived:
+                raise OutOfPages(
+                    f"add_with_prefix: group {src} needs {more} more pages of {self.page_size} entries for a {ids.numel()}-token prompt"
+                    f" ({hit.n_tokens} tokens hit), but only {pool.n_free - revived} of {pool.n_pages} are free;"
+                    " free a sequence or add pages"
+                )
+        seq = self.sequence(self.add(), "add_with_prefix")
+        for src, pool in self.groups.items():
+            for p in hit.pages[src]:
+                pool.hold(p)  # before take(): a page of the hit is never evicted for the rest of the prompt
+            seq.pages[src] = list(hit.pages[src]) + pool.take(need[src] - len(hit.pages[src]))
+            seq.entries[src] = hit.n_tokens // pool.ratio
+        seq.n_tokens = hit.n_tokens
+        seq.rings = [[hit.n_tokens, hit.n_tokens] for _ in range(self.cfg.n_layers)]
+        st = self.prefix_stats
+        st.lookups += 1
+        if hit.n_tokens:
+            st.hits, st.hit_tokens = st.hits + 1, st.hit_tokens + hit.n_tokens
+            st.pages_shared += sum(len(p) for p in hit.pages.values())
+        return seq.id, hit
+
+    def publish_prefix(self, seq_id: int, tokens: torch.Tensor | Sequence[int]) -> int:
+        """Index the whole prefix blocks of a sequence's prompt so later prompts that start with them share its pages.
+
+        Args:
+            tokens: int [N], the first N tokens the sequence consumed (its prompt). Only blocks whose entries are
+                written in every group are published: full pages, which the sequence never writes again.
+        Returns:
+            the number of blocks newly indexed (blocks already indexed, by this or another sequence, are kept).
+        """
+        seq = self.sequence(seq_id, "publish_prefix")
+        ids = _token_ids(tokens, "publish_prefix")
+        if ids.numel() > seq.n_tokens:
+            raise SequenceError(
+                f"publish_prefix: sequence {seq_id} has consumed {seq.n_tokens} tokens, got {ids.numel()}; publish its prompt after prefill"
+            )
+        B = self.block_tokens
+        written = min(seq.entries[src] * pool.ratio // B for src, pool in self.groups.items())
+        keys, new, parent = self.prefix.keys(ids, written), 0, None
+        for k, key in enumerate(keys):
+            if key not in self.prefix:
+                pages = {}
+                for src, pool in self.groups.items():
+                    per = B // (pool.ratio * self.page_size)
+                    pages[src] = tuple(seq.pages[src][k * per : (k + 1) * per])
+                    other = next((self.prefix.key_of(src, p) for p in pages[src] if self.prefix.key_of(src, p) is not None), None)
+                    if other is not None:
+                        raise PagedCacheError(
+                            f"publish_prefix: block {k} of sequence {seq_id} holds pages another prefix names; pass the tokens"
+                            " the sequence consumed"
+                        )
+                self.prefix.insert(PrefixBlock(key, parent, k, pages))
+                for src, pool in self.groups.items():
+                    for p in pages[src]:
+                        pool.mark_indexed(p)
+                new += 1
+            parent = key
+        self.prefix_stats.blocks_published += new
+        return new
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence that continues from where ``seq_id`` stands: every page shared, SWA rings and tails copied.
+
+        The first write of either sequence into a shared page (the partly filled last page of a group) goes to a copy
+        of the page (:meth:`extend`), so neither ever sees the other's new entries.
+        """
+        parent = self.sequence(seq_id, "fork")
+        child = self.sequence(self.add(), "fork")  # OutOfSlots before anything is shared
+        W = self.cfg.window
+        st = self.state
+        rows, to = slice(parent.slot * W, (parent.slot + 1) * W), slice(child.slot * W, (child.slot + 1) * W)
+        for codes, scales in zip(st.ring_codes, st.ring_scales, strict=True):
+            codes[to], scales[to] = codes[rows], scales[rows]
+        for src in st.tail_kv:
+            st.tail_kv[src][child.slot], st.tail_gate[src][child.slot] = st.tail_kv[src][parent.slot], st.tail_gate[src][parent.slot]
+        for src, pool in self.groups.items():
+            for p in parent.pages[src]:
+                pool.hold(p)
+            child.pages[src] = list(parent.pages[src])
+            self.prefix_stats.pages_shared += len(parent.pages[src])
+        child.n_tokens, child.entries, child.tail = parent.n_tokens, dict(parent.entries), dict(parent.tail)
+        child.rings = [list(r) for r in parent.rings]
+        return child.id
+
+    def _evict_page(self, source: int, page: int) -> None:
+        """A pool takes a free page the index names: forget its block and the blocks after it."""
+        key = self.prefix.key_of(source, page)
+        if key is None:
+            return
+        for block in self.prefix.evict(key):
+            for src, pages in block.pages.items():
+                for p in pages:
+                    self.groups[src].unmark_indexed(p)
+            self.prefix_stats.blocks_evicted += 1
 
     # -- block tables and entries ----------------------------------------------------------------
 
@@ -395,6 +633,12 @@ class PagedKVCache:
         G = tensors[0].shape[0]
         rows = self.entry_rows(seq_id, source, seq.entries[source], G)  # checked before any write
         pool = self.groups[source]
+        for page in seq.pages[source][seq.entries[source] // self.page_size : (seq.entries[source] + G - 1) // self.page_size + 1]:
+            if pool.shared(page):  # extend() copies a shared page before a step can write into it
+                raise PagedCacheError(
+                    f"write_entries: page {page} of group {source} is shared ({pool.refs[page]} holders"
+                    f"{', prefix index' if page in pool.indexed else ''}); extend() the sequence first, which copies it"
+                )
         for name, t in zip(("main_packed", "main_scales", "index_packed", "index_scales"), tensors, strict=True):
             getattr(pool, name)[rows] = t
         seq.entries[source] += G
