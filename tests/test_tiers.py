@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from model import build_model
 from model.config import preset
-from model.paged import PagePool
+from model.paged import PagedKVCache, PagePool
 from model.tiers import (
     CorruptPage,
     DiskPageTier,
@@ -28,6 +29,8 @@ from model.tiers import (
     decode_page,
     encode_page,
     page_key,
+    restore_sequence_state,
+    sequence_state,
     state_bytes,
 )
 
@@ -547,3 +550,64 @@ def test_host_pool_refuses_a_state_larger_than_the_budget():
     assert "s" not in pool and pool.nbytes == 0 and pool.stats.skipped == 1
     with pytest.raises(ValueError, match="ttl_s"):
         HostStatePool(10, ttl_s=0)
+
+
+# -- both tiers behind the paged cache --------------------------------------------------------------
+
+
+def test_parked_sequence_resumes_in_a_fresh_cache_bit_exact(tmp_path):
+    """Park a prefilled sequence (pages to disk, state slot to host memory), resume it in another cache whose rows hold
+    random bytes: the next decode steps give the logits the original cache gives, bit for bit."""
+    model = build_model(preset("tiny"), dtype=torch.float64, seed=0)
+    cfg, N = model.cfg, 37  # an odd length: a ratio-2 group waits in its tail
+    prompt = torch.randint(0, cfg.vocab_size, (N,), generator=torch.Generator().manual_seed(0))
+    a = model.new_paged_cache(n_pages=8, n_slots=2, page_size=8)
+    sa = a.add()
+    model.prefill_paged(prompt, a, sa)
+
+    disk, host = DiskPageTier(tmp_path), HostStatePool(1 << 24)
+    keys: dict[int, list[str]] = {}
+    for src, pages in a.sequence(sa).pages.items():
+        keys[src] = [page_key("tiny/test", src, bytes([j])) for j in range(len(pages))]
+        for k, p in zip(keys[src], pages, strict=True):
+            assert disk.put(k, PagePayload.from_pool(a.groups[src], p))
+    assert host.put("session-1", *sequence_state(a, sa))
+
+    b = model.new_paged_cache(n_pages=16, n_slots=3, page_size=8)
+    g = torch.Generator().manual_seed(1)
+    for t in b.tensors().values():  # a read of a row the resume did not write shows up in the logits
+        t.copy_(
+            torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g)
+            if t.dtype == torch.uint8
+            else torch.randn(t.shape, generator=g, dtype=t.dtype)
+        )
+    b.add()  # another sequence first: the resumed one gets other page ids and another slot
+    b.extend([0], 20)
+    sb = b.add()
+    b.extend([sb], N)
+    for src, ks in keys.items():
+        for k, p in zip(ks, b.sequence(sb).pages[src], strict=True):
+            disk.get(k).copy_into_pool(b.groups[src], p)
+        b.sequence(sb).entries[src] = a.sequence(sa).entries[src]
+    b.advance([sb], N)
+    entry = host.pop("session-1")
+    restore_sequence_state(b, sb, entry.tensors, entry.meta)
+    assert entry.meta["n_tokens"] == b.length(sb) == N
+
+    for step in range(3):
+        tok = torch.tensor([step + 5])
+        la, lb = model.decode_paged(tok, a, [sa]), model.decode_paged(tok, b, [sb])
+        assert torch.equal(la, lb), f"step {step}: max diff {(la - lb).abs().max()}"
+
+
+def test_restore_sequence_state_rejects_another_cache_shape():
+    cfg = preset("tiny")
+    a, b = PagedKVCache(cfg, 2, 1, 8), PagedKVCache(cfg, 2, 1, 8)
+    tensors, meta = sequence_state(a, a.add())
+    sb = b.add()
+    with pytest.raises(ValueError, match="another cache"):
+        restore_sequence_state(b, sb, {k: v for k, v in tensors.items() if k != "ring0.codes"}, meta)
+    with pytest.raises(ValueError, match="another cache"):
+        restore_sequence_state(b, sb, tensors, {**meta, "window": meta["window"] + 1})
+    with pytest.raises(ValueError, match=r"ring0.codes is \[3"):
+        restore_sequence_state(b, sb, {**tensors, "ring0.codes": tensors["ring0.codes"][:3]}, meta)
