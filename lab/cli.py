@@ -19,6 +19,7 @@ import sys
 COMMANDS: list[tuple[str, str]] = [
     ("model", "print a preset's layer map (region, ratio, mode, shared source)"),
     ("kv", "KV cache bytes per token and per-sequence state for a preset"),
+    ("replay", "logits error of a prefix hit with SWA bounded replay against the exact prefill (CPU, float64)"),
     ("bench", "compile, check and time one tile against its torch reference"),
     ("check", "check every tile against the reference (or compile-only for any arch)"),
     ("tune", "autotune tiles for a GPU architecture with Optuna"),

@@ -259,7 +259,13 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def prefill_with_prefix(
-        self, tokens: torch.Tensor, cache: PagedKVCache, ced: bool = True, publish: bool = True, max_hit_tokens: int | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: PagedKVCache,
+        ced: bool = True,
+        publish: bool = True,
+        max_hit_tokens: int | None = None,
+        replay_tokens: int | None = None,
     ) -> PrefixPrefill:
         """Prefill a new sequence whose prompt may start with a published prefix: its global KV pages are shared, and
         the lost SWA state is rebuilt by encoder bounded replay (seed 18.2).
@@ -280,6 +286,9 @@ class Model(nn.Module):
             ced: False runs every layer over the replay and suffix instead (decoder rings replayed the same way).
             publish: index the prompt's whole blocks afterwards (:meth:`PagedKVCache.publish_prefix`).
             max_hit_tokens: use at most this many cached tokens.
+            replay_tokens: prefix tokens to replay instead of ``window`` (at most the hit). A longer replay narrows the
+                gap: the encoder's outputs at the suffix are exact once it covers ``(E - 1) * (window - 1) + window``
+                tokens (each encoder layer's window reaches ``window - 1`` further back), E the encoder layers.
         Returns:
             :class:`PrefixPrefill`: the new sequence id, float32 logits [vocab] of position N - 1 (float64 for a float64
             model), the hit, the replayed token count and the blocks published.
@@ -297,7 +306,7 @@ class Model(nn.Module):
         src = self._decoder_kv_source() if ced else None
         seq, hit = cache.add_with_prefix(tokens[0], max_hit_tokens)
         try:
-            logits, replayed = self._prefill_after_hit(tokens, cache, seq, hit.n_tokens, src)
+            logits, replayed = self._prefill_after_hit(tokens, cache, seq, hit.n_tokens, src, replay_tokens)
         except BaseException:
             cache.free(seq)
             raise
@@ -305,13 +314,13 @@ class Model(nn.Module):
         return PrefixPrefill(seq, logits, hit, replayed, published)
 
     def _prefill_after_hit(
-        self, tokens: torch.Tensor, cache: PagedKVCache, seq: int, n_hit: int, src: int | None
+        self, tokens: torch.Tensor, cache: PagedKVCache, seq: int, n_hit: int, src: int | None, replay_tokens: int | None
     ) -> tuple[torch.Tensor, int]:
         """Bounded replay of tokens [1, N] after ``n_hit`` cached tokens; ``src`` the decoder KV source (None: no CED)."""
         cfg = self.cfg
         N, E, L, W = tokens.shape[1], cfg.n_encoder_layers, cfg.n_layers, cfg.window
         assert all(c == 0 for c in cache.sequence(seq).tail.values()), "a prefix hit ends on a compression-group boundary"
-        T = min(W, n_hit)
+        T = min(W if replay_tokens is None else max(0, replay_tokens), n_hit)
         start = n_hit - T
         layers = range(E) if src is not None else range(L)
         for i in layers:
