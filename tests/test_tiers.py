@@ -255,7 +255,7 @@ def test_disk_kill9_during_page_write_leaves_a_miss_or_a_whole_page(tmp_path):
     pages = [make_page(100 + i, KILL_PAGE_SIZE) for i in range(3)]
     rng = random.Random(0)
     outcomes = []
-    for _ in range(6):
+    for _ in range(8):
         pid = os.fork()
         if pid == 0:  # the child only writes files: no torch kernels, nothing that could wait on the parent's threads
             try:
