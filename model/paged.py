@@ -362,10 +362,11 @@ class PagedKVCache:
         return seq.id
 
     def free(self, seq_id: int) -> None:
-        """Give a sequence's pages and slot back; its id is never valid again."""
+        """Let go of a sequence's pages (each is free once its last holder lets go) and give its slot back; its id is
+        never valid again."""
         seq = self.sequence(seq_id, "free")
         for src, pages in seq.pages.items():
-            self.groups[src].release(pages)
+            self.groups[src].release(pages[::-1])  # last page first: an indexed chain then loses its later blocks first
         self.state.give_back(seq.slot)
         del self._live[seq_id]
 
