@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 
@@ -22,6 +23,14 @@ def pytest_addoption(parser):
 
 
 _SESSION_START = time.monotonic()
+
+
+def pytest_configure(config):
+    """Each xdist worker's torch takes its share of the cores: with every core per worker, ``-n 2`` on 2 cores runs
+    4 compute threads that spin against each other, and small float64 model tests ran 20-40x slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_runtest_setup(item):
