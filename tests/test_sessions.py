@@ -232,3 +232,71 @@ def test_one_line_errors(model, tmp_path):
         sc.end_turn("s", seq, conversation(model, 8))
     with pytest.raises(SessionError, match="empty"):
         sc.start_turn("s", torch.tensor([], dtype=torch.int64))
+
+
+# -- lab e2e --phase multiturn --------------------------------------------------------------------
+
+
+def test_measure_multiturn_on_tiny_float64(model, tmp_path):
+    """The measuring function on the CPU (perf_counter): one row per path in the order cold, pure, replay, disk; each
+    took its path; replay and disk give the same logits (the same page bytes), cold is its own reference; the report
+    renders the rows with their path and a ratio against cold."""
+    from lab.e2e.multiturn import measure_multiturn
+    from lab.e2e.report import render_markdown, speedups
+    from lab.e2e.run import Row
+
+    rows = measure_multiturn(model, 200, 30, disk_dir=str(tmp_path), repeats=1, page_size=PAGE)
+    by = {t.path: t for t in rows}
+    assert [t.path for t in rows] == ["cold", "pure", "replay", "disk"] and all(t.ms > 0 for t in rows)
+    assert by["cold"].rel_err == 0 and by["cold"].hit_tokens == 0
+    assert by["pure"].hit_tokens == by["replay"].hit_tokens == by["disk"].hit_tokens == 192
+    assert by["pure"].host_bytes > 0 and by["pure"].replayed == 0 and by["replay"].replayed == model.cfg.window
+    # 12 blocks of 16 tokens: a page of each ratio-2 group, two of the ratio-1 group
+    assert by["disk"].disk_pages == by["replay"].pages_shared == 12 * 4 and by["disk"].disk_bytes > 0
+    assert by["replay"].rel_err == by["disk"].rel_err and by["replay"].max_abs_err == by["disk"].max_abs_err
+    assert by["pure"].rel_err > 0  # pure decodes the suffix through every layer, cold is a CED prefill
+    assert any(tmp_path.rglob("*.page"))
+
+    doc_rows = [
+        Row(f"multiturn/{t.path}", "torch", 1, 230, t.ms, "eager", logits_rel_err=t.rel_err, note=f"path {t.path}").to_dict() for t in rows
+    ]
+    md = render_markdown({"kind": "csa2-lab/e2e", "meta": {"preset": "tiny"}, "rows": doc_rows})
+    assert "| multiturn/disk | torch | 1 | 230 |" in md and "path disk" in md and "`multiturn/<path>`" in md
+    assert {s["what"] for s in speedups(doc_rows)} == {f"turn 2 {p} vs cold (torch)" for p in ("pure", "replay", "disk")}
+
+
+def test_lab_e2e_multiturn_checks_its_arguments_before_any_gpu_work(capsys):
+    from lab.cli import main
+
+    assert main(["e2e", "--preset", "tiny", "--phase", "multiturn", "--prefix", "500", "--suffix", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "--prefix 500 and --suffix 32" in err and "max_seq_len=512" in err and len(err.strip().splitlines()) == 1
+    assert main(["e2e", "--preset", "tiny", "--phase", "multiturn", "--suffix", "0"]) == 2
+    assert "--suffix takes one token count" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["e2e", "--preset", "tiny", "--phase", "multiturn", "--prefix", "256", "--suffix", "32"]) == 2
+        err = capsys.readouterr().err
+        assert "no CUDA GPU" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+def test_lab_e2e_multiturn_rows(tmp_path):
+    """On a GPU, `lab e2e --phase multiturn` on flash-mini (torch and tiles): four rows per backend, each timed, the
+    path named in the note, replay and disk with the same logits error, the tiles cold path near torch's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    from lab.cli import main
+    from lab.e2e.report import load
+
+    argv = ["e2e", "--preset", "flash-mini", "--phase", "multiturn", "--prefix", "2K", "--suffix", "256", "--repeats", "1"]
+    assert main([*argv, "--backend", "torch,tiles", "--configs", "default", "--disk", str(tmp_path / "disk"), "--out", str(tmp_path)]) == 0
+    rows = load(tmp_path / "e2e.json")["rows"]
+    paths = ["multiturn/cold", "multiturn/pure", "multiturn/replay", "multiturn/disk"]
+    assert [(r["phase"], r["variant"]) for r in rows] == [(p, v) for v in ("torch", "tiles/default") for p in paths]
+    for r in rows:
+        assert r["ms"] > 0 and r["context"] == 2304 and f"path {r['phase'].split('/')[1]}" in r["note"]
+    for v in ("torch", "tiles/default"):
+        got = {r["phase"]: r for r in rows if r["variant"] == v}
+        assert got["multiturn/replay"]["logits_rel_err"] == got["multiturn/disk"]["logits_rel_err"]
+        assert got["multiturn/disk"]["moved"]["disk_bytes"] > 0 and got["multiturn/pure"]["moved"]["host_bytes"] > 0
+    assert "turn 2 disk vs cold" in (tmp_path / "e2e.md").read_text()

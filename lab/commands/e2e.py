@@ -33,6 +33,7 @@ PHASE_RUNS = {
     "prefill": ["prefill", "prefill_full"],
     "prefill_ced": ["prefill"],
     "prefill_full": ["prefill_full"],
+    "multiturn": ["multiturn"],
 }
 
 
@@ -52,14 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--phase",
         default="decode,prefill",
-        help="decode, decode_mixed (lengths spread over --mixed, paged cache) and/or prefill (prefill times CED and non-CED;"
-        " prefill_ced or prefill_full: one of them)",
+        help="decode, decode_mixed (lengths spread over --mixed, paged cache), prefill (prefill times CED and non-CED;"
+        " prefill_ced or prefill_full: one of them) and/or multiturn (turn 2 of a conversation after --prefix tokens: pure"
+        " continuation, bounded replay from HBM pages, from disk pages, and a cold prefill)",
     )
     parser.add_argument("--ctx", default="8K,32K,128K", help="contexts (decode) and prompt lengths (prefill)")
     parser.add_argument("--prefill-ctx", default=None, help="prompt lengths for prefill when they differ from --ctx")
     parser.add_argument(
         "--mixed", default="8K:64K", help="decode_mixed: the range LO:HI of sequence lengths, spread evenly over each --batch"
     )
+    parser.add_argument("--prefix", default="64K", help="multiturn: tokens of turn 1 (the cached prefix)")
+    parser.add_argument("--suffix", default="1K", help="multiturn: new tokens of turn 2")
+    parser.add_argument("--disk", default=None, metavar="DIR", help="multiturn: the disk tier's directory (default: a temporary one)")
     parser.add_argument("--batch", default="1,16,64", help="decode batch sizes (prefill runs at batch 1)")
     parser.add_argument("--backend", default="torch,tiles")
     parser.add_argument("--configs", default="tuned,default", help="tiles configs: tuned, default or both")
@@ -91,7 +96,20 @@ def variants_from(backends: str, configs: str):
     return sorted(out, key=lambda v: v.backend != "torch")
 
 
-def _check_lengths(cfg, phases: list[str], contexts: list[int], prompts: list[int], mixed: tuple[int, int]) -> None:
+def parse_turns(prefix: str, suffix: str) -> tuple[int, int]:
+    """``--prefix 64K --suffix 1K`` -> (65536, 1024): turn 1's tokens and turn 2's new ones, each at least 1."""
+    counts = []
+    for flag, text in (("--prefix", prefix), ("--suffix", suffix)):
+        got = parse_tokens(text)
+        if len(got) != 1 or got[0] < 1:
+            raise LabError(f"{flag} takes one token count of at least 1, e.g. {flag} 64K, got {text!r}")
+        counts.append(got[0])
+    return counts[0], counts[1]
+
+
+def _check_lengths(
+    cfg, phases: list[str], contexts: list[int], prompts: list[int], mixed: tuple[int, int], turns: tuple[int, int] = (1, 1)
+) -> None:
     """Refuse, before any GPU work, a context or prompt longer than the preset allows (the model's own check)."""
     from lab.e2e.run import DECODE_HEADROOM
     from model.inputs import InputError, check_length
@@ -105,6 +123,8 @@ def _check_lengths(cfg, phases: list[str], contexts: list[int], prompts: list[in
             check_length(mixed[1] + DECODE_HEADROOM, cfg, what)
         if any(p.startswith("prefill") for p in phases):
             check_length(max(prompts), cfg, f"prompt of {max(prompts)} tokens")
+        if "multiturn" in phases:
+            check_length(sum(turns), cfg, f"turn 2 of --prefix {turns[0]} and --suffix {turns[1]} tokens")
     except InputError as exc:
         raise LabError(str(exc)) from None
 
@@ -127,13 +147,16 @@ def run(args: argparse.Namespace) -> int:
     phases = []
     for p in [x.strip() for x in args.phase.split(",") if x.strip()]:
         if p not in PHASE_RUNS:
-            raise LabError(f"unknown phase {p!r}: use decode, decode_mixed, prefill (CED and non-CED), prefill_ced or prefill_full")
+            raise LabError(
+                f"unknown phase {p!r}: use decode, decode_mixed, prefill (CED and non-CED), prefill_ced, prefill_full or multiturn"
+            )
         phases += PHASE_RUNS[p]
     variants = variants_from(args.backend, args.configs)
     contexts, batches = parse_tokens(args.ctx), parse_tokens(args.batch)
     prompts = parse_tokens(args.prefill_ctx) if args.prefill_ctx else contexts
     mixed = parse_range(args.mixed)
-    _check_lengths(cfg, phases, contexts, prompts, mixed)
+    turns = parse_turns(args.prefix, args.suffix)
+    _check_lengths(cfg, phases, contexts, prompts, mixed, turns)
     if not torch.cuda.is_available():
         raise LabError("no CUDA GPU is present: lab e2e times the model on a GPU (run it on a GPU machine)")
     try:
@@ -168,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
             log=lambda m: print(m, file=sys.stderr),
             on_rows=lambda rows: save(document(rows)),
             mixed=mixed,
+            multiturn=turns,
+            disk_dir=args.disk,
         )
     except InputError as exc:  # a length or token check of the model that the checks above did not foresee
         raise LabError(str(exc)) from None

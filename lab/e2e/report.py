@@ -43,6 +43,11 @@ def speedups(rows: list[dict]) -> list[dict]:
             dflt = idx.get((phase, "tiles/default", b, ctx))
             if dflt and dflt["ms"]:
                 out.append({"what": "tuned vs default", "phase": phase, "batch": b, "context": ctx, "speedup": dflt["ms"] / r["ms"]})
+        if phase.startswith("multiturn/") and phase != "multiturn/cold":
+            cold = idx.get(("multiturn/cold", variant, b, ctx))
+            if cold and cold["ms"]:
+                what = f"turn 2 {phase.removeprefix('multiturn/')} vs cold ({variant})"
+                out.append({"what": what, "phase": phase, "batch": b, "context": ctx, "speedup": cold["ms"] / r["ms"]})
         if phase == "prefill":
             full = idx.get(("prefill_full", variant, b, ctx))
             if full and full["ms"]:
@@ -73,6 +78,16 @@ def render_markdown(doc: dict) -> str:
         "`ms` is the step's latency (`mode`). The parts come from one more pass, eager, with CUDA events around each",
         "backend call and FFN; `breakdown pass` is that pass's total, which the parts and `rest` add up to (it includes",
         "the gaps between launches that a CUDA graph removes; `-` where a run predates it).",
+        *(
+            [
+                "`multiturn/<path>`: turn 2 of a conversation (context = cached prefix + new suffix) started by `model.sessions` on",
+                "that path (pure: parked SWA state + HBM pages; replay: HBM pages, bounded replay; disk: pages from the disk tier,",
+                "then replay; cold: CED prefill); its logits error is against `multiturn/cold` of the same backend; the note",
+                "gives what moved.",
+            ]
+            if any(r["phase"].startswith("multiturn/") for r in rows)
+            else []
+        ),
         "",
         "| phase | backend | B | context | ms | mode | peak GiB | KV GiB | logits rel err vs torch | breakdown pass | "
         + " | ".join(PARTS)

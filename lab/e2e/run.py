@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from lab.e2e.breakdown import measure_breakdown
+from lab.e2e.multiturn import measure_multiturn
 from lab.e2e.synthetic import fill_cache, fill_paged_cache, mixed_lengths
 from model import build_model, preset
 from model.backend import load_backend
@@ -23,8 +24,8 @@ from model.paged import plan_workload
 from tiles.core.timing import time_cuda
 
 # prefill = CED; prefill_full = every layer over every token; decode_mixed = one decode step of sequences of lengths spread
-# evenly over a range, on the paged cache
-PHASES = ("decode", "decode_mixed", "prefill", "prefill_full")
+# evenly over a range, on the paged cache; multiturn = turn 2 of a conversation on each path of model.sessions
+PHASES = ("decode", "decode_mixed", "prefill", "prefill_full", "multiturn")
 
 
 @dataclass
@@ -50,8 +51,9 @@ class Row:
     breakdown: dict[str, float] = field(default_factory=dict)
     peak_gib: float | None = None
     kv_gib: float | None = None
-    logits_rel_err: float | None = None  # vs the torch baseline on the same inputs
+    logits_rel_err: float | None = None  # vs the torch baseline on the same inputs (multiturn: vs the cold path)
     note: str = ""
+    moved: dict[str, int] = field(default_factory=dict)  # multiturn: hit tokens, pages shared, disk and host bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,6 +202,34 @@ def run_prefill(model, variants: list[Variant], context: int, ced: bool, repeats
     return rows
 
 
+def run_multiturn(model, variants: list[Variant], prefix: int, suffix: int, repeats: int, seed: int, disk_dir: str | None) -> list[Row]:
+    """Turn 2 (``prefix + suffix`` tokens) after a real turn-1 prefill of ``prefix`` tokens, per variant: one row per
+    path of :mod:`model.sessions` (phase ``multiturn/<path>``), its logits error against the variant's cold path."""
+    device = model.device
+    rows = []
+    for variant in variants:
+        model.backend = make_backend(variant, device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            timings = measure_multiturn(model, prefix, suffix, disk_dir=disk_dir, repeats=repeats, seed=seed, model_id=None)
+        except torch.cuda.OutOfMemoryError:
+            rows.append(Row("multiturn/cold", variant.label, 1, prefix + suffix, None, "skipped", note="out of GPU memory"))
+            continue
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        for t in timings:
+            moved = {k: getattr(t, k) for k in ("hit_tokens", "replayed", "pages_shared", "disk_pages", "disk_bytes", "host_bytes")}
+            note = (
+                f"path {t.path}: {t.hit_tokens} cached tokens, {t.replayed} replayed, {t.pages_shared} pages shared,"
+                f" {t.disk_pages} pages / {t.disk_bytes} B from disk, {t.host_bytes} B from host;"
+                f" err vs cold, argmax {'same' if t.same_argmax else 'differs'}"
+            )
+            rows.append(
+                Row(f"multiturn/{t.path}", variant.label, 1, prefix + suffix, t.ms, "eager", {}, peak, None, t.rel_err, note, moved)
+            )
+    return rows
+
+
 def run_e2e(
     preset_name: str,
     phases: list[str],
@@ -213,9 +243,12 @@ def run_e2e(
     log: Callable[[str], None] = print,
     on_rows: Callable[[list[Row]], None] | None = None,
     mixed: tuple[int, int] | None = None,
+    multiturn: tuple[int, int] = (65536, 1024),
+    disk_dir: str | None = None,
 ) -> list[Row]:
     """Every (phase, context, batch) for every variant. Prefill runs at batch 1 over ``prompts`` (default: ``contexts``);
-    ``decode_mixed`` at each batch over lengths spread across ``mixed`` = (lo, hi) tokens.
+    ``decode_mixed`` at each batch over lengths spread across ``mixed`` = (lo, hi) tokens; ``multiturn`` at batch 1 with
+    ``multiturn`` = (prefix, suffix) tokens and its disk tier in ``disk_dir`` (default: a temporary directory).
 
     ``on_rows(rows so far)`` is called after each measurement group, so a run stopped by a time
     limit still leaves what it measured.
@@ -247,4 +280,10 @@ def run_e2e(
                 log(f"{phase} prompt={n} done")
                 if on_rows:
                     on_rows(rows)
+    if "multiturn" in phases:
+        prefix, suffix = multiturn
+        rows += run_multiturn(model, variants, prefix, suffix, repeats, seed, disk_dir)
+        log(f"multiturn prefix={prefix} suffix={suffix} done")
+        if on_rows:
+            on_rows(rows)
     return rows
