@@ -54,6 +54,15 @@ phase_bench-one() {  # one tile: BENCH_TILE, BENCH_SHAPES (BENCH_CONFIG=tuned: t
   bench "${BENCH_TILE:?BENCH_TILE}" "${BENCH_SHAPES:?BENCH_SHAPES}"
 }
 
+phase_paged() {  # the paged cache's kernels: their GPU tests, then paged vs contiguous shapes at one config (the default)
+  timeout -s INT -k 20 "${PAGED_TEST_S:-150}" python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfE --tb=short \
+    tests/test_paged_kernels.py > "$OUT/paged_pytest.log" 2>&1
+  note "paged pytest rc=$?: $(tail -1 "$OUT/paged_pytest.log")"
+  BENCH_CONFIG="" bench sparse_attn_decode decode_b64_s1,decode_b64_s1_paged
+  BENCH_CONFIG="" bench indexer_topk decode_b64_n128k,decode_b64_n128k_paged
+  BENCH_CONFIG="" bench reindex_topk decode_b64_n128k,decode_b64_n128k_paged
+}
+
 phase_check() {  # lab check on this GPU, each cell launched CHECK_REPEATS times that must give the same bits
   timeout "${CHECK_S:-420}" $LAB check --arch auto --tile "${CHECK_TILES:-all}" --repeats "${CHECK_REPEATS:-3}" --jobs 16 > "$OUT/check.log" 2>&1
   note "check rc=$?: $(tail -1 "$OUT/check.log")"
