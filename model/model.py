@@ -286,9 +286,11 @@ class Model(nn.Module):
             ced: False runs every layer over the replay and suffix instead (decoder rings replayed the same way).
             publish: index the prompt's whole blocks afterwards (:meth:`PagedKVCache.publish_prefix`).
             max_hit_tokens: use at most this many cached tokens.
-            replay_tokens: prefix tokens to replay instead of ``window`` (at most the hit). A longer replay narrows the
-                gap: the encoder's outputs at the suffix are exact once it covers ``(E - 1) * (window - 1) + window``
-                tokens (each encoder layer's window reaches ``window - 1`` further back), E the encoder layers.
+            replay_tokens: prefix tokens to replay instead of ``window`` (at most the hit; with CED at least
+                ``min(window, N)`` minus the suffix, the encoder outputs the decoder replay reads). A longer replay
+                narrows the gap: the encoder's outputs at the suffix are exact once it covers
+                ``(E - 1) * (window - 1) + window`` tokens (each encoder layer's window reaches ``window - 1`` further
+                back), E the encoder layers.
         Returns:
             :class:`PrefixPrefill`: the new sequence id, float32 logits [vocab] of position N - 1 (float64 for a float64
             model), the hit, the replayed token count and the blocks published.
@@ -321,6 +323,8 @@ class Model(nn.Module):
         N, E, L, W = tokens.shape[1], cfg.n_encoder_layers, cfg.n_layers, cfg.window
         assert all(c == 0 for c in cache.sequence(seq).tail.values()), "a prefix hit ends on a compression-group boundary"
         T = min(W if replay_tokens is None else max(0, replay_tokens), n_hit)
+        if src is not None:  # the decoder replays the last min(W, N) encoder outputs: the encoder pass must hold them
+            T = max(T, min(min(W, N) - (N - n_hit), n_hit))
         start = n_hit - T
         layers = range(E) if src is not None else range(L)
         for i in layers:

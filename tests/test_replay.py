@@ -97,6 +97,19 @@ def test_replay_past_the_window_is_exact_once_it_covers_every_encoder_layers_rea
     assert errors[29] < 1e-12 and errors[32] < 1e-12
 
 
+def test_a_short_replay_before_a_short_suffix_still_feeds_the_decoder_replay(tiny):
+    """CED replays the last window encoder outputs through the decoder: with a suffix of 2 < window 8, a requested
+    replay of 4 tokens grows to the 6 the decoder needs, the positions stay right and decoding goes on."""
+    prompt = _tokens(tiny.cfg.vocab_size, 34, 3)
+    cache, _ = _published(tiny, prompt[:32], page_size=4)
+    got = tiny.prefill_with_prefix(prompt, cache, publish=False, replay_tokens=4)
+    assert got.hit_tokens == 32 and got.replayed == 6
+    assert all(ring == [34 - 8, 34] for ring in cache.sequence(got.seq).rings)  # every ring holds the last window, up to 34
+    full = tiny.prefill_with_prefix(prompt, cache, publish=False, replay_tokens=6)
+    torch.testing.assert_close(got.logits, full.logits, **EXACT)
+    assert torch.isfinite(tiny.decode_paged(torch.tensor([5]), cache, [got.seq])).all()
+
+
 def test_replayed_tokens_never_rewrite_the_cached_prefix(tiny):
     """The hit's pages keep every byte while the new sequence replays over them and decodes after them, and the
     publisher's own decode is unchanged."""
