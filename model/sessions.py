@@ -210,17 +210,20 @@ class SessionCache:
         Args:
             ced: the replay and cold paths run CED (False: every layer over the prompt; the pure path is unaffected).
         Raises:
-            OutOfSlots / OutOfPages with the cache's sequences unchanged (pages restored from disk stay indexed).
+            OutOfSlots / OutOfPages with the cache's sequences unchanged (pages restored from disk stay indexed) and the
+            session's parked state still in the host pool.
         """
         cache, model = self.cache, self.model
         ids = _token_ids(tokens, "start_turn")
         if ids.numel() < 1:
             raise SessionError("start_turn: the prompt is empty; pass at least one token")
-        entry = self.host.pop(session_id) if self.host is not None else None
+        # read, not taken: a turn that fails (no slot, no pages) leaves the parked state for a retry
+        entry = self.host.get(session_id) if self.host is not None else None
         if entry is not None:
             n_old = entry.meta["n_tokens"]
             if not (n_old < ids.numel() and _digest(ids[:n_old]) == entry.meta["digest"]):
                 entry = None  # another history (edited, or no new token): the state continues nothing here
+                self.host.discard(session_id)
                 self.stats.states_dropped += 1
         want = entry.meta["n_blocks"] * cache.block_tokens if entry is not None else ids.numel()
         held: dict[int, list[int]] = {src: [] for src in cache.groups}  # our references: nothing is evicted under us
@@ -249,6 +252,8 @@ class SessionCache:
         finally:
             for src, pages in held.items():
                 cache.groups[src].release(pages[::-1])
+        if self.host is not None:
+            self.host.discard(session_id)  # continued, or superseded by the sequence this turn started
         self.stats.paths[how] += 1
         return TurnStart(seq, logits, how, hit_tokens, replayed, shared, disk_pages, disk_bytes, host_bytes)
 

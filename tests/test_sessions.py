@@ -300,3 +300,22 @@ def test_lab_e2e_multiturn_rows(tmp_path):
         assert got["multiturn/replay"]["logits_rel_err"] == got["multiturn/disk"]["logits_rel_err"]
         assert got["multiturn/disk"]["moved"]["disk_bytes"] > 0 and got["multiturn/pure"]["moved"]["host_bytes"] > 0
     assert "turn 2 disk vs cold" in (tmp_path / "e2e.md").read_text()
+
+
+def test_a_turn_that_fails_keeps_the_parked_state_for_a_retry(model):
+    """No free slot: start_turn raises OutOfSlots, and the session's SWA state stays parked, so the retry after a slot
+    is freed still continues exactly (pure)."""
+    from model.paged import OutOfSlots
+
+    tokens = conversation(model)
+    cache = model.new_paged_cache(64, 1, page_size=PAGE)
+    sc = sessions(model, cache)
+    sc.end_turn("s", first_turn(model, cache, tokens[:N1]), tokens[:N1])
+    blocker = cache.add()  # takes the only slot
+    with pytest.raises(OutOfSlots):
+        sc.start_turn("s", tokens)
+    assert "s" in sc.host
+    cache.free(blocker)
+    r = sc.start_turn("s", tokens)
+    assert r.how == "pure" and torch.equal(r.logits, never_parked(model, tokens, N1))
+    assert "s" not in sc.host  # continued: the state now lives in the sequence's slot
