@@ -119,6 +119,11 @@ class WorkloadPlan:
         return self.page_total_bytes + self.slot_total_bytes
 
 
+def spread_lengths(n: int, lo: int, hi: int) -> list[int]:
+    """``n`` sequence lengths spread evenly from ``lo`` to ``hi`` tokens, both included (one sequence: ``lo``)."""
+    return [lo + (hi - lo) * i // (n - 1) for i in range(n)] if n > 1 else [lo]
+
+
 def plan_workload(cfg: ModelConfig, lengths: Sequence[int], page_size: int = DEFAULT_PAGE_SIZE) -> WorkloadPlan:
     """What a batch of live sequences of the given lengths holds: pages per group, one slot each, bytes."""
     if page_size < 1:

@@ -10,7 +10,7 @@ import torch
 from lab.cli import LabError, main
 from lab.commands.e2e import parse_range, parse_tokens, variants_from
 from lab.e2e.report import load, render_markdown, speedups, write_report
-from lab.e2e.synthetic import fill_cache, fill_paged_cache, mixed_lengths
+from lab.e2e.synthetic import fill_cache, fill_paged_cache
 from model import build_model, formats, preset
 
 
@@ -51,10 +51,13 @@ def test_fill_cache_holds_valid_encodings_at_the_context(context):
 
 
 def test_mixed_lengths_spread_evenly_over_the_range():
-    assert mixed_lengths(5, 8192, 65536) == [8192, 22528, 36864, 51200, 65536]
-    assert mixed_lengths(1, 8192, 65536) == [65536]
+    """One rule for lab kv's workloads and lab e2e's decode_mixed batches."""
+    from model.paged import spread_lengths
+
+    assert spread_lengths(5, 8192, 65536) == [8192, 22528, 36864, 51200, 65536]
+    assert spread_lengths(1, 8192, 65536) == [8192]
     assert parse_range("8K:64K") == (8192, 65536)
-    for bad in ("8K", "64K:8K", "0:8K", "a:b"):
+    for bad in ("8K", "64K:8K", "0:8K", "a:b", "8K,16K:64K", ":64K"):
         with pytest.raises(LabError):
             parse_range(bad)
 

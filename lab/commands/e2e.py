@@ -39,10 +39,10 @@ PHASE_RUNS = {
 
 def parse_range(text: str) -> tuple[int, int]:
     """``"8K:64K"`` -> (8192, 65536): the shortest and longest sequence of a mixed-length batch."""
-    parts = text.split(":")
-    if len(parts) != 2:
+    parts = [parse_tokens(p) for p in text.split(":")]
+    if len(parts) != 2 or any(len(p) != 1 for p in parts):
         raise LabError(f"--mixed takes a range LO:HI of token counts, e.g. 8K:64K, got {text!r}")
-    (lo,), (hi,) = parse_tokens(parts[0]) or [0], parse_tokens(parts[1]) or [0]
+    (lo,), (hi,) = parts
     if not 1 <= lo <= hi:
         raise LabError(f"--mixed {text}: need 1 <= LO <= HI tokens")
     return lo, hi

@@ -23,7 +23,7 @@ from lab.commands.e2e import parse_tokens
 from lab.commands.model import load_preset
 from model.cache import MLA_BYTES_PER_TOKEN, KVCache
 from model.config import PRESETS, ModelConfig
-from model.paged import DEFAULT_PAGE_SIZE, WorkloadPlan, plan_workload
+from model.paged import DEFAULT_PAGE_SIZE, WorkloadPlan, plan_workload, spread_lengths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,8 +111,7 @@ def workload_lengths(spec: str, sequences: int | None) -> list[int]:
         lo, hi = lo_hi[0][0], lo_hi[1][0]
         if lo > hi:
             raise LabError(f"--lengths {spec!r}: the range's low end {lo} is above its high end {hi}")
-        n = sequences or 1
-        return [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)] if n > 1 else [lo]
+        return spread_lengths(sequences or 1, lo, hi)
     listed = parse_tokens(spec)
     if not listed:
         raise LabError(f"--lengths {spec!r} names no length: write e.g. 8K,32K or 8K:64K")

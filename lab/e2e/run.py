@@ -16,11 +16,11 @@ import torch
 
 from lab.e2e.breakdown import measure_breakdown
 from lab.e2e.multiturn import measure_multiturn
-from lab.e2e.synthetic import fill_cache, fill_paged_cache, mixed_lengths
+from lab.e2e.synthetic import fill_cache, fill_paged_cache
 from model import build_model, preset
 from model.backend import load_backend
 from model.cache import KVCache
-from model.paged import plan_workload
+from model.paged import plan_workload, spread_lengths
 from tiles.core.timing import time_cuda
 
 # prefill = CED; prefill_full = every layer over every token; decode_mixed = one decode step of sequences of lengths spread
@@ -126,9 +126,9 @@ def run_decode(model, variants: list[Variant], batch: int, context: int, runs: i
 def run_decode_mixed(model, variants: list[Variant], batch: int, lo: int, hi: int, runs: int, seed: int) -> list[Row]:
     """Time one decode step of ``batch`` sequences whose lengths spread evenly from ``lo`` to ``hi`` tokens, on the
     paged cache (64-entry pages, the manager's default) for each variant. Eager: a paged step builds its block tables
-    and ring rows on the host, so it is not graph-captured. ``context`` of the row is ``hi``."""
+    and ring rows on the host, so it is not graph-captured. ``context`` of the row is the longest length."""
     device = model.device
-    lengths = mixed_lengths(batch, lo, hi)
+    lengths = spread_lengths(batch, lo, hi)
     tokens = torch.randint(0, model.cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(seed)).to(device)
     note = f"lengths {lo}..{hi} evenly spread, paged cache"
     rows, ref_logits = [], None
@@ -148,10 +148,10 @@ def run_decode_mixed(model, variants: list[Variant], batch: int, lo: int, hi: in
             t = time_cuda(lambda _, c=cache, s=seqs: model.decode_paged(tokens, c, s), warmup=1, runs=steps, min_time_ms=0)
             kv = plan.page_total_bytes / 2**30
             peak = torch.cuda.max_memory_allocated() / 2**30
-            rows.append(Row("decode_mixed", variant.label, batch, hi, t.median_ms, "eager", {}, peak, kv, err, note))
+            rows.append(Row("decode_mixed", variant.label, batch, max(lengths), t.median_ms, "eager", {}, peak, kv, err, note))
             cache = None  # free the filled cache before the next variant's
         except torch.cuda.OutOfMemoryError:
-            rows.append(Row("decode_mixed", variant.label, batch, hi, None, "skipped", note="out of GPU memory"))
+            rows.append(Row("decode_mixed", variant.label, batch, max(lengths), None, "skipped", note="out of GPU memory"))
     return rows
 
 

@@ -65,13 +65,6 @@ def fill_cache(cache: KVCache, context: int, seed: int = 0) -> KVCache:
     return cache
 
 
-def mixed_lengths(batch: int, lo: int, hi: int) -> list[int]:
-    """``batch`` sequence lengths spread evenly from ``lo`` to ``hi`` tokens (both included; one sequence: ``hi``)."""
-    if batch == 1:
-        return [hi]
-    return [lo + round(i * (hi - lo) / (batch - 1)) for i in range(batch)]
-
-
 @torch.no_grad()
 def fill_paged_cache(cache: PagedKVCache, lengths: list[int], seed: int = 0, headroom: int = 0) -> list[int]:
     """Add one sequence per length to ``cache`` and fill it as if that many tokens had been consumed (real FP4/FP8
