@@ -56,6 +56,7 @@ class Step:
     pool: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int32 [B, S, P]
     _tables: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _block_tables: dict[int, torch.Tensor] = field(default_factory=dict)
+    _row_positions: torch.Tensor | None = None
 
     @property
     def paged(self) -> bool:
@@ -63,10 +64,13 @@ class Step:
 
     @property
     def positions(self) -> torch.Tensor:
-        """int64 [S] (contiguous) or [B, S] (paged: each row at its own position)."""
+        """int64 [S] (contiguous) or [B, S] (paged: each row at its own position, built once per step: a host list to
+        the device is a copy the GPU waits on)."""
         if self.paged:
-            first = torch.tensor(self.row_first, dtype=torch.int64, device=self.cache.device)
-            return first[:, None] + torch.arange(self.S, device=self.cache.device)
+            if self._row_positions is None:
+                first = torch.tensor(self.row_first, dtype=torch.int64, device=self.cache.device)
+                self._row_positions = first[:, None] + torch.arange(self.S, device=self.cache.device)
+            return self._row_positions
         return torch.arange(self.first, self.first + self.S, device=self.cache.rings[0].codes.device)
 
     def rope(self, cfg: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,10 +80,15 @@ class Step:
         return self._tables[cfg]
 
     def block_table(self, source: int) -> torch.Tensor:
-        """Paged: int32 [B, max_pages] of ``source``'s group. The step's pages are taken before it starts, so one table
-        per group serves every layer of the step."""
+        """Paged: int32 [B, pages] of ``source``'s group, -1 past each sequence's pages. The step's pages are taken
+        before it starts, so one table per group serves every layer of the step. Its width is the longest sequence's
+        page count rounded up to a power of two: a kernel's launch plan is kept per table shape, and an exact width
+        would make a new one every few steps as sequences grow, join and leave."""
         if source not in self._block_tables:
-            self._block_tables[source] = self.cache.block_table(self.seqs, source)
+            table = self.cache.block_table(self.seqs, source)  # [B, longest's pages]
+            pages = table.shape[1]
+            width = 1 << (pages - 1).bit_length() if pages else 0
+            self._block_tables[source] = torch.nn.functional.pad(table, (0, width - pages), value=-1) if width > pages else table
         return self._block_tables[source]
 
 

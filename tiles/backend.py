@@ -120,12 +120,15 @@ class TilesBackend(TorchBackend):
 
     # -- indexer ---------------------------------------------------------------------------------
 
-    def _indexer_ok(self, q_packed: torch.Tensor, index_packed: torch.Tensor, block_table: torch.Tensor | None) -> bool:
+    def _indexer_ok(self, q_packed: torch.Tensor, index_packed: torch.Tensor, block_table: torch.Tensor | None, page_size: int) -> bool:
         if q_packed.shape[-2:] != (32, 64):
             self.fallbacks["indexer: not the v4.1-flash indexer (32 heads x 128)"] += 1
             return False
         if index_packed.shape[1] == 0 or (block_table is not None and block_table.shape[1] == 0):
             self.fallbacks["indexer: no compressed entry yet (nothing to score)"] += 1
+            return False
+        if block_table is not None and page_size not in indexer_tiles.PAGE_SIZES:
+            self.fallbacks[f"indexer: pages of {page_size} entries (the kernels read {indexer_tiles.PAGE_SIZES})"] += 1
             return False
         return True
 
@@ -137,7 +140,7 @@ class TilesBackend(TorchBackend):
 
     def indexer_topk(self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, k, block_table=None, page_size=0):
         paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
-        if not self._indexer_ok(q_packed, index_packed, block_table):
+        if not self._indexer_ok(q_packed, index_packed, block_table, page_size):
             return super().indexer_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, k, **paged)
         q = self._index_queries(q_packed, q_scales)
         k_packed, k_scales = self._index_cache(index_packed, index_scales, block_table)
@@ -149,7 +152,7 @@ class TilesBackend(TorchBackend):
         self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks, block_table=None, page_size=0
     ):
         paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
-        if not self._indexer_ok(q_packed, index_packed, block_table):
+        if not self._indexer_ok(q_packed, index_packed, block_table, page_size):
             return super().candidate_pool(q_packed, q_scales, weights, index_packed, index_scales, n_visible, block, max_blocks, **paged)
         # The pool needs every score; the scan is the indexer kernel's, asked to return its scores.
         q = self._index_queries(q_packed, q_scales)
@@ -173,7 +176,7 @@ class TilesBackend(TorchBackend):
         self, q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k, block_table=None, page_size=0
     ):
         paged = {"block_table": block_table, "page_size": page_size} if block_table is not None else {}
-        if not self._indexer_ok(q_packed, index_packed, block_table):
+        if not self._indexer_ok(q_packed, index_packed, block_table, page_size):
             return super().reindex_topk(q_packed, q_scales, weights, index_packed, index_scales, n_visible, pool_blocks, block, k, **paged)
         q = self._index_queries(q_packed, q_scales)
         k_packed, k_scales = self._index_cache(index_packed, index_scales, block_table)

@@ -32,7 +32,7 @@ one call), ``reference`` (inputs and comparison), ``space`` (parameters, constra
 functions) and ``tile`` (the three tiles).
 """
 
-from tiles.indexer.api import candidate_pool, indexer_topk, reindex_topk
+from tiles.indexer.api import PAGE_SIZES, candidate_pool, indexer_topk, reindex_topk
 from tiles.indexer.common import GROUP, HEAD_DIM, HEADS, NEG_INF, SCORE_RTOL, TIE_RTOL
 from tiles.indexer.dequant import FP8_MAX_BLOCK_N, HOPPER_ONLY_DEQUANTS, PRMT_RS_DEQUANTS, REGISTER_A_DEQUANTS, RS_DEQUANTS
 from tiles.indexer.policy import AUTO_CTAS_PER_SM, SELECT_SPLITS, TILES_PER_CTA, radix_config, resolve_select_split, resolve_tiles_per_cta
@@ -52,6 +52,7 @@ __all__ = [
     "HOPPER_ONLY_DEQUANTS",
     "INDEXER_TOPK",
     "NEG_INF",
+    "PAGE_SIZES",
     "PRMT_RS_DEQUANTS",
     "REGISTER_A_DEQUANTS",
     "REINDEX_TOPK",
