@@ -188,14 +188,16 @@ class SessionCache:
         self.stats.turns_ended += 1
 
     def _write_blocks(self, seq: int, ids: torch.Tensor, n_blocks: int) -> None:
-        """Put the pages of the sequence's first ``n_blocks`` blocks on the disk tier (pages stored already are kept)."""
+        """Put the pages of the sequence's first ``n_blocks`` blocks on the disk tier (pages stored already are kept and
+        marked used)."""
         state = self.cache.sequence(seq)
         chain = self.cache.prefix.keys(ids, n_blocks)
         for src, pool in self.cache.groups.items():
             per = self._pages_per_block(pool)
             for k, key in enumerate(chain):
                 for j, disk_key in enumerate(self.disk_keys(key, src)):
-                    if not self.disk.contains(disk_key) and self.disk.put(
+                    # a page stored already is only marked used: its retention runs from the conversation's last turn
+                    if not self.disk.touch(disk_key) and self.disk.put(
                         disk_key, PagePayload.from_pool(pool, state.pages[src][k * per + j])
                     ):
                         self.stats.pages_written += 1

@@ -433,6 +433,20 @@ def test_disk_retention_by_last_use_survives_a_new_tier(tmp_path):
     assert fresh.sweep().expired == 1 and page_files(tmp_path) == []
 
 
+def test_disk_touch_restarts_retention_of_stored_pages_only(tmp_path):
+    """A hit served from HBM marks the page's disk copy used (touch): its 72 hours start again; an expired or absent
+    page is not revived."""
+    clock = FakeClock()
+    tier = DiskPageTier(tmp_path, clock=clock)
+    tier.put(key_of(0), make_page(0))
+    tier.put(key_of(1), make_page(1))
+    clock.t += 71 * HOUR
+    assert tier.touch(key_of(0)) and not tier.touch(key_of(2))
+    clock.t += 2 * HOUR
+    assert not tier.touch(key_of(1)) and not tier.contains(key_of(1))
+    assert tier.get(key_of(0)).equal(make_page(0))
+
+
 def test_disk_budget_evicts_least_recently_used_first_across_instances(tmp_path):
     clock = FakeClock()
     tier = DiskPageTier(tmp_path, clock=clock)

@@ -156,7 +156,8 @@ class DiskPageTier:
         self.stats.writes += 1
         self.stats.bytes_written += len(data)
         if self.max_bytes is not None:
-            self._used = (self._used if self._used is not None else self.sweep().bytes) + len(data)
+            # the first count is a sweep's, which already sees the file just written
+            self._used = self.sweep().bytes if self._used is None else self._used + len(data)
             if self._used > self.max_bytes:
                 self.sweep()
         return True
@@ -207,6 +208,11 @@ class DiskPageTier:
             return self.clock() - self.path_for(key).stat().st_mtime <= self.retention_s
         except OSError:
             return False
+
+    def touch(self, key: str) -> bool:
+        """Mark a stored, unexpired page used now (what a hit served from HBM does for its copy here, so that the
+        page's retention runs from its last use); False when there is none."""
+        return self._degraded is None and self.contains(key) and self._touch(self.path_for(key))
 
     def delete(self, key: str) -> bool:
         """Remove a page; True when a file was removed."""
