@@ -36,7 +36,7 @@ class Step:
     """One forward step over tokens at positions ``first .. first + S - 1`` of every sequence.
 
     On a paged cache, batch row ``b`` is sequence ``seqs[b]`` at positions ``row_first[b] ..
-    row_first[b] + S - 1`` (``first`` is unused). A bounded replay (spec section 4, after a prefix hit) runs
+    row_first[b] + S - 1`` (``first`` is unused). An encoder bounded replay (after a prefix hit) runs
     ``replay`` already cached tokens in front of the new ones: they rebuild the SWA rings and attend as usual,
     but the compressors see only the new tokens (the cached prefix ends on a group boundary).
 

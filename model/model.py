@@ -268,7 +268,7 @@ class Model(nn.Module):
         replay_tokens: int | None = None,
     ) -> PrefixPrefill:
         """Prefill a new sequence whose prompt may start with a published prefix: its global KV pages are shared, and
-        the lost SWA state is rebuilt by encoder bounded replay (seed 18.2).
+        the lost SWA state is rebuilt by encoder bounded replay (V4.1's bounded replay, encoder side).
 
         The hit (``h`` tokens, whole prefix blocks: see :mod:`model.prefix`) ends on a page and compression-group
         boundary in every group, so every ratio-2 tail is empty there and the suffix starts a new group. The last

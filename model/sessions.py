@@ -1,7 +1,7 @@
 """A conversation's caches between turns: the paged cache, prefix reuse and the two storage tiers wired together.
 
 After a turn, :meth:`SessionCache.end_turn` keeps what the next turn of the same conversation can reuse, each part
-where its reuse time scale says (seed 17.2):
+where its reuse time scale says (V4.1's tiers by reuse time scale):
 
 * the prompt's **whole prefix blocks** (global KV pages, days of reuse): published in the HBM prefix index, where
   they stay until the pool needs the pages, and written to the disk tier under content keys;

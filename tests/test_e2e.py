@@ -62,7 +62,7 @@ def test_mixed_lengths_spread_evenly_over_the_range():
             parse_range(bad)
 
 
-def test_fill_paged_cache_holds_each_length_and_decodes_like_the_contiguous_fill():
+def test_fill_paged_cache_holds_each_length_and_decodes_them_in_one_step():
     """Sequences of their own lengths (one below the window, one past it, one with a pending ratio-2 token): entries,
     tails and rings at each length, and a decode step of all of them at once."""
     cfg = preset("tiny")

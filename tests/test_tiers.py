@@ -625,3 +625,8 @@ def test_restore_sequence_state_rejects_another_cache_shape():
         restore_sequence_state(b, sb, tensors, {**meta, "window": meta["window"] + 1})
     with pytest.raises(ValueError, match=r"ring0.codes is \[3"):
         restore_sequence_state(b, sb, {**tensors, "ring0.codes": tensors["ring0.codes"][:3]}, meta)
+    tail = next(k for k in tensors if k.startswith("tail") and k.endswith(".kv"))
+    before = {k: v.clone() for k, v in b.tensors().items()}
+    with pytest.raises(ValueError, match=rf"{tail} is \[5, "):  # more pending rows than a group holds
+        restore_sequence_state(b, sb, {**tensors, tail: torch.zeros(5, tensors[tail].shape[-1])}, meta)
+    assert all(torch.equal(v, before[k]) for k, v in b.tensors().items())  # nothing written

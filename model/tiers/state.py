@@ -59,6 +59,11 @@ def restore_sequence_state(cache: PagedKVCache, seq_id: int, tensors: Mapping[st
                 raise ValueError(
                     f"restore_sequence_state: ring{layer}.{name} is {list(tensors[f'ring{layer}.{name}'].shape)}, want [{W}, {pool.shape[1]}]"
                 )
+    for src, pool in cache.state.tail_kv.items():  # a tail holds the pending tokens of one unfinished group
+        for part in ("kv", "gate"):
+            t = tensors[f"tail{src}.{part}"]
+            if t.dim() != 2 or t.shape[0] > pool.shape[1] or t.shape[1] != pool.shape[2]:
+                raise ValueError(f"restore_sequence_state: tail{src}.{part} is {list(t.shape)}, want [<= {pool.shape[1]}, {pool.shape[2]}]")
     rows = slice(seq.slot * W, (seq.slot + 1) * W)
     for layer in range(n_layers):
         cache.state.ring_codes[layer][rows].copy_(tensors[f"ring{layer}.codes"])
