@@ -26,7 +26,7 @@ Sizes from the config alone: :func:`page_bytes`, :func:`pages_for`, :func:`slot_
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -424,6 +424,7 @@ class PagedKVCache:
                 if grow or copy is not None:
                     want[src].append((seq, grow, copy))
         for src, asks in want.items():
+            self._keep_last_holder(src, asks)
             need, pool = sum(n + (c is not None) for _, n, c in asks), self.groups[src]
             if need > pool.n_free:
                 raise OutOfPages(
@@ -436,6 +437,18 @@ class PagedKVCache:
                 if copy is not None:
                     self._copy_on_write(seq, src, copy)
                 seq.pages[src].extend(pool.take(n))
+
+    def _keep_last_holder(self, source: int, asks: list[tuple[SequenceState, int, int | None]]) -> None:
+        """When every holder of a shared page that no index names writes into it in this step, the last of them keeps
+        the original (the others' copies leave it theirs alone): a copy each would take a page more than needed."""
+        pool = self.groups[source]
+        writers = Counter(seq.pages[source][c] for seq, _, c in asks if c is not None)
+        keep = {p for p, k in writers.items() if k == pool.refs[p] and p not in pool.indexed}
+        for i in range(len(asks) - 1, -1, -1):
+            seq, n, c = asks[i]
+            if c is not None and seq.pages[source][c] in keep:
+                keep.discard(seq.pages[source][c])
+                asks[i] = (seq, n, None)
 
     def _shared_write_page(self, seq: SequenceState, source: int, n_new: int) -> int | None:
         """The index in ``seq``'s block table of a shared page that ``n_new`` more tokens would write entries into.

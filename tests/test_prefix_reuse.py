@@ -325,6 +325,21 @@ def test_forked_sequences_decode_as_if_alone_and_never_touch_each_others_pages(t
     assert cache.prefix_stats.pages_copied >= 3  # every group's shared last page, copied on the first write
 
 
+def test_both_holders_of_a_forked_page_in_one_step_copy_it_once(tiny):
+    """A fork decoded together with its original in one step: the shared partly filled last page is copied once (the
+    last holder keeps the original), so a pool with one free page per group is enough, and both continue as alone."""
+    prompt = _tokens(tiny.cfg.vocab_size, 13, 11)
+    cache = tiny.new_paged_cache(n_pages={src: n + 1 for src, n in pages_for(tiny.cfg, 13, 4).items()}, n_slots=2, page_size=4)
+    a = cache.add()
+    tiny.prefill_paged(prompt, cache, a)
+    b = cache.fork(a)
+    got = tiny.decode_paged(torch.tensor([5, 1]), cache, [a, b])
+    shared_last = [src for src, pool in cache.groups.items() if cache.sequence(a).pages[src][-1] != cache.sequence(b).pages[src][-1]]
+    assert cache.prefix_stats.pages_copied == len(shared_last) > 0
+    oracle = tiny.prefill(prompt.expand(2, -1).contiguous())[1]
+    torch.testing.assert_close(got, tiny.decode(torch.tensor([5, 1]), oracle), **TOL)
+
+
 def test_prefill_with_prefix_counts_and_frees(tiny):
     cfg = tiny.cfg
     cache = tiny.new_paged_cache(n_pages=40, n_slots=3, page_size=2)
