@@ -199,13 +199,8 @@ class Model(nn.Module):
             OutOfPages when the prompt's pages do not fit; the cache is then unchanged.
         """
         cfg = self.cfg
-        tokens = check_tokens(tokens, cfg, (1, 2), "prefill_paged")
-        tokens = tokens.view(1, -1) if tokens.dim() == 1 or tokens.shape[0] == 1 else tokens
-        if tokens.shape[0] != 1:
-            raise InputError(f"prefill_paged: fills one sequence, got tokens of shape {tuple(tokens.shape)}; pass [N] or [1, N]")
-        self._check_paged_cache(cache, "prefill_paged")
+        tokens = self._one_prompt(tokens, cache, "prefill_paged")  # [1, N]
         N = tokens.shape[1]
-        check_length(N, cfg, "prefill_paged")
         held = cache.sequence(seq, "prefill_paged").n_tokens
         if held:
             raise SequenceError(f"prefill_paged: sequence {seq} already holds {held} tokens; extend it with decode_paged")
@@ -297,14 +292,7 @@ class Model(nn.Module):
         Raises:
             OutOfSlots / OutOfPages (from :meth:`PagedKVCache.add_with_prefix`) with the cache unchanged.
         """
-        cfg = self.cfg
-        tokens = check_tokens(tokens, cfg, (1, 2), "prefill_with_prefix")
-        tokens = tokens.view(1, -1) if tokens.dim() == 1 or tokens.shape[0] == 1 else tokens
-        if tokens.shape[0] != 1:
-            raise InputError(f"prefill_with_prefix: fills one sequence, got tokens of shape {tuple(tokens.shape)}; pass [N] or [1, N]")
-        self._check_paged_cache(cache, "prefill_with_prefix")
-        N = tokens.shape[1]
-        check_length(N, cfg, "prefill_with_prefix")
+        tokens = self._one_prompt(tokens, cache, "prefill_with_prefix")  # [1, N]
         src = self._decoder_kv_source() if ced else None
         seq, hit = cache.add_with_prefix(tokens[0], max_hit_tokens)
         try:
@@ -342,6 +330,16 @@ class Model(nn.Module):
         return self._logits(h[0, -1]), T
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _one_prompt(self, tokens: object, cache: object, what: str) -> torch.Tensor:
+        """One sequence's prompt ids as int64 [1, N], checked (ids, length, the cache's preset)."""
+        tokens = check_tokens(tokens, self.cfg, (1, 2), what)
+        tokens = tokens.view(1, -1) if tokens.dim() == 1 or tokens.shape[0] == 1 else tokens
+        if tokens.shape[0] != 1:
+            raise InputError(f"{what}: fills one sequence, got tokens of shape {tuple(tokens.shape)}; pass [N] or [1, N]")
+        self._check_paged_cache(cache, what)
+        check_length(tokens.shape[1], self.cfg, what)
+        return tokens
 
     def _check_paged_cache(self, cache: object, what: str) -> None:
         if not isinstance(cache, PagedKVCache) or cache.cfg != self.cfg:

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from test_paged_cache import _poisoned, _snapshot
 
 from model import Model, build_model, preset
 from model.paged import OutOfPages, OutOfSlots, PagedCacheError, PagedKVCache, pages_for
@@ -29,18 +30,6 @@ def tiny() -> Model:
 
 def _tokens(vocab: int, n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _poisoned(cfg, n_pages, n_slots, page_size=2) -> PagedKVCache:
-    cache = PagedKVCache(cfg, n_pages, n_slots, page_size)
-    g = torch.Generator().manual_seed(2)
-    for t in cache.tensors().values():
-        t.copy_(torch.randint(0, 256, t.shape, generator=g).to(t.dtype))
-    return cache
-
-
-def _snapshot(cache):
-    return {k: v.clone() for k, v in cache.tensors().items()}
 
 
 def _fill(cache: PagedKVCache, seq: int, n: int, seed: int) -> None:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from lab.e2e.breakdown import measure_breakdown
-from lab.e2e.multiturn import measure_multiturn
+from lab.e2e.multiturn import measure_multiturn, timer_for
 from lab.e2e.synthetic import fill_cache, fill_paged_cache
 from model import build_model, preset
 from model.backend import load_backend
@@ -155,16 +155,6 @@ def run_decode_mixed(model, variants: list[Variant], batch: int, lo: int, hi: in
     return rows
 
 
-def _time_once(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 # Tokens of torch's untimed warm-up prefill (cuBLAS handles, the allocator's pools). The tiles backend warms
 # up at full length: the kernels (tuned winners) it picks can depend on the prompt length.
 WARMUP_PROMPT = 2048
@@ -186,7 +176,8 @@ def run_prefill(model, variants: list[Variant], context: int, ced: bool, repeats
             out = {}
             warmup = min(context, WARMUP_PROMPT) if variant.backend == "torch" else context
             model.prefill(tokens[:, :warmup], ced=ced)
-            times = [_time_once(lambda o=out: o.__setitem__("r", model.prefill(tokens, ced=ced))) for _ in range(max(1, repeats))]
+            time_once = timer_for(device)
+            times = [time_once(lambda o=out: o.__setitem__("r", model.prefill(tokens, ced=ced))) for _ in range(max(1, repeats))]
             ms = min(times)
             logits, cache = out["r"]
             if ref_logits is None and variant.backend == "torch":
